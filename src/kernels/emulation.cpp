@@ -1,0 +1,186 @@
+#include "emulation.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
+
+namespace pointerdomain::emu {
+namespace {
+
+struct Region {       // memory that a memfd backs, so it can be mapped again
+    std::uint64_t len;
+    int fd;
+    bool owned;       // from host_alloc (unmapped by host_free)
+};
+struct Registration {
+    std::uint64_t len;
+    std::uint64_t alias;      // alias of va
+    std::uint64_t map_base;   // start of the alias mapping (page aligned)
+    std::uint64_t map_len;
+    std::uint64_t region;     // key of the Region it came from
+};
+struct DeviceAlloc {
+    std::uint64_t len;
+    int ordinal;
+};
+
+std::mutex mu;
+std::map<std::uint64_t, Region> regions;
+std::map<std::uint64_t, Registration> registrations;
+std::map<std::uint64_t, DeviceAlloc> device_allocs;
+
+std::uint64_t page() { return static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE)); }
+
+template <class M>
+typename M::iterator containing(M &m, std::uint64_t addr, std::uint64_t len) {
+    auto it = m.upper_bound(addr);
+    if (it == m.begin()) return m.end();
+    --it;
+    if (addr >= it->first && addr + len <= it->first + it->second.len) return it;
+    return m.end();
+}
+
+bool overlaps_registration(std::uint64_t va, std::uint64_t len) {
+    auto it = registrations.lower_bound(va);
+    if (it != registrations.end() && it->first < va + len) return true;
+    if (it != registrations.begin()) {
+        --it;
+        if (it->first + it->second.len > va) return true;
+    }
+    return false;
+}
+
+int make_fd(std::uint64_t len) {
+    int fd = memfd_create("pointerdomain-emulated", MFD_CLOEXEC);
+    if (fd < 0) return -1;
+    if (ftruncate(fd, static_cast<off_t>(len)) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+// Put existing anonymous pages behind a memfd, in place, keeping their bytes.
+std::map<std::uint64_t, Region>::iterator make_shareable(std::uint64_t va, std::uint64_t len) {
+    const std::uint64_t p = page(), lo = va & ~(p - 1), hi = (va + len + p - 1) & ~(p - 1);
+    // Remapping pages that another region already backs would split the alias
+    // of its registrations from their host VA.
+    auto next = regions.lower_bound(lo);
+    if (next != regions.end() && next->first < hi) return regions.end();
+    if (next != regions.begin() && std::prev(next)->first + std::prev(next)->second.len > lo)
+        return regions.end();
+    const int fd = make_fd(hi - lo);
+    if (fd < 0) return regions.end();
+    if (pwrite(fd, reinterpret_cast<void *>(lo), hi - lo, 0) != static_cast<ssize_t>(hi - lo)) {
+        close(fd);
+        return regions.end();
+    }
+    void *m = mmap(reinterpret_cast<void *>(lo), hi - lo, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_FIXED, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return regions.end();
+    }
+    return regions.emplace(lo, Region{hi - lo, fd, false}).first;
+}
+
+}  // namespace
+
+void *host_alloc(std::uint64_t nbytes) {
+    if (nbytes == 0) return nullptr;
+    const std::uint64_t p = page(), len = (nbytes + p - 1) & ~(p - 1);
+    const int fd = make_fd(len);
+    if (fd < 0) return nullptr;
+    void *m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    regions.emplace(reinterpret_cast<std::uint64_t>(m), Region{len, fd, true});
+    return m;
+}
+
+void host_free(void *ptr) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = regions.find(reinterpret_cast<std::uint64_t>(ptr));
+    if (it == regions.end()) return;
+    munmap(ptr, it->second.len);
+    close(it->second.fd);
+    regions.erase(it);
+}
+
+int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias) {
+    if (va == 0 || nbytes == 0) return kInvalidValue;
+    std::lock_guard<std::mutex> lock(mu);
+    if (overlaps_registration(va, nbytes)) return kAlreadyRegistered;
+    auto reg = containing(regions, va, nbytes);
+    if (reg == regions.end()) reg = make_shareable(va, nbytes);
+    if (reg == regions.end()) return kMapFailed;
+    const std::uint64_t p = page(), lo = va & ~(p - 1), hi = (va + nbytes + p - 1) & ~(p - 1);
+    void *m = mmap(nullptr, hi - lo, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
+                   static_cast<off_t>(lo - reg->first));
+    if (m == MAP_FAILED) return kMapFailed;
+    const std::uint64_t base = reinterpret_cast<std::uint64_t>(m);
+    *alias = base + (va - lo);
+    registrations.emplace(va, Registration{nbytes, *alias, base, hi - lo, reg->first});
+    return kOk;
+}
+
+int unregister_range(std::uint64_t va) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = registrations.find(va);
+    if (it == registrations.end()) return kNotRegistered;
+    munmap(reinterpret_cast<void *>(it->second.map_base), it->second.map_len);
+    const std::uint64_t region = it->second.region;
+    registrations.erase(it);
+    // A region made in place for an existing tensor lives while registrations use it;
+    // its pages stay mapped (the tensor still owns them), only the fd goes.
+    auto r = regions.find(region);
+    if (r != regions.end() && !r->second.owned) {
+        bool used = false;
+        for (auto &kv : registrations) used = used || kv.second.region == region;
+        if (!used) {
+            close(r->second.fd);
+            regions.erase(r);
+        }
+    }
+    return kOk;
+}
+
+int get_device_pointer(std::uint64_t va, std::uint64_t *alias) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = containing(registrations, va, 1);
+    if (it == registrations.end()) return kNotRegistered;
+    *alias = it->second.alias + (va - it->first);
+    return kOk;
+}
+
+void *device_alloc(std::uint64_t nbytes, int ordinal) {
+    if (nbytes == 0) return nullptr;
+    void *m = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return nullptr;
+    std::lock_guard<std::mutex> lock(mu);
+    device_allocs.emplace(reinterpret_cast<std::uint64_t>(m), DeviceAlloc{nbytes, ordinal});
+    return m;
+}
+
+void device_free(void *ptr) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = device_allocs.find(reinterpret_cast<std::uint64_t>(ptr));
+    if (it == device_allocs.end()) return;
+    munmap(ptr, it->second.len);
+    device_allocs.erase(it);
+}
+
+int device_lookup(std::uint64_t addr, std::uint64_t nbytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = containing(device_allocs, addr, nbytes);
+    return it == device_allocs.end() ? -1 : it->second.ordinal;
+}
+
+}  // namespace pointerdomain::emu

@@ -1,0 +1,37 @@
+// Emulated distinct-alias backend for machines without a GPU.
+//
+// Registered host memory gets a second virtual mapping of the same physical
+// pages (memfd + two mmaps), so its "device alias" differs from its host VA
+// as it does on MI355X or WSL2, and bytes written through one are read through
+// the other. Emulated device memory is anonymous memory tagged with an ordinal.
+#pragma once
+#include <cstdint>
+
+namespace pointerdomain::emu {
+
+enum Status : int {
+    kOk = 0,
+    kInvalidValue = 1,            // zero length, null pointer
+    kMapFailed = 2,               // out of memory, or pages shared with another region
+    kAlreadyRegistered = 712,     // same code as cudaErrorHostMemoryAlreadyRegistered
+    kNotRegistered = 713,         // same code as cudaErrorHostMemoryNotRegistered
+};
+
+// Page-aligned host memory backed by a memfd so that it can be aliased later.
+// Returns nullptr on failure. Freed with host_free.
+void *host_alloc(std::uint64_t nbytes);
+void host_free(void *ptr);
+
+// Map [va, va+nbytes) a second time; writes the alias to *alias.
+int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias);
+int unregister_range(std::uint64_t va);
+// Alias of an address inside a registered range (interior pointers keep their offset).
+int get_device_pointer(std::uint64_t va, std::uint64_t *alias);
+
+// Emulated device memory: anonymous pages tagged with a device ordinal.
+void *device_alloc(std::uint64_t nbytes, int ordinal);
+void device_free(void *ptr);
+// Ordinal of the device allocation holding [addr, addr+nbytes), or -1.
+int device_lookup(std::uint64_t addr, std::uint64_t nbytes);
+
+}  // namespace pointerdomain::emu

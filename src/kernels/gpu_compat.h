@@ -1,0 +1,49 @@
+// The few runtime names that differ between CUDA and HIP.
+#pragma once
+#if defined(__HIP_PLATFORM_AMD__) || defined(POINTERDOMAIN_HIP)
+#include <hip/hip_runtime.h>
+#define PD_RUNTIME_NAME "hip"
+#define gpuError_t hipError_t
+#define gpuSuccess hipSuccess
+#define gpuStream_t hipStream_t
+#define gpuGetDevice hipGetDevice
+#define gpuSetDevice hipSetDevice
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuGetLastError hipGetLastError
+#define gpuGetErrorString hipGetErrorString
+#define gpuRuntimeGetVersion hipRuntimeGetVersion
+#define gpuHostRegister hipHostRegister
+#define gpuHostRegisterPortable hipHostRegisterPortable
+#define gpuHostRegisterMapped hipHostRegisterMapped
+#define gpuHostUnregister hipHostUnregister
+#define gpuHostGetDevicePointer hipHostGetDevicePointer
+#define gpuDeviceGetAttribute hipDeviceGetAttribute
+#define gpuDevAttrCanUseHostPointerForRegisteredMem hipDeviceAttributeCanUseHostPointerForRegisteredMem
+#define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuPointerAttributes hipPointerAttribute_t
+#define gpuPointerGetAttributes hipPointerGetAttributes
+#define gpuMemoryTypeHost hipMemoryTypeHost
+#else
+#include <cuda_runtime.h>
+#define PD_RUNTIME_NAME "cuda"
+#define gpuError_t cudaError_t
+#define gpuSuccess cudaSuccess
+#define gpuStream_t cudaStream_t
+#define gpuGetDevice cudaGetDevice
+#define gpuSetDevice cudaSetDevice
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuGetLastError cudaGetLastError
+#define gpuGetErrorString cudaGetErrorString
+#define gpuRuntimeGetVersion cudaRuntimeGetVersion
+#define gpuHostRegister cudaHostRegister
+#define gpuHostRegisterPortable cudaHostRegisterPortable
+#define gpuHostRegisterMapped cudaHostRegisterMapped
+#define gpuHostUnregister cudaHostUnregister
+#define gpuHostGetDevicePointer cudaHostGetDevicePointer
+#define gpuDeviceGetAttribute cudaDeviceGetAttribute
+#define gpuDevAttrCanUseHostPointerForRegisteredMem cudaDevAttrCanUseHostPointerForRegisteredMem
+#define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuPointerAttributes cudaPointerAttributes
+#define gpuPointerGetAttributes cudaPointerGetAttributes
+#define gpuMemoryTypeHost cudaMemoryTypeHost
+#endif

@@ -1,0 +1,152 @@
+// pointerdomain._C: thin bindings. Addresses cross as Python ints that the typed
+// layer (pointerdomain.kernels, pointerdomain.memory) has already checked;
+// status codes come back as ints and Python raises the typed errors.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/pair.h>
+
+#include <array>
+#include <cstdint>
+
+#include "emulation.h"
+#include "transfer.h"
+#ifdef POINTERDOMAIN_WITH_GPU
+#include "gpu.h"
+#endif
+
+namespace nb = nanobind;
+namespace pd = pointerdomain;
+
+using Geometry = std::array<std::int64_t, 8>;  // e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, num_slots
+using HostBytes = nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+static pd::Side side(std::uint64_t table, const Geometry &g) {
+    return pd::Side{reinterpret_cast<const std::uint64_t *>(table), g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]};
+}
+
+static pd::Transfer make_transfer(std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
+                                  const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx,
+                                  std::int64_t n, std::int64_t page_size, std::int64_t num_kv,
+                                  std::int64_t layer_begin, std::int64_t layer_count, std::int64_t item_bytes) {
+    return pd::Transfer{side(src_table, src_geometry),
+                        side(dst_table, dst_geometry),
+                        reinterpret_cast<const std::int64_t *>(src_idx),
+                        reinterpret_cast<const std::int64_t *>(dst_idx),
+                        n, page_size, num_kv, layer_begin, layer_count, item_bytes};
+}
+
+static HostBytes wrap(void *ptr, std::uint64_t nbytes, void (*release)(void *) noexcept) {
+    nb::capsule owner(ptr, release);
+    return HostBytes(ptr, {static_cast<std::size_t>(nbytes)}, owner);
+}
+
+NB_MODULE(_C, m) {
+    m.doc() = "pointerdomain kernels and runtime calls (private; use the pointerdomain package)";
+#ifdef POINTERDOMAIN_WITH_GPU
+    m.attr("gpu_built") = true;
+#else
+    m.attr("gpu_built") = false;
+#endif
+
+    m.def(
+        "cpu_transfer",
+        [](std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
+           const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t page_size, std::int64_t num_kv, std::int64_t layer_begin, std::int64_t layer_count,
+           std::int64_t item_bytes, int num_threads) {
+            pd::transfer_cpu(make_transfer(src_table, src_geometry, dst_table, dst_geometry, src_idx, dst_idx, n,
+                                           page_size, num_kv, layer_begin, layer_count, item_bytes),
+                             num_threads);
+        },
+        nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
+        nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("page_size"), nb::arg("num_kv"),
+        nb::arg("layer_begin"), nb::arg("layer_count"), nb::arg("item_bytes"), nb::arg("num_threads"),
+        nb::call_guard<nb::gil_scoped_release>(), "Copy KV items between two tables of CPU addresses.");
+
+    m.def(
+        "emu_host_alloc",
+        [](std::uint64_t nbytes) {
+            void *p = pd::emu::host_alloc(nbytes);
+            if (!p) throw std::bad_alloc();
+            return wrap(p, nbytes, [](void *q) noexcept { pd::emu::host_free(q); });
+        },
+        nb::arg("nbytes"), "Page-aligned, memfd-backed host memory as a uint8 tensor.");
+    m.def(
+        "emu_device_alloc",
+        [](std::uint64_t nbytes, int ordinal) {
+            void *p = pd::emu::device_alloc(nbytes, ordinal);
+            if (!p) throw std::bad_alloc();
+            return wrap(p, nbytes, [](void *q) noexcept { pd::emu::device_free(q); });
+        },
+        nb::arg("nbytes"), nb::arg("ordinal"), "Emulated device memory of one device ordinal, as a uint8 tensor.");
+    m.def("emu_device_lookup", &pd::emu::device_lookup, nb::arg("addr"), nb::arg("nbytes"),
+          "Ordinal of the emulated device allocation holding the range, or -1.");
+    m.def(
+        "emu_register",
+        [](std::uint64_t va, std::uint64_t nbytes) {
+            std::uint64_t alias = 0;
+            const int status = pd::emu::register_range(va, nbytes, &alias);
+            return std::make_pair(status, alias);
+        },
+        nb::arg("va"), nb::arg("nbytes"), "Map a host range a second time: (status, alias).");
+    m.def("emu_unregister", &pd::emu::unregister_range, nb::arg("va"), "Drop the alias mapping: status.");
+    m.def(
+        "emu_get_device_pointer",
+        [](std::uint64_t va) {
+            std::uint64_t alias = 0;
+            const int status = pd::emu::get_device_pointer(va, &alias);
+            return std::make_pair(status, alias);
+        },
+        nb::arg("va"), "Alias of a registered host address: (status, alias).");
+
+#ifdef POINTERDOMAIN_WITH_GPU
+    namespace g = pd::gpu;
+    m.attr("gpu_runtime") = g::runtime_name();
+    auto out_int = [](auto fn) {
+        return [fn](auto... args) {
+            int value = 0;
+            const int status = fn(args..., &value);
+            return std::make_pair(status, value);
+        };
+    };
+    m.def("gpu_runtime_version", [] { int v = 0; const int s = g::runtime_version(&v); return std::make_pair(s, v); });
+    m.def("gpu_device_count", [] { int v = 0; const int s = g::device_count(&v); return std::make_pair(s, v); },
+          "(status, number of devices)");
+    m.def("gpu_host_register", &g::host_register, nb::arg("va"), nb::arg("nbytes"), nb::arg("device"),
+          nb::call_guard<nb::gil_scoped_release>(), "cudaHostRegister(portable | mapped): status.");
+    m.def("gpu_host_unregister", &g::host_unregister, nb::arg("va"), nb::arg("device"),
+          nb::call_guard<nb::gil_scoped_release>(), "cudaHostUnregister: status.");
+    m.def(
+        "gpu_host_get_device_pointer",
+        [](std::uint64_t va, int device) {
+            std::uint64_t alias = 0;
+            const int status = g::host_get_device_pointer(va, device, &alias);
+            return std::make_pair(status, alias);
+        },
+        nb::arg("va"), nb::arg("device"), "cudaHostGetDevicePointer: (status, alias).");
+    m.def("gpu_can_use_host_pointer_for_registered_mem",
+          [out_int](int device) { return out_int(&g::can_use_host_pointer_for_registered_mem)(device); },
+          nb::arg("device"), "(status, cudaDevAttrCanUseHostPointerForRegisteredMem)");
+    m.def("gpu_pointer_is_host", [out_int](std::uint64_t ptr) { return out_int(&g::pointer_is_host)(ptr); },
+          nb::arg("ptr"), "(status, 1 if the runtime reports registered/pinned host memory)");
+    m.def("gpu_multiprocessor_count", [out_int](int device) { return out_int(&g::multiprocessor_count)(device); },
+          nb::arg("device"), "(status, number of SMs)");
+    m.def("gpu_error_string", &g::error_string, nb::arg("code"));
+    m.def(
+        "gpu_transfer",
+        [](std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
+           const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t page_size, std::int64_t num_kv, std::int64_t layer_begin, std::int64_t layer_count,
+           std::int64_t item_bytes, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {
+            return g::transfer(make_transfer(src_table, src_geometry, dst_table, dst_geometry, src_idx, dst_idx, n,
+                                             page_size, num_kv, layer_begin, layer_count, item_bytes),
+                               device, stream, max_ctas, vec_bytes);
+        },
+        nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
+        nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("page_size"), nb::arg("num_kv"),
+        nb::arg("layer_begin"), nb::arg("layer_count"), nb::arg("item_bytes"), nb::arg("device"),
+        nb::arg("stream"), nb::arg("max_ctas"), nb::arg("vec_bytes"), nb::call_guard<nb::gil_scoped_release>(),
+        "Launch the KV transfer kernel on a stream: status (tables and indices in device memory).");
+#endif
+}

@@ -1,0 +1,55 @@
+// Item addressing shared by the CPU and GPU transfer kernels.
+//
+// A KV buffer is addressed through a pointer table whose entries cover the
+// leading dimensions of the layout; the remaining dimensions are byte offsets:
+//   entry = kv*e_kv + layer*e_layer + page*e_page
+//   addr  = table[entry] + kv*s_kv + layer*s_layer + page*s_page + tok*s_tok
+// Python (pointerdomain.layouts) derives these numbers and checks that every
+// address stays inside the entry's buffer; the kernels only move bytes.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define PD_HD __host__ __device__ __forceinline__
+#else
+#define PD_HD inline
+#endif
+
+namespace pointerdomain {
+
+struct Side {
+    const std::uint64_t *table;  // entries: device aliases (or emulated aliases on CPU)
+    std::int64_t e_kv, e_layer, e_page;
+    std::int64_t s_kv, s_layer, s_page, s_tok;
+    std::int64_t num_slots;  // valid slot indices are [0, num_slots)
+};
+
+struct Transfer {
+    Side src, dst;
+    const std::int64_t *src_idx;  // token slots, int64
+    const std::int64_t *dst_idx;
+    std::int64_t n;           // number of slot pairs
+    std::int64_t page_size;   // tokens per page
+    std::int64_t num_kv;      // 2 for MHA (K and V), 1 for MLA
+    std::int64_t layer_begin, layer_count;
+    std::int64_t item_bytes;  // bytes per (kv, layer, token)
+};
+
+PD_HD std::uint64_t item_address(const Side &s, std::int64_t kv, std::int64_t layer,
+                                 std::int64_t slot, std::int64_t page_size) {
+    const std::int64_t page = slot / page_size, tok = slot - page * page_size;
+    const std::uint64_t base = s.table[kv * s.e_kv + layer * s.e_layer + page * s.e_page];
+    return base + static_cast<std::uint64_t>(kv * s.s_kv + layer * s.s_layer + page * s.s_page +
+                                             tok * s.s_tok);
+}
+
+// A slot outside [0, num_slots) is skipped: Python rejects it before launch, and
+// this check keeps a graph-replayed launch with bad indices from touching memory.
+PD_HD bool slot_ok(std::int64_t slot, std::int64_t num_slots) {
+    return slot >= 0 && slot < num_slots;
+}
+
+// CPU reference implementation (transfer_cpu.cpp).
+void transfer_cpu(const Transfer &t, int num_threads);
+
+}  // namespace pointerdomain

@@ -1,0 +1,42 @@
+#include "transfer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace pointerdomain {
+
+static void copy_range(const Transfer &t, std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+        const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
+        if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) continue;
+        for (std::int64_t kv = 0; kv < t.num_kv; ++kv) {
+            for (std::int64_t l = t.layer_begin; l < t.layer_begin + t.layer_count; ++l) {
+                std::memcpy(reinterpret_cast<void *>(item_address(t.dst, kv, l, d, t.page_size)),
+                            reinterpret_cast<const void *>(item_address(t.src, kv, l, s, t.page_size)),
+                            static_cast<std::size_t>(t.item_bytes));
+            }
+        }
+    }
+}
+
+void transfer_cpu(const Transfer &t, int num_threads) {
+    // Threads only pay off once each has a few hundred KiB to move.
+    const std::int64_t bytes = t.n * t.num_kv * t.layer_count * t.item_bytes;
+    std::int64_t workers = std::max<std::int64_t>(1, std::min<std::int64_t>(num_threads, bytes >> 19));
+    workers = std::min<std::int64_t>(workers, std::max<std::int64_t>(1, t.n));
+    if (workers == 1) {
+        copy_range(t, 0, t.n);
+        return;
+    }
+    std::vector<std::thread> pool;
+    const std::int64_t per = (t.n + workers - 1) / workers;
+    for (std::int64_t w = 0; w < workers; ++w) {
+        const std::int64_t b = w * per, e = std::min(t.n, b + per);
+        if (b < e) pool.emplace_back(copy_range, std::cref(t), b, e);
+    }
+    for (auto &th : pool) th.join();
+}
+
+}  // namespace pointerdomain

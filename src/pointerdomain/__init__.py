@@ -1,0 +1,50 @@
+"""pointerdomain: host VAs and device aliases as distinct types, pointer tables
+that carry their domain and device, registered host memory, and KV-cache
+transfer kernels that accept only device aliases.
+
+See docs/design.md for the two address domains and the rules.
+"""
+
+from pointerdomain import errors
+from pointerdomain.domains import Address, Device, DeviceAlias, HostVA, as_device
+from pointerdomain.guard import DeviceGuard
+from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.layouts import KVLayout
+from pointerdomain.memory import RegisteredHostMemory, alloc_registered, device_empty, register_host_tensor
+from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
+from pointerdomain.pools import DeviceKVPool, HostKVPool
+from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
+from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Address",
+    "AliasPolicy",
+    "BufferInfo",
+    "Device",
+    "DeviceAlias",
+    "DeviceGuard",
+    "DeviceKVPool",
+    "HostKVPool",
+    "HostVA",
+    "KVLayout",
+    "PointerTable",
+    "RegisteredHostMemory",
+    "__version__",
+    "alias_policy",
+    "alloc_registered",
+    "as_device",
+    "buffer_infos",
+    "device_empty",
+    "errors",
+    "fallback_count",
+    "host_ptr_table",
+    "make_kernel_ptr_table",
+    "page_buffer_meta",
+    "register_host_tensor",
+    "reset_resolver_cache",
+    "resolve_alias",
+    "transfer_kv_all_layer",
+    "transfer_kv_per_layer",
+]

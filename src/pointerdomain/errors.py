@@ -1,0 +1,101 @@
+"""The one exception tree of pointerdomain.
+
+Every error is a :class:`PointerDomainError` and also the builtin a caller would
+expect (as in attrs): a wrong address domain is a ``TypeError``, a bad value a
+``ValueError``, an index out of range an ``IndexError``, a runtime failure a
+``RuntimeError``. All are raised before any kernel launch or runtime call that
+could corrupt memory.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PointerDomainError",
+    "DomainError",
+    "DeviceMismatchError",
+    "InvalidDeviceError",
+    "NonContiguousError",
+    "LayoutError",
+    "IndexValidationError",
+    "RegistrationError",
+    "AlreadyRegisteredError",
+    "NotRegisteredError",
+    "MemlockLimitError",
+    "RegistrationSpanError",
+    "ClosedError",
+    "ExtensionUnavailableError",
+    "AliasOpMissingError",
+    "RuntimeCallError",
+]
+
+
+class PointerDomainError(Exception):
+    """Base class of every error raised by pointerdomain."""
+
+
+class DomainError(PointerDomainError, TypeError):
+    """An address or pointer table of the wrong domain (host VA vs device alias),
+    or memory of the wrong kind (a device address handed to CPU code)."""
+
+
+class DeviceMismatchError(PointerDomainError, ValueError):
+    """A table, tensor or address belongs to another device than the one asked for."""
+
+
+class InvalidDeviceError(PointerDomainError, ValueError):
+    """A device that does not exist (ordinal out of range, unknown device type)."""
+
+
+class NonContiguousError(PointerDomainError, ValueError):
+    """A strided tensor where one contiguous buffer is required."""
+
+
+class LayoutError(PointerDomainError, ValueError):
+    """A KV layout that is invalid or does not match the tables it describes."""
+
+
+class IndexValidationError(PointerDomainError, IndexError):
+    """Index tensors of the wrong dtype, device, shape or length, or out of range."""
+
+
+class RegistrationError(PointerDomainError, RuntimeError):
+    """Registering or unregistering host memory failed; nothing stays registered."""
+
+
+class AlreadyRegisteredError(RegistrationError):
+    """The range overlaps memory that is already registered
+    (cudaErrorHostMemoryAlreadyRegistered, 712)."""
+
+
+class NotRegisteredError(RegistrationError):
+    """The address is not inside registered host memory
+    (cudaErrorHostMemoryNotRegistered, 713)."""
+
+
+class MemlockLimitError(RegistrationError):
+    """Pinning failed and the range exceeds RLIMIT_MEMLOCK."""
+
+
+class RegistrationSpanError(PointerDomainError, ValueError):
+    """A buffer spans two registrations: its aliases are not contiguous."""
+
+
+class ClosedError(PointerDomainError, ValueError):
+    """Use of registered memory (or a table built on it) after it was unregistered."""
+
+
+class ExtensionUnavailableError(PointerDomainError, ImportError):
+    """The compiled extension pointerdomain._C is missing or failed to import."""
+
+
+class AliasOpMissingError(PointerDomainError, RuntimeError):
+    """The extension lacks the device-pointer op and the host VA cannot stand in."""
+
+
+class RuntimeCallError(PointerDomainError, RuntimeError):
+    """A CUDA/HIP runtime call or kernel launch returned an error code."""
+
+    def __init__(self, call: str, code: int, message: str) -> None:
+        super().__init__(f"{call} failed with error {code}: {message}")
+        self.call = call
+        self.code = code

@@ -1,0 +1,402 @@
+"""Registered (pinned) host memory and device memory.
+
+:func:`alloc_registered` and :func:`register_host_tensor` return a
+:class:`RegisteredHostMemory` owner: a context manager that unregisters exactly
+once (on ``close()``, on exit, or when collected). On CUDA the range is
+registered with ``cudaHostRegister(portable | mapped)`` in chunks cut on a
+caller-given granularity (a driver limit near 512 GiB per call, field notes);
+a failing chunk rolls back the chunks already registered. On the emulated
+backend each chunk gets a second virtual mapping of the same pages, so device
+aliases differ from host VAs and separately registered chunks are not contiguous
+in alias space, as on MI355X.
+"""
+
+from __future__ import annotations
+
+import mmap
+import resource
+import threading
+import weakref
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+
+from pointerdomain._extension import extension, gpu_ops_built
+from pointerdomain.domains import Device, DeviceAlias, HostVA
+from pointerdomain.errors import (
+    AlreadyRegisteredError,
+    ClosedError,
+    DomainError,
+    MemlockLimitError,
+    NonContiguousError,
+    NotRegisteredError,
+    RegistrationError,
+    RegistrationSpanError,
+)
+from pointerdomain.guard import validate_device
+
+__all__ = [
+    "Chunk",
+    "RegisteredHostMemory",
+    "alloc_registered",
+    "device_empty",
+    "find_registration",
+    "register_host_tensor",
+]
+
+#: Default largest single registration call, bytes (well under the ~512 GiB driver limit).
+DEFAULT_MAX_CHUNK_BYTES = 64 << 30
+
+_ALREADY_REGISTERED = 712
+_NOT_REGISTERED = 713
+_OUT_OF_MEMORY = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One registration call: ``nbytes`` bytes from ``host_va``."""
+
+    host_va: HostVA
+    nbytes: int
+
+    def contains(self, va: HostVA, nbytes: int) -> bool:
+        return self.host_va.value <= va.value and va.value + nbytes <= self.host_va.value + self.nbytes
+
+
+class _Backend(Protocol):
+    def register(self, va: int, nbytes: int, device: Device) -> int: ...
+    def unregister(self, va: int, device: Device) -> int: ...
+    def describe(self, code: int) -> str: ...
+
+
+class _EmulatedBackend:
+    """Second mappings of the same pages. Counts pinned bytes against
+    RLIMIT_MEMLOCK as an unprivileged process pinning memory would."""
+
+    def __init__(self) -> None:
+        self._pinned: dict[int, int] = {}
+
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft != resource.RLIM_INFINITY and sum(self._pinned.values()) + nbytes > soft:
+            return _OUT_OF_MEMORY
+        status, _alias = extension().emu_register(va, nbytes)
+        if status == 0:
+            self._pinned[va] = nbytes
+        return int(status)
+
+    def unregister(self, va: int, device: Device) -> int:
+        status = int(extension().emu_unregister(va))
+        if status == 0:
+            self._pinned.pop(va, None)
+        return status
+
+    def describe(self, code: int) -> str:
+        return {1: "invalid value", 2: "out of memory, or could not map the pages a second time (out of memory, or they share a "
+                "page with memory registered separately: allocate with alloc_registered)",
+                712: "host memory already registered", 713: "host memory not registered"}.get(code, "unknown")
+
+
+class _GpuBackend:
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        return int(extension().gpu_host_register(va, nbytes, device.ordinal))
+
+    def unregister(self, va: int, device: Device) -> int:
+        return int(extension().gpu_host_unregister(va, device.ordinal))
+
+    def describe(self, code: int) -> str:
+        return str(extension().gpu_error_string(code))
+
+
+class _TorchCudartBackend:
+    """Registration through torch's cudart binding, for builds without the GPU ops."""
+
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        with torch.cuda.device(device.ordinal):
+            return int(torch.cuda.cudart().cudaHostRegister(va, nbytes, 1 | 2))  # portable | mapped
+
+    def unregister(self, va: int, device: Device) -> int:
+        with torch.cuda.device(device.ordinal):
+            return int(torch.cuda.cudart().cudaHostUnregister(va))
+
+    def describe(self, code: int) -> str:
+        return str(torch.cuda.cudart().cudaGetErrorString(code))
+
+
+_EMULATED = _EmulatedBackend()
+_GPU = _GpuBackend()
+_TORCH_CUDART = _TorchCudartBackend()
+
+
+def _backend(device: Device) -> _Backend:
+    if device.type == "emulated":
+        return _EMULATED
+    return _GPU if gpu_ops_built() else _TORCH_CUDART
+
+
+class _Registry:
+    """Active registrations by host VA range; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._active: dict[int, weakref.ref[RegisteredHostMemory]] = {}
+        self.pinned_bytes = 0
+
+    def add(self, owner: RegisteredHostMemory) -> None:
+        self._active[owner.host_va.value] = weakref.ref(owner)
+
+    def remove(self, va: int) -> None:
+        self._active.pop(va, None)
+
+    def overlapping(self, va: int, nbytes: int) -> RegisteredHostMemory | None:
+        for ref in list(self._active.values()):
+            owner = ref()
+            if owner is not None and owner.host_va.value < va + nbytes and va < owner.host_va.value + owner.nbytes:
+                return owner
+        return None
+
+
+_registry = _Registry()
+
+
+def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
+    """The open registration containing ``[va, va + nbytes)``, or None."""
+    with _registry._lock:
+        owner = _registry.overlapping(va.value, max(nbytes, 1))
+    if owner is not None and owner.contains(va, nbytes):
+        return owner
+    return None
+
+
+def _memlock_hint(nbytes: int) -> str:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return (
+        f" RLIMIT_MEMLOCK is {soft} bytes and {_registry.pinned_bytes + nbytes} would be pinned: raise it "
+        "(`ulimit -l unlimited`, docker --ulimit memlock=-1) or register less."
+    )
+
+
+def _release(backend: _Backend, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
+    for chunk in chunks:
+        backend.unregister(chunk.host_va.value, device)
+    with _registry._lock:
+        if chunks:
+            _registry.remove(chunks[0].host_va.value)
+        _registry.pinned_bytes -= nbytes
+
+
+class RegisteredHostMemory:
+    """Owner of one registered host range.
+
+    Attributes:
+        tensor: ``uint8`` CPU tensor of ``nbytes`` elements viewing the range (host VA).
+        host_va: start of the range (the address CPU code and metadata use).
+        nbytes: length in bytes.
+        device: the device the registration was made for.
+        chunks: the registration calls, in address order.
+
+    Use as a context manager or call :meth:`close`; closing twice is a no-op.
+    Tables built on this memory keep it alive and refuse to launch once it is closed.
+    """
+
+    def __init__(self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int) -> None:
+        self.tensor = tensor
+        self.device = device
+        self.host_va = HostVA(tensor.data_ptr())
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self._lock = threading.Lock()
+        self._closed = False
+        backend = _backend(device)
+        chunk_bytes = max(granularity, (max_chunk_bytes // granularity) * granularity)
+        chunks = tuple(
+            Chunk(self.host_va + start, min(chunk_bytes, self.nbytes - start))
+            for start in range(0, self.nbytes, chunk_bytes)
+        )
+        with _registry._lock:
+            other = _registry.overlapping(self.host_va.value, self.nbytes)
+            if other is not None:
+                raise AlreadyRegisteredError(
+                    f"[{self.host_va!r}, +{self.nbytes}) overlaps a registration at {other.host_va!r} "
+                    f"(+{other.nbytes} bytes); close that one first or reuse it"
+                )
+            done: list[Chunk] = []
+            for chunk in chunks:
+                code = backend.register(chunk.host_va.value, chunk.nbytes, device)
+                if code != 0:
+                    for d in reversed(done):
+                        backend.unregister(d.host_va.value, device)
+                    raise self._registration_error(backend, code, chunk, len(done), len(chunks))
+                done.append(chunk)
+            self.chunks = chunks
+            _registry.add(self)
+            _registry.pinned_bytes += self.nbytes
+        self._finalizer = weakref.finalize(self, _release, backend, device, chunks, self.nbytes, tensor)
+
+    def _registration_error(self, backend: _Backend, code: int, chunk: Chunk, done: int, total: int) -> Exception:
+        where = f"registering chunk {done + 1}/{total} ({chunk.nbytes} bytes at {chunk.host_va!r}) for {self.device}"
+        rolled = f"; the {done} chunk(s) before it were unregistered" if done else ""
+        if code == _ALREADY_REGISTERED:
+            return AlreadyRegisteredError(f"{where}: already registered (error 712){rolled}")
+        hint = _memlock_hint(self.nbytes)
+        if hint and code in (_OUT_OF_MEMORY, -_OUT_OF_MEMORY):
+            return MemlockLimitError(f"{where}: {backend.describe(code)} (error {code}){rolled}.{hint}")
+        return RegistrationError(f"{where}: {backend.describe(code)} (error {code}){rolled}")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        """Raises:
+        ClosedError: the memory was unregistered."""
+        if self._closed:
+            raise ClosedError(f"registered memory at {self.host_va!r} (+{self.nbytes} bytes) was closed (unregistered)")
+
+    def contains(self, va: HostVA, nbytes: int) -> bool:
+        return self.host_va.value <= va.value and va.value + nbytes <= self.host_va.value + self.nbytes
+
+    def chunk_of(self, va: HostVA, nbytes: int) -> Chunk:
+        """The chunk holding ``[va, va + nbytes)``.
+
+        Raises:
+            NotRegisteredError: the range is outside this registration.
+            RegistrationSpanError: it straddles two chunks (their aliases are not contiguous).
+        """
+        if not self.contains(va, nbytes):
+            raise NotRegisteredError(f"[{va!r}, +{nbytes}) is not inside registration {self.host_va!r} (+{self.nbytes})")
+        for chunk in self.chunks:
+            if chunk.contains(va, max(nbytes, 1)):
+                return chunk
+        raise RegistrationSpanError(
+            f"[{va!r}, +{nbytes}) spans two registration chunks; their device aliases are not contiguous. "
+            "Register with a granularity that divides the buffer's page size, or split the buffer per page"
+        )
+
+    def close(self) -> None:
+        """Unregister (once). The tensor stays valid as ordinary host memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> RegisteredHostMemory:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.chunks)} chunk(s)"
+        return f"RegisteredHostMemory({self.host_va!r}, nbytes={self.nbytes}, device={self.device}, {state})"
+
+
+def _check_granularity(granularity: int, max_chunk_bytes: int) -> None:
+    if type(granularity) is not int or granularity <= 0:
+        raise ValueError(f"granularity must be a positive int (bytes), got {granularity!r}")
+    if type(max_chunk_bytes) is not int or max_chunk_bytes <= 0:
+        raise ValueError(f"max_chunk_bytes must be a positive int (bytes), got {max_chunk_bytes!r}")
+
+
+def alloc_registered(
+    nbytes: int,
+    device: Device | str | Any,
+    *,
+    granularity: int = mmap.PAGESIZE,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> RegisteredHostMemory:
+    """Allocate ``nbytes`` of page-aligned host memory and register it for ``device``.
+
+    Args:
+        nbytes: size in bytes (> 0).
+        device: the device whose kernels will read it (``"cuda:0"``, ``"emulated:0"``).
+        granularity: chunks are cut on multiples of this many bytes from the start;
+            pass the KV page size in bytes so no page spans two registrations.
+        max_chunk_bytes: largest single registration call (rounded down to the granularity).
+
+    Raises:
+        ValueError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not positive.
+        InvalidDeviceError: the device does not exist.
+        RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
+    """
+    if type(nbytes) is not int or nbytes <= 0:
+        raise ValueError(f"nbytes must be a positive int: a 0-byte registration is invalid (got {nbytes!r})")
+    _check_granularity(granularity, max_chunk_bytes)
+    dev = validate_device(device)
+    if dev.type == "emulated":
+        tensor = extension().emu_host_alloc(nbytes)
+    else:
+        tensor = torch.empty(nbytes, dtype=torch.uint8)
+    return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes)
+
+
+def register_host_tensor(
+    tensor: torch.Tensor,
+    device: Device | str | Any,
+    *,
+    granularity: int = mmap.PAGESIZE,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> RegisteredHostMemory:
+    """Register an existing contiguous CPU tensor's memory for ``device``.
+
+    The owner's ``tensor`` is a flat ``uint8`` view of ``tensor``. On the emulated
+    backend the tensor's pages are moved behind a memfd in place (bytes kept);
+    a tensor sharing a 4 KiB page with separately registered memory is refused.
+
+    Raises:
+        DomainError: ``tensor`` is not in CPU memory.
+        NonContiguousError: ``tensor`` is strided.
+        ValueError: ``tensor`` is empty.
+        AlreadyRegisteredError: the range overlaps a registration.
+        RegistrationError: the runtime refused; nothing stays registered.
+    """
+    if tensor.device.type != "cpu":
+        raise DomainError(f"only CPU memory can be registered as host memory; got a tensor on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise NonContiguousError(
+            f"cannot register a strided tensor (shape {tuple(tensor.shape)}, stride {tensor.stride()}): "
+            "its bytes are not one range; register its contiguous base buffer"
+        )
+    if tensor.numel() == 0:
+        raise ValueError("cannot register an empty tensor: a 0-byte registration is invalid")
+    _check_granularity(granularity, max_chunk_bytes)
+    dev = validate_device(device)
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes)
+
+
+def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | Any) -> torch.Tensor:
+    """Uninitialised device memory: a CUDA tensor, or emulated device memory (a CPU
+    tensor tagged with the emulated ordinal, so CPU-only APIs refuse it).
+
+    Raises:
+        InvalidDeviceError: the device does not exist.
+        ValueError: a negative dimension.
+    """
+    dev = validate_device(device)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in {shape}")
+    if dev.type == "cuda":
+        return torch.empty(shape, dtype=dtype, device=dev.torch_device)
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+    raw: torch.Tensor = extension().emu_device_alloc(nbytes, dev.ordinal)
+    return raw[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+
+
+def memory_device(tensor: torch.Tensor) -> Device | None:
+    """The device whose memory holds ``tensor`` (a CUDA device, or an emulated device
+    for emulated device memory), or None for host memory."""
+    if tensor.device.type == "cuda":
+        return Device("cuda", tensor.device.index if tensor.device.index is not None else 0)
+    nbytes = tensor.numel() * tensor.element_size()
+    ordinal = int(extension().emu_device_lookup(tensor.data_ptr(), max(nbytes, 1)))
+    return Device("emulated", ordinal) if ordinal >= 0 else None

@@ -1,0 +1,77 @@
+"""Metadata for storage back-ends and transfer engines: host VAs only.
+
+Transfer engines (Mooncake ``register_memory(addr, len)``, NIXL) and storage
+back-ends read host memory with the CPU or a NIC, so they take host VAs; a
+device alias handed to them reads the wrong memory where aliases differ. The
+models here are frozen pydantic models whose address fields are typed
+:class:`HostVA` (validated as a strict int in [0, 2**64), serialised as that int),
+and the functions accept only ``PointerTable[HostVA]``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pointerdomain.domains import HostVA
+from pointerdomain.errors import DomainError, LayoutError
+from pointerdomain.layouts import KVLayout
+from pointerdomain.tables import PointerTable
+
+__all__ = ["BufferInfo", "buffer_infos", "page_buffer_meta"]
+
+
+class BufferInfo(BaseModel):
+    """A contiguous host buffer: ``nbytes`` bytes from host VA ``address``, made of
+    items of ``item_bytes`` bytes. ``model_dump_json()`` gives plain ints."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    address: HostVA
+    nbytes: int = Field(gt=0)
+    item_bytes: int = Field(gt=0)
+
+
+def _check_host(table: object) -> PointerTable[HostVA]:
+    if not isinstance(table, PointerTable) or table.domain is not HostVA:
+        what = f"PointerTable[{table.domain.__name__}]" if isinstance(table, PointerTable) else type(table).__name__
+        raise DomainError(
+            f"metadata needs a PointerTable[HostVA] (from host_ptr_table), got {what}: "
+            "device aliases must never reach transfer engines or CPU code"
+        )
+    return table
+
+
+def buffer_infos(table: PointerTable[HostVA], item_bytes: int) -> list[BufferInfo]:
+    """One :class:`BufferInfo` per table entry (e.g. a host pool's contiguous buffers).
+
+    Raises:
+        DomainError: ``table`` is not a host table.
+        pydantic.ValidationError: ``item_bytes`` not positive.
+    """
+    host = _check_host(table)
+    return [BufferInfo(address=a, nbytes=n, item_bytes=item_bytes) for a, n in zip(host, host.sizes)]
+
+
+def page_buffer_meta(table: PointerTable[HostVA], layout: KVLayout, pages: list[int]) -> list[BufferInfo]:
+    """The contiguous host blocks holding each page of a one-buffer host pool, in
+    page order (what a transfer engine reads or writes to move those pages).
+
+    Args:
+        table: a one-entry host table over the pool buffer of ``layout``.
+        layout: the pool's layout.
+        pages: page numbers in ``[0, layout.num_pages)``.
+
+    Raises:
+        DomainError: ``table`` is not a host table.
+        LayoutError: the table is not one buffer of ``layout.nbytes`` bytes.
+        IndexError: a page out of range.
+    """
+    host = _check_host(table)
+    if len(host) != 1 or host.sizes[0] < layout.nbytes:
+        raise LayoutError(f"page_buffer_meta needs one buffer of {layout.nbytes} bytes, got sizes {host.sizes}")
+    base = host[0]
+    return [
+        BufferInfo(address=base + offset, nbytes=nbytes, item_bytes=layout.item_bytes)
+        for page in pages
+        for offset, nbytes in layout.page_blocks(page)
+    ]

@@ -1,0 +1,138 @@
+"""KV pools: a device pool (per-layer K/V buffers, layer_first) and a host pool in
+registered host memory that backs pages up from it and loads them back.
+
+:class:`HostKVPool` is the example other caches copy: it keeps a kernel table
+(``PointerTable[DeviceAlias]``) for launches and a host table
+(``PointerTable[HostVA]``) for metadata, and never mixes them.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from pointerdomain.domains import Device, DeviceAlias, HostVA
+from pointerdomain.errors import LayoutError
+from pointerdomain.guard import validate_device
+from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.layouts import KVLayout
+from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, alloc_registered, device_empty
+from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
+from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
+
+__all__ = ["DeviceKVPool", "HostKVPool"]
+
+
+class DeviceKVPool:
+    """A device KV pool: per-layer buffers of shape ``[num_slots, num_heads, head_dim]``
+    (K layers then V layers for MHA), ``layout.kind == "layer_first"``.
+
+    Attributes:
+        buffers: ``num_kv * num_layers`` device tensors.
+        table: their kernel table (``num_kv * num_layers`` entries).
+
+    Raises:
+        LayoutError: ``layout.kind`` is not ``layer_first``.
+        InvalidDeviceError: the device does not exist.
+    """
+
+    def __init__(self, layout: KVLayout, device: Device | str | Any) -> None:
+        if layout.kind != "layer_first":
+            raise LayoutError(f"a device pool is layer_first, got {layout.kind}")
+        self.layout = layout
+        self.device = validate_device(device)
+        shape = (layout.num_slots, layout.num_heads, layout.head_dim)
+        self.buffers = [
+            device_empty(shape, layout.torch_dtype, self.device) for _ in range(layout.num_kv * layout.num_layers)
+        ]
+        self.table: PointerTable[DeviceAlias] = make_kernel_ptr_table(self.buffers, self.device)
+
+    def buffer(self, kv: int, layer: int) -> torch.Tensor:
+        """The ``[num_slots, num_heads, head_dim]`` buffer of K (kv=0) or V (kv=1) of ``layer``."""
+        return self.buffers[kv * self.layout.num_layers + layer]
+
+
+class HostKVPool:
+    """A host KV pool in registered host memory.
+
+    Args:
+        layout: the host layout (``layer_first``, ``page_first`` or ``page_first_direct``),
+            same model shape as the device pool it serves.
+        device: the device whose kernels move its pages.
+        max_chunk_bytes: largest registration call; pools larger than this are
+            registered in chunks cut on page blocks, and the kernel table then has
+            one entry per page block so alias arithmetic never crosses a chunk.
+
+    Attributes:
+        buffer: the pool as a tensor of ``layout.buffer_shape`` (host VA side).
+        kernel_table: ``PointerTable[DeviceAlias]`` for launches.
+        host_table: ``PointerTable[HostVA]`` (one entry, the whole buffer) for metadata.
+    """
+
+    def __init__(
+        self, layout: KVLayout, device: Device | str | Any, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    ) -> None:
+        self.layout = layout
+        self.device = validate_device(device)
+        self.memory: RegisteredHostMemory = alloc_registered(
+            layout.nbytes, self.device, granularity=layout.page_block_bytes(), max_chunk_bytes=max_chunk_bytes
+        )
+        self.buffer = self.memory.tensor[: layout.nbytes].view(layout.torch_dtype).view(layout.buffer_shape)
+        if len(self.memory.chunks) == 1:
+            entries = [self.buffer]
+        else:
+            flat = self.memory.tensor[: layout.nbytes]
+            block = layout.page_block_bytes()
+            entries = list(flat.split(block))
+        self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
+        self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
+
+    def backup(self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, **launch: Any) -> None:
+        """D2H: copy token slots ``device_indices`` of ``device_pool`` to ``host_indices``, all layers.
+
+        ``launch`` passes ``stream`` / ``max_ctas`` on. Raises what
+        :func:`transfer_kv_all_layer` raises.
+        """
+        transfer_kv_all_layer(
+            device_pool.table, self.kernel_table, device_indices, host_indices,
+            src_layout=device_pool.layout, dst_layout=self.layout, **launch,
+        )
+
+    def load(self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, **launch: Any) -> None:
+        """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
+        transfer_kv_all_layer(
+            self.kernel_table, device_pool.table, host_indices, device_indices,
+            src_layout=self.layout, dst_layout=device_pool.layout, **launch,
+        )
+
+    def load_layer(
+        self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
+        **launch: Any,
+    ) -> None:
+        """H2D for one layer (overlaps the forward pass layer by layer)."""
+        transfer_kv_per_layer(
+            self.kernel_table, device_pool.table, host_indices, device_indices,
+            layer_id=layer_id, src_layout=self.layout, dst_layout=device_pool.layout, **launch,
+        )
+
+    def get_contiguous_buf_infos(self) -> list[BufferInfo]:
+        """The pool buffer as host-VA metadata (for a transfer engine's ``register_memory``)."""
+        return buffer_infos(self.host_table, self.layout.item_bytes)
+
+    def get_page_buffer_meta(self, pages: list[int]) -> list[BufferInfo]:
+        """Host-VA blocks holding ``pages``, in order (for a transfer engine's reads/writes)."""
+        return page_buffer_meta(self.host_table, self.layout, pages)
+
+    def close(self) -> None:
+        """Unregister the pool's memory; launches with its tables raise ClosedError after this."""
+        self.memory.close()
+
+    def __enter__(self) -> HostKVPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

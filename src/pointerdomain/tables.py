@@ -1,0 +1,252 @@
+"""Pointer tables: immutable, domain-typed arrays of buffer addresses.
+
+A :class:`PointerTable` is backed by one ``uint64`` tensor on the table's device
+(kernel tables live in the memory the kernel reads: the CUDA device, or emulated
+device memory) and holds references to the tensors it points into and to their
+registrations, so no address outlives its memory.
+
+Only two functions build tables:
+
+* :func:`make_kernel_ptr_table` -> ``PointerTable[DeviceAlias]``, the only table
+  a launch accepts;
+* :func:`host_ptr_table` -> ``PointerTable[HostVA]``, for CPU code and metadata.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+from typing_extensions import final
+
+from pointerdomain.domains import Address, Device, DeviceAlias, HostVA
+from pointerdomain.errors import (
+    DeviceMismatchError,
+    DomainError,
+    NonContiguousError,
+    NotRegisteredError,
+    RegistrationSpanError,
+)
+from pointerdomain.guard import validate_device
+from pointerdomain.memory import RegisteredHostMemory, device_empty, find_registration, memory_device
+from pointerdomain.resolve import resolve_alias
+
+__all__ = ["PointerTable", "host_ptr_table", "make_kernel_ptr_table"]
+
+#: The address domain of a table. Invariant on purpose: a PointerTable[HostVA]
+#: is not a PointerTable[DeviceAlias], nor a table of the base Address.
+D = TypeVar("D", bound=Address)
+
+_TOKEN = object()
+
+
+@final
+class PointerTable(Generic[D]):
+    """An immutable table of buffer start addresses of one domain and device.
+
+    Build with :func:`make_kernel_ptr_table` or :func:`host_ptr_table`.
+
+    Attributes:
+        domain: ``HostVA`` or ``DeviceAlias``, checked again at every launch.
+        device: the device whose kernels may use the addresses, or None for a
+            host table.
+        sizes: bytes of the buffer behind each entry.
+    """
+
+    __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment")
+
+    def __init__(
+        self,
+        token: object,
+        domain: type[D],
+        device: Device | None,
+        values: tuple[int, ...],
+        sizes: tuple[int, ...],
+        keepalive: tuple[torch.Tensor, ...],
+        owners: tuple[RegisteredHostMemory, ...],
+    ) -> None:
+        if token is not _TOKEN:
+            raise TypeError("build tables with make_kernel_ptr_table() or host_ptr_table()")
+        self._domain = domain
+        self._device = device
+        self._values = values
+        self._sizes = sizes
+        self._keepalive = keepalive
+        self._owners = owners
+        self._alignment = math.gcd(*values)
+        host = torch.tensor(list(values), dtype=torch.uint64)
+        if device is None:
+            self._tensor = host
+        else:
+            self._tensor = device_empty((len(values),), torch.uint64, device)
+            self._tensor.copy_(host)
+
+    @property
+    def domain(self) -> type[D]:
+        return self._domain
+
+    @property
+    def device(self) -> Device | None:
+        return self._device
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self._sizes
+
+    @property
+    def alignment(self) -> int:
+        """Greatest common divisor of all addresses, in bytes (picks the copy word width)."""
+        return self._alignment
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getitem__(self, index: int) -> D:
+        value = self._values[index]
+        if self._domain is DeviceAlias:
+            assert self._device is not None
+            return DeviceAlias(value, self._device)  # type: ignore[return-value]
+        return HostVA(value)  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[D]:
+        return (self[i] for i in range(len(self)))
+
+    def as_uint64_tensor(self) -> torch.Tensor:
+        """The backing ``uint64`` tensor of shape ``[len(self)]`` on the table's device.
+
+        This is the explicit escape hatch for untyped kernels (e.g. a cache's own
+        CUDA op that takes a pointer tensor): what it returns carries no domain,
+        so pass it only to code that expects this table's domain and device.
+        The tensor is valid while this table is alive.
+        """
+        return self._tensor
+
+    def check_live(self) -> None:
+        """Raises:
+        ClosedError: a registration this table points into was closed."""
+        for owner in self._owners:
+            owner.check_open()
+
+    def __repr__(self) -> str:
+        where = "host" if self._device is None else str(self._device)
+        return f"PointerTable[{self._domain.__name__}]({len(self)} entries, {where})"
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def _check_tensor(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise NonContiguousError(
+            f"{name}: tensor of shape {tuple(t.shape)} has strides {t.stride()}, not contiguous: a pointer "
+            "table entry must cover one contiguous buffer (a strided view would be read as if packed). "
+            "Pass the contiguous base buffer, or .contiguous() a copy"
+        )
+    if t.numel() == 0:
+        raise ValueError(f"{name}: empty tensor; a table entry must point at a buffer of at least one byte")
+    return t
+
+
+def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, RegisteredHostMemory | None]:
+    nbytes = _tensor_bytes(t)
+    where = memory_device(t)
+    if where == device:
+        return t.data_ptr(), None
+    if where is not None:
+        raise DeviceMismatchError(f"{name}: device memory of {where}, but the table is for {device}")
+    if t.device.type != "cpu":
+        raise DomainError(f"{name}: tensor on {t.device} is neither host memory nor memory of {device}")
+    va = HostVA(t.data_ptr())
+    owner = find_registration(va, nbytes)
+    if owner is None:
+        partial = find_registration(va, 1) or find_registration(va + (nbytes - 1), 1)
+        if partial is not None:
+            raise RegistrationSpanError(
+                f"{name}: [{va!r}, +{nbytes}) runs past registration {partial.host_va!r} (+{partial.nbytes})"
+            )
+        if device.type == "cuda":
+            try:
+                return resolve_alias(va, device).value, None  # pinned by the runtime (e.g. pin_memory())
+            except NotRegisteredError:
+                pass
+        raise DomainError(
+            f"{name}: unregistered host memory at {va!r} (a HostVA) cannot be read by a kernel on {device}; "
+            "allocate it with pointerdomain.alloc_registered or register it with register_host_tensor"
+        )
+    owner.check_open()
+    if owner.device.type != device.type:
+        raise DeviceMismatchError(f"{name}: memory registered for {owner.device}, but the table is for {device}")
+    owner.chunk_of(va, nbytes)
+    return resolve_alias(va, device).value, owner
+
+
+def make_kernel_ptr_table(tensors: Sequence[torch.Tensor], device: Device | str | Any) -> PointerTable[DeviceAlias]:
+    """A table of device aliases for kernels on ``device``.
+
+    Each tensor must be contiguous and either registered host memory (its alias
+    is resolved; see :func:`pointerdomain.resolve_alias`) or device memory of
+    ``device`` (its ``data_ptr()``). The table's ``uint64`` tensor lives on ``device``.
+
+    Args:
+        tensors: the buffers, in table order (any dtype and shape).
+        device: the device whose kernels will read the table.
+
+    Raises:
+        NonContiguousError: a strided tensor.
+        DomainError: unregistered host memory.
+        DeviceMismatchError: memory of another device, or registered for another device type.
+        RegistrationSpanError: a tensor straddles two registrations or chunks.
+        ClosedError: a tensor's registration was closed.
+        InvalidDeviceError: ``device`` does not exist.
+    """
+    dev = validate_device(device)
+    values: list[int] = []
+    owners: list[RegisteredHostMemory] = []
+    checked = tuple(_check_tensor(f"tensors[{i}]", t) for i, t in enumerate(tensors))
+    for i, t in enumerate(checked):
+        value, owner = _kernel_address(f"tensors[{i}]", t, dev)
+        values.append(value)
+        if owner is not None and all(o is not owner for o in owners):
+            owners.append(owner)
+    return PointerTable(
+        _TOKEN, DeviceAlias, dev, tuple(values), tuple(_tensor_bytes(t) for t in checked), checked, tuple(owners)
+    )
+
+
+def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
+    """A table of host VAs for CPU code, storage back-ends and transfer engines.
+
+    Args:
+        tensors: contiguous tensors in host memory (registered or not).
+
+    Raises:
+        DomainError: a CUDA tensor or emulated device memory (a device address
+            handed to CPU code).
+        NonContiguousError: a strided tensor.
+    """
+    checked = tuple(_check_tensor(f"tensors[{i}]", t) for i, t in enumerate(tensors))
+    owners: list[RegisteredHostMemory] = []
+    for i, t in enumerate(checked):
+        where = memory_device(t)
+        if where is not None or t.device.type != "cpu":
+            raise DomainError(
+                f"tensors[{i}]: memory of {where or t.device} is not host memory; device addresses must "
+                "never reach CPU code (memcpy, transfer engines): copy the data to host memory first"
+            )
+        owner = find_registration(HostVA(t.data_ptr()), _tensor_bytes(t))
+        if owner is not None and all(o is not owner for o in owners):
+            owners.append(owner)
+    return PointerTable(
+        _TOKEN,
+        HostVA,
+        None,
+        tuple(t.data_ptr() for t in checked),
+        tuple(_tensor_bytes(t) for t in checked),
+        checked,
+        tuple(owners),
+    )
