@@ -95,7 +95,8 @@ void *host_alloc(std::uint64_t nbytes) {
     const std::uint64_t p = page(), len = (nbytes + p - 1) & ~(p - 1);
     const int fd = make_fd(len);
     if (fd < 0) return nullptr;
-    void *m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    // Populate now, as cudaHostRegister faults pages in when it pins them.
+    void *m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (m == MAP_FAILED) {
         close(fd);
         return nullptr;

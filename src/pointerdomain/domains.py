@@ -140,8 +140,8 @@ class Address:
             raise DomainError(
                 f"{type(self).__name__} - {type(other).__name__}: a distance is only defined inside one domain"
             )
-        self._check_same_device(other)  # type: ignore[arg-type]
-        return self.value - other.value  # type: ignore[union-attr]
+        self._check_same_device(other)
+        return self.value - other.value
 
     def _check_same_device(self, other: Self) -> None:
         pass

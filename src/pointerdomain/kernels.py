@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pointerdomain import checked
 from pointerdomain._extension import extension
 from pointerdomain.domains import Device, DeviceAlias
 from pointerdomain.errors import (
@@ -113,6 +114,8 @@ def _launch(
     n = s_idx.numel()
     if n == 0:
         return
+    if checked.enabled():
+        checked.verify_launch(src, src_layout, dst, dst_layout, s_idx, d_idx, layer_begin, layer_count)
     layout = src_layout
     common = (
         src.as_uint64_tensor().data_ptr(), src_geo, dst.as_uint64_tensor().data_ptr(), dst_geo,

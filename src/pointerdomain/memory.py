@@ -14,12 +14,13 @@ in alias space, as on MI355X.
 from __future__ import annotations
 
 import mmap
+import os
 import resource
 import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -72,15 +73,17 @@ class _Backend(Protocol):
 
 
 class _EmulatedBackend:
-    """Second mappings of the same pages. Counts pinned bytes against
-    RLIMIT_MEMLOCK as an unprivileged process pinning memory would."""
+    """Second mappings of the same pages. The mappings are not pinned; with
+    ``POINTERDOMAIN_EMULATE_MEMLOCK=1`` registered bytes are counted against
+    RLIMIT_MEMLOCK as cudaHostRegister in an unprivileged container counts them."""
 
     def __init__(self) -> None:
         self._pinned: dict[int, int] = {}
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft != resource.RLIM_INFINITY and sum(self._pinned.values()) + nbytes > soft:
+        limited = os.environ.get("POINTERDOMAIN_EMULATE_MEMLOCK") == "1" and soft != resource.RLIM_INFINITY
+        if limited and sum(self._pinned.values()) + nbytes > soft:
             return _OUT_OF_MEMORY
         status, _alias = extension().emu_register(va, nbytes)
         if status == 0:
@@ -94,8 +97,8 @@ class _EmulatedBackend:
         return status
 
     def describe(self, code: int) -> str:
-        return {1: "invalid value", 2: "out of memory, or could not map the pages a second time (out of memory, or they share a "
-                "page with memory registered separately: allocate with alloc_registered)",
+        return {1: "invalid value", 2: "out of memory, or the pages could not be mapped a second time (they "
+                "share a page with memory registered separately: allocate with alloc_registered)",
                 712: "host memory already registered", 713: "host memory not registered"}.get(code, "unknown")
 
 
@@ -110,19 +113,23 @@ class _GpuBackend:
         return str(extension().gpu_error_string(code))
 
 
+def _cudart() -> Any:
+    return cast(Any, torch.cuda).cudart()
+
+
 class _TorchCudartBackend:
     """Registration through torch's cudart binding, for builds without the GPU ops."""
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         with torch.cuda.device(device.ordinal):
-            return int(torch.cuda.cudart().cudaHostRegister(va, nbytes, 1 | 2))  # portable | mapped
+            return int(_cudart().cudaHostRegister(va, nbytes, 1 | 2))  # portable | mapped
 
     def unregister(self, va: int, device: Device) -> int:
         with torch.cuda.device(device.ordinal):
-            return int(torch.cuda.cudart().cudaHostUnregister(va))
+            return int(_cudart().cudaHostUnregister(va))
 
     def describe(self, code: int) -> str:
-        return str(torch.cuda.cudart().cudaGetErrorString(code))
+        return str(_cudart().cudaGetErrorString(code))
 
 
 _EMULATED = _EmulatedBackend()
@@ -396,7 +403,7 @@ def memory_device(tensor: torch.Tensor) -> Device | None:
     """The device whose memory holds ``tensor`` (a CUDA device, or an emulated device
     for emulated device memory), or None for host memory."""
     if tensor.device.type == "cuda":
-        return Device("cuda", tensor.device.index if tensor.device.index is not None else 0)
+        return Device("cuda", int(tensor.get_device()))
     nbytes = tensor.numel() * tensor.element_size()
     ordinal = int(extension().emu_device_lookup(tensor.data_ptr(), max(nbytes, 1)))
     return Device("emulated", ordinal) if ordinal >= 0 else None

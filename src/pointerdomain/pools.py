@@ -85,7 +85,7 @@ class HostKVPool:
         else:
             flat = self.memory.tensor[: layout.nbytes]
             block = layout.page_block_bytes()
-            entries = list(flat.split(block))
+            entries = [flat[i : i + block] for i in range(0, layout.nbytes, block)]
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
 

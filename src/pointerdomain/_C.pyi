@@ -1,0 +1,64 @@
+"""
+pointerdomain kernels and runtime calls (private; use the pointerdomain package)
+"""
+
+from collections.abc import Sequence
+from typing import Annotated
+
+import torch
+
+
+gpu_built: bool = True
+
+def cpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, num_threads: int) -> None:
+    """Copy KV items between two tables of CPU addresses."""
+
+def emu_host_alloc(nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
+    """Page-aligned, memfd-backed host memory as a uint8 tensor."""
+
+def emu_device_alloc(nbytes: int, ordinal: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
+    """Emulated device memory of one device ordinal, as a uint8 tensor."""
+
+def emu_device_lookup(addr: int, nbytes: int) -> int:
+    """Ordinal of the emulated device allocation holding the range, or -1."""
+
+def emu_register(va: int, nbytes: int) -> tuple[int, int]:
+    """Map a host range a second time: (status, alias)."""
+
+def emu_unregister(va: int) -> int:
+    """Drop the alias mapping: status."""
+
+def emu_get_device_pointer(va: int) -> tuple[int, int]:
+    """Alias of a registered host address: (status, alias)."""
+
+gpu_runtime: str = 'cuda'
+
+def gpu_runtime_version() -> tuple[int, int]: ...
+
+def gpu_device_count() -> tuple[int, int]:
+    """(status, number of devices)"""
+
+def gpu_host_register(va: int, nbytes: int, device: int) -> int:
+    """cudaHostRegister(portable | mapped): status."""
+
+def gpu_host_unregister(va: int, device: int) -> int:
+    """cudaHostUnregister: status."""
+
+def gpu_host_get_device_pointer(va: int, device: int) -> tuple[int, int]:
+    """cudaHostGetDevicePointer: (status, alias)."""
+
+def gpu_can_use_host_pointer_for_registered_mem(device: int) -> tuple[int, int]:
+    """(status, cudaDevAttrCanUseHostPointerForRegisteredMem)"""
+
+def gpu_pointer_is_host(ptr: int) -> tuple[int, int]:
+    """(status, 1 if the runtime reports registered/pinned host memory)"""
+
+def gpu_multiprocessor_count(device: int) -> tuple[int, int]:
+    """(status, number of SMs)"""
+
+def gpu_error_string(code: int) -> str: ...
+
+def gpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, device: int, stream: int, max_ctas: int, vec_bytes: int) -> int:
+    """
+    Launch the KV transfer kernel on a stream: status (tables and indices in device memory).
+    """

@@ -1,0 +1,194 @@
+"""Command line: ``pointerdomain doctor`` and ``pointerdomain demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, get_args
+
+import torch
+
+from pointerdomain._extension import extension, gpu_ops_built
+from pointerdomain.domains import Device
+from pointerdomain.errors import PointerDomainError
+from pointerdomain.guard import validate_device
+from pointerdomain.layouts import DType, KVLayout, LayoutKind
+from pointerdomain.memory import alloc_registered, device_empty
+from pointerdomain.pools import DeviceKVPool, HostKVPool
+from pointerdomain.resolve import alias_policy, can_use_host_pointer
+from pointerdomain.tables import make_kernel_ptr_table
+
+__all__ = ["main"]
+
+
+def default_device() -> Device:
+    """``cuda:<current>`` when a GPU and the GPU ops are there, else ``emulated:0``."""
+    if torch.cuda.is_available() and gpu_ops_built():
+        return Device("cuda", torch.cuda.current_device())
+    return Device("emulated", 0)
+
+
+def _sync(device: Device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device.ordinal)
+
+
+def _random_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill ``t`` with random bytes (never zeros: a copy that does nothing must show)."""
+    flat = t.view(torch.uint8).view(-1)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+
+
+def self_test(device: Device) -> dict[str, Any]:
+    """Register 1 MiB, write it through the host VA, copy it into device memory with
+    the transfer kernel through the device alias, and compare the bytes."""
+    layout = KVLayout(kind="page_first", num_layers=2, num_pages=4, page_size=16, num_heads=1, head_dim=64,
+                      attention="mla", dtype="uint8")
+    dev_layout = layout.model_copy(update={"kind": "layer_first"})
+    pool = DeviceKVPool(dev_layout, device)
+    gen = torch.Generator().manual_seed(7)
+    with HostKVPool(layout, device) as host:
+        _random_bytes(host.buffer, gen)
+        slots = torch.arange(layout.num_slots, dtype=torch.int64, device=device.torch_device)
+        host.load(pool, slots, slots)
+        _sync(device)
+        ok = all(
+            torch.equal(pool.buffer(0, layer).cpu().view(-1, 64), host.buffer[0, :, layer].reshape(-1, 64))
+            for layer in range(layout.num_layers)
+        )
+        va, alias = host.memory.host_va, host.kernel_table[0]
+    return {"ok": ok, "host_va": hex(va.value), "device_alias": hex(alias.value), "alias_equals_va": va.value == alias.value}
+
+
+def doctor(args: argparse.Namespace) -> int:
+    report: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_hip": getattr(torch.version, "hip", None),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    try:
+        ext = extension()
+    except PointerDomainError as exc:
+        report["extension"] = f"MISSING: {exc}"
+        print(json.dumps(report, indent=2))
+        return 1
+    report["extension"] = ext.__file__
+    report["gpu_ops_built"] = gpu_ops_built()
+    report["gpu_runtime"] = getattr(ext, "gpu_runtime", None)
+    report["ops"] = sorted(name for name in dir(ext) if not name.startswith("_") and callable(getattr(ext, name)))
+    devices = [validate_device(args.device)] if args.device else []
+    if not devices:
+        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = [Device("cuda", i) for i in range(n_gpu)] or [Device("emulated", 0)]
+    report["devices"] = []
+    status = 0
+    for dev in devices:
+        entry: dict[str, Any] = {"device": str(dev)}
+        if dev.type == "cuda":
+            entry["name"] = torch.cuda.get_device_name(dev.ordinal)
+            entry["can_use_host_pointer_for_registered_mem"] = can_use_host_pointer(dev)
+        else:
+            entry["can_use_host_pointer_for_registered_mem"] = 0
+        try:
+            entry["alias_policy"] = alias_policy(dev).value
+            entry["self_test"] = self_test(dev)
+            status |= 0 if entry["self_test"]["ok"] else 1
+        except PointerDomainError as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            status = 1
+        report["devices"].append(entry)
+    print(json.dumps(report, indent=2))
+    return status
+
+
+def demo(args: argparse.Namespace) -> int:
+    device = validate_device(args.device) if args.device else default_device()
+    shape = dict(attention=args.attention, num_layers=args.layers, page_size=args.page_size,
+                 num_heads=1 if args.attention == "mla" else args.heads, head_dim=args.head_dim, dtype=args.dtype)
+    dev_layout = KVLayout(kind="layer_first", num_pages=args.device_pages, **shape)
+    host_layout = KVLayout(kind=args.host_layout, num_pages=args.host_pages, **shape)
+    if args.pages > min(args.device_pages, args.host_pages):
+        print(f"--pages {args.pages} exceeds the pool sizes", file=sys.stderr)
+        return 2
+    gen = torch.Generator().manual_seed(args.seed)
+    print(f"pointerdomain demo on {device}: {args.attention}, {args.layers} layers, item {dev_layout.item_bytes} B, "
+          f"page {args.page_size} tokens; device pool {dev_layout.nbytes / 2**20:.0f} MiB, "
+          f"host pool {host_layout.nbytes / 2**20:.0f} MiB ({args.host_layout})")
+    pool = DeviceKVPool(dev_layout, device)
+    for buf in pool.buffers:
+        _random_bytes(buf, gen)
+    with HostKVPool(host_layout, device) as host:
+        va, alias = host.memory.host_va, host.kernel_table[0]
+        print(f"host pool: HostVA {va.value:#x}, DeviceAlias {alias.value:#x} "
+              f"({'equal' if va.value == alias.value else 'distinct'}; policy {alias_policy(device).value})")
+        dev_pages = torch.randperm(args.device_pages, generator=gen)[: args.pages]
+        host_pages = torch.randperm(args.host_pages, generator=gen)[: args.pages]
+        tok = torch.arange(args.page_size)
+        dev_slots = (dev_pages[:, None] * args.page_size + tok).reshape(-1).to(device.torch_device)
+        host_slots = (host_pages[:, None] * args.page_size + tok).reshape(-1).to(device.torch_device)
+        expected = [buf[dev_slots].clone() for buf in pool.buffers]
+        moved = args.pages * args.page_size * dev_layout.num_kv * args.layers * dev_layout.item_bytes
+
+        _sync(device)
+        t0 = time.perf_counter()
+        host.backup(pool, dev_slots, host_slots)
+        _sync(device)
+        t_d2h = time.perf_counter() - t0
+        for buf in pool.buffers:  # clobber the device pool
+            buf.view(torch.uint8).fill_(0xA5)
+        _sync(device)
+        t0 = time.perf_counter()
+        host.load(pool, host_slots, dev_slots)
+        _sync(device)
+        t_h2d = time.perf_counter() - t0
+
+        bad = [i for i, (buf, want) in enumerate(zip(pool.buffers, expected))
+               if not torch.equal(buf[dev_slots].view(torch.uint8), want.view(torch.uint8))]
+        others = torch.ones(dev_layout.num_slots, dtype=torch.bool, device=device.torch_device)
+        others[dev_slots] = False
+        untouched = all(bool((buf[others].view(torch.uint8) == 0xA5).all()) for buf in pool.buffers)
+    print(f"moved {moved / 2**20:.1f} MiB each way ({args.pages} pages): "
+          f"D2H {t_d2h * 1e3:.1f} ms = {moved / t_d2h / 1e9:.2f} GB/s, "
+          f"H2D {t_h2d * 1e3:.1f} ms = {moved / t_h2d / 1e9:.2f} GB/s")
+    if bad or not untouched:
+        print(f"FAILED: {len(bad)} buffer(s) differ; untouched slots intact: {untouched}")
+        return 1
+    print("round trip verified byte-for-byte; untouched slots intact")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pointerdomain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_doc = sub.add_parser("doctor", help="platform, extension, alias policy per device, registered-memory self-test")
+    p_doc.add_argument("--device", help="one device (cuda:N or emulated:N); default all")
+    p_demo = sub.add_parser("demo", help="back up random KV pages to registered host memory, clobber, load, verify")
+    p_demo.add_argument("--device", help="cuda:N or emulated:N (default: cuda if present, else emulated:0)")
+    p_demo.add_argument("--attention", choices=["mha", "mla"], default="mha")
+    p_demo.add_argument("--layers", type=int, default=32)
+    p_demo.add_argument("--heads", type=int, default=8, help="KV heads (MHA)")
+    p_demo.add_argument("--head-dim", type=int, default=128, help="128 for MHA; 576 is typical for MLA")
+    p_demo.add_argument("--dtype", choices=list(get_args(DType)), default="bfloat16")
+    p_demo.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    p_demo.add_argument("--device-pages", type=int, default=32)
+    p_demo.add_argument("--host-pages", type=int, default=64)
+    p_demo.add_argument("--pages", type=int, default=16, help="pages moved each way")
+    p_demo.add_argument("--host-layout", choices=list(get_args(LayoutKind)), default="page_first")
+    p_demo.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        return doctor(args) if args.command == "doctor" else demo(args)
+    except PointerDomainError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
