@@ -1,0 +1,3 @@
+from pointerdomain.cli import main
+
+raise SystemExit(main())
