@@ -1,0 +1,184 @@
+"""GPU tests (run on the H200 by scripts/gpu-check; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pointerdomain as pd
+from pointerdomain import errors
+from tests.kvref import as_bytes, fill_random, items, pool_items
+
+pytestmark = pytest.mark.gpu
+
+
+def _dev() -> pd.Device:
+    return pd.Device("cuda", 0)
+
+
+def layout(kind: str, pages: int, attention: str = "mha") -> pd.KVLayout:
+    heads, dim = (1, 576) if attention == "mla" else (8, 128)
+    return pd.KVLayout(kind=kind, attention=attention, num_layers=4, num_pages=pages, page_size=16,
+                       num_heads=heads, head_dim=dim, dtype="bfloat16")
+
+
+def _fill_pool(pool: pd.DeviceKVPool, seed: int) -> None:
+    for i, b in enumerate(pool.buffers):
+        cpu = torch.empty(b.shape, dtype=b.dtype)
+        fill_random(cpu, seed + i)
+        b.copy_(cpu)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize("kind", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked: bool) -> None:
+    dev = _dev()
+    dev_layout = layout("layer_first", 24, attention)
+    host_layout = layout(kind, 40, attention)
+    pool = pd.DeviceKVPool(dev_layout, dev)
+    _fill_pool(pool, 0)
+    max_chunk = host_layout.page_block_bytes() * 7 if chunked else 1 << 40
+    with pd.HostKVPool(host_layout, dev, max_chunk_bytes=max_chunk) as host:
+        assert (len(host.memory.chunks) > 1) == chunked
+        fill_random(host.buffer, 77)
+        before = as_bytes(host.buffer).clone()
+        g = torch.Generator().manual_seed(1)
+        dev_slots = torch.randperm(dev_layout.num_slots, generator=g)[:100]
+        host_slots = torch.randperm(host_layout.num_slots, generator=g)[:100]
+        host.backup(pool, dev_slots.cuda(), host_slots.cuda())
+        torch.cuda.synchronize()
+        expected = before.view(torch.bfloat16).view(host_layout.buffer_shape).clone()
+        for kv in range(dev_layout.num_kv):
+            for layer in range(4):
+                src = pool_items(pool, kv, layer, dev_slots).cpu()
+                assert torch.equal(as_bytes(items(host.buffer, host_layout, kv, layer, host_slots)), as_bytes(src))
+                ref = items(expected, host_layout, kv, layer, host_slots)  # a copy; write through index below
+                del ref
+                if kind == "layer_first":
+                    expected[kv, layer][host_slots] = src
+                elif kind == "page_first":
+                    expected[kv][host_slots, layer] = src
+                else:
+                    expected[kv][host_slots // 16, layer, host_slots % 16] = src
+        assert torch.equal(as_bytes(host.buffer), as_bytes(expected)), "bytes outside the moved items changed"
+        saved = [as_bytes(b).clone() for b in pool.buffers]
+        _fill_pool(pool, 500)
+        poisoned = [as_bytes(b).clone() for b in pool.buffers]
+        # H2D per layer for even layers, all-layer afterwards for the rest must equal all-layer
+        for layer in range(4):
+            host.load_layer(pool, host_slots.cuda(), dev_slots.cuda(), layer)
+        torch.cuda.synchronize()
+        item = dev_layout.item_bytes
+        for i, b in enumerate(pool.buffers):
+            want = poisoned[i].view(-1, item).clone()
+            want[dev_slots] = saved[i].view(-1, item)[dev_slots]
+            assert torch.equal(as_bytes(b).view(-1, item), want)
+        _fill_pool(pool, 900)
+        host.load(pool, host_slots.cuda(), dev_slots.cuda(), max_ctas=2)
+        torch.cuda.synchronize()
+        for i, b in enumerate(pool.buffers):
+            assert torch.equal(as_bytes(b).view(-1, item)[dev_slots], saved[i].view(-1, item)[dev_slots])
+
+
+def test_gpu_graph_capture_and_replay() -> None:
+    dev = _dev()
+    dev_layout = layout("layer_first", 16)
+    host_layout = layout("page_first", 32)
+    pool = pd.DeviceKVPool(dev_layout, dev)
+    with pd.HostKVPool(host_layout, dev) as host:
+        fill_random(host.buffer, 3)
+        src = torch.zeros(64, dtype=torch.int64, device="cuda")
+        dst = torch.zeros(64, dtype=torch.int64, device="cuda")
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            host.load(pool, src, dst)
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            h = torch.randperm(host_layout.num_slots, generator=g)[:64]
+            d = torch.randperm(dev_layout.num_slots, generator=g)[:64]
+            src.copy_(h)
+            dst.copy_(d)
+            _fill_pool(pool, 40 * seed)
+            graph.replay()
+            torch.cuda.synchronize()
+            for kv in range(2):
+                for layer in range(4):
+                    assert torch.equal(as_bytes(pool_items(pool, kv, layer, d)),
+                                       as_bytes(items(host.buffer, host_layout, kv, layer, h)))
+
+
+def test_gpu_host_table_rejected_and_no_sticky_error() -> None:
+    dev = _dev()
+    pool = pd.DeviceKVPool(layout("layer_first", 4), dev)
+    host_layout = layout("page_first", 4)
+    with pd.HostKVPool(host_layout, dev) as host:
+        idx = torch.arange(4, device="cuda")
+        with pytest.raises(errors.DomainError):
+            pd.transfer_kv_all_layer(host.host_table, pool.table, idx, idx,  # type: ignore[arg-type]
+                                     src_layout=host_layout, dst_layout=pool.layout)
+        with pytest.raises(errors.IndexValidationError, match="on cpu"):
+            host.load(pool, idx.cpu(), idx)
+        with pytest.raises(errors.AlreadyRegisteredError):
+            pd.register_host_tensor(host.memory.tensor[:4096], dev)
+        # the failed registration left no pending CUDA error behind
+        torch.cuda.synchronize()
+        assert torch.ones(4, device="cuda").sum().item() == 4.0
+    with pytest.raises(errors.DomainError):
+        pd.host_ptr_table([torch.zeros(4, device="cuda")])
+
+
+def test_gpu_direct_cuda_register_conflict_reports_712() -> None:
+    dev = _dev()
+    t = torch.empty(1 << 20, dtype=torch.uint8)
+    with pd.register_host_tensor(t, dev):
+        from pointerdomain._extension import extension
+
+        code = extension().gpu_host_register(t.data_ptr(), t.numel(), 0)
+        assert code == 712
+        assert extension().gpu_device_count()[0] == 0  # not sticky
+    with pd.register_host_tensor(t, dev) as again:
+        assert not again.closed
+
+
+def test_gpu_stream_ordering_compute_then_offload() -> None:
+    dev = _dev()
+    dev_layout = layout("layer_first", 64)
+    host_layout = layout("page_first", 64)
+    pool = pd.DeviceKVPool(dev_layout, dev)
+    compute, copy = torch.cuda.Stream(), torch.cuda.Stream()
+    with pd.HostKVPool(host_layout, dev) as host:
+        slots = torch.arange(dev_layout.num_slots, device="cuda")
+        values = [torch.full(b.shape, float(i + 1), dtype=b.dtype, device="cuda") for i, b in enumerate(pool.buffers)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(50_000_000)  # make the compute stream late
+            for b, v in zip(pool.buffers, values):
+                b.copy_(v * 2)
+            done = torch.cuda.Event()
+            done.record(compute)
+        copy.wait_event(done)
+        host.backup(pool, slots, slots, stream=copy.cuda_stream)
+        copy.synchronize()
+        for kv in range(2):
+            for layer in range(4):
+                got = items(host.buffer, host_layout, kv, layer, slots.cpu())
+                assert bool((got == float(2 * (kv * 4 + layer + 1))).all())
+
+
+def test_gpu_doctor_and_demo() -> None:
+    doc = subprocess.run([sys.executable, "-m", "pointerdomain", "doctor"], capture_output=True, text=True, timeout=300)
+    assert doc.returncode == 0, doc.stderr
+    report = json.loads(doc.stdout)
+    entry = report["devices"][0]
+    assert entry["device"] == "cuda:0" and entry["self_test"]["ok"]
+    assert entry["can_use_host_pointer_for_registered_mem"] in (0, 1)
+    demo = subprocess.run([sys.executable, "-m", "pointerdomain", "demo"], capture_output=True, text=True, timeout=300)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "cuda:0" in demo.stdout and "verified byte-for-byte" in demo.stdout
