@@ -1,24 +1,110 @@
-"""Checked mode: before a launch, every address the launch will touch is looked up
+"""Checked mode: before a launch, every address the launch will use is looked up
 in the registry of known registrations and device allocations.
 
-Off by default; on with ``POINTERDOMAIN_CHECKED=1`` or :func:`set_enabled`.
+Off by default; on with ``POINTERDOMAIN_CHECKED=1`` in the environment (read at
+import), :func:`set_enabled`, or for a block with :func:`checked_mode`. The
+launch functions call :func:`verify_launch` after their own argument checks
+(table domain and device, open registrations, layouts, index dtype/shape/range)
+and before the kernel.
+
+What it checks, for the ``src`` and the ``dst`` table:
+
+1. **The addresses the kernel will read.** On an emulated device that is the
+   table's ``uint64`` tensor itself (it lives in CPU-readable memory), and it must
+   still equal the addresses the table was built with (a write through the
+   :meth:`~pointerdomain.PointerTable.as_uint64_tensor` escape hatch is caught).
+   On CUDA it is the table's host copy of the same values: reading the device copy
+   would synchronise the GPU.
+2. **Every entry is looked up**, for each table, in
+
+   * the registrations the table holds: each must still be open and in
+     :mod:`pointerdomain.memory`'s registry (``find_registration``), and each of
+     its chunks is taken in **device-alias space**: the alias of the chunk is asked
+     of the backend again at every launch (``emu_get_device_pointer`` /
+     ``cudaHostGetDevicePointer``; the host VA itself under the host-pointer
+     fallback), so a range unregistered behind pointerdomain's back is seen.
+     Registrations are portable (``cudaHostRegisterPortable``): memory registered
+     for any device of the launch's device type is accepted;
+   * the device allocations the table keeps alive: for an emulated device each is
+     looked up in the emulated backend's allocation registry (``emu_device_lookup``,
+     which gives its ordinal), for CUDA it is the storage of a kept CUDA tensor and
+     its ordinal (no caching-allocator query, no sync): a CUDA table's entries were
+     built from exactly those tensors;
+   * on CUDA only, host memory pinned by the runtime itself (``pin_memory()``)
+     that a kept CPU tensor holds (the one kind of host memory tables accept
+     without a pointerdomain registration).
+
+   An entry must lie inside one of these regions, all of the **device-alias
+   domain of the launch's device**. Memory the table does not hold is refused even
+   if it is valid elsewhere (it could be closed or freed under the launch). Anything
+   else is an error naming the table, the entry, the domain found (a host VA of
+   registered memory, another device's memory, the alias of a registration the
+   table does not hold, unregistered host memory, unknown memory), the domain
+   expected, and the fix; the diagnosis of a miss looks through the whole registry.
+3. **Every page the launch touches** lies inside the region of the entry the
+   kernel reaches it through. The pages come from the index tensors on an
+   emulated device (exact, the indices are CPU tensors); on CUDA every page of the
+   layout is taken (a superset) so that the indices, which live on the GPU, are
+   never read: checked mode adds no synchronisation to the one the range check
+   already does. The addresses are recomputed from the geometry the kernel uses
+   (``item_address`` in ``transfer.h``): each dimension feeds either the entry or
+   the offset, so the touched entries are the products of the touched leading
+   coordinates and, inside each, the hull of the touched pages is one interval
+   from the extreme ``(kv, layer, page)``; it must lie inside the entry's region.
+
+Errors (all raised before anything is copied):
+
+* :class:`~pointerdomain.errors.DomainError`: a host VA, unregistered host memory
+  or unknown memory in a kernel table; a modified table tensor.
+* :class:`~pointerdomain.errors.DeviceMismatchError`: memory of another device.
+* :class:`~pointerdomain.errors.NotRegisteredError`: a registration the table
+  uses was unregistered outside pointerdomain.
+* :class:`~pointerdomain.errors.RegistrationSpanError`: a touched page runs past
+  its registration chunk (chunks' aliases are not contiguous).
+* :class:`~pointerdomain.errors.LayoutError`: a touched page runs past its device
+  allocation.
+* :class:`~pointerdomain.errors.ClosedError`: a registration was closed.
+
+Cost: see ``docs/reliability.md`` (measured by ``benchmarks/checked_mode_cost.py``).
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from pointerdomain._extension import extension
+from pointerdomain.domains import Address, Device, DeviceAlias, HostVA
+from pointerdomain.errors import (
+    DeviceMismatchError,
+    DomainError,
+    LayoutError,
+    NotRegisteredError,
+    PointerDomainError,
+    RegistrationSpanError,
+)
+
 if TYPE_CHECKING:
-    from pointerdomain.domains import DeviceAlias
     from pointerdomain.layouts import KVLayout
+    from pointerdomain.memory import RegisteredHostMemory
     from pointerdomain.tables import PointerTable
 
-__all__ = ["enabled", "set_enabled", "verify_launch"]
+__all__ = ["checked_mode", "enabled", "set_enabled", "verify_launch"]
 
 _enabled = os.environ.get("POINTERDOMAIN_CHECKED") == "1"
+_state_lock = threading.Lock()
+
+_FIX_BUILD = (
+    "build kernel tables only with make_kernel_ptr_table(tensors, device) (it resolves device aliases) and "
+    "never write into as_uint64_tensor()"
+)
 
 
 def enabled() -> bool:
@@ -27,9 +113,336 @@ def enabled() -> bool:
 
 
 def set_enabled(on: bool) -> None:
-    """Turn checked mode on or off for this process."""
+    """Turn checked mode on or off for this process (all threads)."""
     global _enabled
-    _enabled = bool(on)
+    with _state_lock:
+        _enabled = bool(on)
+
+
+@contextlib.contextmanager
+def checked_mode(on: bool = True) -> Iterator[None]:
+    """Turn checked mode on (or off) for a block; the previous setting comes back on exit.
+
+    The setting is process-wide: other threads see it while the block runs.
+    """
+    global _enabled
+    with _state_lock:
+        previous = _enabled
+        _enabled = bool(on)
+    try:
+        yield
+    finally:
+        with _state_lock:
+            _enabled = previous
+
+
+@dataclass(frozen=True, slots=True)
+class _Region:
+    """A range of addresses a kernel on ``device`` may use, in device-alias space."""
+
+    lo: int
+    hi: int
+    kind: str  # "registered" | "device" | "pinned"
+    device: Device
+    owner: RegisteredHostMemory | None = None
+    chunk: int = 0
+    chunks: int = 1
+
+    def describe(self) -> str:
+        if self.kind == "registered":
+            assert self.owner is not None
+            return (
+                f"chunk {self.chunk + 1}/{self.chunks} of host memory registered for {self.device} "
+                f"(HostVA {self.owner.host_va.value:#x}, +{self.owner.nbytes} bytes), device-alias range "
+                f"[{self.lo:#x}, {self.hi:#x})"
+            )
+        if self.kind == "pinned":
+            return f"runtime-pinned host memory, device-alias range [{self.lo:#x}, {self.hi:#x})"
+        return f"device memory of {self.device} [{self.lo:#x}, {self.hi:#x})"
+
+
+def _expected(device: Device) -> str:
+    return (
+        f"a DeviceAlias for {device}: the device alias of registered host memory or device memory of {device}"
+    )
+
+
+class _Regions:
+    """The regions one table's entries may point into on ``device``, sorted by address:
+    the registration chunks the table holds (in alias space) and the device
+    allocations it keeps alive."""
+
+    def __init__(self, device: Device, name: str, table: PointerTable[DeviceAlias]) -> None:
+        from pointerdomain.memory import find_registration
+
+        self.device = device
+        self.other: list[_Region] = []  # allocations of other devices (for the diagnosis only)
+        found: list[_Region] = []
+        for owner in table._owners:
+            owner.check_open()
+            if find_registration(owner.host_va, owner.nbytes) is not owner:
+                raise NotRegisteredError(
+                    f"checked mode: the {name} table uses host memory registered at {owner.host_va!r} "
+                    f"(+{owner.nbytes} bytes) that is no longer in pointerdomain's registry. Found: no registration; "
+                    "expected: an open registration. Fix: keep the RegisteredHostMemory open while tables use it"
+                )
+            for k, chunk in enumerate(owner.chunks):
+                alias = _chunk_alias(chunk.host_va.value, device)
+                if alias is None:
+                    raise NotRegisteredError(
+                        f"checked mode: the {name} table uses host memory registered at {owner.host_va!r} "
+                        f"(+{owner.nbytes} bytes; chunk {k + 1}/{len(owner.chunks)} at {chunk.host_va!r}) that "
+                        "pointerdomain holds open, but the backend reports that chunk not registered: it was "
+                        "unregistered outside pointerdomain (a double unregister). Found: no device alias; "
+                        f"expected: a registered range with a DeviceAlias for {device}. Fix: unregister only "
+                        "through RegisteredHostMemory.close(), then re-register and rebuild the table"
+                    )
+                found.append(_Region(alias, alias + chunk.nbytes, "registered", owner.device, owner, k, len(owner.chunks)))
+        seen: set[int] = set()
+        for t in table._keepalive:
+            storage = t.untyped_storage()
+            lo = int(storage.data_ptr())
+            if lo in seen:
+                continue
+            seen.add(lo)
+            region = _device_region(t, lo, max(int(storage.nbytes()), 1), device)
+            if region is not None:
+                (found if region.device == device else self.other).append(region)
+        found.sort(key=lambda r: r.lo)
+        self.regions = found
+        self._los = [r.lo for r in found]
+
+    def find(self, value: int) -> _Region | None:
+        i = bisect.bisect_right(self._los, value) - 1
+        while i >= 0:
+            region = self.regions[i]
+            if value < region.hi:
+                return region
+            if i == 0 or self.regions[i - 1].hi <= value:
+                return None
+            i -= 1
+        return None
+
+    def diagnose(self, name: str, table: PointerTable[DeviceAlias], i: int, value: int) -> PointerDomainError:
+        """The error for an entry found in no region of the launch's device."""
+        from pointerdomain.memory import find_registration
+
+        head = f"checked mode: {name} table entry {i} (of {len(table)}) holds address {value:#x}"
+        want = _expected(self.device)
+        for region in self.other:
+            if region.lo <= value < region.hi:
+                return DeviceMismatchError(
+                    f"{head}, found: {region.describe()}; expected: {want}. Fix: build the table for the device "
+                    "whose memory it holds, or copy the data to that device first"
+                )
+        ordinal = int(extension().emu_device_lookup(value, 1))
+        if ordinal >= 0:
+            where = Device("emulated", ordinal)
+            if where == self.device:
+                return DomainError(
+                    f"{head}, found: device memory of {where} that this table does not keep alive (not one of "
+                    f"its tensors); expected: {want} that the table holds. Fix: {_FIX_BUILD}"
+                )
+            return DeviceMismatchError(
+                f"{head}, found: device memory of {where}; expected: {want}. Fix: build the table for {where}, "
+                f"or copy the data to {self.device} first"
+            )
+        for region in _registry_alias_regions(self.device):
+            if region.lo <= value < region.hi:
+                return DomainError(
+                    f"{head}, found: the device alias of {region.describe()}, a registration this table does not "
+                    f"hold (it can be closed under the launch); expected: {want} of memory the table holds. "
+                    f"Fix: {_FIX_BUILD}"
+                )
+        owner = find_registration(HostVA(value))
+        if owner is not None and owner.device.type != self.device.type:
+            return DeviceMismatchError(
+                f"{head}, found: host memory registered for {owner.device} (at {owner.host_va!r}, +{owner.nbytes} "
+                f"bytes), not for a {self.device.type} device; expected: {want}. Fix: register the memory for "
+                f"{self.device} and build the table with make_kernel_ptr_table(tensors, {str(self.device)!r})"
+            )
+        if owner is not None:
+            return DomainError(
+                f"{head}, found: a HostVA (a CPU address) inside host memory registered at {owner.host_va!r} "
+                f"(+{owner.nbytes} bytes) for {owner.device}; expected: {want}. A kernel must never read a host "
+                f"VA (it is not a device address where CanUseHostPointerForRegisteredMem is 0). Fix: {_FIX_BUILD}"
+            )
+        for t in table._keepalive:
+            if t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if storage.data_ptr() <= value < storage.data_ptr() + storage.nbytes():
+                    return DomainError(
+                        f"{head}, found: a HostVA of unregistered host memory (a tensor this table keeps); "
+                        f"expected: {want}. Fix: allocate the buffer with alloc_registered or register it with "
+                        "register_host_tensor, then rebuild the table"
+                    )
+        return DomainError(
+            f"{head}, found: an address in no open registration and no device allocation this table keeps "
+            f"(unknown or freed memory); expected: {want}. Fix: {_FIX_BUILD}, and keep the memory registered "
+            "while tables use it"
+        )
+
+
+def _registry_alias_regions(device: Device) -> list[_Region]:
+    """Alias ranges of every open registration for ``device``'s type (diagnosis only)."""
+    from pointerdomain.memory import _registry
+
+    with _registry._lock:
+        owners = [ref() for ref in _registry._active.values()]
+    regions: list[_Region] = []
+    for owner in owners:
+        if owner is None or owner.closed or owner.device.type != device.type:
+            continue
+        for k, chunk in enumerate(owner.chunks):
+            alias = _chunk_alias(chunk.host_va.value, device)
+            if alias is not None:
+                regions.append(_Region(alias, alias + chunk.nbytes, "registered", owner.device, owner, k, len(owner.chunks)))
+    return regions
+
+
+def _chunk_alias(va: int, device: Device) -> int | None:
+    """The device alias of registered host address ``va`` on ``device``, or None if the
+    backend does not know it as registered. Never counts as a resolver fallback."""
+    from pointerdomain.resolve import AliasPolicy, alias_policy
+
+    if device.type == "emulated":
+        status, alias = extension().emu_get_device_pointer(va)
+        return int(alias) if status == 0 else None
+    try:
+        policy = alias_policy(device)
+    except PointerDomainError:
+        return None
+    if policy is AliasPolicy.HOST_POINTER_FALLBACK:
+        return va
+    status, alias = extension().gpu_host_get_device_pointer(va, device.ordinal)
+    return int(alias) if status == 0 else None
+
+
+def _device_region(t: torch.Tensor, lo: int, nbytes: int, device: Device) -> _Region | None:
+    """The device allocation (or runtime-pinned memory) behind kept tensor ``t``, or None
+    for host memory (registered host memory comes from the registry instead)."""
+    if t.device.type == "cuda":
+        return _Region(lo, lo + nbytes, "device", Device("cuda", int(t.get_device())))
+    if t.device.type != "cpu":
+        return None
+    ordinal = int(extension().emu_device_lookup(lo, nbytes))
+    if ordinal >= 0:
+        return _Region(lo, lo + nbytes, "device", Device("emulated", ordinal))
+    if device.type == "cuda":
+        from pointerdomain.memory import find_registration
+        from pointerdomain.resolve import _runtime_reports_host
+
+        if find_registration(HostVA(lo)) is None and _runtime_reports_host(HostVA(lo)):
+            alias = _chunk_alias(lo, device)
+            if alias is not None:
+                return _Region(alias, alias + nbytes, "pinned", device)
+    return None
+
+
+def _kernel_values(name: str, table: PointerTable[DeviceAlias], device: Device) -> list[int]:
+    """The addresses the kernel will read for ``table``."""
+    recorded = list(table._values)
+    if device.type != "emulated":
+        return recorded  # the device copy: reading it would synchronise the GPU
+    actual = [int(v) for v in table.as_uint64_tensor().tolist()]
+    if len(actual) != len(recorded):
+        raise DomainError(
+            f"checked mode: the {name} table's uint64 tensor has {len(actual)} entries but the table was built "
+            f"with {len(recorded)}. Fix: {_FIX_BUILD}"
+        )
+    return actual
+
+
+def _touched_pages(indices: torch.Tensor, layout: KVLayout) -> list[int]:
+    """The pages the launch touches through ``indices`` (sorted), or every page of the
+    layout when the indices live on a GPU (reading them would synchronise)."""
+    if indices.device.type != "cpu":
+        return list(range(layout.num_pages))
+    pages: list[int] = torch.unique(torch.div(indices, layout.page_size, rounding_mode="floor")).tolist()
+    return pages
+
+
+def _verify_table(
+    name: str,
+    table: PointerTable[DeviceAlias],
+    layout: KVLayout,
+    indices: torch.Tensor,
+    layer_begin: int,
+    layer_count: int,
+    regions: _Regions,
+) -> None:
+    device = regions.device
+    values = _kernel_values(name, table, device)
+    n = len(values)
+    # 2. every entry: inside a region of the launch device's alias domain
+    hit: list[_Region] = []
+    for i, value in enumerate(values):
+        region = regions.find(value)
+        if region is None:
+            raise regions.diagnose(name, table, i, value)
+        hit.append(region)
+    # 3. every touched page: inside the region of the entry the kernel reaches it through.
+    # The kernel forms  table[kv*e_kv + layer*e_layer + page*e_page]
+    #                   + kv*s_kv + layer*s_layer + page*s_page + tok*s_tok  (+ item_bytes)
+    # and each dimension feeds either the entry (e != 0, a leading dimension) or the
+    # offset (s != 0). So the touched entries are the products of the leading
+    # dimensions' touched coordinates, and inside every touched entry the touched
+    # bytes' hull is [sum of min coord * s, sum of max coord * s + (page_size-1)*s_tok
+    # + item_bytes): each touched page span lies in the region iff the hull does
+    # (the region is one interval and the extreme (kv, layer, page) are touched).
+    e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, _slots = layout.geometry(len(table), table.sizes, name)
+    pages = _touched_pages(indices, layout)
+    if not pages:
+        return
+    dims = (
+        ("kv", list(range(layout.num_kv)), e_kv, s_kv),
+        ("layer", list(range(layer_begin, layer_begin + layer_count)), e_layer, s_layer),
+        ("page", pages, e_page, s_page),
+    )
+    if any(e and s for _, _, e, s in dims):
+        raise LayoutError(f"checked mode: {name} geometry mixes entry and offset strides: {dims}")
+    off_min = sum(min(coords) * s for _, coords, _, s in dims)
+    end_max = sum(max(coords) * s for _, coords, _, s in dims) + (layout.page_size - 1) * s_tok + layout.item_bytes
+    entries: dict[int, dict[str, int]] = {0: {}}
+    for dim, coords, e, _s in dims:
+        if e:
+            entries = {k + c * e: {**where, dim: c} for k, where in entries.items() for c in coords}
+    for e_i, where in entries.items():
+        region, value = hit[e_i], values[e_i]
+        low = value + off_min < region.lo
+        if not low and value + end_max <= region.hi:
+            continue
+        pick = min if low else max
+        coord = {dim: where.get(dim, pick(coords)) for dim, coords, _, _ in dims}
+        a = value + sum(coord[dim] * s for dim, _, _, s in dims)
+        b = a + (layout.page_size - 1) * s_tok + layout.item_bytes
+        what = (
+            f"checked mode: {name} table entry {e_i} (of {n}) at {value:#x}: page {coord['page']} "
+            f"(kv {coord['kv']}, layer {coord['layer']}) spans [{a:#x}, {b:#x}), which is not inside "
+            f"{region.describe()}"
+        )
+        if region.kind == "registered":
+            raise RegistrationSpanError(
+                f"{what}. Found: a page crossing the end of its registration chunk (aliases of separate chunks "
+                "are not contiguous); expected: every touched page inside one chunk. Fix: register with a "
+                "granularity that is a multiple of layout.page_block_bytes() (HostKVPool does) and give the "
+                "table one entry per chunk-aligned block"
+            )
+        raise LayoutError(
+            f"{what}. Found: a page past the end of its allocation; expected: every touched page inside the "
+            "buffer its entry points at. Fix: size each buffer for the layout (layout.nbytes / table length) "
+            "and build the table from those buffers"
+        )
+    # 1. (emulated) the tensor the kernel reads still holds what the table was built with
+    if device.type == "emulated":
+        for i, (value, built) in enumerate(zip(values, table._values)):
+            if value != built:
+                raise DomainError(
+                    f"checked mode: {name} table entry {i} (of {n}): the kernel would read {value:#x} but the "
+                    f"table was built with {built:#x} ({hit[i].describe()}); found: an address written into "
+                    "the table's uint64 tensor after it was built (e.g. an alias that lost its interior offset); "
+                    f"expected: the table's own {_expected(device)}. Fix: {_FIX_BUILD}"
+                )
 
 
 def verify_launch(
@@ -42,5 +455,32 @@ def verify_launch(
     layer_begin: int,
     layer_count: int,
 ) -> None:
-    """Check every page the launch touches against the registry (not yet implemented)."""
-    raise NotImplementedError("checked mode is not implemented yet")
+    """Check every table entry and every page the launch touches against the registry
+    of open registrations and device allocations (see the module docstring).
+
+    Called by the launch functions, after their own argument checks, when
+    :func:`enabled`. Reads no GPU memory (no synchronisation).
+
+    Raises:
+        DomainError: an entry that is not a device address of the launch's device
+            (a host VA, unregistered or unknown memory), or a modified table tensor.
+        DeviceMismatchError: an entry in memory of another device.
+        NotRegisteredError: a registration the tables use was unregistered outside pointerdomain.
+        RegistrationSpanError: a touched page crosses the end of its registration chunk.
+        LayoutError: a touched page crosses the end of its device allocation.
+        ClosedError: a table's registration was closed.
+    """
+    for name, table in (("src", src), ("dst", dst)):
+        domain: type[Address] = table.domain
+        if domain is not DeviceAlias or table.device is None:
+            raise DomainError(
+                f"checked mode: the {name} table is a PointerTable[{domain.__name__}]; a launch needs "
+                f"PointerTable[DeviceAlias]. Fix: {_FIX_BUILD}"
+            )
+        table.check_live()
+    device = src.device
+    assert device is not None
+    if dst.device != device:
+        raise DeviceMismatchError(f"checked mode: src table is for {device} but dst table is for {dst.device}")
+    _verify_table("src", src, src_layout, src_indices, layer_begin, layer_count, _Regions(device, "src", src))
+    _verify_table("dst", dst, dst_layout, dst_indices, layer_begin, layer_count, _Regions(device, "dst", dst))
