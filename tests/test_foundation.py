@@ -343,3 +343,46 @@ def test_cli_demo_small_and_doctor() -> None:
     report = json.loads(doc.stdout)
     assert report["devices"][0]["self_test"]["ok"] is True
     assert report["devices"][0]["self_test"]["alias_equals_va"] is False
+
+
+@pytest.mark.parametrize("kind", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_copy_engine_path_matches_kernel(kind: str, chunked: bool) -> None:
+    dev_layout = layout("layer_first", pages=6)
+    host_layout = layout(kind, pages=10)
+    pool = pd.DeviceKVPool(dev_layout, DEV)
+    for i, b in enumerate(pool.buffers):
+        fill_random(b, i)
+    max_chunk = host_layout.page_block_bytes() * 3 if chunked else 1 << 40
+    # runs of consecutive slots, crossing page boundaries, plus singletons
+    dev_slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 20, 21, 22, 23, 17])
+    host_slots = torch.tensor([2, 3, 4, 5, 6, 7, 8, 30, 31, 32, 12, 13, 14, 15, 39])
+    results = []
+    for backend in ("kernel", "copy_engine", "auto"):
+        with pd.HostKVPool(host_layout, DEV, max_chunk_bytes=max_chunk) as host:
+            fill_random(host.buffer, 5)
+            host.backup(pool, dev_slots, host_slots, backend=backend)
+            results.append(as_bytes(host.buffer).clone())
+            for kv in range(2):
+                for layer in range(3):
+                    assert torch.equal(as_bytes(items(host.buffer, host_layout, kv, layer, host_slots)),
+                                       as_bytes(pool_items(pool, kv, layer, dev_slots)))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_copy_runs_merge_consecutive_slots_within_pages() -> None:
+    from pointerdomain.kernels import _copy_runs
+
+    dev_layout = layout("layer_first", pages=6)
+    host_layout = layout("page_first_direct", pages=10)
+    pool = pd.DeviceKVPool(dev_layout, DEV)
+    with pd.HostKVPool(host_layout, DEV) as host:
+        s = torch.tensor([0, 1, 2, 3, 4, 5, 9])
+        d = torch.tensor([4, 5, 6, 7, 8, 9, 20])
+        geo_s = dev_layout.geometry(len(pool.table), pool.table.sizes, "s")
+        geo_d = host_layout.geometry(len(host.kernel_table), host.kernel_table.sizes, "d")
+        dsts, srcs, sizes = _copy_runs(pool.table, geo_s, host.kernel_table, geo_d, s, d, dev_layout, 0, 3)
+        item = dev_layout.item_bytes
+        # per (kv, layer): pages of 4 -> runs [0..3], [4,5], [9]
+        assert sizes.tolist() == [4 * item, 2 * item, item] * 6
+        assert int(sizes.sum()) == 7 * 6 * item

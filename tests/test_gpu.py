@@ -182,3 +182,33 @@ def test_gpu_doctor_and_demo() -> None:
     demo = subprocess.run([sys.executable, "-m", "pointerdomain", "demo"], capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "cuda:0" in demo.stdout and "verified byte-for-byte" in demo.stdout
+
+
+@pytest.mark.parametrize("kind", ["layer_first", "page_first_direct", "page_first"])
+@pytest.mark.parametrize("backend", ["copy_engine", "auto"])
+@pytest.mark.parametrize("max_ctas", [1, 2, 4, None])
+def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_ctas: int | None) -> None:
+    dev = _dev()
+    dev_layout = layout("layer_first", 24, "mla")
+    host_layout = layout(kind, 40, "mla")
+    pool = pd.DeviceKVPool(dev_layout, dev)
+    _fill_pool(pool, 11)
+    with pd.HostKVPool(host_layout, dev, max_chunk_bytes=host_layout.page_block_bytes() * 5) as host:
+        fill_random(host.buffer, 12)
+        g = torch.Generator().manual_seed(2)
+        pages_d = torch.randperm(24, generator=g)[:10]
+        pages_h = torch.randperm(40, generator=g)[:10]
+        tok = torch.arange(16)
+        d = (pages_d[:, None] * 16 + tok).reshape(-1)
+        h = (pages_h[:, None] * 16 + tok).reshape(-1)
+        host.backup(pool, d.cuda(), h.cuda(), backend=backend, max_ctas=max_ctas)
+        torch.cuda.synchronize()
+        for layer in range(4):
+            assert torch.equal(as_bytes(items(host.buffer, host_layout, 0, layer, h)),
+                               as_bytes(pool_items(pool, 0, layer, d)))
+        _fill_pool(pool, 99)
+        host.load(pool, h.cuda(), d.cuda(), backend=backend, max_ctas=max_ctas)
+        torch.cuda.synchronize()
+        for layer in range(4):
+            assert torch.equal(as_bytes(pool_items(pool, 0, layer, d)),
+                               as_bytes(items(host.buffer, host_layout, 0, layer, h)))

@@ -2,6 +2,7 @@
 // nanobind module compiles without the CUDA (or HIP) headers. Every function
 // returns the runtime's error code (0 = success) and leaves no sticky error.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "transfer.h"
@@ -21,8 +22,16 @@ int can_use_host_pointer_for_registered_mem(int device, int *value);
 int pointer_is_host(std::uint64_t ptr, int *is_host);
 int multiprocessor_count(int device, int *count);
 // Launch on `stream` (a cudaStream_t as an integer) under a device guard.
-// vec_bytes: 16, 8, 4 or 1 (Python checks alignment); max_ctas <= 0: whole GPU.
-int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes);
+// vec_bytes: 16, 8, 4 or 1 (Python checks alignment); max_ctas <= 0: whole GPU;
+// threads per CTA (multiple of 32, <= 1024); ilp: items in flight per warp (1, 2, 4).
+int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes, int threads,
+             int ilp);
+// Copy-engine path: count copies dsts[i] <- srcs[i] of sizes[i] bytes (host arrays of
+// device addresses / aliases) with cudaMemcpyBatchAsync (CUDA >= 12.8) or a
+// cudaMemcpyAsync loop.
+int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes, std::size_t count,
+              int device, std::uint64_t stream, bool use_batch);
+bool has_batch_copy();
 const char *error_string(int code);
 
 }  // namespace pointerdomain::gpu

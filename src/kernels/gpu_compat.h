@@ -23,6 +23,8 @@
 #define gpuPointerAttributes hipPointerAttribute_t
 #define gpuPointerGetAttributes hipPointerGetAttributes
 #define gpuMemoryTypeHost hipMemoryTypeHost
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemcpyDefault hipMemcpyDefault
 #else
 #include <cuda_runtime.h>
 #define PD_RUNTIME_NAME "cuda"
@@ -46,4 +48,6 @@
 #define gpuPointerAttributes cudaPointerAttributes
 #define gpuPointerGetAttributes cudaPointerGetAttributes
 #define gpuMemoryTypeHost cudaMemoryTypeHost
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemcpyDefault cudaMemcpyDefault
 #endif

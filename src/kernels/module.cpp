@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 
 #include "emulation.h"
 #include "transfer.h"
@@ -64,6 +65,17 @@ NB_MODULE(_C, m) {
         nb::arg("layer_begin"), nb::arg("layer_count"), nb::arg("item_bytes"), nb::arg("num_threads"),
         nb::call_guard<nb::gil_scoped_release>(), "Copy KV items between two tables of CPU addresses.");
 
+    m.def(
+        "cpu_copy_runs",
+        [](std::uint64_t dsts, std::uint64_t srcs, std::uint64_t sizes, std::size_t count) {
+            const auto *d = reinterpret_cast<const std::uint64_t *>(dsts);
+            const auto *s = reinterpret_cast<const std::uint64_t *>(srcs);
+            const auto *n = reinterpret_cast<const std::uint64_t *>(sizes);
+            for (std::size_t i = 0; i < count; ++i)
+                std::memcpy(reinterpret_cast<void *>(d[i]), reinterpret_cast<const void *>(s[i]), n[i]);
+        },
+        nb::arg("dsts"), nb::arg("srcs"), nb::arg("sizes"), nb::arg("count"),
+        nb::call_guard<nb::gil_scoped_release>(), "memcpy runs: addresses of uint64 arrays of dst, src, bytes.");
     m.def(
         "emu_host_alloc",
         [](std::uint64_t nbytes) {
@@ -138,15 +150,30 @@ NB_MODULE(_C, m) {
         [](std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
            const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
            std::int64_t page_size, std::int64_t num_kv, std::int64_t layer_begin, std::int64_t layer_count,
-           std::int64_t item_bytes, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {
+           std::int64_t item_bytes, int device, std::uint64_t stream, int max_ctas, int vec_bytes, int threads,
+           int ilp) {
             return g::transfer(make_transfer(src_table, src_geometry, dst_table, dst_geometry, src_idx, dst_idx, n,
                                              page_size, num_kv, layer_begin, layer_count, item_bytes),
-                               device, stream, max_ctas, vec_bytes);
+                               device, stream, max_ctas, vec_bytes, threads, ilp);
         },
         nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
         nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("page_size"), nb::arg("num_kv"),
         nb::arg("layer_begin"), nb::arg("layer_count"), nb::arg("item_bytes"), nb::arg("device"),
-        nb::arg("stream"), nb::arg("max_ctas"), nb::arg("vec_bytes"), nb::call_guard<nb::gil_scoped_release>(),
+        nb::arg("stream"), nb::arg("max_ctas"), nb::arg("vec_bytes"), nb::arg("threads"), nb::arg("ilp"),
+        nb::call_guard<nb::gil_scoped_release>(),
         "Launch the KV transfer kernel on a stream: status (tables and indices in device memory).");
+    m.def(
+        "gpu_copy_runs",
+        [](std::uint64_t dsts, std::uint64_t srcs, std::uint64_t sizes, std::size_t count, int device,
+           std::uint64_t stream, bool use_batch) {
+            return g::copy_runs(reinterpret_cast<const std::uint64_t *>(dsts),
+                                reinterpret_cast<const std::uint64_t *>(srcs),
+                                reinterpret_cast<const std::uint64_t *>(sizes), count, device, stream, use_batch);
+        },
+        nb::arg("dsts"), nb::arg("srcs"), nb::arg("sizes"), nb::arg("count"), nb::arg("device"), nb::arg("stream"),
+        nb::arg("use_batch"), nb::call_guard<nb::gil_scoped_release>(),
+        "Copy-engine copies: addresses of host uint64/int64 arrays of dst, src, bytes; status. "
+        "use_batch: cudaMemcpyBatchAsync (CUDA >= 12.8), else a cudaMemcpyAsync loop.");
+    m.attr("gpu_has_batch_copy") = g::has_batch_copy();
 #endif
 }

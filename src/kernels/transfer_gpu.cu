@@ -39,27 +39,67 @@ template <> struct Vec<8> { using T = uint2; };
 template <> struct Vec<4> { using T = unsigned int; };
 template <> struct Vec<1> { using T = unsigned char; };
 
-// One warp per (slot pair, kv, layer) item; lanes stride over the item in
-// VEC-byte words. Items are small (1-2 KiB), so a warp finishes one in a
-// couple of iterations and the grid-stride loop keeps many items in flight.
-template <int VEC>
-__global__ void transfer_kernel(Transfer t) {
+// Each warp moves ILP items at a time (one item = one (slot pair, kv, layer)).
+// All loads of the group are issued before any store, so a warp keeps
+// ILP * 32 * PER_LANE * VEC bytes in flight: reads of host memory over PCIe
+// have microseconds of latency, and with a small CTA budget (2-4 CTAs, so the
+// copy overlaps model compute) only memory-level parallelism per SM brings the
+// bandwidth up (field notes: ~16-19 GB/s per SM for host reads).
+// Consecutive items of a group are consecutive layers of one slot: adjacent in
+// a page_first host buffer.
+template <int VEC, int ILP>
+__global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
     using V = typename Vec<VEC>::T;
+    constexpr int PER_LANE = (VEC >= 16) ? 2 : (VEC == 8 ? 4 : 8);  // ~1 KiB per item per pass
     const int lane = threadIdx.x & 31;
     const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const std::int64_t nwarps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
     const std::int64_t per_slot = t.num_kv * t.layer_count;
     const std::int64_t items = t.n * per_slot;
     const std::int64_t words = t.item_bytes / VEC;
-    for (std::int64_t w = warp; w < items; w += nwarps) {
-        const std::int64_t i = w / per_slot, r = w - i * per_slot;
-        const std::int64_t kv = r / t.layer_count, l = t.layer_begin + (r - kv * t.layer_count);
-        const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
-        if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) continue;
-        const V *src = reinterpret_cast<const V *>(item_address(t.src, kv, l, s, t.page_size));
-        V *dst = reinterpret_cast<V *>(item_address(t.dst, kv, l, d, t.page_size));
-#pragma unroll 4
-        for (std::int64_t j = lane; j < words; j += 32) dst[j] = src[j];
+    const std::int64_t groups = (items + ILP - 1) / ILP;
+    for (std::int64_t g = warp; g < groups; g += nwarps) {
+        const V *src[ILP];
+        V *dst[ILP];
+#pragma unroll
+        for (int k = 0; k < ILP; ++k) {
+            src[k] = nullptr;
+            dst[k] = nullptr;
+            const std::int64_t w = g * ILP + k;
+            if (w >= items) continue;
+            const std::int64_t i = w / per_slot, r = w - i * per_slot;
+            const std::int64_t kv = r / t.layer_count, l = t.layer_begin + (r - kv * t.layer_count);
+            const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
+            if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) continue;
+            src[k] = reinterpret_cast<const V *>(item_address(t.src, kv, l, s, t.page_size));
+            dst[k] = reinterpret_cast<V *>(item_address(t.dst, kv, l, d, t.page_size));
+        }
+        for (std::int64_t base = 0; base < words; base += 32 * PER_LANE) {
+            V r[ILP][PER_LANE];
+#pragma unroll
+            for (int k = 0; k < ILP; ++k)
+#pragma unroll
+                for (int p = 0; p < PER_LANE; ++p) {
+                    const std::int64_t j = base + lane + 32 * p;
+                    if (src[k] != nullptr && j < words) r[k][p] = src[k][j];
+                }
+#pragma unroll
+            for (int k = 0; k < ILP; ++k)
+#pragma unroll
+                for (int p = 0; p < PER_LANE; ++p) {
+                    const std::int64_t j = base + lane + 32 * p;
+                    if (dst[k] != nullptr && j < words) dst[k][j] = r[k][p];
+                }
+        }
+    }
+}
+
+template <int VEC>
+void launch_vec(const Transfer &t, int ilp, int ctas, int threads, gpuStream_t s) {
+    switch (ilp) {
+        case 1: transfer_kernel<VEC, 1><<<ctas, threads, 0, s>>>(t); break;
+        case 2: transfer_kernel<VEC, 2><<<ctas, threads, 0, s>>>(t); break;
+        default: transfer_kernel<VEC, 4><<<ctas, threads, 0, s>>>(t); break;
     }
 }
 
@@ -113,28 +153,73 @@ int multiprocessor_count(int device, int *count) {
     return finish(gpuDeviceGetAttribute(count, gpuDevAttrMultiProcessorCount, device));
 }
 
-int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {
+int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes, int threads,
+             int ilp) {
     const std::int64_t items = t.n * t.num_kv * t.layer_count;
     if (items == 0) return 0;
     DeviceGuard guard(device);
     if (guard.status() != gpuSuccess) return finish(guard.status());
-    constexpr int threads = 256, warps_per_cta = threads / 32;
+    if (threads <= 0 || threads > 1024 || threads % 32 != 0) threads = 256;
+    if (ilp != 1 && ilp != 2) ilp = 4;
     int ctas = max_ctas;
     if (ctas <= 0) {
         int sms = 0;
         if (const int e = multiprocessor_count(device, &sms)) return e;
-        ctas = 4 * sms;
+        ctas = sms * (2048 / threads);  // whole GPU: full occupancy
     }
-    const std::int64_t needed = (items + warps_per_cta - 1) / warps_per_cta;
+    const std::int64_t warps_needed = (items + ilp - 1) / ilp;
+    const std::int64_t needed = (warps_needed + threads / 32 - 1) / (threads / 32);
     if (needed < ctas) ctas = static_cast<int>(needed);
     const auto s = reinterpret_cast<gpuStream_t>(stream);
     switch (vec_bytes) {
-        case 16: transfer_kernel<16><<<ctas, threads, 0, s>>>(t); break;
-        case 8: transfer_kernel<8><<<ctas, threads, 0, s>>>(t); break;
-        case 4: transfer_kernel<4><<<ctas, threads, 0, s>>>(t); break;
-        default: transfer_kernel<1><<<ctas, threads, 0, s>>>(t); break;
+        case 16: launch_vec<16>(t, ilp, ctas, threads, s); break;
+        case 8: launch_vec<8>(t, ilp, ctas, threads, s); break;
+        case 4: launch_vec<4>(t, ilp, ctas, threads, s); break;
+        default: launch_vec<1>(t, ilp, ctas, threads, s); break;
     }
     return finish(gpuGetLastError());
+}
+
+int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes, std::size_t count,
+              int device, std::uint64_t stream, bool use_batch) {
+    if (count == 0) return 0;
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    const auto s = reinterpret_cast<gpuStream_t>(stream);
+#if !defined(POINTERDOMAIN_HIP) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+    if (use_batch) {
+        cudaMemcpyAttributes attr{};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+        std::size_t attr_idx = 0;
+        auto d = reinterpret_cast<void *const *>(dsts);
+        auto src = reinterpret_cast<const void *const *>(srcs);
+        auto n = reinterpret_cast<const std::size_t *>(sizes);
+#if CUDART_VERSION >= 13000
+        return finish(cudaMemcpyBatchAsync(d, src, n, count, &attr, &attr_idx, 1, s));
+#else
+        std::size_t fail_idx = 0;
+        return finish(cudaMemcpyBatchAsync(const_cast<void **>(d), const_cast<void **>(src),
+                                           const_cast<std::size_t *>(n), count, &attr, &attr_idx, 1, &fail_idx, s));
+#endif
+    }
+#else
+    (void)use_batch;
+#endif
+    for (std::size_t i = 0; i < count; ++i) {
+        const gpuError_t e = gpuMemcpyAsync(reinterpret_cast<void *>(dsts[i]), reinterpret_cast<const void *>(srcs[i]),
+                                            sizes[i], gpuMemcpyDefault, s);
+        if (e != gpuSuccess) return finish(e);
+    }
+    return 0;
+}
+
+bool has_batch_copy() {
+#if !defined(POINTERDOMAIN_HIP) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+    return true;
+#else
+    return false;
+#endif
 }
 
 const char *error_string(int code) { return gpuGetErrorString(static_cast<gpuError_t>(code)); }

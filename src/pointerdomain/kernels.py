@@ -18,7 +18,8 @@ tables and index tensors alive until the stream reaches it.
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Literal
 
 import torch
 
@@ -32,11 +33,10 @@ from pointerdomain.errors import (
     LayoutError,
     RuntimeCallError,
 )
-from pointerdomain.guard import validate_device
 from pointerdomain.layouts import Geometry, KVLayout
 from pointerdomain.tables import PointerTable
 
-__all__ = ["transfer_kv_all_layer", "transfer_kv_per_layer"]
+__all__ = ["DEFAULT_MAX_CTAS", "kernel_config", "transfer_kv_all_layer", "transfer_kv_per_layer"]
 
 
 def _check_table(name: str, table: Any) -> Device:
@@ -80,6 +80,80 @@ def _check_range(src_idx: torch.Tensor, dst_idx: torch.Tensor, src_slots: int, d
             raise IndexValidationError(f"{name}: slot {bad} outside [0, {slots}); nothing was copied")
 
 
+#: Default SM budget: serving engines give copy kernels a few CTAs so the copy
+#: overlaps model compute (field notes). None = the whole GPU.
+DEFAULT_MAX_CTAS = 4
+
+#: Runs at least this long go to the copy engine under ``backend="auto"`` when the SM
+#: budget is small (the engine uses no SMs); with the whole GPU the kernel is faster up
+#: to ~64 KiB runs (field notes: batch copy 42.3 GB/s vs kernel 51.1 at 64 KiB).
+CE_MIN_RUN_BYTES_SMALL_BUDGET = 64 << 10
+CE_MIN_RUN_BYTES_WHOLE_GPU = 1 << 20
+
+Backend = Literal["auto", "kernel", "copy_engine"]
+
+_geometry_cache: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[KVLayout, Geometry]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _geometry(table: PointerTable[DeviceAlias], layout: KVLayout, name: str) -> Geometry:
+    per_table = _geometry_cache.setdefault(table, {})
+    geo = per_table.get(layout)
+    if geo is None:
+        geo = per_table[layout] = layout.geometry(len(table), table.sizes, name)
+    return geo
+
+
+def kernel_config(writes_host: bool, max_ctas: int | None, vec_max: int) -> tuple[int, int, int]:
+    """(threads per CTA, items in flight per warp, copy word bytes) for a launch.
+
+    From the H200 sweep in docs/performance.md: few CTAs want 1024 threads and 4
+    items in flight per warp (memory-level parallelism per SM); writes to host memory
+    (D2H) do best with 8-byte words from few SMs (field notes).
+    """
+    threads = 1024 if max_ctas is not None and max_ctas <= 16 else 256
+    vec = min(vec_max, 8) if writes_host and max_ctas is not None and max_ctas <= 16 else vec_max
+    return threads, 4, vec
+
+
+def _run_bytes(src_layout: KVLayout, src_geo: Geometry, dst_geo: Geometry) -> int:
+    """Longest contiguous run a page can give on both sides (token stride == item)."""
+    item = src_layout.item_bytes
+    return src_layout.page_size * item if src_geo[6] == item and dst_geo[6] == item else item
+
+
+def _copy_runs(
+    src: PointerTable[DeviceAlias], src_geo: Geometry, dst: PointerTable[DeviceAlias], dst_geo: Geometry,
+    s_idx: torch.Tensor, d_idx: torch.Tensor, layout: KVLayout, layer_begin: int, layer_count: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-copy (dst, src, nbytes) arrays on the host: items merged into runs of
+    consecutive slots that stay inside one page on both sides (a run never crosses a
+    table entry, so never two registrations)."""
+    item, ps = layout.item_bytes, layout.page_size
+    s = s_idx.cpu()
+    d = d_idx.cpu()
+    kv = torch.arange(layout.num_kv).view(1, -1, 1)
+    layer = torch.arange(layer_begin, layer_begin + layer_count).view(1, 1, -1)
+
+    def addresses(table: PointerTable[DeviceAlias], g: Geometry, slots: torch.Tensor) -> torch.Tensor:
+        values = torch.tensor(table.raw_values(), dtype=torch.int64)
+        page, tok = (slots // ps).view(-1, 1, 1), (slots % ps).view(-1, 1, 1)
+        entry = kv * g[0] + layer * g[1] + page * g[2]
+        return values[entry] + kv * g[3] + layer * g[4] + page * g[5] + tok * g[6]
+
+    sa = addresses(src, src_geo, s).permute(1, 2, 0).reshape(-1)  # (kv, layer, i) order: runs along i
+    da = addresses(dst, dst_geo, d).permute(1, 2, 0).reshape(-1)
+    same_page = torch.zeros(s.numel(), dtype=torch.bool)  # slot i continues slot i-1's page on both sides
+    same_page[1:] = (s[1:] // ps == s[:-1] // ps) & (d[1:] // ps == d[:-1] // ps)
+    same_page = same_page.repeat(layout.num_kv * layer_count)
+    cont = torch.zeros_like(same_page)
+    cont[1:] = (sa[1:] == sa[:-1] + item) & (da[1:] == da[:-1] + item) & same_page[1:]
+    starts = torch.nonzero(~cont).view(-1)
+    lengths = torch.diff(starts, append=torch.tensor([sa.numel()])) * item
+    return da[starts], sa[starts], lengths
+
+
 def _launch(
     src: PointerTable[DeviceAlias],
     src_layout: KVLayout,
@@ -91,45 +165,69 @@ def _launch(
     layer_count: int,
     stream: int | None,
     max_ctas: int | None,
+    backend: Backend,
+    validate_indices: bool,
 ) -> None:
     device = _check_table("src", src)
     dst_device = _check_table("dst", dst)
     if dst_device != device:
         raise DeviceMismatchError(f"src table is for {device} but dst table is for {dst_device}")
-    validate_device(device)
-    for field in ("attention", "num_layers", "page_size", "num_heads", "head_dim", "dtype"):
-        if getattr(src_layout, field) != getattr(dst_layout, field):
-            raise LayoutError(
-                f"src and dst layouts differ in {field}: {getattr(src_layout, field)!r} vs {getattr(dst_layout, field)!r}"
-            )
-    src_geo: Geometry = src_layout.geometry(len(src), src.sizes, "src")
-    dst_geo: Geometry = dst_layout.geometry(len(dst), dst.sizes, "dst")
+    if src_layout is not dst_layout:
+        for field in ("attention", "num_layers", "page_size", "num_heads", "head_dim", "dtype"):
+            if getattr(src_layout, field) != getattr(dst_layout, field):
+                raise LayoutError(
+                    f"src and dst layouts differ in {field}: "
+                    f"{getattr(src_layout, field)!r} vs {getattr(dst_layout, field)!r}"
+                )
+    src_geo = _geometry(src, src_layout, "src")
+    dst_geo = _geometry(dst, dst_layout, "dst")
     s_idx = _check_indices("src_indices", src_indices, device)
     d_idx = _check_indices("dst_indices", dst_indices, device)
     if s_idx.numel() != d_idx.numel():
         raise IndexValidationError(f"src_indices has {s_idx.numel()} slots but dst_indices has {d_idx.numel()}")
-    _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)
     if max_ctas is not None and (type(max_ctas) is not int or max_ctas <= 0):
         raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+    if backend not in ("auto", "kernel", "copy_engine"):
+        raise ValueError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if backend == "copy_engine" and capturing:
+        raise ValueError("backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph")
+    if validate_indices:
+        _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)
     n = s_idx.numel()
     if n == 0:
         return
     if checked.enabled():
         checked.verify_launch(src, src_layout, dst, dst_layout, s_idx, d_idx, layer_begin, layer_count)
-    layout = src_layout
+    ext = extension()
+    if backend == "auto" and not capturing:
+        threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if max_ctas is None else CE_MIN_RUN_BYTES_SMALL_BUDGET
+        backend = "copy_engine" if _run_bytes(src_layout, src_geo, dst_geo) >= threshold else "kernel"
+    if stream is None and device.type == "cuda":
+        stream = int(torch.cuda.current_stream(device.torch_device).cuda_stream)
+    if backend == "copy_engine":
+        if not validate_indices:
+            _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)  # host-side anyway
+        dsts, srcs, sizes = _copy_runs(src, src_geo, dst, dst_geo, s_idx, d_idx, src_layout, layer_begin, layer_count)
+        if device.type == "emulated":
+            ext.cpu_copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel())
+            return
+        status = ext.gpu_copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(),
+                                   device.ordinal, stream, bool(ext.gpu_has_batch_copy))
+        if status != 0:
+            raise RuntimeCallError("cudaMemcpyBatchAsync", int(status), str(ext.gpu_error_string(status)))
+        return
     common = (
         src.as_uint64_tensor().data_ptr(), src_geo, dst.as_uint64_tensor().data_ptr(), dst_geo,
-        s_idx.data_ptr(), d_idx.data_ptr(), n, layout.page_size, layout.num_kv, layer_begin, layer_count,
-        layout.item_bytes,
+        s_idx.data_ptr(), d_idx.data_ptr(), n, src_layout.page_size, src_layout.num_kv, layer_begin, layer_count,
+        src_layout.item_bytes,
     )
-    ext = extension()
     if device.type == "emulated":
         ext.cpu_transfer(*common, torch.get_num_threads())
         return
-    vec = layout.vector_bytes(src.alignment, dst.alignment, *src_geo[3:7], *dst_geo[3:7])
-    if stream is None:
-        stream = int(torch.cuda.current_stream(device.torch_device).cuda_stream)
-    status = ext.gpu_transfer(*common, device.ordinal, stream, max_ctas or 0, vec)
+    vec_max = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo[3:7], *dst_geo[3:7])
+    threads, ilp, vec = kernel_config(dst.registered, max_ctas, vec_max)
+    status = ext.gpu_transfer(*common, device.ordinal, stream, max_ctas or 0, vec, threads, ilp)
     if status != 0:
         raise RuntimeCallError("transfer kernel launch", int(status), str(ext.gpu_error_string(status)))
 
@@ -143,7 +241,9 @@ def transfer_kv_all_layer(
     src_layout: KVLayout,
     dst_layout: KVLayout,
     stream: int | None = None,
-    max_ctas: int | None = None,
+    max_ctas: int | None = DEFAULT_MAX_CTAS,
+    backend: Backend = "auto",
+    validate_indices: bool = True,
 ) -> None:
     """Copy token slots ``src_indices[i] -> dst_indices[i]`` for every layer and K/V.
 
@@ -157,7 +257,19 @@ def transfer_kv_all_layer(
             on the launch device (CPU for an emulated device).
         src_layout, dst_layout: must agree on everything but ``kind`` and ``num_pages``.
         stream: a ``cudaStream_t`` as an int; default the device's current stream.
-        max_ctas: at most this many CTAs (thread blocks); None: up to 4 per SM.
+        max_ctas: SM budget: at most this many CTAs (thread blocks) for the kernel
+            (default :data:`DEFAULT_MAX_CTAS` = 4, so the copy overlaps compute);
+            None: the whole GPU. Ignored on the emulated device.
+        backend: ``"kernel"`` (graph-safe: no host sync, allocation or index read),
+            ``"copy_engine"`` (cudaMemcpyBatchAsync of runs of consecutive slots inside
+            a page, fed device aliases; reads the indices on the host, so it syncs on
+            CUDA indices and cannot be captured), or ``"auto"``: the copy engine when
+            both layouts give runs of at least 64 KiB (1 MiB with the whole GPU) and
+            not capturing, else the kernel.
+        validate_indices: check every slot is in range on the host before launching
+            (a device sync for CUDA indices; skipped during graph capture). When False
+            the kernel still skips out-of-range slots, so nothing outside the tables is
+            touched, but no error is raised.
 
     Moves ``n * num_kv * num_layers * item_bytes`` bytes.
 
@@ -169,7 +281,8 @@ def transfer_kv_all_layer(
         IndexValidationError: bad dtype, shape, device, lengths, or a slot out of range.
         RuntimeCallError: the launch failed.
     """
-    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, src_layout.num_layers, stream, max_ctas)
+    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, src_layout.num_layers, stream, max_ctas,
+            backend, validate_indices)
 
 
 def transfer_kv_per_layer(
@@ -182,7 +295,9 @@ def transfer_kv_per_layer(
     src_layout: KVLayout,
     dst_layout: KVLayout,
     stream: int | None = None,
-    max_ctas: int | None = None,
+    max_ctas: int | None = DEFAULT_MAX_CTAS,
+    backend: Backend = "auto",
+    validate_indices: bool = True,
 ) -> None:
     """As :func:`transfer_kv_all_layer`, for one layer (layer-by-layer loading that
     overlaps the forward pass). Moves ``n * num_kv * item_bytes`` bytes.
@@ -193,4 +308,5 @@ def transfer_kv_per_layer(
     """
     if type(layer_id) is not int or not 0 <= layer_id < src_layout.num_layers:
         raise IndexValidationError(f"layer_id {layer_id!r} outside [0, {src_layout.num_layers})")
-    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1, stream, max_ctas)
+    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1, stream, max_ctas, backend,
+            validate_indices)

@@ -55,7 +55,7 @@ class PointerTable(Generic[D]):
         sizes: bytes of the buffer behind each entry.
     """
 
-    __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment")
+    __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment", "__weakref__")
 
     def __init__(
         self,
@@ -122,6 +122,17 @@ class PointerTable(Generic[D]):
         The tensor is valid while this table is alive.
         """
         return self._tensor
+
+    def raw_values(self) -> tuple[int, ...]:
+        """The addresses as plain ints, host-side (escape hatch like :meth:`as_uint64_tensor`;
+        used to build copy-engine descriptors without reading the device copy)."""
+        return self._values
+
+    @property
+    def registered(self) -> bool:
+        """True when entries point into registered host memory (the table's side of a
+        transfer is host memory)."""
+        return bool(self._owners)
 
     def check_live(self) -> None:
         """Raises:
