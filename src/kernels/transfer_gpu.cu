@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
     const std::int64_t nwarps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
     const std::int64_t per_slot = t.num_kv * t.layer_count;
     const std::int64_t items = t.n * per_slot;
-    const std::int64_t words = t.item_bytes / VEC;
+    const int words = static_cast<int>(t.item_bytes / VEC);
     const std::int64_t groups = (items + ILP - 1) / ILP;
     for (std::int64_t g = warp; g < groups; g += nwarps) {
         const V *src[ILP];
@@ -74,20 +74,20 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
             src[k] = reinterpret_cast<const V *>(item_address(t.src, kv, l, s, t.page_size));
             dst[k] = reinterpret_cast<V *>(item_address(t.dst, kv, l, d, t.page_size));
         }
-        for (std::int64_t base = 0; base < words; base += 32 * PER_LANE) {
+        for (int base = 0; base < words; base += 32 * PER_LANE) {
             V r[ILP][PER_LANE];
 #pragma unroll
             for (int k = 0; k < ILP; ++k)
 #pragma unroll
                 for (int p = 0; p < PER_LANE; ++p) {
-                    const std::int64_t j = base + lane + 32 * p;
+                    const int j = base + lane + 32 * p;
                     if (src[k] != nullptr && j < words) r[k][p] = src[k][j];
                 }
 #pragma unroll
             for (int k = 0; k < ILP; ++k)
 #pragma unroll
                 for (int p = 0; p < PER_LANE; ++p) {
-                    const std::int64_t j = base + lane + 32 * p;
+                    const int j = base + lane + 32 * p;
                     if (dst[k] != nullptr && j < words) dst[k][j] = r[k][p];
                 }
         }
