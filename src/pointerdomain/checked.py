@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -355,11 +356,22 @@ def _kernel_values(name: str, table: PointerTable[DeviceAlias], device: Device) 
 
 def _touched_pages(indices: torch.Tensor, layout: KVLayout) -> list[int]:
     """The pages the launch touches through ``indices`` (sorted), or every page of the
-    layout when the indices live on a GPU (reading them would synchronise)."""
+    layout when the indices live on a GPU (reading them would synchronise). Slots out
+    of range are skipped by the kernels and touch nothing."""
     if indices.device.type != "cpu":
         return list(range(layout.num_pages))
-    pages: list[int] = torch.unique(torch.div(indices, layout.page_size, rounding_mode="floor")).tolist()
-    return pages
+    if indices.numel() <= 256:  # cheaper in Python than two torch ops
+        pages = sorted({slot // layout.page_size for slot in indices.tolist()})
+    else:
+        pages = torch.unique(torch.div(indices, layout.page_size, rounding_mode="floor")).tolist()
+    # The kernels skip slots outside [0, num_slots) (validate_indices=False lets them through).
+    return [p for p in pages if 0 <= p < layout.num_pages]
+
+
+@functools.lru_cache(maxsize=512)
+def _geometry(layout: KVLayout, table_len: int) -> tuple[int, ...]:
+    """``layout.geometry`` for a table length (entry sizes were checked by the launch)."""
+    return tuple(layout.geometry(table_len, (), "table"))
 
 
 def _verify_table(
@@ -390,7 +402,8 @@ def _verify_table(
     # bytes' hull is [sum of min coord * s, sum of max coord * s + (page_size-1)*s_tok
     # + item_bytes): each touched page span lies in the region iff the hull does
     # (the region is one interval and the extreme (kv, layer, page) are touched).
-    e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, _slots = layout.geometry(len(table), table.sizes, name)
+    e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, _slots = _geometry(layout, len(table))
+    page_size, item_bytes = layout.page_size, layout.item_bytes
     pages = _touched_pages(indices, layout)
     if not pages:
         return
@@ -402,7 +415,7 @@ def _verify_table(
     if any(e and s for _, _, e, s in dims):
         raise LayoutError(f"checked mode: {name} geometry mixes entry and offset strides: {dims}")
     off_min = sum(min(coords) * s for _, coords, _, s in dims)
-    end_max = sum(max(coords) * s for _, coords, _, s in dims) + (layout.page_size - 1) * s_tok + layout.item_bytes
+    end_max = sum(max(coords) * s for _, coords, _, s in dims) + (page_size - 1) * s_tok + item_bytes
     entries: dict[int, dict[str, int]] = {0: {}}
     for dim, coords, e, _s in dims:
         if e:
@@ -415,7 +428,7 @@ def _verify_table(
         pick = min if low else max
         coord = {dim: where.get(dim, pick(coords)) for dim, coords, _, _ in dims}
         a = value + sum(coord[dim] * s for dim, _, _, s in dims)
-        b = a + (layout.page_size - 1) * s_tok + layout.item_bytes
+        b = a + (page_size - 1) * s_tok + item_bytes
         what = (
             f"checked mode: {name} table entry {e_i} (of {n}) at {value:#x}: page {coord['page']} "
             f"(kv {coord['kv']}, layer {coord['layer']}) spans [{a:#x}, {b:#x}), which is not inside "

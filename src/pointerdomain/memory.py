@@ -43,6 +43,7 @@ __all__ = [
     "RegisteredHostMemory",
     "alloc_registered",
     "device_empty",
+    "find_closed_registration",
     "find_registration",
     "register_host_tensor",
 ]
@@ -149,13 +150,29 @@ class _Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._active: dict[int, weakref.ref[RegisteredHostMemory]] = {}
+        # Closed owners still alive (their tensor keeps the memory), so that building a
+        # table over closed memory says ClosedError rather than "unregistered memory".
+        self._closed: dict[int, weakref.ref[RegisteredHostMemory]] = {}
         self.pinned_bytes = 0
 
     def add(self, owner: RegisteredHostMemory) -> None:
         self._active[owner.host_va.value] = weakref.ref(owner)
+        self._closed.pop(owner.host_va.value, None)
 
     def remove(self, va: int) -> None:
-        self._active.pop(va, None)
+        ref = self._active.pop(va, None)
+        for key, old in list(self._closed.items()):
+            if old() is None:
+                del self._closed[key]
+        if ref is not None and ref() is not None:  # closed, not collected
+            self._closed[va] = ref
+
+    def closed_overlapping(self, va: int, nbytes: int) -> RegisteredHostMemory | None:
+        for ref in list(self._closed.values()):
+            owner = ref()
+            if owner is not None and owner.host_va.value < va + nbytes and va < owner.host_va.value + owner.nbytes:
+                return owner
+        return None
 
     def overlapping(self, va: int, nbytes: int) -> RegisteredHostMemory | None:
         for ref in list(self._active.values()):
@@ -175,6 +192,13 @@ def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | Non
     if owner is not None and owner.contains(va, nbytes):
         return owner
     return None
+
+
+def find_closed_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
+    """A closed registration (its owner still alive) overlapping ``[va, va + nbytes)``,
+    or None. For error reporting: use :func:`find_registration` for open ones."""
+    with _registry._lock:
+        return _registry.closed_overlapping(va.value, max(nbytes, 1))
 
 
 def _memlock_hint(nbytes: int) -> str:
@@ -261,7 +285,11 @@ class RegisteredHostMemory:
         """Raises:
         ClosedError: the memory was unregistered."""
         if self._closed:
-            raise ClosedError(f"registered memory at {self.host_va!r} (+{self.nbytes} bytes) was closed (unregistered)")
+            raise ClosedError(
+                f"registered memory at {self.host_va!r} (+{self.nbytes} bytes) was closed (unregistered): found a "
+                "closed registration, expected an open one. Fix: keep it open while tables use it, or register "
+                "the memory again and rebuild the tables over it"
+            )
 
     def contains(self, va: HostVA, nbytes: int) -> bool:
         return self.host_va.value <= va.value and va.value + nbytes <= self.host_va.value + self.nbytes

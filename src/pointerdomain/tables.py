@@ -23,6 +23,7 @@ from typing_extensions import final
 
 from pointerdomain.domains import Address, Device, DeviceAlias, HostVA
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     NonContiguousError,
@@ -30,7 +31,13 @@ from pointerdomain.errors import (
     RegistrationSpanError,
 )
 from pointerdomain.guard import validate_device
-from pointerdomain.memory import RegisteredHostMemory, device_empty, find_registration, memory_device
+from pointerdomain.memory import (
+    RegisteredHostMemory,
+    device_empty,
+    find_closed_registration,
+    find_registration,
+    memory_device,
+)
 from pointerdomain.resolve import resolve_alias
 
 __all__ = ["PointerTable", "host_ptr_table", "make_kernel_ptr_table"]
@@ -179,6 +186,13 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
         if partial is not None:
             raise RegistrationSpanError(
                 f"{name}: [{va!r}, +{nbytes}) runs past registration {partial.host_va!r} (+{partial.nbytes})"
+            )
+        closed = find_closed_registration(va, nbytes)
+        if closed is not None:
+            raise ClosedError(
+                f"{name}: the memory at {va!r} (+{nbytes} bytes) was registered at {closed.host_va!r} "
+                f"(+{closed.nbytes} bytes) and that registration was closed: found a closed registration, "
+                "expected an open one. Fix: register the memory again (register_host_tensor) and rebuild the table"
             )
         if device.type == "cuda":
             try:
