@@ -202,8 +202,11 @@ def find_closed_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemor
 
 
 def _memlock_hint(nbytes: int) -> str:
+    """The hint for a pinning failure, or "" unless registering ``nbytes`` more would
+    exceed RLIMIT_MEMLOCK (then the limit is the cause, not e.g. pages shared with
+    another registration)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY:
+    if soft == resource.RLIM_INFINITY or _registry.pinned_bytes + nbytes <= soft:
         return ""
     return (
         f" RLIMIT_MEMLOCK is {soft} bytes and {_registry.pinned_bytes + nbytes} would be pinned: raise it "
