@@ -1,0 +1,299 @@
+"""A typed wrapper around a transfer engine (Mooncake ``TransferEngine``) that takes host VAs only.
+
+A transfer engine reads and writes host memory with the CPU or a NIC, by CPU
+virtual address: ``register_memory(addr, len)``, ``transfer_sync_read(peer,
+buffer, peer_buffer_address, length)``. A device alias handed to it reads the
+wrong memory (or faults) wherever aliases differ from host VAs, and nothing in
+the engine's ``int`` API notices. :class:`HostTransferEngine` keeps the
+engine's method names but accepts only :class:`~pointerdomain.HostVA` and
+:class:`~pointerdomain.BufferInfo` (whose address is a HostVA), checked at
+runtime as well as by mypy: a :class:`~pointerdomain.DeviceAlias`, a pointer
+table, a tensor or a bare ``int`` raises :class:`~pointerdomain.errors.DomainError`
+before the engine is called.
+
+Where the addresses come from: ``HostKVPool.get_contiguous_buf_infos()`` for
+registration, ``HostKVPool.get_page_buffer_meta(pages)`` for page blocks (on
+both sides: the peer sends its blocks as ``BufferInfo`` JSON, which validates
+back into HostVA).
+
+This module does not import Mooncake; :meth:`HostTransferEngine.create` does,
+lazily (``pip install mooncake-transfer-engine``, or
+``mooncake-transfer-engine-non-cuda`` on machines without CUDA; it needs the
+``libibverbs1`` and ``libnuma1`` system libraries).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from typing_extensions import TypeAlias
+
+from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.errors import DomainError, NotRegisteredError, PointerDomainError, RuntimeCallError
+from pointerdomain.metadata import BufferInfo
+from pointerdomain.tables import PointerTable
+
+__all__ = ["EngineUnavailableError", "HostTransferEngine", "as_host_va"]
+
+#: What the wrapper accepts as a buffer: host-VA metadata, or a bare host VA (with ``nbytes``).
+HostRegion: TypeAlias = "BufferInfo | HostVA"
+
+
+class EngineUnavailableError(PointerDomainError, ImportError):
+    """The transfer engine package is not installed or does not import."""
+
+
+def as_host_va(value: object, name: str = "address") -> HostVA:
+    """The host VA of a :class:`HostVA` or :class:`BufferInfo`; anything else raises.
+
+    Raises:
+        DomainError: a :class:`DeviceAlias`, a ``PointerTable``, a tensor, a plain
+            ``int`` (no domain) or any other object.
+    """
+    if type(value) is HostVA:
+        return value
+    if type(value) is BufferInfo:
+        return value.address
+    if isinstance(value, DeviceAlias):
+        raise DomainError(
+            f"{name}: {value!r} is a device alias; a transfer engine reads host memory by CPU address. "
+            "Pass the HostVA (BufferInfo from get_contiguous_buf_infos() / get_page_buffer_meta(), or host_ptr_table)"
+        )
+    if isinstance(value, PointerTable):
+        raise DomainError(f"{name}: a {value!r} is not an address; pass its entries' HostVA metadata (BufferInfo)")
+    if isinstance(value, int):
+        raise DomainError(
+            f"{name}: a plain int ({value:#x}) has no domain; wrap a CPU address as HostVA(...) explicitly, "
+            "or pass BufferInfo metadata"
+        )
+    raise DomainError(f"{name}: expected a HostVA or BufferInfo, got {type(value).__name__}")
+
+
+def _device_memory_at(va: HostVA, nbytes: int) -> str | None:
+    """Name of the emulated device whose memory holds the range, or None."""
+    try:
+        from pointerdomain._extension import extension
+
+        ordinal = int(extension().emu_device_lookup(va.value, max(nbytes, 1)))
+    except (ImportError, AttributeError):
+        return None
+    return f"emulated:{ordinal}" if ordinal >= 0 else None
+
+
+class HostTransferEngine:
+    """Mooncake's ``TransferEngine`` behind a HostVA-only interface.
+
+    Args:
+        engine: an initialised engine object with Mooncake's Python methods
+            (``register_memory``, ``transfer_sync_read``, ...); duck-typed.
+        local_hostname: the hostname it was initialised with (``"127.0.0.1"``).
+
+    Local buffers must lie inside memory registered through this wrapper
+    (Mooncake requires it); remote buffers are the peer's HostVAs, from its
+    metadata. Return codes other than 0 raise :class:`RuntimeCallError`.
+    Use as a context manager, or call :meth:`close` to unregister everything.
+    """
+
+    def __init__(self, engine: Any, local_hostname: str) -> None:
+        self.engine = engine
+        self.local_hostname = local_hostname
+        self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}
+
+    @classmethod
+    def create(
+        cls,
+        local_hostname: str = "127.0.0.1",
+        metadata_server: str = "P2PHANDSHAKE",
+        protocol: str = "tcp",
+        device_name: str = "",
+    ) -> HostTransferEngine:
+        """Make and initialise a ``mooncake.engine.TransferEngine``.
+
+        Args:
+            local_hostname: this node's address (optionally ``host:port``).
+            metadata_server: ``"P2PHANDSHAKE"`` (no metadata service), or an
+                etcd / HTTP metadata URL.
+            protocol: ``"tcp"`` or ``"rdma"``.
+            device_name: RDMA devices for ``"rdma"`` (``""`` for TCP).
+
+        Raises:
+            EngineUnavailableError: Mooncake is not installed or fails to import.
+            RuntimeCallError: ``initialize`` returned an error.
+        """
+        try:
+            # imported by name: Mooncake ships no type information (and may be absent)
+            transfer_engine: Any = importlib.import_module("mooncake.engine").TransferEngine
+        except Exception as exc:  # a missing libibverbs / libnuma raises ImportError or OSError
+            raise EngineUnavailableError(
+                f"mooncake.engine does not import ({exc}); `pip install mooncake-transfer-engine` (CUDA) or "
+                "`mooncake-transfer-engine-non-cuda`, and `apt-get install libibverbs1 libnuma1`"
+            ) from exc
+        engine = transfer_engine()
+        rc = int(engine.initialize(local_hostname, metadata_server, protocol, device_name))
+        if rc != 0:
+            raise RuntimeCallError("TransferEngine.initialize", rc, f"{local_hostname} / {metadata_server} / {protocol}")
+        return cls(engine, local_hostname)
+
+    @property
+    def session_id(self) -> str:
+        """What a peer passes as ``target_hostname``: ``host:rpc_port`` (P2P handshake)."""
+        host = self.local_hostname.rsplit(":", 1)[0] if self.local_hostname.count(":") == 1 else self.local_hostname
+        return f"{host}:{int(self.engine.get_rpc_port())}"
+
+    @staticmethod
+    def _span(region: object, nbytes: int | None, name: str) -> tuple[HostVA, int]:
+        va = as_host_va(region, name)
+        if nbytes is None:
+            if type(region) is not BufferInfo:
+                raise ValueError(f"{name}: a HostVA needs nbytes")
+            nbytes = region.nbytes
+        if type(nbytes) is not int or nbytes <= 0:
+            raise ValueError(f"{name}: nbytes must be a positive int, got {nbytes!r}")
+        return va, nbytes
+
+    def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:
+        with self._lock:
+            ok = any(start <= va.value and va.value + nbytes <= start + n for start, n in self._registered.items())
+        if not ok:
+            raise NotRegisteredError(
+                f"{name}: [{va!r}, +{nbytes}) is not inside memory registered with this engine; "
+                "register_memory() the pool first (get_contiguous_buf_infos())"
+            )
+
+    @staticmethod
+    def _check(call: str, rc: Any) -> None:
+        code = int(rc)
+        if code != 0:
+            raise RuntimeCallError(f"TransferEngine.{call}", code, "the transfer engine reported a failure")
+
+    def register_memory(self, region: HostRegion, nbytes: int | None = None) -> None:
+        """Register ``[region, region + nbytes)`` (default: a BufferInfo's ``nbytes``).
+
+        Raises:
+            DomainError: not a HostVA / BufferInfo, or the range is device memory.
+            ValueError: ``nbytes`` missing or not positive.
+            RuntimeCallError: the engine refused.
+        """
+        va, n = self._span(region, nbytes, "region")
+        where = _device_memory_at(va, n)
+        if where is not None:
+            raise DomainError(f"region: {va!r} lies in device memory of {where}; only host memory can be registered here")
+        self._check("register_memory", self.engine.register_memory(va.value, n))
+        with self._lock:
+            self._registered[va.value] = n
+
+    def batch_register_memory(self, regions: Sequence[BufferInfo]) -> None:
+        """Register each region (e.g. ``HostKVPool.get_contiguous_buf_infos()``).
+
+        Raises:
+            As :meth:`register_memory`; regions registered before a failure stay registered.
+        """
+        for i, region in enumerate(regions):
+            if type(region) is not BufferInfo:
+                as_host_va(region, f"regions[{i}]")
+                raise DomainError(f"regions[{i}]: a batch takes BufferInfo, got {type(region).__name__}")
+        for region in regions:
+            self.register_memory(region)
+
+    def unregister_memory(self, region: HostRegion) -> None:
+        """Unregister the registration starting at ``region`` (a HostVA, as cudaHostUnregister takes).
+
+        Raises:
+            DomainError: not a HostVA / BufferInfo.
+            NotRegisteredError: nothing registered there through this wrapper.
+            RuntimeCallError: the engine refused.
+        """
+        va = as_host_va(region, "region")
+        with self._lock:
+            if va.value not in self._registered:
+                raise NotRegisteredError(f"region: no registration starts at {va!r}")
+        self._check("unregister_memory", self.engine.unregister_memory(va.value))
+        with self._lock:
+            self._registered.pop(va.value, None)
+
+    def _one(self, call: str, peer: str, local: HostRegion, remote: HostRegion, nbytes: int | None) -> None:
+        l_va, l_n = self._span(local, nbytes, "local")
+        r_va, r_n = self._span(remote, nbytes if nbytes is not None else l_n, "remote")
+        if type(remote) is BufferInfo and r_n != l_n:
+            raise ValueError(f"local block is {l_n} bytes but remote block is {r_n}")
+        self._check_registered(l_va, l_n, "local")
+        self._check(call, getattr(self.engine, call)(peer, l_va.value, r_va.value, l_n))
+
+    def transfer_sync_read(self, peer: str, local: HostRegion, remote: HostRegion, nbytes: int | None = None) -> None:
+        """Copy ``nbytes`` from the peer's ``remote`` into ``local`` (blocking).
+
+        Args:
+            peer: the peer's session id (``host:rpc_port``).
+            local: destination in this process (inside registered memory).
+            remote: source, the peer's HostVA (from its metadata).
+            nbytes: length; default the BufferInfo's ``nbytes`` (equal on both sides).
+
+        Raises:
+            DomainError: an address that is not a HostVA / BufferInfo.
+            ValueError: sizes missing or different.
+            NotRegisteredError: ``local`` outside registered memory.
+            RuntimeCallError: the engine reported a failure.
+        """
+        self._one("transfer_sync_read", peer, local, remote, nbytes)
+
+    def transfer_sync_write(self, peer: str, local: HostRegion, remote: HostRegion, nbytes: int | None = None) -> None:
+        """Copy ``nbytes`` from ``local`` to the peer's ``remote`` (blocking). As :meth:`transfer_sync_read`."""
+        self._one("transfer_sync_write", peer, local, remote, nbytes)
+
+    def _batch(self, call: str, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:
+        if len(local) != len(remote):
+            raise ValueError(f"{len(local)} local blocks but {len(remote)} remote blocks")
+        l_vals: list[int] = []
+        r_vals: list[int] = []
+        lengths: list[int] = []
+        for i, (lb, rb) in enumerate(zip(local, remote)):
+            l_va, l_n = self._span(lb, None, f"local[{i}]")
+            r_va, r_n = self._span(rb, None, f"remote[{i}]")
+            if l_n != r_n:
+                raise ValueError(f"block {i}: local {l_n} bytes but remote {r_n} bytes")
+            self._check_registered(l_va, l_n, f"local[{i}]")
+            l_vals.append(l_va.value)
+            r_vals.append(r_va.value)
+            lengths.append(l_n)
+        if lengths:
+            self._check(call, getattr(self.engine, call)(peer, l_vals, r_vals, lengths))
+        return sum(lengths)
+
+    def batch_transfer_sync_read(self, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:
+        """Read block ``remote[i]`` of the peer into ``local[i]`` for every ``i``, in one batch (blocking).
+
+        Returns:
+            Bytes moved.
+
+        Raises:
+            DomainError: a block that is not a BufferInfo (e.g. a DeviceAlias).
+            ValueError: lists or block sizes that differ.
+            NotRegisteredError: a local block outside registered memory.
+            RuntimeCallError: the engine reported a failure.
+        """
+        return self._batch("batch_transfer_sync_read", peer, local, remote)
+
+    def batch_transfer_sync_write(self, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:
+        """Write ``local[i]`` to the peer's ``remote[i]`` for every ``i``. As :meth:`batch_transfer_sync_read`."""
+        return self._batch("batch_transfer_sync_write", peer, local, remote)
+
+    def close(self) -> None:
+        """Unregister everything registered through this wrapper (idempotent)."""
+        with self._lock:
+            starts = list(self._registered)
+            self._registered.clear()
+        for start in starts:
+            self.engine.unregister_memory(start)
+
+    def __enter__(self) -> HostTransferEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

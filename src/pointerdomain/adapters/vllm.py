@@ -1,0 +1,257 @@
+"""vLLM-style block offload: per-block address arrays for a batch copy, from typed tables.
+
+vLLM's CPU offloading worker computes, for every KV tensor and every block to
+move, ``tensor.data_ptr() + block_id * page_size_bytes`` on both sides and hands
+the three arrays to one batch copy (``ops.swap_blocks_batch(src, dst, sizes)``,
+which issues ``cudaMemcpyBatchAsync``). A batch DMA descriptor is not
+translated by the runtime: a host address in it must be the **device alias**
+of registered memory, which ``data_ptr()`` of a host tensor is not where
+``CanUseHostPointerForRegisteredMem`` is 0.
+
+Here the arrays are computed from two ``PointerTable[DeviceAlias]`` (GPU
+tensors and registered CPU tensors, same entry order), so only aliases reach
+the copy call:
+
+* :func:`block_copy_batch` -- the typed function: tables + block ids ->
+  :class:`BlockCopyBatch` (``uint64`` address arrays, ``int64`` sizes);
+* :class:`CpuGpuBlockOffload` -- the tables of one offload pair (GPU and CPU
+  tensors, block-major) with ``store`` (GPU->CPU) and ``load`` (CPU->GPU);
+* :func:`run_batch_copy` -- hands a batch to a copy function shaped like
+  ``swap_blocks_batch(src_ptrs, dst_ptrs, sizes)``.
+
+Tensors are *block-major*: dimension 0 is the block, so block ``b`` of entry
+``t`` is the ``block_bytes[t]`` bytes at ``b * block_bytes[t]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pointerdomain.adapters._common import (
+    check_kernel_table,
+    index_list,
+    kernel_table_checked,
+    same_device,
+    tensor_nbytes,
+)
+from pointerdomain.domains import Device, DeviceAlias
+from pointerdomain.errors import IndexValidationError, LayoutError
+from pointerdomain.guard import validate_device
+from pointerdomain.tables import PointerTable
+
+__all__ = ["BatchCopyFn", "BlockCopyBatch", "CpuGpuBlockOffload", "block_copy_batch", "run_batch_copy"]
+
+#: A batch copy shaped like vLLM's ``ops.swap_blocks_batch(src_ptrs, dst_ptrs, sizes)``:
+#: ``src_ptrs`` / ``dst_ptrs`` ``uint64 [N]`` device aliases, ``sizes`` ``int64 [N]`` bytes,
+#: all CPU tensors. (For an op that insists on ``int64`` pointers, pass
+#: ``src_ptrs.view(torch.int64)``: same bits.)
+BatchCopyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+_INT64_MAX = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class BlockCopyBatch:
+    """The descriptors of one batch copy: ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]``.
+
+    Attributes:
+        src_ptrs: ``uint64 [N]`` CPU tensor of source :class:`DeviceAlias` values.
+        dst_ptrs: ``uint64 [N]`` CPU tensor of destination :class:`DeviceAlias` values.
+        sizes: ``int64 [N]`` CPU tensor, bytes per copy.
+        device: the device whose aliases these are (the copy runs there).
+
+    Order: entry-major (all blocks of table entry 0, then entry 1, ...), as vLLM
+    orders its copies per KV tensor. The batch keeps its tables alive, so the
+    addresses stay valid while it exists.
+    """
+
+    src_ptrs: torch.Tensor
+    dst_ptrs: torch.Tensor
+    sizes: torch.Tensor
+    device: Device
+    _tables: tuple[PointerTable[DeviceAlias], ...] = field(repr=False, compare=False)
+
+    @property
+    def num_ops(self) -> int:
+        """Number of copies ``N``."""
+        return int(self.sizes.numel())
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes moved by the batch."""
+        return int(self.sizes.sum()) if self.num_ops else 0
+
+    def src_aliases(self) -> list[DeviceAlias]:
+        """The source addresses, typed."""
+        return [DeviceAlias(v, self.device) for v in self.src_ptrs.tolist()]
+
+    def dst_aliases(self) -> list[DeviceAlias]:
+        """The destination addresses, typed."""
+        return [DeviceAlias(v, self.device) for v in self.dst_ptrs.tolist()]
+
+    def check_live(self) -> None:
+        """Raises:
+        ClosedError: registered memory behind the batch was closed."""
+        for table in self._tables:
+            table.check_live()
+
+
+def _per_entry(name: str, block_bytes: int | Sequence[int], n: int) -> list[int]:
+    values = [block_bytes] * n if isinstance(block_bytes, int) else list(block_bytes)
+    if len(values) != n:
+        raise LayoutError(f"{name}: {len(values)} block sizes for {n} table entries")
+    for v in values:
+        if type(v) is not int or v <= 0:
+            raise LayoutError(f"{name}: block sizes must be positive ints (bytes), got {v!r}")
+    return values
+
+
+def _addresses(table: PointerTable[DeviceAlias], ids: torch.Tensor, block_bytes: list[int], side: str) -> torch.Tensor:
+    """``uint64 [len(table) * len(ids)]``: entry-major ``table[t] + ids * block_bytes[t]``."""
+    n = ids.numel()
+    parts: list[torch.Tensor] = []
+    for t in range(len(table)):
+        blocks = table.sizes[t] // block_bytes[t]
+        if n:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= blocks:
+                raise IndexValidationError(
+                    f"{side}_block_ids: block {lo if lo < 0 else hi} outside [0, {blocks}) of entry {t} "
+                    f"({table.sizes[t]} bytes / {block_bytes[t]} per block); nothing was built"
+                )
+        base = table[t].value
+        if base + blocks * block_bytes[t] <= _INT64_MAX:
+            parts.append((ids * block_bytes[t] + base).view(torch.uint64))
+        else:  # aliases above 2**63 (not seen on x86-64 or current GPUs): exact Python ints
+            parts.append(torch.tensor([base + b * block_bytes[t] for b in ids.tolist()], dtype=torch.uint64))
+    if not parts:
+        return torch.empty(0, dtype=torch.uint64)
+    return torch.cat(parts)
+
+
+def block_copy_batch(
+    src: PointerTable[DeviceAlias],
+    dst: PointerTable[DeviceAlias],
+    src_block_ids: torch.Tensor | Sequence[int],
+    dst_block_ids: torch.Tensor | Sequence[int],
+    *,
+    block_bytes: int | Sequence[int],
+) -> BlockCopyBatch:
+    """Per-block source/destination aliases for one batch copy.
+
+    For every table entry ``t`` (outer) and pair ``i`` (inner), one copy of
+    ``block_bytes[t]`` bytes from ``src[t] + src_block_ids[i] * block_bytes[t]`` to
+    ``dst[t] + dst_block_ids[i] * block_bytes[t]``.
+
+    Args:
+        src, dst: kernel tables of the same device and length, entry ``t`` of
+            both being the same KV tensor (e.g. layer) on each side.
+        src_block_ids, dst_block_ids: block numbers, ``int`` 1-D, equal length.
+        block_bytes: bytes of one block, per entry or one for all.
+
+    Returns:
+        :class:`BlockCopyBatch` with ``N = len(src) * len(src_block_ids)`` copies.
+
+    Raises:
+        DomainError: a table is not a ``PointerTable[DeviceAlias]`` (a host table
+            would put host VAs in DMA descriptors).
+        DeviceMismatchError: the tables are for different devices.
+        ClosedError: a table's registered memory was closed.
+        LayoutError: tables of different lengths, or bad ``block_bytes``.
+        IndexValidationError: id lists of different lengths or shapes, or a block
+            past an entry's end.
+    """
+    s = check_kernel_table("src", src)
+    d = check_kernel_table("dst", dst)
+    device = same_device("block_copy_batch", s.device, d.device)
+    if len(s) != len(d):
+        raise LayoutError(f"src has {len(s)} entries but dst has {len(d)}; entry t must be the same tensor on both sides")
+    sizes_per_entry = _per_entry("block_bytes", block_bytes, len(s))
+    s_ids = index_list("src_block_ids", src_block_ids)
+    d_ids = index_list("dst_block_ids", dst_block_ids)
+    if s_ids.numel() != d_ids.numel():
+        raise IndexValidationError(f"src_block_ids has {s_ids.numel()} blocks but dst_block_ids has {d_ids.numel()}")
+    src_ptrs = _addresses(s, s_ids, sizes_per_entry, "src")
+    dst_ptrs = _addresses(d, d_ids, sizes_per_entry, "dst")
+    sizes = torch.tensor(sizes_per_entry, dtype=torch.int64).repeat_interleave(s_ids.numel())
+    return BlockCopyBatch(src_ptrs, dst_ptrs, sizes, device, (s, d))
+
+
+def run_batch_copy(batch: BlockCopyBatch, copy_fn: BatchCopyFn) -> int:
+    """Check the batch's memory is still registered, then ``copy_fn(src_ptrs, dst_ptrs, sizes)``.
+
+    Ordering is the copy function's (on CUDA: the current stream; order it after
+    the producer and keep ``batch`` alive until the stream reaches it).
+
+    Returns:
+        Bytes handed to the copy (``batch.total_bytes``).
+
+    Raises:
+        ClosedError: registered memory behind the batch was closed.
+    """
+    batch.check_live()
+    if batch.num_ops:
+        copy_fn(batch.src_ptrs, batch.dst_ptrs, batch.sizes)
+    return batch.total_bytes
+
+
+def _block_bytes(name: str, tensors: Sequence[torch.Tensor]) -> list[int]:
+    out: list[int] = []
+    for i, t in enumerate(tensors):
+        if t.dim() < 1 or t.shape[0] == 0:
+            raise LayoutError(f"{name}[{i}]: shape {tuple(t.shape)}; expected block-major [num_blocks, ...]")
+        out.append(tensor_nbytes(t) // int(t.shape[0]))
+    return out
+
+
+class CpuGpuBlockOffload:
+    """The typed tables of one vLLM offload pair: GPU KV tensors and their CPU copies.
+
+    Args:
+        gpu_tensors: block-major device tensors ``[num_gpu_blocks, ...]`` (one per
+            layer / KV group), device memory of ``device``.
+        cpu_tensors: block-major CPU tensors ``[num_cpu_blocks, ...]`` in the same
+            order, in host memory registered for ``device``.
+        device: the GPU (or ``"emulated:N"``).
+
+    Attributes:
+        gpu_table, cpu_table: ``PointerTable[DeviceAlias]`` of each side.
+        block_bytes: bytes of one block of each entry (equal on both sides).
+
+    Raises:
+        LayoutError: different tensor counts, a non-block-major tensor, or block
+            sizes that differ between the sides.
+        DomainError: unregistered CPU memory, or host memory on the GPU side.
+        DeviceMismatchError, NonContiguousError, InvalidDeviceError: as
+            :func:`pointerdomain.make_kernel_ptr_table`.
+    """
+
+    def __init__(
+        self, gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor], device: Device | str | Any
+    ) -> None:
+        if len(gpu_tensors) != len(cpu_tensors) or not gpu_tensors:
+            raise LayoutError(f"{len(gpu_tensors)} GPU tensors but {len(cpu_tensors)} CPU tensors; need a non-empty pair list")
+        gpu_bytes = _block_bytes("gpu_tensors", gpu_tensors)
+        cpu_bytes = _block_bytes("cpu_tensors", cpu_tensors)
+        if gpu_bytes != cpu_bytes:
+            raise LayoutError(f"block sizes differ: GPU {gpu_bytes} vs CPU {cpu_bytes} bytes")
+        self.device: Device = validate_device(device)
+        self.block_bytes: list[int] = gpu_bytes
+        self.gpu_table: PointerTable[DeviceAlias] = kernel_table_checked(
+            gpu_tensors, self.device, host_memory_registered=False
+        )
+        self.cpu_table: PointerTable[DeviceAlias] = kernel_table_checked(
+            cpu_tensors, self.device, host_memory_registered=True
+        )
+
+    def store(self, gpu_block_ids: torch.Tensor | Sequence[int], cpu_block_ids: torch.Tensor | Sequence[int]) -> BlockCopyBatch:
+        """GPU -> CPU: the batch copying ``gpu_block_ids[i]`` to ``cpu_block_ids[i]`` in every tensor."""
+        return block_copy_batch(self.gpu_table, self.cpu_table, gpu_block_ids, cpu_block_ids, block_bytes=self.block_bytes)
+
+    def load(self, cpu_block_ids: torch.Tensor | Sequence[int], gpu_block_ids: torch.Tensor | Sequence[int]) -> BlockCopyBatch:
+        """CPU -> GPU: the batch copying ``cpu_block_ids[i]`` to ``gpu_block_ids[i]`` in every tensor."""
+        return block_copy_batch(self.cpu_table, self.gpu_table, cpu_block_ids, gpu_block_ids, block_bytes=self.block_bytes)
