@@ -388,7 +388,7 @@ def register_host_tensor(
     a tensor sharing a 4 KiB page with separately registered memory is refused.
 
     Raises:
-        DomainError: ``tensor`` is not in CPU memory.
+        DomainError: ``tensor`` is not in CPU memory (a CUDA tensor, or emulated device memory).
         NonContiguousError: ``tensor`` is strided.
         ValueError: ``tensor`` is empty.
         AlreadyRegisteredError: the range overlaps a registration.
@@ -396,6 +396,12 @@ def register_host_tensor(
     """
     if tensor.device.type != "cpu":
         raise DomainError(f"only CPU memory can be registered as host memory; got a tensor on {tensor.device}")
+    where = memory_device(tensor)
+    if where is not None:
+        raise DomainError(
+            f"the tensor is device memory of {where} (found a device address, expected host memory): only host "
+            "memory can be registered. Fix: register a host buffer (or use alloc_registered) and copy into it"
+        )
     if not tensor.is_contiguous():
         raise NonContiguousError(
             f"cannot register a strided tensor (shape {tuple(tensor.shape)}, stride {tensor.stride()}): "
