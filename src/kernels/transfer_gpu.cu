@@ -1,6 +1,9 @@
 #include "gpu.h"
 #include "gpu_compat.h"
 
+#include <map>
+#include <mutex>
+
 namespace pointerdomain::gpu {
 namespace {
 
@@ -185,8 +188,22 @@ int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::u
     if (count == 0) return 0;
     DeviceGuard guard(device);
     if (guard.status() != gpuSuccess) return finish(guard.status());
-    const auto s = reinterpret_cast<gpuStream_t>(stream);
+    auto s = reinterpret_cast<gpuStream_t>(stream);
 #if !defined(POINTERDOMAIN_HIP) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+    if (use_batch && s == nullptr) {
+        // cudaMemcpyBatchAsync rejects the legacy default stream. A blocking stream
+        // is ordered with the legacy stream both ways, so the copies keep its order.
+        static std::mutex mu;
+        static std::map<int, gpuStream_t> blocking;
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = blocking.find(device);
+        if (it == blocking.end()) {
+            gpuStream_t created = nullptr;
+            if (const gpuError_t e = cudaStreamCreate(&created)) return finish(e);
+            it = blocking.emplace(device, created).first;
+        }
+        s = it->second;
+    }
     if (use_batch) {
         cudaMemcpyAttributes attr{};
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;

@@ -13,6 +13,9 @@ gpu_built: bool = True
 def cpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, num_threads: int) -> None:
     """Copy KV items between two tables of CPU addresses."""
 
+def cpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int) -> None:
+    """memcpy runs: addresses of uint64 arrays of dst, src, bytes."""
+
 def emu_host_alloc(nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
     """Page-aligned, memfd-backed host memory as a uint8 tensor."""
 
@@ -58,7 +61,14 @@ def gpu_multiprocessor_count(device: int) -> tuple[int, int]:
 
 def gpu_error_string(code: int) -> str: ...
 
-def gpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, device: int, stream: int, max_ctas: int, vec_bytes: int) -> int:
+def gpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, device: int, stream: int, max_ctas: int, vec_bytes: int, threads: int, ilp: int) -> int:
     """
     Launch the KV transfer kernel on a stream: status (tables and indices in device memory).
     """
+
+def gpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int, device: int, stream: int, use_batch: bool) -> int:
+    """
+    Copy-engine copies: addresses of host uint64/int64 arrays of dst, src, bytes; status. use_batch: cudaMemcpyBatchAsync (CUDA >= 12.8), else a cudaMemcpyAsync loop.
+    """
+
+gpu_has_batch_copy: bool = True

@@ -108,13 +108,14 @@ def _geometry(table: PointerTable[DeviceAlias], layout: KVLayout, name: str) -> 
 def kernel_config(writes_host: bool, max_ctas: int | None, vec_max: int) -> tuple[int, int, int]:
     """(threads per CTA, items in flight per warp, copy word bytes) for a launch.
 
-    From the H200 sweep in docs/performance.md: few CTAs want 1024 threads and 4
-    items in flight per warp (memory-level parallelism per SM); writes to host memory
-    (D2H) do best with 8-byte words from few SMs (field notes).
+    From the H200 sweep (benchmarks/sweep_kernel.py, docs/performance.md): 1024
+    threads per CTA with 4 items in flight per warp and 16-byte words was within
+    3% of the best configuration at every budget (2, 4, 8 CTAs, whole GPU), both
+    directions, 1 and 2 KiB items; smaller CTAs lose up to 3x at 2 CTAs. With the
+    whole GPU this means 2 CTAs per SM.
     """
-    threads = 1024 if max_ctas is not None and max_ctas <= 16 else 256
-    vec = min(vec_max, 8) if writes_host and max_ctas is not None and max_ctas <= 16 else vec_max
-    return threads, 4, vec
+    del writes_host, max_ctas  # one configuration serves both directions and all budgets
+    return 1024, 4, vec_max
 
 
 def _run_bytes(src_layout: KVLayout, src_geo: Geometry, dst_geo: Geometry) -> int:
