@@ -311,7 +311,8 @@ class RegisteredHostMemory:
                 return chunk
         raise RegistrationSpanError(
             f"[{va!r}, +{nbytes}) spans two registration chunks; their device aliases are not contiguous. "
-            "Register with a granularity that divides the buffer's page size, or split the buffer per page"
+            "Register with a granularity that is a multiple of the buffer's page block "
+            "(KVLayout.page_block_bytes(), as HostKVPool does), or split the table per page block"
         )
 
     def close(self) -> None:

@@ -206,7 +206,10 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
     owner.check_open()
     if owner.device.type != device.type:
         raise DeviceMismatchError(f"{name}: memory registered for {owner.device}, but the table is for {device}")
-    owner.chunk_of(va, nbytes)
+    try:
+        owner.chunk_of(va, nbytes)
+    except RegistrationSpanError as exc:
+        raise RegistrationSpanError(f"{name}: {exc}") from None
     return resolve_alias(va, device).value, owner
 
 
