@@ -395,3 +395,20 @@ def test_lmcache_pointer_cache_rebuilds_after_reregistration() -> None:
         assert again[0] == pd.resolve_alias(pd.HostVA(base.data_ptr()), DEV)
     cache.invalidate(DEV)
     assert len(cache) == 0
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_embedding_doc_runs() -> None:
+    """Every ``python`` block of docs/embedding.md runs as written, in order, on the
+    emulated device (blocks starting with ``# not run`` are shown, not run)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "embedding.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    runnable = [b for b in blocks if not b.startswith("# not run")]
+    assert len(runnable) >= 6
+    namespace: dict[str, object] = {"__name__": "embedding_doc"}
+    for i, block in enumerate(runnable):
+        exec(compile(block, f"docs/embedding.md[python block {i}]", "exec"), namespace)
