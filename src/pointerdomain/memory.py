@@ -45,6 +45,7 @@ __all__ = [
     "device_empty",
     "find_closed_registration",
     "find_registration",
+    "memory_device",
     "register_host_tensor",
 ]
 
