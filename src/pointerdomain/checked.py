@@ -75,9 +75,8 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -91,10 +90,11 @@ from pointerdomain.errors import (
     PointerDomainError,
     RegistrationSpanError,
 )
+from pointerdomain.memory import RegisteredHostMemory, _registry, find_registration
+from pointerdomain.resolve import AliasPolicy, _runtime_reports_host, alias_policy
 
 if TYPE_CHECKING:
     from pointerdomain.layouts import KVLayout
-    from pointerdomain.memory import RegisteredHostMemory
     from pointerdomain.tables import PointerTable
 
 __all__ = ["checked_mode", "enabled", "set_enabled", "verify_launch"]
@@ -137,8 +137,7 @@ def checked_mode(on: bool = True) -> Iterator[None]:
             _enabled = previous
 
 
-@dataclass(frozen=True, slots=True)
-class _Region:
+class _Region(NamedTuple):
     """A range of addresses a kernel on ``device`` may use, in device-alias space."""
 
     lo: int
@@ -174,8 +173,6 @@ class _Regions:
     allocations it keeps alive."""
 
     def __init__(self, device: Device, name: str, table: PointerTable[DeviceAlias]) -> None:
-        from pointerdomain.memory import find_registration
-
         self.device = device
         self.other: list[_Region] = []  # allocations of other devices (for the diagnosis only)
         found: list[_Region] = []
@@ -187,8 +184,10 @@ class _Regions:
                     f"(+{owner.nbytes} bytes) that is no longer in pointerdomain's registry. Found: no registration; "
                     "expected: an open registration. Fix: keep the RegisteredHostMemory open while tables use it"
                 )
-            for k, chunk in enumerate(owner.chunks):
-                alias = _chunk_alias(chunk.host_va.value, device)
+            chunks, odev = owner.chunks, owner.device
+            lookup = _alias_lookup(device)
+            for k, chunk in enumerate(chunks):
+                alias = lookup(chunk.host_va.value)
                 if alias is None:
                     raise NotRegisteredError(
                         f"checked mode: the {name} table uses host memory registered at {owner.host_va!r} "
@@ -198,7 +197,7 @@ class _Regions:
                         f"expected: a registered range with a DeviceAlias for {device}. Fix: unregister only "
                         "through RegisteredHostMemory.close(), then re-register and rebuild the table"
                     )
-                found.append(_Region(alias, alias + chunk.nbytes, "registered", owner.device, owner, k, len(owner.chunks)))
+                found.append(_Region(alias, alias + chunk.nbytes, "registered", odev, owner, k, len(chunks)))
         seen: set[int] = set()
         for t in table._keepalive:
             storage = t.untyped_storage()
@@ -226,8 +225,6 @@ class _Regions:
 
     def diagnose(self, name: str, table: PointerTable[DeviceAlias], i: int, value: int) -> PointerDomainError:
         """The error for an entry found in no region of the launch's device."""
-        from pointerdomain.memory import find_registration
-
         head = f"checked mode: {name} table entry {i} (of {len(table)}) holds address {value:#x}"
         want = _expected(self.device)
         for region in self.other:
@@ -286,8 +283,6 @@ class _Regions:
 
 def _registry_alias_regions(device: Device) -> list[_Region]:
     """Alias ranges of every open registration for ``device``'s type (diagnosis only)."""
-    from pointerdomain.memory import _registry
-
     with _registry._lock:
         owners = [ref() for ref in _registry._active.values()]
     regions: list[_Region] = []
@@ -301,11 +296,23 @@ def _registry_alias_regions(device: Device) -> list[_Region]:
     return regions
 
 
+def _alias_lookup(device: Device) -> Callable[[int], int | None]:
+    """``va -> alias or None`` for registered host addresses on ``device`` (fast path of
+    :func:`_chunk_alias` for the emulated backend)."""
+    if device.type != "emulated":
+        return lambda va: _chunk_alias(va, device)
+    get = extension().emu_get_device_pointer
+
+    def emulated(va: int) -> int | None:
+        status, alias = get(va)
+        return int(alias) if status == 0 else None
+
+    return emulated
+
+
 def _chunk_alias(va: int, device: Device) -> int | None:
     """The device alias of registered host address ``va`` on ``device``, or None if the
     backend does not know it as registered. Never counts as a resolver fallback."""
-    from pointerdomain.resolve import AliasPolicy, alias_policy
-
     if device.type == "emulated":
         status, alias = extension().emu_get_device_pointer(va)
         return int(alias) if status == 0 else None
@@ -319,20 +326,22 @@ def _chunk_alias(va: int, device: Device) -> int | None:
     return int(alias) if status == 0 else None
 
 
+@functools.lru_cache(maxsize=64)
+def _device(kind: str, ordinal: int) -> Device:
+    return Device(kind, ordinal)  # type: ignore[arg-type]
+
+
 def _device_region(t: torch.Tensor, lo: int, nbytes: int, device: Device) -> _Region | None:
     """The device allocation (or runtime-pinned memory) behind kept tensor ``t``, or None
     for host memory (registered host memory comes from the registry instead)."""
     if t.device.type == "cuda":
-        return _Region(lo, lo + nbytes, "device", Device("cuda", int(t.get_device())))
+        return _Region(lo, lo + nbytes, "device", _device("cuda", int(t.get_device())))
     if t.device.type != "cpu":
         return None
     ordinal = int(extension().emu_device_lookup(lo, nbytes))
     if ordinal >= 0:
-        return _Region(lo, lo + nbytes, "device", Device("emulated", ordinal))
+        return _Region(lo, lo + nbytes, "device", _device("emulated", ordinal))
     if device.type == "cuda":
-        from pointerdomain.memory import find_registration
-        from pointerdomain.resolve import _runtime_reports_host
-
         if find_registration(HostVA(lo)) is None and _runtime_reports_host(HostVA(lo)):
             alias = _chunk_alias(lo, device)
             if alias is not None:
