@@ -369,12 +369,17 @@ def _touched_pages(indices: torch.Tensor, layout: KVLayout) -> list[int]:
     of range are skipped by the kernels and touch nothing."""
     if indices.device.type != "cpu":
         return list(range(layout.num_pages))
-    if indices.numel() <= 256:  # cheaper in Python than two torch ops
-        pages = sorted({slot // layout.page_size for slot in indices.tolist()})
-    else:
-        pages = torch.unique(torch.div(indices, layout.page_size, rounding_mode="floor")).tolist()
+    page_size, num_pages = layout.page_size, layout.num_pages
     # The kernels skip slots outside [0, num_slots) (validate_indices=False lets them through).
-    return [p for p in pages if 0 <= p < layout.num_pages]
+    if indices.numel() <= 64:  # cheaper in Python than a few torch ops
+        pages = sorted({slot // page_size for slot in indices.tolist()})
+        return pages[bisect.bisect_left(pages, 0) : bisect.bisect_left(pages, num_pages)]
+    q = torch.div(indices, page_size, rounding_mode="floor")
+    lo, hi = (int(v) for v in torch.aminmax(q))
+    if lo < 0 or hi >= num_pages:
+        q = q[(q >= 0) & (q < num_pages)]
+    found: list[int] = torch.bincount(q, minlength=num_pages).nonzero().view(-1).tolist()  # sorted, unique
+    return found
 
 
 @functools.lru_cache(maxsize=512)
