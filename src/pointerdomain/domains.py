@@ -15,6 +15,7 @@ arithmetic keeps the domain (``addr + nbytes`` is the same type, ``a - b`` is an
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -58,9 +59,14 @@ class Device:
     @property
     def torch_device(self) -> Any:
         """The torch device whose tensors hold this device's memory (``cpu`` when emulated)."""
-        import torch
+        return _torch_device(self.type, self.ordinal)
 
-        return torch.device("cuda", self.ordinal) if self.type == "cuda" else torch.device("cpu")
+
+@functools.lru_cache(maxsize=64)
+def _torch_device(kind: str, ordinal: int) -> Any:
+    import torch
+
+    return torch.device("cuda", ordinal) if kind == "cuda" else torch.device("cpu")
 
 
 def as_device(device: Device | str | Any) -> Device:

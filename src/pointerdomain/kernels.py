@@ -19,7 +19,7 @@ tables and index tensors alive until the stream reaches it.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
@@ -62,9 +62,10 @@ def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:
         raise IndexValidationError(f"{name}: shape {tuple(idx.shape)}, expected 1-D")
     if not idx.is_contiguous():
         raise IndexValidationError(f"{name}: not contiguous (stride {idx.stride()})")
-    want = device.torch_device
-    if idx.device != want and not (want.type == "cuda" and idx.device.type == "cuda" and idx.device.index == device.ordinal):
-        raise IndexValidationError(f"{name}: on {idx.device}, but the launch runs on {device} (indices must be on {want})")
+    if (idx.get_device() != device.ordinal) if device.type == "cuda" else idx.is_cuda or idx.is_meta:
+        raise IndexValidationError(
+            f"{name}: on {idx.device}, but the launch runs on {device} (indices must be on {device.torch_device})"
+        )
     return idx
 
 
@@ -73,7 +74,11 @@ def _check_range(src_idx: torch.Tensor, dst_idx: torch.Tensor, src_slots: int, d
         return
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # no host sync during capture; the kernel skips out-of-range slots
-    lo_s, hi_s, lo_d, hi_d = torch.stack([src_idx.min(), src_idx.max(), dst_idx.min(), dst_idx.max()]).tolist()
+    if not src_idx.is_cuda and src_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
+        s_list, d_list = src_idx.tolist(), dst_idx.tolist()
+        lo_s, hi_s, lo_d, hi_d = min(s_list), max(s_list), min(d_list), max(d_list)
+    else:  # one host sync for both tensors
+        (lo_s, hi_s), (lo_d, hi_d) = torch.stack([*torch.aminmax(src_idx), *torch.aminmax(dst_idx)]).view(2, 2).tolist()
     for name, lo, hi, slots in (("src_indices", lo_s, hi_s, src_slots), ("dst_indices", lo_d, hi_d, dst_slots)):
         if lo < 0 or hi >= slots:
             bad = lo if lo < 0 else hi
@@ -92,17 +97,63 @@ CE_MIN_RUN_BYTES_WHOLE_GPU = 1 << 20
 
 Backend = Literal["auto", "kernel", "copy_engine"]
 
-_geometry_cache: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[KVLayout, Geometry]] = (
+class _Plan(NamedTuple):
+    """What a launch needs that depends only on the (immutable) tables and layouts."""
+
+    dst: weakref.ref[PointerTable[DeviceAlias]]
+    src_layout: KVLayout
+    dst_layout: KVLayout
+    device: Device
+    src_geo: Geometry
+    dst_geo: Geometry
+    run_bytes: int
+    vec_max: int
+    #: (src table ptr, src geometry, dst table ptr, dst geometry, page_size, num_kv, item_bytes)
+    kernel_args: tuple[int, Geometry, int, Geometry, int, int, int]
+    config: tuple[int, int, int]  # threads, items in flight, word bytes
+
+
+_plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], _Plan]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _geometry(table: PointerTable[DeviceAlias], layout: KVLayout, name: str) -> Geometry:
-    per_table = _geometry_cache.setdefault(table, {})
-    geo = per_table.get(layout)
-    if geo is None:
-        geo = per_table[layout] = layout.geometry(len(table), table.sizes, name)
-    return geo
+def _plan(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTable[DeviceAlias], dst_layout: KVLayout) -> _Plan:
+    """Domain, device and layout checks, once per (src, dst, layouts); cached while the tables live."""
+    key = (id(dst), id(src_layout), id(dst_layout))
+    per_src = _plans.get(src) if isinstance(cast(object, src), PointerTable) else None
+    plan = per_src.get(key) if per_src is not None else None
+    if plan is not None and plan.dst() is dst and plan.src_layout is src_layout and plan.dst_layout is dst_layout:
+        return plan
+    device = _check_table("src", src)
+    dst_device = _check_table("dst", dst)
+    if dst_device != device:
+        raise DeviceMismatchError(f"src table is for {device} but dst table is for {dst_device}")
+    for field in ("attention", "num_layers", "page_size", "num_heads", "head_dim", "dtype"):
+        if getattr(src_layout, field) != getattr(dst_layout, field):
+            raise LayoutError(
+                f"src and dst layouts differ in {field}: "
+                f"{getattr(src_layout, field)!r} vs {getattr(dst_layout, field)!r}"
+            )
+    src_geo = src_layout.geometry(len(src), src.sizes, "src")
+    dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
+    vec_max = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo[3:7], *dst_geo[3:7])
+    plan = _Plan(
+        weakref.ref(dst), src_layout, dst_layout, device, src_geo, dst_geo,
+        _run_bytes(src_layout, src_geo, dst_geo), vec_max,
+        (src.as_uint64_tensor().data_ptr(), src_geo, dst.as_uint64_tensor().data_ptr(), dst_geo,
+         src_layout.page_size, src_layout.num_kv, src_layout.item_bytes),
+        kernel_config(dst.registered, None, vec_max),
+    )
+    _plans.setdefault(src, {})[key] = plan
+    return plan
+
+
+def _current_stream(device: Device) -> int:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x cheaper
+    if raw is not None:
+        return int(raw(device.ordinal))
+    return int(torch.cuda.current_stream(device.torch_device).cuda_stream)
 
 
 def kernel_config(writes_host: bool, max_ctas: int | None, vec_max: int) -> tuple[int, int, int]:
@@ -169,48 +220,40 @@ def _launch(
     backend: Backend,
     validate_indices: bool,
 ) -> None:
-    device = _check_table("src", src)
-    dst_device = _check_table("dst", dst)
-    if dst_device != device:
-        raise DeviceMismatchError(f"src table is for {device} but dst table is for {dst_device}")
-    if src_layout is not dst_layout:
-        for field in ("attention", "num_layers", "page_size", "num_heads", "head_dim", "dtype"):
-            if getattr(src_layout, field) != getattr(dst_layout, field):
-                raise LayoutError(
-                    f"src and dst layouts differ in {field}: "
-                    f"{getattr(src_layout, field)!r} vs {getattr(dst_layout, field)!r}"
-                )
-    src_geo = _geometry(src, src_layout, "src")
-    dst_geo = _geometry(dst, dst_layout, "dst")
+    plan = _plan(src, src_layout, dst, dst_layout)
+    device = plan.device
+    cuda = device.type == "cuda"
+    src.check_live()
+    dst.check_live()
     s_idx = _check_indices("src_indices", src_indices, device)
     d_idx = _check_indices("dst_indices", dst_indices, device)
-    if s_idx.numel() != d_idx.numel():
-        raise IndexValidationError(f"src_indices has {s_idx.numel()} slots but dst_indices has {d_idx.numel()}")
+    n = s_idx.numel()
+    if n != d_idx.numel():
+        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {d_idx.numel()}")
     if max_ctas is not None and (type(max_ctas) is not int or max_ctas <= 0):
         raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
-    if backend not in ("auto", "kernel", "copy_engine"):
+    if backend != "kernel" and backend != "auto" and backend != "copy_engine":
         raise ValueError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if backend == "copy_engine" and capturing:
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    if backend == "auto":
+        threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if max_ctas is None else CE_MIN_RUN_BYTES_SMALL_BUDGET
+        backend = "copy_engine" if plan.run_bytes >= threshold and not capturing else "kernel"
+    elif backend == "copy_engine" and capturing:
         raise ValueError("backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph")
-    if validate_indices:
+    if validate_indices or backend == "copy_engine":  # the copy engine reads the indices on the host anyway
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)
-    n = s_idx.numel()
     if n == 0:
         return
     if checked.enabled():
         checked.verify_launch(src, src_layout, dst, dst_layout, s_idx, d_idx, layer_begin, layer_count)
     ext = extension()
-    if backend == "auto" and not capturing:
-        threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if max_ctas is None else CE_MIN_RUN_BYTES_SMALL_BUDGET
-        backend = "copy_engine" if _run_bytes(src_layout, src_geo, dst_geo) >= threshold else "kernel"
-    if stream is None and device.type == "cuda":
-        stream = int(torch.cuda.current_stream(device.torch_device).cuda_stream)
+    if stream is None and cuda:
+        stream = _current_stream(device)
     if backend == "copy_engine":
-        if not validate_indices:
-            _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)  # host-side anyway
-        dsts, srcs, sizes = _copy_runs(src, src_geo, dst, dst_geo, s_idx, d_idx, src_layout, layer_begin, layer_count)
-        if device.type == "emulated":
+        dsts, srcs, sizes = _copy_runs(
+            src, plan.src_geo, dst, plan.dst_geo, s_idx, d_idx, src_layout, layer_begin, layer_count
+        )
+        if not cuda:
             ext.cpu_copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel())
             return
         status = ext.gpu_copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(),
@@ -218,17 +261,15 @@ def _launch(
         if status != 0:
             raise RuntimeCallError("cudaMemcpyBatchAsync", int(status), str(ext.gpu_error_string(status)))
         return
-    common = (
-        src.as_uint64_tensor().data_ptr(), src_geo, dst.as_uint64_tensor().data_ptr(), dst_geo,
-        s_idx.data_ptr(), d_idx.data_ptr(), n, src_layout.page_size, src_layout.num_kv, layer_begin, layer_count,
-        src_layout.item_bytes,
-    )
-    if device.type == "emulated":
-        ext.cpu_transfer(*common, torch.get_num_threads())
+    src_ptr, src_geo, dst_ptr, dst_geo, page_size, num_kv, item_bytes = plan.kernel_args
+    if not cuda:
+        ext.cpu_transfer(src_ptr, src_geo, dst_ptr, dst_geo, s_idx.data_ptr(), d_idx.data_ptr(), n, page_size,
+                         num_kv, layer_begin, layer_count, item_bytes, torch.get_num_threads())
         return
-    vec_max = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo[3:7], *dst_geo[3:7])
-    threads, ilp, vec = kernel_config(dst.registered, max_ctas, vec_max)
-    status = ext.gpu_transfer(*common, device.ordinal, stream, max_ctas or 0, vec, threads, ilp)
+    threads, ilp, vec = plan.config
+    status = ext.gpu_transfer(src_ptr, src_geo, dst_ptr, dst_geo, s_idx.data_ptr(), d_idx.data_ptr(), n, page_size,
+                              num_kv, layer_begin, layer_count, item_bytes, device.ordinal, stream, max_ctas or 0,
+                              vec, threads, ilp)
     if status != 0:
         raise RuntimeCallError("transfer kernel launch", int(status), str(ext.gpu_error_string(status)))
 

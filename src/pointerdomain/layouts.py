@@ -39,6 +39,9 @@ _DIM_ORDER: dict[str, tuple[str, ...]] = {
     "page_first_direct": ("kv", "page", "layer", "tok"),
 }
 
+_ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                             "int8": 1, "uint8": 1}
+
 #: Geometry passed to the kernels: (e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, num_slots).
 Geometry = tuple[int, int, int, int, int, int, int, int]
 
@@ -81,7 +84,7 @@ class KVLayout(BaseModel):
     @property
     def item_bytes(self) -> int:
         """Bytes of one (kv, layer, token) item: ``num_heads * head_dim * itemsize``."""
-        return self.num_heads * self.head_dim * torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_heads * self.head_dim * _ITEMSIZE[self.dtype]
 
     @property
     def num_slots(self) -> int:
