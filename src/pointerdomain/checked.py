@@ -371,7 +371,7 @@ def _touched_pages(indices: torch.Tensor, layout: KVLayout) -> list[int]:
         return list(range(layout.num_pages))
     page_size, num_pages = layout.page_size, layout.num_pages
     # The kernels skip slots outside [0, num_slots) (validate_indices=False lets them through).
-    if indices.numel() <= 64:  # cheaper in Python than a few torch ops
+    if indices.numel() <= 512:  # cheaper in Python than a few torch ops
         pages = sorted({slot // page_size for slot in indices.tolist()})
         return pages[bisect.bisect_left(pages, 0) : bisect.bisect_left(pages, num_pages)]
     q = torch.div(indices, page_size, rounding_mode="floor")
