@@ -20,11 +20,14 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-import pointerdomain as pd
-from pointerdomain import checked, errors
+pytest.importorskip("hypothesis", reason="hypothesis is a test dependency (pip install '.[test]')")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import pointerdomain as pd  # noqa: E402
+from pointerdomain import checked, errors  # noqa: E402
 
 KINDS = ["layer_first", "page_first", "page_first_direct"]
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8"]
