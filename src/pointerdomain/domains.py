@@ -18,11 +18,14 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from typing_extensions import Self, final
 
 from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidDeviceError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Address", "Device", "DeviceAlias", "HostVA", "as_device"]
 
@@ -69,7 +72,7 @@ def _torch_device(kind: str, ordinal: int) -> Any:
     return torch.device("cuda", ordinal) if kind == "cuda" else torch.device("cpu")
 
 
-def as_device(device: Device | str | Any) -> Device:
+def as_device(device: Device | str | torch.device) -> Device:
     """Normalise ``Device``, ``"cuda:1"``, ``"emulated:0"``, ``"cpu"`` or a ``torch.device``.
 
     Raises:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import threading
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pointerdomain.domains import EMULATED_DEVICE_COUNT, Device, as_device
 from pointerdomain.errors import InvalidDeviceError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DeviceGuard", "current_device", "validate_device"]
 
@@ -26,7 +29,7 @@ def _cuda_device_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-def validate_device(device: Device | str | Any) -> Device:
+def validate_device(device: Device | str | torch.device) -> Device:
     """Normalise ``device`` and check that it exists on this machine.
 
     Raises:
@@ -60,7 +63,7 @@ class DeviceGuard:
 
     __slots__ = ("device", "_previous")
 
-    def __init__(self, device: Device | str | Any) -> None:
+    def __init__(self, device: Device | str | torch.device) -> None:
         self.device = validate_device(device)
         self._previous: Device | None = None
 

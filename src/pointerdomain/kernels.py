@@ -36,7 +36,7 @@ from pointerdomain.errors import (
 from pointerdomain.layouts import Geometry, KVLayout
 from pointerdomain.tables import PointerTable
 
-__all__ = ["DEFAULT_MAX_CTAS", "kernel_config", "transfer_kv_all_layer", "transfer_kv_per_layer"]
+__all__ = ["DEFAULT_MAX_CTAS", "Backend", "kernel_config", "transfer_kv_all_layer", "transfer_kv_per_layer"]
 
 
 def _check_table(name: str, table: Any) -> Device:

@@ -46,7 +46,7 @@ _ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_
 Geometry = tuple[int, int, int, int, int, int, int, int]
 
 
-class KVLayout(BaseModel):
+class KVLayout(BaseModel, frozen=True):
     """A KV pool's layout: kind, shape and dtype. Frozen, strict, JSON-serialisable.
 
     Raises (on construction):
@@ -54,7 +54,7 @@ class KVLayout(BaseModel):
             with ``num_heads`` != 1.
     """
 
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")  # frozen: class keyword, seen by type checkers
 
     kind: LayoutKind
     attention: Literal["mha", "mla"] = "mha"

@@ -346,7 +346,7 @@ def _check_granularity(granularity: int, max_chunk_bytes: int) -> None:
 
 def alloc_registered(
     nbytes: int,
-    device: Device | str | Any,
+    device: Device | str | torch.device,
     *,
     granularity: int = mmap.PAGESIZE,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -378,7 +378,7 @@ def alloc_registered(
 
 def register_host_tensor(
     tensor: torch.Tensor,
-    device: Device | str | Any,
+    device: Device | str | torch.device,
     *,
     granularity: int = mmap.PAGESIZE,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -417,7 +417,7 @@ def register_host_tensor(
     return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes)
 
 
-def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | Any) -> torch.Tensor:
+def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | torch.device) -> torch.Tensor:
     """Uninitialised device memory: a CUDA tensor, or emulated device memory (a CPU
     tensor tagged with the emulated ordinal, so CPU-only APIs refuse it).
 

@@ -20,11 +20,11 @@ from pointerdomain.tables import PointerTable
 __all__ = ["BufferInfo", "buffer_infos", "page_buffer_meta"]
 
 
-class BufferInfo(BaseModel):
+class BufferInfo(BaseModel, frozen=True):
     """A contiguous host buffer: ``nbytes`` bytes from host VA ``address``, made of
     items of ``item_bytes`` bytes. ``model_dump_json()`` gives plain ints."""
 
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")  # frozen: class keyword, seen by type checkers
 
     address: HostVA
     nbytes: int = Field(gt=0)

@@ -9,14 +9,13 @@ registered host memory that backs pages up from it and loads them back.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
 
 import torch
 
 from pointerdomain.domains import Device, DeviceAlias, HostVA
 from pointerdomain.errors import LayoutError
 from pointerdomain.guard import validate_device
-from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.kernels import DEFAULT_MAX_CTAS, Backend, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, alloc_registered, device_empty
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
@@ -38,7 +37,7 @@ class DeviceKVPool:
         InvalidDeviceError: the device does not exist.
     """
 
-    def __init__(self, layout: KVLayout, device: Device | str | Any) -> None:
+    def __init__(self, layout: KVLayout, device: Device | str | torch.device) -> None:
         if layout.kind != "layer_first":
             raise LayoutError(f"a device pool is layer_first, got {layout.kind}")
         self.layout = layout
@@ -72,7 +71,7 @@ class HostKVPool:
     """
 
     def __init__(
-        self, layout: KVLayout, device: Device | str | Any, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+        self, layout: KVLayout, device: Device | str | torch.device, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     ) -> None:
         self.layout = layout
         self.device = validate_device(device)
@@ -89,32 +88,43 @@ class HostKVPool:
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
 
-    def backup(self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, **launch: Any) -> None:
+    def backup(
+        self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, *,
+        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        validate_indices: bool = True,
+    ) -> None:
         """D2H: copy token slots ``device_indices`` of ``device_pool`` to ``host_indices``, all layers.
 
-        ``launch`` passes ``stream`` / ``max_ctas`` on. Raises what
-        :func:`transfer_kv_all_layer` raises.
+        Keywords and errors as :func:`transfer_kv_all_layer`.
         """
         transfer_kv_all_layer(
             device_pool.table, self.kernel_table, device_indices, host_indices,
-            src_layout=device_pool.layout, dst_layout=self.layout, **launch,
+            src_layout=device_pool.layout, dst_layout=self.layout, stream=stream, max_ctas=max_ctas,
+            backend=backend, validate_indices=validate_indices,
         )
 
-    def load(self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, **launch: Any) -> None:
+    def load(
+        self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
+        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        validate_indices: bool = True,
+    ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
         transfer_kv_all_layer(
             self.kernel_table, device_pool.table, host_indices, device_indices,
-            src_layout=self.layout, dst_layout=device_pool.layout, **launch,
+            src_layout=self.layout, dst_layout=device_pool.layout, stream=stream, max_ctas=max_ctas,
+            backend=backend, validate_indices=validate_indices,
         )
 
     def load_layer(
-        self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
-        **launch: Any,
+        self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, *,
+        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        validate_indices: bool = True,
     ) -> None:
         """H2D for one layer (overlaps the forward pass layer by layer)."""
         transfer_kv_per_layer(
             self.kernel_table, device_pool.table, host_indices, device_indices,
-            layer_id=layer_id, src_layout=self.layout, dst_layout=device_pool.layout, **launch,
+            layer_id=layer_id, src_layout=self.layout, dst_layout=device_pool.layout, stream=stream,
+            max_ctas=max_ctas, backend=backend, validate_indices=validate_indices,
         )
 
     def get_contiguous_buf_infos(self) -> list[BufferInfo]:

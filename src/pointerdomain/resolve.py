@@ -21,13 +21,16 @@ import glob
 import os
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pointerdomain._extension import extension, gpu_ops_built
 from pointerdomain.domains import Device, DeviceAlias, HostVA
 from pointerdomain.errors import AliasOpMissingError, NotRegisteredError, RuntimeCallError
 from pointerdomain.guard import validate_device
 from pointerdomain.memory import find_registration
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AliasPolicy", "alias_policy", "fallback_count", "reset_resolver_cache", "resolve_alias"]
 
@@ -126,7 +129,7 @@ def can_use_host_pointer(device: Device) -> int | None:
         return None
 
 
-def alias_policy(device: Device | str | Any) -> AliasPolicy:
+def alias_policy(device: Device | str | torch.device) -> AliasPolicy:
     """The cached alias policy for ``device``.
 
     Raises:
@@ -151,7 +154,7 @@ def alias_policy(device: Device | str | Any) -> AliasPolicy:
     return policy
 
 
-def resolve_alias(va: HostVA, device: Device | str | Any) -> DeviceAlias:
+def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlias:
     """The device alias of a registered host address, for ``device``.
 
     Interior pointers keep their offset from the start of their registration.

@@ -213,7 +213,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
     return resolve_alias(va, device).value, owner
 
 
-def make_kernel_ptr_table(tensors: Sequence[torch.Tensor], device: Device | str | Any) -> PointerTable[DeviceAlias]:
+def make_kernel_ptr_table(tensors: Sequence[torch.Tensor], device: Device | str | torch.device) -> PointerTable[DeviceAlias]:
     """A table of device aliases for kernels on ``device``.
 
     Each tensor must be contiguous and either registered host memory (its alias

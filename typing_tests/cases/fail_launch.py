@@ -12,6 +12,8 @@ from pointerdomain import (
     HostVA,
     KVLayout,
     PointerTable,
+    RegisteredHostMemory,
+    make_kernel_ptr_table,
     transfer_kv_all_layer,
     transfer_kv_per_layer,
 )
@@ -57,3 +59,8 @@ def pools(device_pool: DeviceKVPool, host_pool: HostKVPool, idx: torch.Tensor) -
     host_pool.backup(device_pool.table, idx, idx)  # type: ignore[arg-type]
     host_pool.load(device_pool, host_pool.host_table, idx)  # type: ignore[arg-type]
     host_pool.load_layer(device_pool, idx, idx, layer_id=HostVA(0))  # type: ignore[arg-type]
+
+
+def device_parameters(memory: RegisteredHostMemory, va: HostVA) -> None:
+    # device parameters take Device | str | torch.device: an address is not a device.
+    make_kernel_ptr_table([memory.tensor], va)  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ def _is_tensor(value: object) -> bool:
 
 def kernel_table_checked(
     tensors: Sequence[torch.Tensor],
-    target_device: Device | str | Any,
+    target_device: Device | str | torch.device,
     *,
     host_memory_registered: bool,
 ) -> PointerTable[DeviceAlias]:

@@ -79,7 +79,7 @@ class LayerPointerCache:
         """The cache key of ``tensors``: ``(data_ptr, nbytes, storage id)`` each."""
         return tuple((t.data_ptr(), tensor_nbytes(t), _storage_id(t)) for t in tensors)
 
-    def get(self, tensors: Sequence[torch.Tensor], device: Device | str | Any) -> PointerTable[DeviceAlias]:
+    def get(self, tensors: Sequence[torch.Tensor], device: Device | str | torch.device) -> PointerTable[DeviceAlias]:
         """The kernel table of ``tensors`` for ``device``, cached.
 
         Raises:
@@ -103,7 +103,7 @@ class LayerPointerCache:
             self.builds += 1
             return table
 
-    def invalidate(self, device: Device | str | Any | None = None) -> None:
+    def invalidate(self, device: Device | str | torch.device | None = None) -> None:
         """Drop the entry of ``device``, or every entry when None."""
         with self._lock:
             if device is None:
@@ -136,7 +136,7 @@ class PagedKVConnector:
         *,
         kvcaches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
-        device: Device | str | Any | None = None,
+        device: Device | str | torch.device | None = None,
         stream: int | None = None,
         max_ctas: int | None = None,
     ) -> None:
@@ -173,7 +173,7 @@ class PagedKVConnector:
         *,
         kvcaches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
-        device: Device | str | Any | None = None,
+        device: Device | str | torch.device | None = None,
         stream: int | None = None,
         max_ctas: int | None = None,
     ) -> None:
@@ -190,7 +190,7 @@ class PagedKVConnector:
         end: int,
         kvcaches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
-        device: Device | str | Any | None,
+        device: Device | str | torch.device | None,
         *,
         to_gpu: bool,
         stream: int | None,

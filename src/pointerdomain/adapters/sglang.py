@@ -64,7 +64,7 @@ __all__ = [
 
 def make_kernel_ptr_table(
     tensors: Sequence[torch.Tensor],
-    target_device: Device | str | Any,
+    target_device: Device | str | torch.device,
     *,
     host_memory_registered: bool,
 ) -> PointerTable[DeviceAlias]:
@@ -171,7 +171,7 @@ class HostKVCacheAdapter:
         InvalidDeviceError: the device does not exist.
     """
 
-    def __init__(self, kv_buffer: torch.Tensor, layout: KVLayout, device: Device | str | Any) -> None:
+    def __init__(self, kv_buffer: torch.Tensor, layout: KVLayout, device: Device | str | torch.device) -> None:
         if not isinstance(cast(object, kv_buffer), torch.Tensor):
             raise TypeError(f"kv_buffer: expected a torch.Tensor, got {type(kv_buffer).__name__}")
         if tensor_nbytes(kv_buffer) != layout.nbytes:
@@ -384,7 +384,7 @@ class DeviceKVBuffers:
         self,
         k_buffer: Sequence[torch.Tensor],
         v_buffer: Sequence[torch.Tensor] | None,
-        device: Device | str | Any,
+        device: Device | str | torch.device,
         *,
         page_size: int,
     ) -> None:

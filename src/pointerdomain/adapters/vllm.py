@@ -231,7 +231,7 @@ class CpuGpuBlockOffload:
     """
 
     def __init__(
-        self, gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor], device: Device | str | Any
+        self, gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor], device: Device | str | torch.device
     ) -> None:
         if len(gpu_tensors) != len(cpu_tensors) or not gpu_tensors:
             raise LayoutError(f"{len(gpu_tensors)} GPU tensors but {len(cpu_tensors)} CPU tensors; need a non-empty pair list")
