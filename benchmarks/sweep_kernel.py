@@ -1,6 +1,6 @@
 """Tuning sweep for the CUDA transfer kernel (H200): GB/s per (threads, items in
-flight per warp, word bytes) at SM budgets 2, 4 and the whole GPU, for 1 KiB and
-2 KiB items, all-layer page_first host <-> layer_first device, random page order.
+flight per warp, word bytes) at SM budgets 2, 4, 8 and the whole GPU, for 1 KiB,
+1152 B (MLA) and 2 KiB items, all-layer page_first host <-> layer_first device, random page order.
 Calls the extension directly so every configuration runs on the same tables.
 Usage: python benchmarks/sweep_kernel.py [--gib 1] [--out DIR]
 """
@@ -27,7 +27,7 @@ def main() -> None:
     stream = torch.cuda.current_stream().cuda_stream
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for item in (1024, 2048):
+    for item in (1024, 1152, 2048):
         shape = dict(num_layers=8, page_size=64, num_heads=1, head_dim=item // 2, dtype="bfloat16", attention="mha")
         page_bytes = 2 * 8 * 64 * item
         pages = max(16, int(args.gib * 2**30 // page_bytes))
@@ -68,7 +68,7 @@ def main() -> None:
             print(f"item {item} {direction} bulk {bulk:.1f} GB/s", flush=True)
             for budget in (2, 4, 8, None):
                 best = None
-                for threads in (256, 512, 1024):
+                for threads in (512, 1024):
                     for ilp in (1, 2, 4):
                         for vec in (16, 8):
                             def run() -> None:

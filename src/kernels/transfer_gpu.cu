@@ -42,18 +42,20 @@ template <> struct Vec<8> { using T = uint2; };
 template <> struct Vec<4> { using T = unsigned int; };
 template <> struct Vec<1> { using T = unsigned char; };
 
-// Each warp moves ILP items at a time (one item = one (slot pair, kv, layer)).
-// All loads of the group are issued before any store, so a warp keeps
-// ILP * 32 * PER_LANE * VEC bytes in flight: reads of host memory over PCIe
-// have microseconds of latency, and with a small CTA budget (2-4 CTAs, so the
-// copy overlaps model compute) only memory-level parallelism per SM brings the
-// bandwidth up (field notes: ~16-19 GB/s per SM for host reads).
-// Consecutive items of a group are consecutive layers of one slot: adjacent in
-// a page_first host buffer.
+// Each warp moves a group of ILP items (one item = one (slot pair, kv, layer)).
+// The group's words are dealt to the lanes as one sequence, R words per lane per
+// pass, and every load of a pass is issued before its stores: a warp keeps
+// 32 * R * VEC bytes (4 KiB with 16-byte words) in flight whatever the item size
+// (1152 B MLA items no longer leave most lanes idle in a second pass). Reads of
+// host memory over PCIe have microseconds of latency, and with a small CTA budget
+// (2-4 CTAs, so the copy overlaps model compute) only bytes in flight per SM bring
+// the bandwidth up (field notes: ~16-19 GB/s per SM for host reads).
+// Consecutive items of a group are consecutive layers of one slot: adjacent in a
+// page_first host buffer.
 template <int VEC, int ILP>
 __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
     using V = typename Vec<VEC>::T;
-    constexpr int PER_LANE = (VEC >= 16) ? 2 : (VEC == 8 ? 4 : 8);  // ~1 KiB per item per pass
+    constexpr int R = 128 / VEC > 8 ? 8 : 128 / VEC;  // 128 B per lane per pass, at most 8 words
     const int lane = threadIdx.x & 31;
     const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const std::int64_t nwarps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -64,12 +66,14 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
     for (std::int64_t g = warp; g < groups; g += nwarps) {
         const V *src[ILP];
         V *dst[ILP];
+        int valid = 0;  // items [0, valid) of the group exist; invalid slots get null pointers
 #pragma unroll
         for (int k = 0; k < ILP; ++k) {
             src[k] = nullptr;
             dst[k] = nullptr;
             const std::int64_t w = g * ILP + k;
             if (w >= items) continue;
+            valid = k + 1;
             const std::int64_t i = w / per_slot, r = w - i * per_slot;
             const std::int64_t kv = r / t.layer_count, l = t.layer_begin + (r - kv * t.layer_count);
             const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
@@ -77,22 +81,30 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
             src[k] = reinterpret_cast<const V *>(item_address(t.src, kv, l, s, t.page_size));
             dst[k] = reinterpret_cast<V *>(item_address(t.dst, kv, l, d, t.page_size));
         }
-        for (int base = 0; base < words; base += 32 * PER_LANE) {
-            V r[ILP][PER_LANE];
+        const int total = valid * words;
+        for (int base = 0; base < total; base += 32 * R) {
+            V r[R];
+            int item[R], off[R];  // which item of the group, and which word of it (item >= valid: none)
 #pragma unroll
-            for (int k = 0; k < ILP; ++k)
+            for (int p = 0; p < R; ++p) {
+                const int j = base + lane + 32 * p;
+                item[p] = j / words;
+                off[p] = j - item[p] * words;
+            }
 #pragma unroll
-                for (int p = 0; p < PER_LANE; ++p) {
-                    const int j = base + lane + 32 * p;
-                    if (src[k] != nullptr && j < words) r[k][p] = src[k][j];
-                }
+            for (int p = 0; p < R; ++p) {
+                const V *from = nullptr;
 #pragma unroll
-            for (int k = 0; k < ILP; ++k)
+                for (int k = 0; k < ILP; ++k) from = item[p] == k ? src[k] : from;  // no local-memory indexing
+                if (from != nullptr) r[p] = from[off[p]];
+            }
 #pragma unroll
-                for (int p = 0; p < PER_LANE; ++p) {
-                    const int j = base + lane + 32 * p;
-                    if (dst[k] != nullptr && j < words) dst[k][j] = r[k][p];
-                }
+            for (int p = 0; p < R; ++p) {
+                V *to = nullptr;
+#pragma unroll
+                for (int k = 0; k < ILP; ++k) to = item[p] == k ? dst[k] : to;
+                if (to != nullptr) to[off[p]] = r[p];
+            }
         }
     }
 }
