@@ -42,20 +42,20 @@ template <> struct Vec<8> { using T = uint2; };
 template <> struct Vec<4> { using T = unsigned int; };
 template <> struct Vec<1> { using T = unsigned char; };
 
-// Each warp moves a group of ILP items (one item = one (slot pair, kv, layer)).
-// The group's words are dealt to the lanes as one sequence, R words per lane per
-// pass, and every load of a pass is issued before its stores: a warp keeps
-// 32 * R * VEC bytes (4 KiB with 16-byte words) in flight whatever the item size
-// (1152 B MLA items no longer leave most lanes idle in a second pass). Reads of
-// host memory over PCIe have microseconds of latency, and with a small CTA budget
-// (2-4 CTAs, so the copy overlaps model compute) only bytes in flight per SM bring
-// the bandwidth up (field notes: ~16-19 GB/s per SM for host reads).
-// Consecutive items of a group are consecutive layers of one slot: adjacent in a
-// page_first host buffer.
-template <int VEC, int ILP>
+// Each warp moves ILP items at a time (one item = one (slot pair, kv, layer)).
+// All loads of the group are issued before any store, so a warp keeps
+// ILP * 32 * PER_LANE * VEC bytes in flight (4 KiB with 16-byte words): reads of host memory over PCIe
+// have microseconds of latency, and with a small CTA budget (2-4 CTAs, so the
+// copy overlaps model compute) only memory-level parallelism per SM brings the
+// bandwidth up (field notes: ~16-19 GB/s per SM for host reads).
+// Consecutive items of a group are consecutive layers of one slot: adjacent in
+// a page_first host buffer.
+// PER_LANE words per lane per item and pass: the launcher picks the smallest that
+// covers a whole item (1 KiB: 2, 1152 B: 3, 2 KiB: 4 at 16 bytes), so an item is one
+// pass with no idle lanes, and ILP * PER_LANE stays at 8-9 words (registers).
+template <int VEC, int ILP, int PER_LANE>
 __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
     using V = typename Vec<VEC>::T;
-    constexpr int R = 128 / VEC > 8 ? 8 : 128 / VEC;  // 128 B per lane per pass, at most 8 words
     const int lane = threadIdx.x & 31;
     const std::int64_t warp = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const std::int64_t nwarps = (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -66,14 +66,12 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
     for (std::int64_t g = warp; g < groups; g += nwarps) {
         const V *src[ILP];
         V *dst[ILP];
-        int valid = 0;  // items [0, valid) of the group exist; invalid slots get null pointers
 #pragma unroll
         for (int k = 0; k < ILP; ++k) {
             src[k] = nullptr;
             dst[k] = nullptr;
             const std::int64_t w = g * ILP + k;
             if (w >= items) continue;
-            valid = k + 1;
             const std::int64_t i = w / per_slot, r = w - i * per_slot;
             const std::int64_t kv = r / t.layer_count, l = t.layer_begin + (r - kv * t.layer_count);
             const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
@@ -81,40 +79,42 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
             src[k] = reinterpret_cast<const V *>(item_address(t.src, kv, l, s, t.page_size));
             dst[k] = reinterpret_cast<V *>(item_address(t.dst, kv, l, d, t.page_size));
         }
-        const int total = valid * words;
-        for (int base = 0; base < total; base += 32 * R) {
-            V r[R];
-            int item[R], off[R];  // which item of the group, and which word of it (item >= valid: none)
+        for (int base = 0; base < words; base += 32 * PER_LANE) {
+            V r[ILP][PER_LANE];
 #pragma unroll
-            for (int p = 0; p < R; ++p) {
-                const int j = base + lane + 32 * p;
-                item[p] = j / words;
-                off[p] = j - item[p] * words;
-            }
+            for (int k = 0; k < ILP; ++k)
 #pragma unroll
-            for (int p = 0; p < R; ++p) {
-                const V *from = nullptr;
+                for (int p = 0; p < PER_LANE; ++p) {
+                    const int j = base + lane + 32 * p;
+                    if (src[k] != nullptr && j < words) r[k][p] = src[k][j];
+                }
 #pragma unroll
-                for (int k = 0; k < ILP; ++k) from = item[p] == k ? src[k] : from;  // no local-memory indexing
-                if (from != nullptr) r[p] = from[off[p]];
-            }
+            for (int k = 0; k < ILP; ++k)
 #pragma unroll
-            for (int p = 0; p < R; ++p) {
-                V *to = nullptr;
-#pragma unroll
-                for (int k = 0; k < ILP; ++k) to = item[p] == k ? dst[k] : to;
-                if (to != nullptr) to[off[p]] = r[p];
-            }
+                for (int p = 0; p < PER_LANE; ++p) {
+                    const int j = base + lane + 32 * p;
+                    if (dst[k] != nullptr && j < words) dst[k][j] = r[k][p];
+                }
         }
     }
 }
 
 template <int VEC>
 void launch_vec(const Transfer &t, int ilp, int ctas, int threads, gpuStream_t s) {
-    switch (ilp) {
-        case 1: transfer_kernel<VEC, 1><<<ctas, threads, 0, s>>>(t); break;
-        case 2: transfer_kernel<VEC, 2><<<ctas, threads, 0, s>>>(t); break;
-        default: transfer_kernel<VEC, 4><<<ctas, threads, 0, s>>>(t); break;
+    const std::int64_t per_lane = (t.item_bytes / VEC + 31) / 32;
+    if (per_lane <= 1) {
+        transfer_kernel<VEC, 4, 1><<<ctas, threads, 0, s>>>(t);
+    } else if (per_lane == 2) {
+        if (ilp >= 4) transfer_kernel<VEC, 4, 2><<<ctas, threads, 0, s>>>(t);
+        else if (ilp == 2) transfer_kernel<VEC, 2, 2><<<ctas, threads, 0, s>>>(t);
+        else transfer_kernel<VEC, 1, 2><<<ctas, threads, 0, s>>>(t);
+    } else if (per_lane == 3) {  // 1152 B MLA items
+        if (ilp >= 4) transfer_kernel<VEC, 3, 3><<<ctas, threads, 0, s>>>(t);
+        else if (ilp >= 2) transfer_kernel<VEC, 2, 3><<<ctas, threads, 0, s>>>(t);
+        else transfer_kernel<VEC, 1, 3><<<ctas, threads, 0, s>>>(t);
+    } else {  // 2 KiB and larger items: 2 KiB per pass
+        if (ilp >= 2) transfer_kernel<VEC, 2, 4><<<ctas, threads, 0, s>>>(t);
+        else transfer_kernel<VEC, 1, 4><<<ctas, threads, 0, s>>>(t);
     }
 }
 
