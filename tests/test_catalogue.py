@@ -169,9 +169,9 @@ def host_buffer(nbytes: int, seed: int = 1) -> torch.Tensor:
 
 def test_zero_length_alloc_registered_is_refused() -> None:
     before = memory._registry.pinned_bytes
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(errors.InvalidRegistrationError) as info:
         pd.alloc_registered(0, DEV)
-    expect(info, ValueError, "0-byte registration is invalid", "got 0")
+    expect(info, errors.InvalidRegistrationError, "0-byte registration is invalid", "got 0")
     # the backend itself refuses a 0-byte range (cudaErrorInvalidValue's counterpart)
     t = host_buffer(PAGE)
     assert memory._EMULATED.register(t.data_ptr(), 0, pd.as_device(DEV)) == 1
@@ -180,9 +180,9 @@ def test_zero_length_alloc_registered_is_refused() -> None:
 
 
 def test_zero_length_register_host_tensor_is_refused() -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(errors.InvalidRegistrationError) as info:
         pd.register_host_tensor(torch.empty(0, dtype=torch.uint8), DEV)
-    expect(info, ValueError, "empty tensor", "0-byte registration is invalid")
+    expect(info, errors.InvalidRegistrationError, "empty tensor", "0-byte registration is invalid")
     still_usable()
 
 
@@ -548,11 +548,14 @@ def test_checked_device_memory_of_another_device_written_into_a_table(rig: Rig) 
     still_usable()
 
 
+_N_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the first ordinal that does not exist
+
+
 @pytest.mark.parametrize(
     ("device", "needles"),
     [
         ("emulated:7", ("emulated:7 does not exist", "2 emulated device(s)")),
-        ("cuda:0", ("cuda:0 does not exist", "0 cuda device(s)")),
+        (f"cuda:{_N_CUDA}", (f"cuda:{_N_CUDA} does not exist", f"{_N_CUDA} cuda device(s)")),
         ("bogus:0", ("cannot use 'bogus:0' as a device",)),
         ("emulated:-1", ("bad device ordinal",)),
     ],

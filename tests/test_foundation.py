@@ -119,7 +119,7 @@ def test_close_is_idempotent_and_blocks_use() -> None:
     mem.close()
     with pytest.raises(errors.ClosedError):
         table.check_live()
-    with pytest.raises(errors.NotRegisteredError):
+    with pytest.raises(errors.ClosedError):
         pd.resolve_alias(mem.host_va, DEV)
 
 

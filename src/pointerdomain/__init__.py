@@ -5,7 +5,7 @@ transfer kernels that accept only device aliases.
 See docs/design.md for the two address domains and the rules.
 """
 
-from pointerdomain import errors
+from pointerdomain import checked, errors
 from pointerdomain.domains import Address, Device, DeviceAlias, HostVA, as_device
 from pointerdomain.guard import DeviceGuard
 from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
@@ -36,6 +36,7 @@ __all__ = [
     "alloc_registered",
     "as_device",
     "buffer_infos",
+    "checked",
     "device_empty",
     "errors",
     "fallback_count",

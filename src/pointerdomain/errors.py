@@ -19,6 +19,7 @@ __all__ = [
     "IndexValidationError",
     "RegistrationError",
     "AlreadyRegisteredError",
+    "InvalidRegistrationError",
     "NotRegisteredError",
     "MemlockLimitError",
     "RegistrationSpanError",
@@ -60,6 +61,11 @@ class IndexValidationError(PointerDomainError, IndexError):
 
 class RegistrationError(PointerDomainError, RuntimeError):
     """Registering or unregistering host memory failed; nothing stays registered."""
+
+
+class InvalidRegistrationError(RegistrationError, ValueError):
+    """A registration request that is invalid before any runtime call: zero bytes, an
+    empty tensor, a non-positive granularity or chunk size."""
 
 
 class AlreadyRegisteredError(RegistrationError):

@@ -27,6 +27,7 @@ from pointerdomain import checked
 from pointerdomain._extension import extension
 from pointerdomain.domains import Device, DeviceAlias
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -223,8 +224,11 @@ def _launch(
     plan = _plan(src, src_layout, dst, dst_layout)
     device = plan.device
     cuda = device.type == "cuda"
-    src.check_live()
-    dst.check_live()
+    for name, table in (("src", src), ("dst", dst)):
+        try:
+            table.check_live()
+        except ClosedError as exc:
+            raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     s_idx = _check_indices("src_indices", src_indices, device)
     d_idx = _check_indices("dst_indices", dst_indices, device)
     n = s_idx.numel()

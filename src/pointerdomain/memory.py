@@ -30,6 +30,7 @@ from pointerdomain.errors import (
     AlreadyRegisteredError,
     ClosedError,
     DomainError,
+    InvalidRegistrationError,
     MemlockLimitError,
     NonContiguousError,
     NotRegisteredError,
@@ -339,9 +340,9 @@ class RegisteredHostMemory:
 
 def _check_granularity(granularity: int, max_chunk_bytes: int) -> None:
     if type(granularity) is not int or granularity <= 0:
-        raise ValueError(f"granularity must be a positive int (bytes), got {granularity!r}")
+        raise InvalidRegistrationError(f"granularity must be a positive int (bytes), got {granularity!r}")
     if type(max_chunk_bytes) is not int or max_chunk_bytes <= 0:
-        raise ValueError(f"max_chunk_bytes must be a positive int (bytes), got {max_chunk_bytes!r}")
+        raise InvalidRegistrationError(f"max_chunk_bytes must be a positive int (bytes), got {max_chunk_bytes!r}")
 
 
 def alloc_registered(
@@ -361,18 +362,23 @@ def alloc_registered(
         max_chunk_bytes: largest single registration call (rounded down to the granularity).
 
     Raises:
-        ValueError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not positive.
+        InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
+            positive (a ``ValueError`` too).
         InvalidDeviceError: the device does not exist.
         RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
     """
     if type(nbytes) is not int or nbytes <= 0:
-        raise ValueError(f"nbytes must be a positive int: a 0-byte registration is invalid (got {nbytes!r})")
+        raise InvalidRegistrationError(f"nbytes must be a positive int: a 0-byte registration is invalid (got {nbytes!r})")
     _check_granularity(granularity, max_chunk_bytes)
     dev = validate_device(device)
     if dev.type == "emulated":
         tensor = extension().emu_host_alloc(nbytes)
     else:
-        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        # Page-aligned start, so chunk cuts on a page-multiple granularity never split an
+        # OS page between two cudaHostRegister calls.
+        raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % mmap.PAGESIZE
+        tensor = raw[skip : skip + nbytes]
     return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes)
 
 
@@ -392,7 +398,7 @@ def register_host_tensor(
     Raises:
         DomainError: ``tensor`` is not in CPU memory (a CUDA tensor, or emulated device memory).
         NonContiguousError: ``tensor`` is strided.
-        ValueError: ``tensor`` is empty.
+        InvalidRegistrationError: ``tensor`` is empty (a ``ValueError`` too).
         AlreadyRegisteredError: the range overlaps a registration.
         RegistrationError: the runtime refused; nothing stays registered.
     """
@@ -410,7 +416,7 @@ def register_host_tensor(
             "its bytes are not one range; register its contiguous base buffer"
         )
     if tensor.numel() == 0:
-        raise ValueError("cannot register an empty tensor: a 0-byte registration is invalid")
+        raise InvalidRegistrationError("cannot register an empty tensor: a 0-byte registration is invalid")
     _check_granularity(granularity, max_chunk_bytes)
     dev = validate_device(device)
     flat = tensor.reshape(-1).view(torch.uint8)

@@ -27,7 +27,7 @@ from pointerdomain._extension import extension, gpu_ops_built
 from pointerdomain.domains import Device, DeviceAlias, HostVA
 from pointerdomain.errors import AliasOpMissingError, NotRegisteredError, RuntimeCallError
 from pointerdomain.guard import validate_device
-from pointerdomain.memory import find_registration
+from pointerdomain.memory import find_closed_registration, find_registration
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +175,8 @@ def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlia
     owner = find_registration(va)
     if owner is not None:
         owner.check_open()
+    elif (closed := find_closed_registration(va)) is not None:
+        closed.check_open()  # raises ClosedError
     elif policy is AliasPolicy.EMULATED or not _runtime_reports_host(va):
         raise NotRegisteredError(
             f"{va!r} is not inside registered host memory; register it first "
