@@ -136,6 +136,8 @@ def demo(args: argparse.Namespace) -> int:
         expected = [buf[dev_slots].clone() for buf in pool.buffers]
         moved = args.pages * args.page_size * dev_layout.num_kv * args.layers * dev_layout.item_bytes
 
+        host.backup(pool, dev_slots[:1], host_slots[:1])  # warm-up: module load, first-launch costs
+        host.load(pool, host_slots[:1], dev_slots[:1])
         _sync(device)
         t0 = time.perf_counter()
         host.backup(pool, dev_slots, host_slots)
