@@ -180,7 +180,9 @@ int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, 
     if (ctas <= 0) {
         int sms = 0;
         if (const int e = multiprocessor_count(device, &sms)) return e;
-        ctas = sms * (2048 / threads);  // whole GPU: full occupancy
+        // Whole GPU: the CTAs that fit at once (64 registers per thread: 65536 / (64 * threads)
+        // per SM), so no second wave of CTAs arrives late and leaves SMs idle at the tail.
+        ctas = sms * (threads <= 512 ? 1024 / threads : 1);
     }
     const std::int64_t warps_needed = (items + ilp - 1) / ilp;
     const std::int64_t needed = (warps_needed + threads / 32 - 1) / (threads / 32);

@@ -90,10 +90,11 @@ def _check_range(src_idx: torch.Tensor, dst_idx: torch.Tensor, src_slots: int, d
 #: overlaps model compute (field notes). None = the whole GPU.
 DEFAULT_MAX_CTAS = 4
 
-#: Runs at least this long go to the copy engine under ``backend="auto"`` when the SM
-#: budget is small (the engine uses no SMs); with the whole GPU the kernel is faster up
-#: to ~64 KiB runs (field notes: batch copy 42.3 GB/s vs kernel 51.1 at 64 KiB).
-CE_MIN_RUN_BYTES_SMALL_BUDGET = 64 << 10
+#: Runs at least this long go to the copy engine under ``backend="auto"``. Measured on
+#: the H200 (docs/performance.md): cudaMemcpyBatchAsync of 64 KiB runs gave 0.72-0.79 x
+#: bulk while the kernel gave 0.91-0.94 x with only 2-4 CTAs, so the engine only pays
+#: for runs far longer than a KV item, where it approaches a bulk copy and frees the SMs.
+CE_MIN_RUN_BYTES_SMALL_BUDGET = 512 << 10
 CE_MIN_RUN_BYTES_WHOLE_GPU = 1 << 20
 
 Backend = Literal["auto", "kernel", "copy_engine"]
@@ -238,11 +239,11 @@ def _launch(
         raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
     if backend != "kernel" and backend != "auto" and backend != "copy_engine":
         raise ValueError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
-    capturing = cuda and torch.cuda.is_current_stream_capturing()
     if backend == "auto":
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if max_ctas is None else CE_MIN_RUN_BYTES_SMALL_BUDGET
-        backend = "copy_engine" if plan.run_bytes >= threshold and not capturing else "kernel"
-    elif backend == "copy_engine" and capturing:
+        long_runs = plan.run_bytes >= threshold
+        backend = "copy_engine" if long_runs and not (cuda and torch.cuda.is_current_stream_capturing()) else "kernel"
+    elif backend == "copy_engine" and cuda and torch.cuda.is_current_stream_capturing():
         raise ValueError("backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph")
     if validate_indices or backend == "copy_engine":  # the copy engine reads the indices on the host anyway
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)
@@ -310,8 +311,9 @@ def transfer_kv_all_layer(
             ``"copy_engine"`` (cudaMemcpyBatchAsync of runs of consecutive slots inside
             a page, fed device aliases; reads the indices on the host, so it syncs on
             CUDA indices and cannot be captured), or ``"auto"``: the copy engine when
-            both layouts give runs of at least 64 KiB (1 MiB with the whole GPU) and
-            not capturing, else the kernel.
+            both layouts give runs of at least 512 KiB (1 MiB with the whole GPU) and
+            not capturing, else the kernel (faster than the engine up to 64 KiB runs
+            even at 2 CTAs, measured on the H200).
         validate_indices: check every slot is in range on the host before launching
             (a device sync for CUDA indices; skipped during graph capture). When False
             the kernel still skips out-of-range slots, so nothing outside the tables is
