@@ -36,16 +36,6 @@ int finish(gpuError_t e) {
     return static_cast<int>(e);
 }
 
-// The source is not written during a launch: non-coherent loads. Stores bypass L1
-// (.cg): nothing re-reads them, and to host memory they are the common design's
-// choice for D2H from few SMs (benchmark column (h)).
-template <class V>
-__device__ __forceinline__ V load(const V *p) { return __ldg(p); }
-__device__ __forceinline__ unsigned char load(const unsigned char *p) { return *p; }
-template <class V>
-__device__ __forceinline__ void store(V *p, const V &v) { __stcg(p, v); }
-__device__ __forceinline__ void store(unsigned char *p, const unsigned char &v) { *p = v; }
-
 template <int VEC> struct Vec;
 template <> struct Vec<16> { using T = uint4; };
 template <> struct Vec<8> { using T = uint2; };
@@ -96,14 +86,14 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
 #pragma unroll
                 for (int p = 0; p < PER_LANE; ++p) {
                     const int j = base + lane + 32 * p;
-                    if (src[k] != nullptr && j < words) r[k][p] = load(src[k] + j);
+                    if (src[k] != nullptr && j < words) r[k][p] = src[k][j];
                 }
 #pragma unroll
             for (int k = 0; k < ILP; ++k)
 #pragma unroll
                 for (int p = 0; p < PER_LANE; ++p) {
                     const int j = base + lane + 32 * p;
-                    if (dst[k] != nullptr && j < words) store(dst[k] + j, r[k][p]);
+                    if (dst[k] != nullptr && j < words) dst[k][j] = r[k][p];
                 }
         }
     }
