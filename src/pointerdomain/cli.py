@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, get_args
 
+import pydantic
 import torch
 
 from pointerdomain._extension import extension, gpu_ops_built
@@ -108,14 +109,55 @@ def doctor(args: argparse.Namespace) -> int:
     return status
 
 
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _memory_problem(device: Device, dev_layout: KVLayout, host_layout: KVLayout, pages: int) -> str | None:
+    """Why the demo's pools would not fit, or None. Host: the host pool, the saved pages
+    and (emulated) the device pool against MemAvailable; CUDA: the device pool and the
+    saved pages against free device memory."""
+    saved = pages * dev_layout.nbytes // dev_layout.num_pages
+    host_need = host_layout.nbytes + (dev_layout.nbytes + saved if device.type == "emulated" else 0)
+    available = _available_host_bytes()
+    if available is not None and host_need > available * 0.8:
+        return (f"the pools need {host_need / 2**30:.1f} GiB of host memory and {available / 2**30:.1f} GiB is "
+                "available: lower --layers, --device-pages, --host-pages or --pages")
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device.ordinal)
+        if dev_layout.nbytes + saved > free * 0.9:
+            return (f"the device pool needs {(dev_layout.nbytes + saved) / 2**30:.1f} GiB and {device} has "
+                    f"{free / 2**30:.1f} GiB free: lower --layers or --device-pages")
+    return None
+
+
 def demo(args: argparse.Namespace) -> int:
     device = validate_device(args.device) if args.device else default_device()
-    shape = dict(attention=args.attention, num_layers=args.layers, page_size=args.page_size,
-                 num_heads=1 if args.attention == "mla" else args.heads, head_dim=args.head_dim, dtype=args.dtype)
-    dev_layout = KVLayout(kind="layer_first", num_pages=args.device_pages, **shape)
-    host_layout = KVLayout(kind=args.host_layout, num_pages=args.host_pages, **shape)
-    if args.pages > min(args.device_pages, args.host_pages):
-        print(f"--pages {args.pages} exceeds the pool sizes", file=sys.stderr)
+    try:
+        dev_layout = KVLayout(kind="layer_first", attention=args.attention, num_layers=args.layers,
+                              num_pages=args.device_pages, page_size=args.page_size,
+                              num_heads=1 if args.attention == "mla" else args.heads,
+                              head_dim=args.head_dim, dtype=args.dtype)
+        host_layout = dev_layout.model_validate(
+            dev_layout.model_dump() | {"kind": args.host_layout, "num_pages": args.host_pages}
+        )
+    except pydantic.ValidationError as exc:
+        print(f"error: invalid pool shape: {exc}", file=sys.stderr)
+        return 2
+    if not 0 < args.pages <= min(args.device_pages, args.host_pages):
+        print(f"error: --pages must be in [1, {min(args.device_pages, args.host_pages)}] (the smaller pool), "
+              f"got {args.pages}", file=sys.stderr)
+        return 2
+    problem = _memory_problem(device, dev_layout, host_layout, args.pages)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     gen = torch.Generator().manual_seed(args.seed)
     print(f"pointerdomain demo on {device}: {args.attention}, {args.layers} layers, item {dev_layout.item_bytes} B, "
