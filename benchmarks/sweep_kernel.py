@@ -72,7 +72,7 @@ def main() -> None:
                     for ilp in (1, 2, 4):
                         for vec in (16, 8):
                             def run() -> None:
-                                st = ext.gpu_transfer(src.as_uint64_tensor().data_ptr(), sg, dst.as_uint64_tensor().data_ptr(), dg,
+                                st = ext.gpu_transfer(src.kernel_table_address(), sg, dst.kernel_table_address(), dg,
                                                       si.data_ptr(), di.data_ptr(), si.numel(), 64, 2, 0, 8, item,
                                                       0, stream, budget or 0, vec, threads, ilp)
                                 assert st == 0, st

@@ -269,7 +269,7 @@ class CupyBaselines:
 
     def side_args(self, side: Side) -> list[Any]:
         np = self.np
-        return [np.uint64(side.table.as_uint64_tensor().data_ptr())] + [np.int64(v) for v in side.geo[:7]]
+        return [np.uint64(side.table.kernel_table_address())] + [np.int64(v) for v in side.geo[:7]]
 
     def prepare(self, which: str, src: Side, dst: Side, si: torch.Tensor, di: torch.Tensor, stream: int) -> Fn:
         np, cp = self.np, self.cp
@@ -815,7 +815,7 @@ class Bench:
         """The extension call transfer_kv_all_layer(backend='kernel') makes, with everything
         precomputed (mirrors pointerdomain.kernels._launch)."""
         ext, lo = self.ext, src.layout
-        common = (src.table.as_uint64_tensor().data_ptr(), tuple(src.geo), dst.table.as_uint64_tensor().data_ptr(),
+        common = (src.table.kernel_table_address(), tuple(src.geo), dst.table.kernel_table_address(),
                   tuple(dst.geo), si.data_ptr(), di.data_ptr(), si.numel(), lo.page_size, lo.num_kv, 0,
                   lo.num_layers, lo.item_bytes)
         if not self.cuda:

@@ -12,9 +12,9 @@ Every case asserts
   moves the exact bytes (:func:`still_usable`).
 
 Runs on the emulated backend (CPU), with checked mode on (the cases that only
-checked mode catches, marked "checked:", write into a table's tensor through the
-``as_uint64_tensor()`` escape hatch, the one way a bad address can still reach a
-launch).
+checked mode catches, marked "checked:", overwrite a table's own array, standing in
+for a stray write from native code: ``as_uint64_tensor()`` hands out a copy, so no
+Python API can change what a launch reads).
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ PAGE = mmap.PAGESIZE
 MODEL: dict[str, Any] = dict(attention="mha", num_layers=2, page_size=4, num_heads=2, head_dim=16, dtype="bfloat16")
 HOST_LAYOUT = pd.KVLayout(kind="page_first", num_pages=6, **MODEL)
 DEV_LAYOUT = pd.KVLayout(kind="layer_first", num_pages=4, **MODEL)
+
+def table_storage(table: pd.PointerTable[pd.DeviceAlias]) -> torch.Tensor:
+    """Fault injection: the table's own uint64 array (private). ``as_uint64_tensor()``
+    returns a copy, so only a stray write from native code (a buggy kernel, memory
+    corruption) can change what a launch reads; this stands in for that write."""
+    return table._tensor
+
 
 
 @pytest.fixture(autouse=True)
@@ -494,7 +501,7 @@ def test_checked_page_running_past_its_chunk() -> None:
     try:
         table = r.host.kernel_table
         assert len(table) == HOST_LAYOUT.split_for_page_blocks()
-        raw = table.as_uint64_tensor()
+        raw = table_storage(table)
         raw[1] = int(raw[1]) + 64
         before = snap(r.host.buffer)
         with pytest.raises(errors.RegistrationSpanError) as info:
@@ -535,7 +542,7 @@ def test_device_memory_of_another_device_in_a_table() -> None:
 
 def test_checked_device_memory_of_another_device_written_into_a_table(rig: Rig) -> None:
     theirs = pd.device_empty(DEV_LAYOUT.buffer_shape, torch.bfloat16, DEV1)
-    raw = rig.dev.table.as_uint64_tensor()
+    raw = table_storage(rig.dev.table)
     raw[2] = theirs.data_ptr()
     before = snap(theirs)
     with pytest.raises(errors.DeviceMismatchError) as info:
@@ -634,7 +641,7 @@ def test_kernel_table_to_metadata(rig: Rig) -> None:
 
 def test_checked_host_va_written_into_a_kernel_table(rig: Rig) -> None:
     """checked: the core fault, a host VA reaching a kernel (on MI355X/WSL2 it is not a device address)."""
-    raw = rig.host.kernel_table.as_uint64_tensor()
+    raw = table_storage(rig.host.kernel_table)
     raw[0] = rig.host.memory.host_va.value
     before = rig.dev_snap()
     with pytest.raises(errors.DomainError) as info:
@@ -655,7 +662,7 @@ def test_checked_interior_alias_that_lost_its_offset(rig: Rig) -> None:
     layout = HOST_LAYOUT.model_copy(update={"num_pages": 3})
     table = pd.make_kernel_ptr_table([inner[: layout.nbytes]], DEV)
     assert table[0] == pd.resolve_alias(rig.host.memory.host_va, DEV) + HOST_LAYOUT.nbytes // 2  # offset kept
-    raw = table.as_uint64_tensor()
+    raw = table_storage(table)
     raw[0] = pd.resolve_alias(rig.host.memory.host_va, DEV).value
     before = rig.dev_snap()
     with pytest.raises(errors.DomainError) as info:
@@ -669,7 +676,7 @@ def test_checked_interior_alias_that_lost_its_offset(rig: Rig) -> None:
 
 def test_checked_address_of_a_registration_the_table_does_not_hold(rig: Rig) -> None:
     with pd.alloc_registered(HOST_LAYOUT.nbytes, DEV) as stranger:
-        raw = rig.host.kernel_table.as_uint64_tensor()
+        raw = table_storage(rig.host.kernel_table)
         raw[0] = pd.resolve_alias(stranger.host_va, DEV).value
         before = snap(stranger.tensor)
         with pytest.raises(errors.DomainError) as info:
@@ -683,7 +690,7 @@ def test_checked_address_of_a_registration_the_table_does_not_hold(rig: Rig) -> 
 
 def test_checked_unknown_address_in_a_table(rig: Rig) -> None:
     loose = torch.zeros(HOST_LAYOUT.nbytes, dtype=torch.uint8)
-    raw = rig.host.kernel_table.as_uint64_tensor()
+    raw = table_storage(rig.host.kernel_table)
     raw[0] = loose.data_ptr()
     with pytest.raises(errors.DomainError) as info:
         rig.host.backup(rig.dev, rig.slots, rig.host_slots)
@@ -818,7 +825,7 @@ def test_layouts_of_different_models(rig: Rig) -> None:
 
 def test_checked_entry_past_the_end_of_its_device_allocation(rig: Rig) -> None:
     """checked: a device-memory entry moved so the last touched page runs past its allocation."""
-    raw = rig.dev.table.as_uint64_tensor()
+    raw = table_storage(rig.dev.table)
     raw[0] = int(raw[0]) + 2
     before = snap(rig.host.buffer)
     with pytest.raises(errors.LayoutError) as info:
@@ -843,3 +850,13 @@ def test_checked_mode_is_off_by_default_and_switchable() -> None:
             assert checked.enabled()
         assert not checked.enabled()
     assert checked.enabled()
+
+
+def test_writing_into_the_escape_hatch_copy_changes_nothing(rig: Rig) -> None:
+    """as_uint64_tensor() is a copy: zeroing it (which segfaulted when it was the live
+    array) leaves the table and the next launch intact."""
+    raw = rig.host.kernel_table.as_uint64_tensor()
+    raw.zero_()
+    assert rig.host.kernel_table.as_uint64_tensor().tolist() == [a.value for a in rig.host.kernel_table]
+    assert rig.backup_ok()
+    still_usable()

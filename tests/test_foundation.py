@@ -88,7 +88,7 @@ def test_register_existing_tensor_keeps_bytes_and_aliases() -> None:
         assert torch.equal(t, before)
         import ctypes
         alias = pd.resolve_alias(mem.host_va + 40, DEV)
-        assert ctypes.string_at(alias.value, 4) == before[10:11].numpy().tobytes()
+        assert ctypes.string_at(alias.value, 4) == ctypes.string_at(before.data_ptr() + 40, 4)
         t[10] = 7
         assert int.from_bytes(ctypes.string_at(alias.value, 4), "little") == 7
 
@@ -163,8 +163,11 @@ def test_kernel_table_of_registered_and_device_memory() -> None:
         assert table[1] == pd.DeviceAlias(dev_buf.data_ptr(), DEV)
         assert table.sizes == (4096, 128)
         backing = table.as_uint64_tensor()
-        assert backing.dtype == torch.uint64 and memory_device(backing) == DEV
-        assert backing.tolist() == [table[0].value, table[1].value]
+        assert backing.dtype == torch.uint64 and backing.tolist() == [table[0].value, table[1].value]
+        from pointerdomain._extension import extension
+        assert extension().emu_device_lookup(table.kernel_table_address(), 16) == 0  # the array is device memory
+        backing.zero_()  # a copy: the table is unchanged
+        assert table.as_uint64_tensor().tolist() == [table[0].value, table[1].value]
 
 
 def test_kernel_table_rejects_unregistered_host_memory_and_other_devices() -> None:

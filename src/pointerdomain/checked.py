@@ -11,8 +11,8 @@ What it checks, for the ``src`` and the ``dst`` table:
 
 1. **The addresses the kernel will read.** On an emulated device that is the
    table's ``uint64`` tensor itself (it lives in CPU-readable memory), and it must
-   still equal the addresses the table was built with (a write through the
-   :meth:`~pointerdomain.PointerTable.as_uint64_tensor` escape hatch is caught).
+   still equal the addresses the table was built with (an overwrite of the
+   table's own array is caught: a stray write from native code; ``as_uint64_tensor()`` is a copy).
    On CUDA it is the table's host copy of the same values: reading the device copy
    would synchronise the GPU.
 2. **Every entry is looked up**, for each table, in
@@ -104,7 +104,7 @@ _state_lock = threading.Lock()
 
 _FIX_BUILD = (
     "build kernel tables only with make_kernel_ptr_table(tensors, device) (it resolves device aliases) and "
-    "never write into as_uint64_tensor()"
+    "never write over a table's array from native code (as_uint64_tensor() is a copy)"
 )
 
 

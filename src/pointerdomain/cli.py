@@ -140,10 +140,14 @@ def _memory_problem(device: Device, dev_layout: KVLayout, host_layout: KVLayout,
 
 def demo(args: argparse.Namespace) -> int:
     device = validate_device(args.device) if args.device else default_device()
+    if args.attention == "mla" and args.heads not in (None, 1):
+        print(f"error: MLA stores one latent vector per token: --heads must be 1 (got {args.heads})", file=sys.stderr)
+        return 2
+    heads = args.heads if args.heads is not None else (1 if args.attention == "mla" else 8)
     try:
         dev_layout = KVLayout(kind="layer_first", attention=args.attention, num_layers=args.layers,
                               num_pages=args.device_pages, page_size=args.page_size,
-                              num_heads=1 if args.attention == "mla" else args.heads,
+                              num_heads=heads,
                               head_dim=args.head_dim, dtype=args.dtype)
         host_layout = dev_layout.model_validate(
             dev_layout.model_dump() | {"kind": args.host_layout, "num_pages": args.host_pages}
@@ -217,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--device", help="cuda:N or emulated:N (default: cuda if present, else emulated:0)")
     p_demo.add_argument("--attention", choices=["mha", "mla"], default="mha")
     p_demo.add_argument("--layers", type=int, default=32)
-    p_demo.add_argument("--heads", type=int, default=8, help="KV heads (MHA)")
+    p_demo.add_argument("--heads", type=int, default=None, help="KV heads (MHA, default 8; MLA has 1)")
     p_demo.add_argument("--head-dim", type=int, default=128, help="128 for MHA; 576 is typical for MLA")
     p_demo.add_argument("--dtype", choices=list(get_args(DType)), default="bfloat16")
     p_demo.add_argument("--page-size", type=int, default=64, help="tokens per page")

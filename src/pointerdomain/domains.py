@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from typing_extensions import Self, final
 
-from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidDeviceError
+from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, InvalidDeviceError
 
 if TYPE_CHECKING:
     import torch
@@ -33,8 +33,18 @@ _ADDR_LIMIT = 1 << 64
 
 DeviceType = Literal["cuda", "emulated"]
 
-#: Number of emulated devices on a machine without a GPU (``POINTERDOMAIN_EMULATED_DEVICES``).
-EMULATED_DEVICE_COUNT = int(os.environ.get("POINTERDOMAIN_EMULATED_DEVICES", "2"))
+def _emulated_device_count() -> int:
+    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES", "2")
+    if not text.isdigit() or int(text) < 1:
+        import warnings
+
+        warnings.warn(f"POINTERDOMAIN_EMULATED_DEVICES={text!r} is not a positive int; using 2", stacklevel=2)
+        return 2
+    return int(text)
+
+
+#: Number of emulated devices on a machine without a GPU (``POINTERDOMAIN_EMULATED_DEVICES``, default 2).
+EMULATED_DEVICE_COUNT = _emulated_device_count()
 
 
 @final
@@ -101,7 +111,7 @@ def _check_value(value: object) -> int:
     if type(value) is not int:
         raise DomainError(f"an address is built from an int, got {type(value).__name__}")
     if not 0 <= value < _ADDR_LIMIT:
-        raise ValueError(f"address {value:#x} is outside [0, 2**64)")
+        raise InvalidArgumentError(f"address {value:#x} is outside [0, 2**64)")
     return value
 
 

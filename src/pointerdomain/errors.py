@@ -13,6 +13,7 @@ __all__ = [
     "PointerDomainError",
     "DomainError",
     "DeviceMismatchError",
+    "InvalidArgumentError",
     "InvalidDeviceError",
     "NonContiguousError",
     "LayoutError",
@@ -37,6 +38,12 @@ class PointerDomainError(Exception):
 class DomainError(PointerDomainError, TypeError):
     """An address or pointer table of the wrong domain (host VA vs device alias),
     or memory of the wrong kind (a device address handed to CPU code)."""
+
+
+class InvalidArgumentError(PointerDomainError, ValueError):
+    """An argument outside its documented range or of the wrong kind (an address
+    outside [0, 2**64), a stream that is not a non-negative int, an unknown backend,
+    a non-positive CTA budget, a page number outside the pool)."""
 
 
 class DeviceMismatchError(PointerDomainError, ValueError):

@@ -28,6 +28,7 @@ from pointerdomain._extension import extension
 from pointerdomain.domains import Device, DeviceAlias
 from pointerdomain.errors import (
     ClosedError,
+    InvalidArgumentError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -143,7 +144,7 @@ def _plan(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTabl
     plan = _Plan(
         weakref.ref(dst), src_layout, dst_layout, device, src_geo, dst_geo,
         _run_bytes(src_layout, src_geo, dst_geo), vec_max,
-        (src.as_uint64_tensor().data_ptr(), src_geo, dst.as_uint64_tensor().data_ptr(), dst_geo,
+        (src.kernel_table_address(), src_geo, dst.kernel_table_address(), dst_geo,
          src_layout.page_size, src_layout.num_kv, src_layout.item_bytes),
         kernel_config(dst.registered, None, vec_max),
     )
@@ -236,15 +237,21 @@ def _launch(
     if n != d_idx.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {d_idx.numel()}")
     if max_ctas is not None and (type(max_ctas) is not int or max_ctas <= 0):
-        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+        raise InvalidArgumentError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
     if backend != "kernel" and backend != "auto" and backend != "copy_engine":
-        raise ValueError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
+        raise InvalidArgumentError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
+    if stream is not None and (type(stream) is not int or stream < 0):
+        raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
+    if type(validate_indices) is not bool:
+        raise InvalidArgumentError(f"validate_indices must be a bool, got {validate_indices!r}")
     if backend == "auto":
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if max_ctas is None else CE_MIN_RUN_BYTES_SMALL_BUDGET
         long_runs = plan.run_bytes >= threshold
         backend = "copy_engine" if long_runs and not (cuda and torch.cuda.is_current_stream_capturing()) else "kernel"
     elif backend == "copy_engine" and cuda and torch.cuda.is_current_stream_capturing():
-        raise ValueError("backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph")
+        raise InvalidArgumentError(
+            "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
+        )
     if validate_indices or backend == "copy_engine":  # the copy engine reads the indices on the host anyway
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)
     if n == 0:
@@ -354,7 +361,9 @@ def transfer_kv_per_layer(
         IndexValidationError: ``layer_id`` outside ``[0, num_layers)``; and all of
             :func:`transfer_kv_all_layer`'s errors.
     """
-    if type(layer_id) is not int or not 0 <= layer_id < src_layout.num_layers:
+    if type(layer_id) is not int:
+        raise IndexValidationError(f"layer_id must be an int, got {layer_id!r}")
+    if not 0 <= layer_id < src_layout.num_layers:
         raise IndexValidationError(f"layer_id {layer_id!r} outside [0, {src_layout.num_layers})")
     _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1, stream, max_ctas, backend,
             validate_indices)

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pointerdomain.errors import LayoutError
+from pointerdomain.errors import IndexValidationError, LayoutError
 
 __all__ = ["Geometry", "KVLayout"]
 
@@ -179,10 +179,10 @@ class KVLayout(BaseModel, frozen=True):
         one-buffer form, merged where adjacent. Used for transfer-engine metadata.
 
         Raises:
-            IndexError: ``page`` outside ``[0, num_pages)``.
+            IndexValidationError: ``page`` not an int in ``[0, num_pages)`` (an ``IndexError`` too).
         """
-        if not 0 <= page < self.num_pages:
-            raise IndexError(f"page {page} outside [0, {self.num_pages})")
+        if type(page) is not int or not 0 <= page < self.num_pages:
+            raise IndexValidationError(f"page {page!r} outside [0, {self.num_pages}) (pages are ints)")
         block = self.page_block_bytes()
         # Below the page dimension only layer_first has an outer layer dimension.
         layers = range(self.num_layers) if self.kind == "layer_first" else range(1)

@@ -10,7 +10,7 @@ and the functions accept only ``PointerTable[HostVA]``.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import DomainError, LayoutError
@@ -29,6 +29,12 @@ class BufferInfo(BaseModel, frozen=True):
     address: HostVA
     nbytes: int = Field(gt=0)
     item_bytes: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _whole_items(self) -> BufferInfo:
+        if self.nbytes % self.item_bytes:
+            raise ValueError(f"nbytes {self.nbytes} is not a whole number of {self.item_bytes}-byte items")
+        return self
 
 
 def _check_host(table: object) -> PointerTable[HostVA]:
@@ -67,8 +73,11 @@ def page_buffer_meta(table: PointerTable[HostVA], layout: KVLayout, pages: list[
         IndexError: a page out of range.
     """
     host = _check_host(table)
-    if len(host) != 1 or host.sizes[0] < layout.nbytes:
-        raise LayoutError(f"page_buffer_meta needs one buffer of {layout.nbytes} bytes, got sizes {host.sizes}")
+    if len(host) != 1 or host.sizes[0] != layout.nbytes:
+        raise LayoutError(
+            f"page_buffer_meta needs the one-buffer host pool of this layout ({layout.nbytes} bytes), got sizes "
+            f"{host.sizes}: pass the pool's own layout"
+        )
     base = host[0]
     return [
         BufferInfo(address=base + offset, nbytes=nbytes, item_bytes=layout.item_bytes)

@@ -121,14 +121,25 @@ class PointerTable(Generic[D]):
         return (self[i] for i in range(len(self)))
 
     def as_uint64_tensor(self) -> torch.Tensor:
-        """The backing ``uint64`` tensor of shape ``[len(self)]`` on the table's device.
+        """A copy of the table as a ``uint64`` tensor of shape ``[len(self)]`` on the
+        table's device.
 
         This is the explicit escape hatch for untyped kernels (e.g. a cache's own
         CUDA op that takes a pointer tensor): what it returns carries no domain,
-        so pass it only to code that expects this table's domain and device.
-        The tensor is valid while this table is alive.
+        so pass it only to code that expects this table's domain and device. It is a
+        copy, so writing to it cannot change what this table's launches read.
         """
-        return self._tensor
+        return self._tensor.clone()
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Keep the table's array from being reused by torch's caching allocator until
+        work queued on ``stream`` (which reads it) is done (``Tensor.record_stream``)."""
+        self._tensor.record_stream(stream)
+
+    def kernel_table_address(self) -> int:
+        """Device address of the table's own ``uint64`` array (what the launch functions
+        pass to the kernels). The array is private to the table and lives as long as it."""
+        return int(self._tensor.data_ptr())
 
     def raw_values(self) -> tuple[int, ...]:
         """The addresses as plain ints, host-side (escape hatch like :meth:`as_uint64_tensor`;

@@ -248,7 +248,7 @@ class PagedKVConnector:
             # The table and index tensors are freed when this returns; keep the caching
             # allocator from reusing them before the launch on `stream` has read them.
             side = cast(Any, torch.cuda).ExternalStream(stream, device=dev.torch_device)
-            chunk_table.as_uint64_tensor().record_stream(side)
+            chunk_table.record_stream(side)
             chunk_idx.record_stream(side)
         if to_gpu:
             transfer_kv_all_layer(
