@@ -191,8 +191,8 @@ class HostVA(Address):
     (Mooncake ``register_memory``, NIXL) and ``cudaHostUnregister`` take.
     A kernel must never read it (unless CanUseHostPointerForRegisteredMem is 1).
 
-    Pydantic fields typed ``HostVA`` validate a strict int in [0, 2**64) and
-    serialise to that int.
+    Pydantic fields typed ``HostVA`` take a ``HostVA`` in Python and a strict int in
+    [0, 2**64) in JSON, and serialise to that int.
     """
 
     def _with_value(self, value: int) -> HostVA:
@@ -205,17 +205,21 @@ class HostVA(Address):
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
         from pydantic_core import core_schema
 
-        return core_schema.no_info_after_validator_function(
-            _from_json_int,
-            core_schema.union_schema(
-                [core_schema.is_instance_schema(HostVA), core_schema.int_schema(strict=True, ge=0, lt=_ADDR_LIMIT)]
+        # Python: a HostVA only (a bare int may be a device alias's value). JSON: the int
+        # that serialisation wrote, validated to [0, 2**64) and wrapped back.
+        return core_schema.json_or_python_schema(
+            json_schema=core_schema.no_info_after_validator_function(
+                _from_json_int, core_schema.int_schema(strict=True, ge=0, lt=_ADDR_LIMIT)
             ),
-            serialization=core_schema.plain_serializer_function_ser_schema(lambda a: a.value, return_schema=core_schema.int_schema()),
+            python_schema=core_schema.is_instance_schema(HostVA),
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda a: a.value, return_schema=core_schema.int_schema()
+            ),
         )
 
 
-def _from_json_int(value: HostVA | int) -> HostVA:
-    return value if isinstance(value, HostVA) else HostVA(value)
+def _from_json_int(value: int) -> HostVA:
+    return HostVA(value)
 
 
 @final

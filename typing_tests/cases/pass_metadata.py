@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from _support import DEVICE, small_layout
+import pydantic
+from _support import DEVICE, raises, small_layout
 from typing_extensions import assert_type
 
 from pointerdomain import BufferInfo, HostKVPool, HostVA, buffer_infos, page_buffer_meta
@@ -19,11 +20,14 @@ assert_type(info.address, HostVA)
 assert_type(info.address + info.nbytes, HostVA)
 assert_type(info.nbytes, int)
 
-# Plain ints come in only through validation (JSON, dicts), never as keywords:
-# the validated field is a HostVA again, and it serialises back to the int.
-parsed = BufferInfo.model_validate({"address": 0x10_0000, "nbytes": 4096, "item_bytes": 64})
+# Plain ints come in only through JSON (what serialisation writes): the validated
+# field is a HostVA again. In Python the field takes a HostVA only: a bare int may
+# be a device alias's value.
+parsed = BufferInfo.model_validate_json('{"address": 1048576, "nbytes": 4096, "item_bytes": 64}')
 assert_type(parsed.address, HostVA)
 assert parsed == info and parsed.address == va
+with raises(pydantic.ValidationError, "HostVA"):
+    BufferInfo.model_validate({"address": 0x10_0000, "nbytes": 4096, "item_bytes": 64})
 assert_type(info.model_dump(), dict[str, Any])
 assert info.model_dump()["address"] == 0x10_0000
 again = BufferInfo.model_validate_json(info.model_dump_json())
