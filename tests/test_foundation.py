@@ -389,3 +389,38 @@ def test_copy_runs_merge_consecutive_slots_within_pages() -> None:
         # per (kv, layer): pages of 4 -> runs [0..3], [4,5], [9]
         assert sizes.tolist() == [4 * item, 2 * item, item] * 6
         assert int(sizes.sum()) == 7 * 6 * item
+
+
+def test_bad_arguments_get_typed_errors_before_launch() -> None:
+    pool = pd.DeviceKVPool(layout(), DEV)
+    with pd.HostKVPool(layout("page_first"), DEV) as host:
+        fill_random(host.buffer, 4)
+        before = [as_bytes(b).clone() for b in pool.buffers]
+        idx = torch.arange(4)
+        for kwargs in ({"stream": "abc"}, {"stream": -1}, {"max_ctas": 0}, {"backend": "cuda"},
+                       {"validate_indices": "no"}):
+            with pytest.raises(errors.InvalidArgumentError):
+                host.load(pool, idx, idx, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(errors.InvalidArgumentError, match="KVLayout"):
+            pd.transfer_kv_all_layer(host.kernel_table, pool.table, idx, idx, src_layout=None,  # type: ignore[arg-type]
+                                     dst_layout=pool.layout)
+        assert all(torch.equal(as_bytes(b), w) for b, w in zip(pool.buffers, before))
+    with pytest.raises(errors.InvalidArgumentError):
+        pd.DeviceKVPool("layer_first", DEV)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgumentError):
+        pd.register_host_tensor([1, 2, 3], DEV)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgumentError):
+        pd.HostVA(1 << 64)
+    import pydantic
+    with pytest.raises(pydantic.ValidationError, match="whole number"):
+        pd.BufferInfo(address=pd.HostVA(4096), nbytes=10, item_bytes=4)
+    with pytest.raises(pydantic.ValidationError):
+        pd.BufferInfo(address=4096, nbytes=8, item_bytes=4)  # type: ignore[arg-type]
+
+
+def test_cli_demo_refuses_bad_shapes_with_a_message() -> None:
+    for args, needle in ((("--layers", "100000"), "GiB of host memory"), (("--layers", "0"), "invalid pool shape"),
+                         (("--pages", "0"), "--pages must be"), (("--attention", "mla", "--heads", "8"), "--heads must be 1")):
+        out = _cli("demo", "--device", "emulated:0", *args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr

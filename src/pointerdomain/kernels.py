@@ -132,6 +132,9 @@ def _plan(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTabl
     dst_device = _check_table("dst", dst)
     if dst_device != device:
         raise DeviceMismatchError(f"src table is for {device} but dst table is for {dst_device}")
+    for name, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgumentError(f"{name} must be a KVLayout, got {type(layout).__name__}")
     for field in ("attention", "num_layers", "page_size", "num_heads", "head_dim", "dtype"):
         if getattr(src_layout, field) != getattr(dst_layout, field):
             raise LayoutError(
@@ -334,9 +337,13 @@ def transfer_kv_all_layer(
         ClosedError: a table's registered memory was closed.
         LayoutError: layouts disagree, or a table does not fit its layout.
         IndexValidationError: bad dtype, shape, device, lengths, or a slot out of range.
+        InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
+            ``max_ctas``, ``backend`` or ``validate_indices``.
         RuntimeCallError: the launch failed.
     """
-    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, src_layout.num_layers, stream, max_ctas,
+    # a non-KVLayout (possible from untyped callers) is reported by _launch
+    num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
+    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers, stream, max_ctas,
             backend, validate_indices)
 
 
@@ -361,6 +368,8 @@ def transfer_kv_per_layer(
         IndexValidationError: ``layer_id`` outside ``[0, num_layers)``; and all of
             :func:`transfer_kv_all_layer`'s errors.
     """
+    if not isinstance(cast(object, src_layout), KVLayout):
+        raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
     if type(layer_id) is not int:
         raise IndexValidationError(f"layer_id must be an int, got {layer_id!r}")
     if not 0 <= layer_id < src_layout.num_layers:

@@ -30,6 +30,7 @@ from pointerdomain.errors import (
     AlreadyRegisteredError,
     ClosedError,
     DomainError,
+    InvalidArgumentError,
     InvalidRegistrationError,
     MemlockLimitError,
     NonContiguousError,
@@ -402,6 +403,8 @@ def register_host_tensor(
         AlreadyRegisteredError: the range overlaps a registration.
         RegistrationError: the runtime refused; nothing stays registered.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(f"register_host_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
         raise DomainError(f"only CPU memory can be registered as host memory; got a tensor on {tensor.device}")
     where = memory_device(tensor)

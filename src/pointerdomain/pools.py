@@ -13,7 +13,7 @@ from types import TracebackType
 import torch
 
 from pointerdomain.domains import Device, DeviceAlias, HostVA
-from pointerdomain.errors import LayoutError
+from pointerdomain.errors import InvalidArgumentError, LayoutError
 from pointerdomain.guard import validate_device
 from pointerdomain.kernels import DEFAULT_MAX_CTAS, Backend, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
@@ -38,6 +38,8 @@ class DeviceKVPool:
     """
 
     def __init__(self, layout: KVLayout, device: Device | str | torch.device) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if layout.kind != "layer_first":
             raise LayoutError(f"a device pool is layer_first, got {layout.kind}")
         self.layout = layout
@@ -73,6 +75,8 @@ class HostKVPool:
     def __init__(
         self, layout: KVLayout, device: Device | str | torch.device, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.device = validate_device(device)
         self.memory: RegisteredHostMemory = alloc_registered(
