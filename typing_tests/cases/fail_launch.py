@@ -45,6 +45,10 @@ def launches(
     # The layouts are keyword-only, and layer_id is required per layer.
     transfer_kv_all_layer(kernel, kernel, idx, idx, layout, layout)  # type: ignore[call-arg]
     transfer_kv_per_layer(kernel, kernel, idx, idx, src_layout=layout, dst_layout=layout)  # type: ignore[call-arg]
+    # Launch options: a backend outside the Literal, a stream that is not an int, a non-bool flag.
+    transfer_kv_all_layer(kernel, kernel, idx, idx, src_layout=layout, dst_layout=layout, backend="cuda")  # type: ignore[arg-type]
+    transfer_kv_all_layer(kernel, kernel, idx, idx, src_layout=layout, dst_layout=layout, stream="0")  # type: ignore[arg-type]
+    transfer_kv_all_layer(kernel, kernel, idx, idx, src_layout=layout, dst_layout=layout, validate_indices="no")  # type: ignore[arg-type]
 
 
 def pools(device_pool: DeviceKVPool, host_pool: HostKVPool, idx: torch.Tensor) -> None:

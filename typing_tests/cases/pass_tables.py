@@ -43,6 +43,8 @@ with alloc_registered(1 << 16, DEVICE) as memory:
     assert_type(kernel.device, Device | None)
     assert_type(host.sizes, tuple[int, ...])
     assert_type(kernel.as_uint64_tensor(), torch.Tensor)
+    assert_type(kernel.kernel_table_address(), int)
+    assert kernel.as_uint64_tensor().data_ptr() != kernel.kernel_table_address()  # a copy, never the table itself
     assert kernel.domain is DeviceAlias and host.domain is HostVA
     assert host.device is None and kernel.device == Device("emulated", 0)
 
