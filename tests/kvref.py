@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+import pointerdomain as pd
 from pointerdomain import DeviceKVPool, KVLayout
 
 
@@ -31,3 +32,10 @@ def fill_random(t: torch.Tensor, seed: int) -> None:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).cpu()
+
+
+def table_storage(table: pd.PointerTable[pd.DeviceAlias]) -> torch.Tensor:
+    """Fault injection: the table's own uint64 array (private). ``as_uint64_tensor()``
+    returns a copy, so only a stray write from native code (a buggy kernel, memory
+    corruption) can change what a launch reads; this stands in for that write."""
+    return table._tensor

@@ -36,6 +36,7 @@ import pointerdomain as pd
 from pointerdomain import checked, errors, memory
 from pointerdomain._extension import extension
 from pointerdomain.domains import HostVA
+from tests.kvref import table_storage
 
 DEV = "emulated:0"
 DEV1 = "emulated:1"
@@ -43,12 +44,6 @@ PAGE = mmap.PAGESIZE
 MODEL: dict[str, Any] = dict(attention="mha", num_layers=2, page_size=4, num_heads=2, head_dim=16, dtype="bfloat16")
 HOST_LAYOUT = pd.KVLayout(kind="page_first", num_pages=6, **MODEL)
 DEV_LAYOUT = pd.KVLayout(kind="layer_first", num_pages=4, **MODEL)
-
-def table_storage(table: pd.PointerTable[pd.DeviceAlias]) -> torch.Tensor:
-    """Fault injection: the table's own uint64 array (private). ``as_uint64_tensor()``
-    returns a copy, so only a stray write from native code (a buggy kernel, memory
-    corruption) can change what a launch reads; this stands in for that write."""
-    return table._tensor
 
 
 

@@ -28,16 +28,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 import pointerdomain as pd  # noqa: E402
 from pointerdomain import checked, errors  # noqa: E402
+from tests.kvref import table_storage
 
 KINDS = ["layer_first", "page_first", "page_first_direct"]
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8"]
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-def table_storage(table: pd.PointerTable[pd.DeviceAlias]) -> torch.Tensor:
-    """Fault injection: the table's own uint64 array (private). ``as_uint64_tensor()``
-    returns a copy, so only a stray write from native code (a buggy kernel, memory
-    corruption) can change what a launch reads; this stands in for that write."""
-    return table._tensor
 
 
 
