@@ -149,7 +149,7 @@ def _plan(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTabl
         _run_bytes(src_layout, src_geo, dst_geo), vec_max,
         (src.kernel_table_address(), src_geo, dst.kernel_table_address(), dst_geo,
          src_layout.page_size, src_layout.num_kv, src_layout.item_bytes),
-        kernel_config(dst.registered, None, vec_max),
+        kernel_config(vec_max),
     )
     _plans.setdefault(src, {})[key] = plan
     return plan
@@ -162,16 +162,17 @@ def _current_stream(device: Device) -> int:
     return int(torch.cuda.current_stream(device.torch_device).cuda_stream)
 
 
-def kernel_config(writes_host: bool, max_ctas: int | None, vec_max: int) -> tuple[int, int, int]:
-    """(threads per CTA, items in flight per warp, copy word bytes) for a launch.
+def kernel_config(vec_max: int) -> tuple[int, int, int]:
+    """(threads per CTA, items in flight per warp, copy word bytes) for a launch whose
+    addresses and strides allow ``vec_max``-byte words.
 
     From the H200 sweep (benchmarks/sweep_kernel.py, docs/performance.md): 1024
     threads per CTA with 4 items in flight per warp and 16-byte words was within
     3% of the best configuration at every budget (2, 4, 8 CTAs, whole GPU), both
-    directions, 1 and 2 KiB items; smaller CTAs lose up to 3x at 2 CTAs. With the
-    whole GPU this means 2 CTAs per SM.
+    directions, 1 KiB to 2 KiB items; smaller CTAs lose up to 3x at 2 CTAs. One
+    configuration serves both directions and every budget (the whole GPU is one
+    such CTA per SM, see transfer_gpu.cu).
     """
-    del writes_host, max_ctas  # one configuration serves both directions and all budgets
     return 1024, 4, vec_max
 
 

@@ -146,12 +146,6 @@ class PointerTable(Generic[D]):
         used to build copy-engine descriptors without reading the device copy)."""
         return self._values
 
-    @property
-    def registered(self) -> bool:
-        """True when entries point into registered host memory (the table's side of a
-        transfer is host memory)."""
-        return bool(self._owners)
-
     def check_live(self) -> None:
         """Raises:
         ClosedError: a registration this table points into was closed."""
