@@ -74,7 +74,7 @@ def main() -> None:
                             def run() -> None:
                                 st = ext.gpu_transfer(src.kernel_table_address(), sg, dst.kernel_table_address(), dg,
                                                       si.data_ptr(), di.data_ptr(), si.numel(), 64, 2, 0, 8, item,
-                                                      0, stream, budget or 0, vec, threads, ilp)
+                                                      0, stream, budget or 0, vec)
                                 assert st == 0, st
                             g = timed(run)
                             rows.append(dict(item=item, direction=direction, budget=budget or f"{sms} SMs",

@@ -825,8 +825,7 @@ class Bench:
         vec_max = lo.vector_bytes(src.table.alignment, dst.table.alignment, *src.geo[3:7], *dst.geo[3:7])
         config = getattr(pd_kernels, "kernel_config", None)
         if config is not None:
-            threads, ilp, vec = config(vec_max)
-            tail: tuple[int, ...] = (vec, threads, ilp)
+            tail: tuple[int, ...] = (config(vec_max)[2],)
         else:
             tail = (vec_max,)
         st = int(self.stream.cuda_stream) if stream is None else stream

@@ -22,10 +22,10 @@ int can_use_host_pointer_for_registered_mem(int device, int *value);
 int pointer_is_host(std::uint64_t ptr, int *is_host);
 int multiprocessor_count(int device, int *count);
 // Launch on `stream` (a cudaStream_t as an integer) under a device guard.
-// vec_bytes: 16, 8, 4 or 1 (Python checks alignment); max_ctas <= 0: whole GPU;
-// threads per CTA (multiple of 32, <= 1024); ilp: items in flight per warp (1, 2, 4).
-int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes, int threads,
-             int ilp);
+// vec_bytes: 16, 8, 4 or 1 (Python checks alignment); max_ctas <= 0: the whole GPU
+// (the CTAs resident at once). The kernel's own shape (threads, items in flight)
+// is chosen here, from the item size.
+int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes);
 // Copy-engine path: count copies dsts[i] <- srcs[i] of sizes[i] bytes (host arrays of
 // device addresses / aliases) with cudaMemcpyBatchAsync (CUDA >= 12.8) or a
 // cudaMemcpyAsync loop.

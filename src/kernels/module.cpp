@@ -34,7 +34,7 @@ static pd::Transfer make_transfer(std::uint64_t src_table, const Geometry &src_g
                         side(dst_table, dst_geometry),
                         reinterpret_cast<const std::int64_t *>(src_idx),
                         reinterpret_cast<const std::int64_t *>(dst_idx),
-                        n, page_size, num_kv, layer_begin, layer_count, item_bytes};
+                        n, page_size, num_kv, layer_begin, layer_count, item_bytes, nullptr};
 }
 
 static HostBytes wrap(void *ptr, std::uint64_t nbytes, void (*release)(void *) noexcept) {
@@ -150,16 +150,15 @@ NB_MODULE(_C, m) {
         [](std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
            const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
            std::int64_t page_size, std::int64_t num_kv, std::int64_t layer_begin, std::int64_t layer_count,
-           std::int64_t item_bytes, int device, std::uint64_t stream, int max_ctas, int vec_bytes, int threads,
-           int ilp) {
+           std::int64_t item_bytes, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {
             return g::transfer(make_transfer(src_table, src_geometry, dst_table, dst_geometry, src_idx, dst_idx, n,
                                              page_size, num_kv, layer_begin, layer_count, item_bytes),
-                               device, stream, max_ctas, vec_bytes, threads, ilp);
+                               device, stream, max_ctas, vec_bytes);
         },
         nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
         nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("page_size"), nb::arg("num_kv"),
         nb::arg("layer_begin"), nb::arg("layer_count"), nb::arg("item_bytes"), nb::arg("device"),
-        nb::arg("stream"), nb::arg("max_ctas"), nb::arg("vec_bytes"), nb::arg("threads"), nb::arg("ilp"),
+        nb::arg("stream"), nb::arg("max_ctas"), nb::arg("vec_bytes"),
         nb::call_guard<nb::gil_scoped_release>(),
         "Launch the KV transfer kernel on a stream: status (tables and indices in device memory).");
     m.def(

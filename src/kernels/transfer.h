@@ -33,6 +33,9 @@ struct Transfer {
     std::int64_t num_kv;      // 2 for MHA (K and V), 1 for MLA
     std::int64_t layer_begin, layer_count;
     std::int64_t item_bytes;  // bytes per (kv, layer, token)
+    // Nullable. Set to 1 (plain store, idempotent) by a kernel that skipped a slot pair
+    // for being out of range; Python reads it to raise IndexValidationError later.
+    std::uint32_t *oob;
 };
 
 PD_HD std::uint64_t item_address(const Side &s, std::int64_t kv, std::int64_t layer,

@@ -10,7 +10,10 @@ namespace pointerdomain {
 static void copy_range(const Transfer &t, std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
         const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
-        if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) continue;
+        if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) {
+            if (t.oob != nullptr) *t.oob = 1u;
+            continue;
+        }
         for (std::int64_t kv = 0; kv < t.num_kv; ++kv) {
             for (std::int64_t l = t.layer_begin; l < t.layer_begin + t.layer_count; ++l) {
                 std::memcpy(reinterpret_cast<void *>(item_address(t.dst, kv, l, d, t.page_size)),

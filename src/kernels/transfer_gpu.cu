@@ -75,7 +75,10 @@ __global__ void __launch_bounds__(1024) transfer_kernel(Transfer t) {
             const std::int64_t i = w / per_slot, r = w - i * per_slot;
             const std::int64_t kv = r / t.layer_count, l = t.layer_begin + (r - kv * t.layer_count);
             const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
-            if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) continue;
+            if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) {
+                if (t.oob != nullptr) *t.oob = 1u;
+                continue;
+            }
             src[k] = reinterpret_cast<const V *>(item_address(t.src, kv, l, s, t.page_size));
             dst[k] = reinterpret_cast<V *>(item_address(t.dst, kv, l, d, t.page_size));
         }
@@ -168,14 +171,12 @@ int multiprocessor_count(int device, int *count) {
     return finish(gpuDeviceGetAttribute(count, gpuDevAttrMultiProcessorCount, device));
 }
 
-int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes, int threads,
-             int ilp) {
+int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {
+    int threads = 1024, ilp = 4;
     const std::int64_t items = t.n * t.num_kv * t.layer_count;
     if (items == 0) return 0;
     DeviceGuard guard(device);
     if (guard.status() != gpuSuccess) return finish(guard.status());
-    if (threads <= 0 || threads > 1024 || threads % 32 != 0) threads = 256;
-    if (ilp != 1 && ilp != 2) ilp = 4;
     int ctas = max_ctas;
     if (ctas <= 0) {
         int sms = 0;

@@ -61,7 +61,7 @@ def gpu_multiprocessor_count(device: int) -> tuple[int, int]:
 
 def gpu_error_string(code: int) -> str: ...
 
-def gpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, device: int, stream: int, max_ctas: int, vec_bytes: int, threads: int, ilp: int) -> int:
+def gpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, device: int, stream: int, max_ctas: int, vec_bytes: int) -> int:
     """
     Launch the KV transfer kernel on a stream: status (tables and indices in device memory).
     """

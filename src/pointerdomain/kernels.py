@@ -282,10 +282,10 @@ def _launch(
         ext.cpu_transfer(src_ptr, src_geo, dst_ptr, dst_geo, s_idx.data_ptr(), d_idx.data_ptr(), n, page_size,
                          num_kv, layer_begin, layer_count, item_bytes, torch.get_num_threads())
         return
-    threads, ilp, vec = plan.config
+    vec = plan.config[2]
     status = ext.gpu_transfer(src_ptr, src_geo, dst_ptr, dst_geo, s_idx.data_ptr(), d_idx.data_ptr(), n, page_size,
                               num_kv, layer_begin, layer_count, item_bytes, device.ordinal, stream, max_ctas or 0,
-                              vec, threads, ilp)
+                              vec)
     if status != 0:
         raise RuntimeCallError("transfer kernel launch", int(status), str(ext.gpu_error_string(status)))
 

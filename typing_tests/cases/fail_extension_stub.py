@@ -22,7 +22,7 @@ def stub(va: HostVA, alias: DeviceAlias, table: PointerTable[DeviceAlias], geome
     # A table or a tensor where the binding takes the table's address (an int).
     _C.cpu_transfer(table, geometry, 0, geometry, 0, 0, 1, 1, 2, 0, 1, 64, 1)  # type: ignore[arg-type]
     _C.cpu_transfer(0, geometry, 0, geometry, idx, 0, 1, 1, 2, 0, 1, 64, 1)  # type: ignore[arg-type]
-    _C.gpu_transfer(table.as_uint64_tensor(), geometry, 0, geometry, 0, 0, 1, 1, 2, 0, 1, 64, 0, 0, 0, 16, 1024, 4)  # type: ignore[arg-type]
+    _C.gpu_transfer(table.as_uint64_tensor(), geometry, 0, geometry, 0, 0, 1, 1, 2, 0, 1, 64, 0, 0, 0, 16)  # type: ignore[arg-type]
     _C.cpu_copy_runs(table, 0, 0, 1)  # type: ignore[arg-type]
     # A geometry is a sequence of ints.
     _C.cpu_transfer(0, "geometry", 0, geometry, 0, 0, 1, 1, 2, 0, 1, 64, 1)  # type: ignore[arg-type]
@@ -32,7 +32,7 @@ def stub(va: HostVA, alias: DeviceAlias, table: PointerTable[DeviceAlias], geome
     # Wrong arity: a missing device, an extra argument, the CPU call with the GPU's arguments.
     _C.gpu_host_get_device_pointer(va.value)  # type: ignore[call-arg]
     _C.emu_register(va.value, 4096, 0)  # type: ignore[call-arg]
-    _C.cpu_transfer(0, geometry, 0, geometry, 0, 0, 1, 1, 2, 0, 1, 64, 0, 0, 0, 16, 1024, 4)  # type: ignore[call-arg]
+    _C.cpu_transfer(0, geometry, 0, geometry, 0, 0, 1, 1, 2, 0, 1, 64, 0, 0, 0, 16)  # type: ignore[call-arg]
     _C.gpu_transfer(0, geometry, 0, geometry, 0, 0, 1, 1, 2, 0, 1, 64, 1)  # type: ignore[call-arg]
     # Results are raw: a status tuple is not a status, an int is not an address.
     status: int = _C.emu_register(va.value, 4096)  # type: ignore[assignment]
