@@ -25,6 +25,7 @@
 #define gpuMemoryTypeHost hipMemoryTypeHost
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyDefault hipMemcpyDefault
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 #else
 #include <cuda_runtime.h>
 #define PD_RUNTIME_NAME "cuda"
@@ -50,4 +51,5 @@
 #define gpuMemoryTypeHost cudaMemoryTypeHost
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemcpyDefault cudaMemcpyDefault
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #endif
