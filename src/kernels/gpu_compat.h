@@ -1,7 +1,13 @@
-// The few runtime names that differ between CUDA and HIP.
+// The few runtime names that differ between CUDA and HIP: the kernel and runtime
+// code (transfer_gpu.cu) spells gpu* and this header maps them, so one source builds
+// for both. POINTERDOMAIN_HIP is set by CMake for POINTERDOMAIN_GPU=hip, which also
+// force-includes this header (-include) ahead of every other one, as nvcc implicitly
+// includes cuda_runtime.h: headers shared with the CPU build (transfer.h) then see
+// __host__ / __device__ / __forceinline__ without including a runtime header.
 #pragma once
 #if defined(__HIP_PLATFORM_AMD__) || defined(POINTERDOMAIN_HIP)
 #include <hip/hip_runtime.h>
+#include <hip/hip_version.h>
 #define PD_RUNTIME_NAME "hip"
 #define gpuError_t hipError_t
 #define gpuSuccess hipSuccess
@@ -20,12 +26,31 @@
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuDevAttrCanUseHostPointerForRegisteredMem hipDeviceAttributeCanUseHostPointerForRegisteredMem
 #define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
-#define gpuPointerAttributes hipPointerAttribute_t
-#define gpuPointerGetAttributes hipPointerGetAttributes
+#define gpuHostAlloc hipHostMalloc
+#define gpuHostAllocPortable hipHostMallocPortable
+#define gpuHostAllocMapped hipHostMallocMapped
+#define gpuFreeHost hipHostFree
 #define gpuMemoryTypeHost hipMemoryTypeHost
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyDefault hipMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+// hipPointerAttribute_t names the memory type `memoryType` before ROCm 6 and `type`
+// from ROCm 6 on (CUDA: `type`); this view gives callers `attr.type` on every version.
+struct pdHipPointerAttributes {
+    hipMemoryType type;
+};
+inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const void *ptr) {
+    hipPointerAttribute_t attr{};
+    const hipError_t e = hipPointerGetAttributes(&attr, ptr);
+#if HIP_VERSION_MAJOR >= 6
+    out->type = attr.type;
+#else
+    out->type = attr.memoryType;
+#endif
+    return e;
+}
+#define gpuPointerAttributes pdHipPointerAttributes
+#define gpuPointerGetAttributes pdHipPointerGetAttributes
 #else
 #include <cuda_runtime.h>
 #define PD_RUNTIME_NAME "cuda"
@@ -46,6 +71,10 @@
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuDevAttrCanUseHostPointerForRegisteredMem cudaDevAttrCanUseHostPointerForRegisteredMem
 #define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuHostAlloc cudaHostAlloc
+#define gpuHostAllocPortable cudaHostAllocPortable
+#define gpuHostAllocMapped cudaHostAllocMapped
+#define gpuFreeHost cudaFreeHost
 #define gpuPointerAttributes cudaPointerAttributes
 #define gpuPointerGetAttributes cudaPointerGetAttributes
 #define gpuMemoryTypeHost cudaMemoryTypeHost

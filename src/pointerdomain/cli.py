@@ -65,6 +65,20 @@ def self_test(device: Device) -> dict[str, Any]:
     return {"ok": ok, "host_va": hex(va.value), "device_alias": hex(alias.value), "alias_equals_va": va.value == alias.value}
 
 
+def _runtime_devices(ext: Any) -> dict[str, Any]:
+    """What the extension's own runtime (CUDA or HIP, the one its kernels use) sees; torch may
+    be a CPU build that sees nothing. A runtime with no device (HIP: hipErrorNoDevice from
+    hipGetDeviceCount) is reported as ``"no device"``, not as a failure."""
+    status, count = ext.gpu_device_count()
+    _, version = ext.gpu_runtime_version()
+    if status != 0:
+        devices = f"no device ({ext.gpu_error_string(status)}, code {status})"
+        count = 0
+    else:
+        devices = f"{count} device(s)" if count else "no device"
+    return {"gpu_runtime_version": int(version), "gpu_device_count": int(count), "gpu_devices": devices}
+
+
 def doctor(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "python": platform.python_version(),
@@ -83,6 +97,8 @@ def doctor(args: argparse.Namespace) -> int:
     report["extension"] = ext.__file__
     report["gpu_ops_built"] = gpu_ops_built()
     report["gpu_runtime"] = getattr(ext, "gpu_runtime", None)
+    if gpu_ops_built():
+        report.update(_runtime_devices(ext))
     report["ops"] = sorted(name for name in dir(ext) if not name.startswith("_") and callable(getattr(ext, name)))
     devices = [validate_device(args.device)] if args.device else []
     if not devices:
