@@ -9,6 +9,11 @@
 #include <hip/hip_runtime.h>
 #include <hip/hip_version.h>
 #define PD_RUNTIME_NAME "hip"
+// HIP passes kernel arguments by value in constant memory already; the CUDA 11.7+
+// qualifier that says so has no HIP spelling.
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
 #define gpuError_t hipError_t
 #define gpuSuccess hipSuccess
 #define gpuStream_t hipStream_t
