@@ -18,39 +18,11 @@ import pointerdomain as pd
 from pointerdomain import errors
 
 triton = pytest.importorskip("triton", reason="triton is not installed (it is on the GPU machine)")
-import triton.language as tl  # noqa: E402
 
 from pointerdomain.triton import kernel_table_arg, launch  # noqa: E402
+from tests.triton_pages import load_pages as _load_pages  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-@triton.jit
-def _load_pages(
-    host_table,                 # int64 [1]: device alias of the host pool (page_first, one registration chunk)
-    dev_table,                  # int64 [num_kv * num_layers]: device buffers, layer_first
-    host_slots,                 # int64 [n]: token slots in the host pool
-    dev_slots,                  # int64 [n]: token slots in the device pool
-    NUM_LAYERS: tl.constexpr,
-    HOST_SLOTS: tl.constexpr,   # token slots of the host pool
-    ITEM_BYTES: tl.constexpr,   # num_heads * head_dim * element size
-    BLOCK: tl.constexpr,        # bytes per step, a power of two
-):
-    tok = tl.program_id(0)
-    kl = tl.program_id(1)       # kv * NUM_LAYERS + layer: the device table entry
-    kv = kl // NUM_LAYERS
-    layer = kl % NUM_LAYERS
-    hs = tl.load(host_slots + tok)
-    ds = tl.load(dev_slots + tok)
-    host_base = tl.load(host_table).to(tl.pointer_type(tl.uint8))
-    dev_base = tl.load(dev_table + kl).to(tl.pointer_type(tl.uint8))
-    # page_first host buffer: [num_kv, HOST_SLOTS, NUM_LAYERS, heads, dim]; int64 offsets
-    src = host_base + ((kv * HOST_SLOTS + hs) * NUM_LAYERS + layer) * ITEM_BYTES
-    dst = dev_base + ds * ITEM_BYTES
-    for start in tl.static_range(0, ITEM_BYTES, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < ITEM_BYTES
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def _slots(pages: list[int], page_size: int, device: str) -> torch.Tensor:
