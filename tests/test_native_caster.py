@@ -214,7 +214,9 @@ def test_stub_type_checks(toy_build: Path, tmp_path: Path) -> None:
     root = Path(pd.__file__).resolve().parents[1]
     paths = [str(toy_build)] + ([] if "site-packages" in root.parts else [str(root)])
     env["MYPYPATH"] = os.pathsep.join(paths)
-    cache = Path(os.environ.get("MYPY_CACHE_DIR", Path(__file__).resolve().parents[1] / "typing_tests" / ".mypy_cache"))
+    # Its own cache: the typing suite's mypy may be writing typing_tests/.mypy_cache concurrently.
+    env_cache = os.environ.get("MYPY_CACHE_DIR")
+    cache = Path(env_cache) / "native" if env_cache else Path(__file__).resolve().parent / ".mypy_cache"
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--cache-dir", str(cache),
          "pass_toy.py", "fail_toy.py"],
