@@ -281,3 +281,32 @@ def test_cpp_strong_types(tmp_path: Path) -> None:
             continue
         assert res.returncode != 0, f"{name} compiled: {body}"
         assert "error" in res.stderr, res.stderr
+
+
+_CUDA_KERNEL = """\
+#include <pointerdomain/pointerdomain.h>
+namespace pd = pointerdomain;
+// A gather kernel taking the table view by value: entries are DeviceAlias in device memory.
+__global__ void gather(pd::KernelTable src, pd::DeviceAlias dst, std::uint64_t item, const long *slots, int n) {
+    int t = blockIdx.x;
+    if (t >= n) return;
+    const pd::DeviceAlias base = src.entries()[blockIdx.y];
+    const unsigned char *s = (base + static_cast<std::ptrdiff_t>(slots[t] * item)).as<const unsigned char>();
+    unsigned char *d = dst.offset(static_cast<std::ptrdiff_t>((blockIdx.y * n + t) * item)).as<unsigned char>();
+    for (std::uint64_t i = threadIdx.x; i < item; i += blockDim.x) d[i] = s[i];
+}
+void launch(pd::KernelTable t, pd::DeviceAlias dst, const long *slots, int n) {
+    gather<<<dim3(n, (unsigned) t.size()), 128>>>(t, dst, 256, slots, n);
+}
+"""
+
+
+def test_header_compiles_in_a_cuda_kernel(tmp_path: Path) -> None:
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found: the header's __host__ __device__ path is not compiled here")
+    src = tmp_path / "gather.cu"
+    src.write_text(_CUDA_KERNEL)
+    res = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{pd.get_include()}", "-c", str(src), "-o",
+                          str(tmp_path / "gather.o")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
