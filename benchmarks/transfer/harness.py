@@ -261,6 +261,24 @@ class Bench:
 
     # ---- pools and cases
 
+    def hugepage_registered(self, nbytes: int) -> Any:
+        """Host pool on 2 MiB-aligned anonymous memory advised MADV_HUGEPAGE, registered
+        with the public register_host_tensor (compares how the host pages are backed)."""
+        import mmap
+
+        huge = 2 * MiB
+        size = -(-nbytes // huge) * huge
+        self._mm = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(self._mm, dtype=torch.uint8)
+        skip = -whole.data_ptr() % huge
+        if hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mm.madvise(mmap.MADV_HUGEPAGE, skip, size)
+        else:
+            self.notes.append("mmap.madvise(MADV_HUGEPAGE) not available: --host-alloc hugepage is plain mmap")
+        tensor = whole[skip:skip + size]
+        tensor.fill_(1)  # fault the pages in (as huge pages where the kernel grants them)
+        return pd.register_host_tensor(tensor, self.device)
+
     def page_bytes(self, item: int, attention: str) -> int:
         return (1 if attention == "mla" else 2) * self.args.layers * self.args.page_size * item
 
@@ -274,7 +292,10 @@ class Bench:
             self.pages[(item, attention)] = pages
             max_bytes = max(max_bytes, pages * page_bytes)
         self.max_bytes = max_bytes
-        self.host_mem = pd.alloc_registered(max_bytes, self.device)
+        if a.host_alloc == "hugepage":
+            self.host_mem = self.hugepage_registered(max_bytes)
+        else:
+            self.host_mem = pd.alloc_registered(max_bytes, self.device)
         self.host_flat = self.host_mem.tensor[:max_bytes]
         self.dev_flat = pd.device_empty((max_bytes,), torch.uint8, self.device)
         self.dev_flat.random_(0, 256)
@@ -560,6 +581,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--no-mla", action="store_true", help="skip the MLA (1152 B) rows")
     ap.add_argument("--host-layout", choices=("page_first", "page_first_direct", "layer_first"),
                     default="page_first", help="layout of the registered host pool (default %(default)s)")
+    ap.add_argument("--host-alloc", choices=("alloc_registered", "hugepage"), default="alloc_registered",
+                    help="host pool memory: pointerdomain.alloc_registered (default) or 2 MiB-aligned anonymous "
+                         "memory advised MADV_HUGEPAGE, registered with register_host_tensor")
     ap.add_argument("--layers", type=int, default=None, help="layers (default 32 on CUDA, 8 on CPU, 4 with --quick)")
     ap.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; 4 with --quick)")
     ap.add_argument("--trials", type=int, default=None, help="timed trials per cell, median reported (default 3)")

@@ -208,6 +208,7 @@ def save_json(bench: "Bench", partial: bool = False, extra: Optional[dict[str, A
                     memcpy_items_cap=a.memcpy_items, engine_items_cap=a.engine_items, index_gib_cap=a.index_gib,
                     device_layout="layer_first (one table entry per K/V layer)",
                     host_layout=f"{a.host_layout} (one table entry), registered host memory",
+                    host_alloc=a.host_alloc,
                     order="random permutation of whole pages on both sides, expanded to token slots",
                     seed=a.seed, cpu_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
                     load_average=load_average()),

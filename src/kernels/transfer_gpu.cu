@@ -97,109 +97,138 @@ __device__ __forceinline__ bool pair_ok(const Transfer &t, std::int64_t s, std::
     return false;
 }
 
+// A slot pair's num_kv x layer_count items are cut into 2^shift parts of `per` items
+// when there are fewer pairs than workers (a decode step moves a few tokens): then the
+// parts move in parallel instead of one worker stepping through all of a pair's items.
+struct Split {
+    int shift, per;
+};
+
 // Specialised kernel: the item size is a compile-time constant. A worker of LANES
-// lanes owns one slot pair at a time (pairs strided over the grid): it reads the two
-// slot indices once (the next pair's indices are fetched while this pair's items
-// move), splits them into page/token once, then steps through the pair's
-// num_kv x layer_count items U at a time. Each lane moves WORDS words of VEC bytes
-// per item; all U * WORDS loads are issued before the first store, so a CTA keeps
-// (1024 / LANES) * U * ITEM bytes in flight - with a small CTA budget only that
-// memory-level parallelism hides the microseconds of a PCIe round trip.
-// Needs num_kv <= 2 (K/V or MLA) and VEC-aligned addresses and strides.
-template <int ITEM, int LANES, int VEC, int U, int HINT>
-__global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ Transfer t) {
+// lanes owns one part of a slot pair at a time (parts strided over the grid): it reads
+// the two slot indices once (the next part's indices are fetched while this part's
+// items move), splits them into page/token once, then steps through the part's items
+// U at a time. Each lane moves WORDS words of VEC bytes per item; all U * WORDS loads
+// are issued before the first store, so a CTA keeps (1024 / LANES) * U * ITEM bytes in
+// flight - with a small CTA budget only that memory-level parallelism hides the
+// microseconds of a PCIe round trip. LANES * VEC = 128 bytes: each load instruction of
+// a worker reads whole 128-byte lines. Needs num_kv <= 2 (K/V or MLA) and VEC-aligned
+// addresses and strides.
+// SPLIT = false (at least as many pairs as workers, the bandwidth case): no split, so no
+// registers go to it (they are all in use: one more spills).
+template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT>
+__global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ Transfer t, Split split_in) {
     using V = typename Vec<VEC>::T;
     static_assert(ITEM % (LANES * VEC) == 0, "an item must be whole words on every lane");
     static_assert(32 % LANES == 0, "a worker lies inside one warp");
     constexpr int WORDS = ITEM / (LANES * VEC);
     constexpr int WORKERS = kThreads / LANES;
     const int lane = static_cast<int>(threadIdx.x) % LANES;
-    const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * WORKERS;
-    std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * WORKERS + static_cast<int>(threadIdx.x) / LANES;
-    if (i >= t.n) return;
+    // 32-bit work indices (the launcher keeps n << shift below 2^31): registers are the
+    // budget here, and every one spent on index arithmetic is one less word in flight.
+    const Split split = SPLIT ? split_in : Split{0, 0};
+    const unsigned stride = gridDim.x * WORKERS;
+    const unsigned units = static_cast<unsigned>(t.n) << split.shift;
+    unsigned u = blockIdx.x * WORKERS + threadIdx.x / LANES;
+    if (u >= units) return;
     const int lc = static_cast<int>(t.layer_count);
     const int q_count = static_cast<int>(t.num_kv) * lc;
-    std::int64_t s = __ldg(t.src_idx + i), d = __ldg(t.dst_idx + i);
+    const int part_mask = (1 << split.shift) - 1;
+    std::int64_t s = __ldg(t.src_idx + (u >> split.shift)), d = __ldg(t.dst_idx + (u >> split.shift));
     for (;;) {
-        const std::int64_t next = i + stride;
-        const bool more = next < t.n;
+        const unsigned next = u + stride;
+        const bool more = next < units && next > u;
         std::int64_t s_next = 0, d_next = 0;
-        if (more) {
-            s_next = __ldg(t.src_idx + next);
-            d_next = __ldg(t.dst_idx + next);
+        if (!SPLIT && more) {  // split: at most two parts per worker, nothing to prefetch for
+            s_next = __ldg(t.src_idx + (next >> split.shift));
+            d_next = __ldg(t.dst_idx + (next >> split.shift));
         }
-        if (pair_ok(t, s, d)) {
+        const int q_begin = SPLIT ? static_cast<int>(u & static_cast<unsigned>(part_mask)) * split.per : 0;
+        const int q_end = SPLIT ? min(q_count, q_begin + split.per) : q_count;
+        if (q_begin < q_end && pair_ok(t, s, d)) {  // part 0 is never empty: every pair is checked
             const SlotBase sb = slot_base(t.src, s, t.page_size), db = slot_base(t.dst, d, t.page_size);
-            for (int q = 0; q < q_count; q += U) {
+            for (int q = q_begin; q < q_end; q += U) {
                 // Source addresses and loads first, destination addresses after: the
                 // destination's table reads overlap the loads in flight and no register
                 // holds a destination pointer while the loads are issued.
                 V r[U][WORDS];
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int qq = q + u;
-                    if (U == 1 || qq < q_count) {
+                for (int k = 0; k < U; ++k) {
+                    const int qq = q + k;
+                    if (U == 1 || qq < q_end) {
                         const int kv = qq >= lc ? 1 : 0;
                         const V *sp = reinterpret_cast<const V *>(
                                           item_ptr(t.src, sb, kv, t.layer_begin + (qq - kv * lc))) + lane;
 #pragma unroll
-                        for (int w = 0; w < WORDS; ++w) r[u][w] = load_word<HINT>(sp + w * LANES);
+                        for (int w = 0; w < WORDS; ++w) r[k][w] = load_word<HINT>(sp + w * LANES);
                     }
                 }
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int qq = q + u;
-                    if (U == 1 || qq < q_count) {
+                for (int k = 0; k < U; ++k) {
+                    const int qq = q + k;
+                    if (U == 1 || qq < q_end) {
                         const int kv = qq >= lc ? 1 : 0;
                         V *dp = reinterpret_cast<V *>(item_ptr(t.dst, db, kv, t.layer_begin + (qq - kv * lc))) + lane;
 #pragma unroll
-                        for (int w = 0; w < WORDS; ++w) store_word<HINT>(dp + w * LANES, r[u][w]);
+                        for (int w = 0; w < WORDS; ++w) store_word<HINT>(dp + w * LANES, r[k][w]);
                     }
                 }
             }
         }
         if (!more) break;
-        i = next;
-        s = s_next;
-        d = d_next;
+        u = next;
+        if (SPLIT) {
+            s = __ldg(t.src_idx + (u >> split.shift));
+            d = __ldg(t.dst_idx + (u >> split.shift));
+        } else {
+            s = s_next;
+            d = d_next;
+        }
     }
 }
 
-// Fallback for any item size, word width and num_kv: a warp per slot pair, each
-// item moved in steps of 32 * WORDS words with the tail predicated.
+// Fallback for any item size, word width and num_kv: a warp per part of a slot pair,
+// each item moved in steps of 32 * WORDS words with the tail predicated.
 template <int VEC, int WORDS, int HINT>
-__global__ void __launch_bounds__(kThreads) generic_kernel(const __grid_constant__ Transfer t) {
+__global__ void __launch_bounds__(kThreads) generic_kernel(const __grid_constant__ Transfer t, Split split) {
     using V = typename Vec<VEC>::T;
     constexpr int WORKERS = kThreads / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * WORKERS;
     const std::int64_t words = t.item_bytes / VEC;
-    for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * WORKERS + static_cast<int>(threadIdx.x) / 32;
-         i < t.n; i += stride) {
-        const std::int64_t s = __ldg(t.src_idx + i), d = __ldg(t.dst_idx + i);
+    const std::int64_t units = t.n << split.shift;
+    const int lc = static_cast<int>(t.layer_count);
+    const int q_count = static_cast<int>(t.num_kv) * lc;
+    const int part_mask = (1 << split.shift) - 1;
+    for (std::int64_t u = static_cast<std::int64_t>(blockIdx.x) * WORKERS + static_cast<int>(threadIdx.x) / 32;
+         u < units; u += stride) {
+        const int q_begin = static_cast<int>(u & part_mask) * split.per;
+        const int q_end = min(q_count, q_begin + split.per);
+        if (q_begin >= q_end) continue;
+        const std::int64_t s = __ldg(t.src_idx + (u >> split.shift)), d = __ldg(t.dst_idx + (u >> split.shift));
         if (!pair_ok(t, s, d)) continue;
         const SlotBase sb = slot_base(t.src, s, t.page_size), db = slot_base(t.dst, d, t.page_size);
-        for (std::int64_t kv = 0; kv < t.num_kv; ++kv) {
-            for (std::int64_t l = t.layer_begin; l < t.layer_begin + t.layer_count; ++l) {
-                const V *sp = reinterpret_cast<const V *>(item_ptr(t.src, sb, kv, l));
-                V *dp = reinterpret_cast<V *>(item_ptr(t.dst, db, kv, l));
-                for (std::int64_t base = lane; base < words; base += 32 * WORDS) {
-                    V r[WORDS];
+        for (int q = q_begin; q < q_end; ++q) {
+            const int kv = q / lc;
+            const std::int64_t l = t.layer_begin + (q - kv * lc);
+            const V *sp = reinterpret_cast<const V *>(item_ptr(t.src, sb, kv, l));
+            V *dp = reinterpret_cast<V *>(item_ptr(t.dst, db, kv, l));
+            for (std::int64_t base = lane; base < words; base += 32 * WORDS) {
+                V r[WORDS];
 #pragma unroll
-                    for (int w = 0; w < WORDS; ++w)
-                        if (base + 32 * w < words) r[w] = load_word<HINT>(sp + base + 32 * w);
+                for (int w = 0; w < WORDS; ++w)
+                    if (base + 32 * w < words) r[w] = load_word<HINT>(sp + base + 32 * w);
 #pragma unroll
-                    for (int w = 0; w < WORDS; ++w)
-                        if (base + 32 * w < words) store_word<HINT>(dp + base + 32 * w, r[w]);
-                }
+                for (int w = 0; w < WORDS; ++w)
+                    if (base + 32 * w < words) store_word<HINT>(dp + base + 32 * w, r[w]);
             }
         }
     }
 }
 
-// CTAs resident at once on the whole GPU for `kernel` (runtime occupancy query,
-// cached per kernel and device): no second wave arrives late and idles SMs at the tail.
-template <class Kernel> int whole_gpu_ctas(Kernel kernel, int device, int *ctas) {
+// CTAs resident at once on the whole GPU for `Kernel` (runtime occupancy query, cached
+// per kernel and device): no second wave arrives late and idles SMs at the tail.
+template <auto Kernel> int whole_gpu_ctas(int device, int *ctas) {
     static std::atomic<int> cache[64];
     if (device >= 0 && device < 64) {
         const int c = cache[device].load(std::memory_order_relaxed);
@@ -210,45 +239,68 @@ template <class Kernel> int whole_gpu_ctas(Kernel kernel, int device, int *ctas)
     }
     int sms = 0, per_sm = 0;
     if (const gpuError_t e = gpuDeviceGetAttribute(&sms, gpuDevAttrMultiProcessorCount, device)) return finish(e);
-    if (const gpuError_t e = gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0))
+    if (const gpuError_t e = gpuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0))
         return finish(e);
     *ctas = sms * (per_sm > 0 ? per_sm : 1);
     if (device >= 0 && device < 64) cache[device].store(*ctas, std::memory_order_relaxed);
     return 0;
 }
 
-template <class Kernel>
-int launch(Kernel kernel, int workers_per_cta, const Transfer &t, int device, int max_ctas, gpuStream_t s) {
-    int ctas = max_ctas;
-    if (ctas <= 0) {
-        if (const int e = whole_gpu_ctas(kernel, device, &ctas)) return e;
-    }
-    const std::int64_t needed = (t.n + workers_per_cta - 1) / workers_per_cta;
-    if (needed < ctas) ctas = static_cast<int>(needed);
-    kernel<<<ctas, kThreads, 0, s>>>(t);
-    return finish(gpuGetLastError());
+// The split that fills the grid: fewer slot pairs than workers -> cut each pair's items
+// into 2^shift parts (at most one item each).
+inline Split split_for(const Transfer &t, std::int64_t workers) {
+    const std::int64_t q_count = t.num_kv * t.layer_count;
+    int shift = 0;
+    while ((std::int64_t{1} << shift) < q_count && (t.n << shift) < workers && shift < 16) ++shift;
+    return Split{shift, static_cast<int>((q_count + (std::int64_t{1} << shift) - 1) >> shift)};
 }
 
-template <int ITEM, int LANES, int VEC, int U, int HINT = 1>
-int launch_item(const Transfer &t, int device, int max_ctas, gpuStream_t s) {
-    return launch(item_kernel<ITEM, LANES, VEC, U, HINT>, kThreads / LANES, t, device, max_ctas, s);
+template <class Kernel>
+int launch(Kernel kernel, int workers_per_cta, const Transfer &t, const Split &split, int ctas, gpuStream_t s) {
+    const std::int64_t needed = ((t.n << split.shift) + workers_per_cta - 1) / workers_per_cta;
+    if (needed < ctas) ctas = static_cast<int>(needed);
+    kernel<<<ctas, kThreads, 0, s>>>(t, split);
+    return finish(gpuGetLastError());
 }
 
 template <int VEC, int WORDS, int HINT = 1>
 int launch_generic(const Transfer &t, int device, int max_ctas, gpuStream_t s) {
-    return launch(generic_kernel<VEC, WORDS, HINT>, kThreads / 32, t, device, max_ctas, s);
+    constexpr auto kernel = generic_kernel<VEC, WORDS, HINT>;
+    int ctas = max_ctas;
+    if (ctas <= 0) {
+        if (const int e = whole_gpu_ctas<kernel>(device, &ctas)) return e;
+    }
+    const int wpc = kThreads / 32;
+    return launch(kernel, wpc, t, split_for(t, static_cast<std::int64_t>(ctas) * wpc), ctas, s);
 }
 
-// The shape for each specialised item size, from the sweep on an H200
-// (benchmarks/kernel_sweep.cu, docs/performance.md): one item in flight per worker
-// (U = 1; two items per worker lost up to 10 % per-layer) and 128 bytes per lane
-// (8 words of 16 bytes, so LANES = ITEM / 128), i.e. 128 KiB of loads in flight per
-// 1024-thread CTA whatever the item size. 1152 B (MLA 576 x bf16): 8 lanes x 9 words.
+template <int ITEM, int LANES, int VEC, int U, int HINT = 1>
+int launch_item(const Transfer &t, int device, int max_ctas, gpuStream_t s) {
+    // 32-bit work indices in the kernel (n << shift stays below 2 * workers when shift > 0)
+    if (t.n >= (std::int64_t{1} << 31)) return launch_generic<VEC, 4, HINT>(t, device, max_ctas, s);
+    constexpr auto whole = item_kernel<ITEM, LANES, VEC, U, HINT, false>;
+    constexpr auto split = item_kernel<ITEM, LANES, VEC, U, HINT, true>;
+    constexpr int wpc = kThreads / LANES;
+    int ctas = max_ctas;
+    if (ctas <= 0) {
+        if (const int e = whole_gpu_ctas<whole>(device, &ctas)) return e;
+    }
+    const Split sp = split_for(t, static_cast<std::int64_t>(ctas) * wpc);
+    if (sp.shift == 0) return launch(whole, wpc, t, sp, ctas, s);
+    return launch(split, wpc, t, sp, ctas, s);
+}
+
+// The shape for each specialised item size, from the sweeps on an H200
+// (benchmarks/kernel_sweep.cu, docs/performance.md): 128-byte lines per worker
+// instruction (8 lanes x 16 bytes; 4-lane workers reading half lines lost 15-25 %),
+// 128 bytes per lane in flight (one item of 1-4 KiB, two of 512 B), i.e. 128 KiB of
+// loads in flight per 1024-thread CTA. Two items per worker at 1-4 KiB lost up to 10 %
+// per-layer. 1152 B (MLA 576 x bf16): 8 lanes x 9 words.
 int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
-    if (t.num_kv <= 2) {
+    if (t.num_kv <= 2 && t.layer_count <= (1 << 24)) {
         if (vec_bytes >= 16) {
             switch (t.item_bytes) {
-                case 512: return launch_item<512, 4, 16, 1>(t, device, max_ctas, s);
+                case 512: return launch_item<512, 8, 16, 2>(t, device, max_ctas, s);
                 case 1024: return launch_item<1024, 8, 16, 1>(t, device, max_ctas, s);
                 case 1152: return launch_item<1152, 8, 16, 1>(t, device, max_ctas, s);
                 case 2048: return launch_item<2048, 16, 16, 1>(t, device, max_ctas, s);
@@ -256,12 +308,12 @@ int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuS
                 default: break;
             }
         }
-        if (vec_bytes >= 8) {  // 8-byte words: 16 per lane (1152 B: 9 per lane over 16 lanes)
+        if (vec_bytes >= 8) {  // 8-byte words: 16 lanes x 8 bytes per line
             switch (t.item_bytes) {
-                case 512: return launch_item<512, 4, 8, 1>(t, device, max_ctas, s);
-                case 1024: return launch_item<1024, 8, 8, 1>(t, device, max_ctas, s);
-                case 1152: return launch_item<1152, 16, 8, 1>(t, device, max_ctas, s);
-                case 2048: return launch_item<2048, 16, 8, 1>(t, device, max_ctas, s);
+                case 512: return launch_item<512, 16, 8, 2>(t, device, max_ctas, s);
+                case 1024: return launch_item<1024, 16, 8, 2>(t, device, max_ctas, s);
+                case 1152: return launch_item<1152, 16, 8, 2>(t, device, max_ctas, s);
+                case 2048: return launch_item<2048, 32, 8, 2>(t, device, max_ctas, s);
                 case 4096: return launch_item<4096, 32, 8, 1>(t, device, max_ctas, s);
                 default: break;
             }
