@@ -7,6 +7,11 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import DeviceKVPool, KVLayout
+from pointerdomain._platform import Backend, backend_for
+
+#: The emulated platform backend (raw registration, alias and allocation calls, as
+#: another library sharing the process would make them).
+EMU: Backend = backend_for(pd.Device("emulated", 0))
 
 
 def items(buffer: torch.Tensor, layout: KVLayout, kv: int, layer: int, slots: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,11 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import checked, errors, memory
-from pointerdomain._extension import extension
+from pointerdomain._platform.faulty import FaultyBackend
+from pointerdomain._platform.status import NOT_REGISTERED
+from pointerdomain._platform.testing import install_backend
 from pointerdomain.domains import HostVA
+from tests.kvref import EMU
 
 PAGE = 4096
 MODEL = dict(attention="mha", num_layers=2, page_size=4, num_heads=2, head_dim=8, dtype="float16")
@@ -89,7 +92,7 @@ def registrar(seed: int, rounds: int) -> Callable[[], None]:
                                          src_layout=layout, dst_layout=layout)
                 assert torch.equal(out, mem.tensor[:PAGE])
             assert memory.find_registration(mem.host_va, mem.nbytes) is None
-            assert extension().emu_get_device_pointer(mem.host_va.value)[0] == 713
+            assert EMU.alias(mem.host_va.value, mem.device)[0] == NOT_REGISTERED
 
     return work
 
@@ -169,7 +172,7 @@ def test_one_winner_when_threads_register_the_same_range() -> None:
     """The registry check and the backend call are one atomic step: of threads
     registering one range at once exactly one wins, the others get
     AlreadyRegisteredError, and after the winner closes the next round starts clean."""
-    buf: torch.Tensor = extension().emu_host_alloc(4 * PAGE)
+    buf = EMU.host_alloc(4 * PAGE)
     n_threads, rounds = 4, 30
     barrier = threading.Barrier(n_threads)
     results: list[list[str]] = [[] for _ in range(rounds)]
@@ -198,20 +201,10 @@ def test_one_winner_when_threads_register_the_same_range() -> None:
 
 
 def test_close_from_many_threads_unregisters_once() -> None:
-    calls: list[int] = []
-    real = memory._EMULATED.unregister
-
-    def counting(va: int, device: pd.Device) -> int:
-        calls.append(va)
-        return real(va, device)
-
-    memory._EMULATED.unregister = counting  # type: ignore[method-assign]
-    try:
+    with install_backend(FaultyBackend(EMU, fail={}), "emulated") as counting:
         for _ in range(20):
             mem = pd.alloc_registered(3 * PAGE, "emulated:1", max_chunk_bytes=PAGE)
-            calls.clear()
+            before = counting.calls["unregister"]
             run_threads([mem.close] * 6)
-            assert sorted(calls) == [c.host_va.value for c in mem.chunks]
+            assert counting.calls["unregister"] - before == len(mem.chunks) == 3
             assert memory.find_registration(mem.host_va, mem.nbytes) is None
-    finally:
-        del memory._EMULATED.unregister  # type: ignore[method-assign]

@@ -13,7 +13,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain.memory import memory_device
+from pointerdomain.allocation import memory_device
 from tests.kvref import as_bytes, fill_random, items, pool_items
 
 DEV = pd.Device("emulated", 0)
@@ -137,7 +137,7 @@ def test_resolver_policy_and_fallback() -> None:
 
 
 def test_device_guard_restores_on_exception() -> None:
-    from pointerdomain.guard import current_device
+    from pointerdomain.devices import current_device
 
     assert current_device("emulated") == pd.Device("emulated", 0)
     with pytest.raises(RuntimeError):
@@ -164,8 +164,7 @@ def test_kernel_table_of_registered_and_device_memory() -> None:
         assert table.sizes == (4096, 128)
         backing = table.as_uint64_tensor()
         assert backing.dtype == torch.uint64 and backing.tolist() == [table[0].value, table[1].value]
-        from pointerdomain._extension import extension
-        assert extension().emu_device_lookup(table.kernel_table_address(), 16) == 0  # the array is device memory
+        assert pd.memory_device(table._tensor) == DEV  # the table's own array is device memory
         backing.zero_()  # a copy: the table is unchanged
         assert table.as_uint64_tensor().tolist() == [table[0].value, table[1].value]
 
@@ -374,7 +373,7 @@ def test_copy_engine_path_matches_kernel(kind: str, chunked: bool) -> None:
 
 
 def test_copy_runs_merge_consecutive_slots_within_pages() -> None:
-    from pointerdomain.kernels import _copy_runs
+    from pointerdomain.plan import plan_for
 
     dev_layout = layout("layer_first", pages=6)
     host_layout = layout("page_first_direct", pages=10)
@@ -382,9 +381,8 @@ def test_copy_runs_merge_consecutive_slots_within_pages() -> None:
     with pd.HostKVPool(host_layout, DEV) as host:
         s = torch.tensor([0, 1, 2, 3, 4, 5, 9])
         d = torch.tensor([4, 5, 6, 7, 8, 9, 20])
-        geo_s = dev_layout.geometry(len(pool.table), pool.table.sizes, "s")
-        geo_d = host_layout.geometry(len(host.kernel_table), host.kernel_table.sizes, "d")
-        dsts, srcs, sizes = _copy_runs(pool.table, geo_s, host.kernel_table, geo_d, s, d, dev_layout, 0, 3)
+        plan = plan_for(pool.table, dev_layout, host.kernel_table, host_layout)
+        dsts, srcs, sizes = plan.copy_runs(s, d, 0, 3)
         item = dev_layout.item_bytes
         # per (kv, layer): pages of 4 -> runs [0..3], [4,5], [9]
         assert sizes.tolist() == [4 * item, 2 * item, item] * 6

@@ -138,11 +138,11 @@ def test_gpu_direct_cuda_register_conflict_reports_712() -> None:
     dev = _dev()
     t = torch.empty(1 << 20, dtype=torch.uint8)
     with pd.register_host_tensor(t, dev):
-        from pointerdomain._extension import extension
+        from pointerdomain._platform import backend_for
 
-        code = extension().gpu_host_register(t.data_ptr(), t.numel(), 0)
-        assert code == 712
-        assert extension().gpu_device_count()[0] == 0  # not sticky
+        backend = backend_for(dev)
+        assert backend.register(t.data_ptr(), t.numel(), dev) == 712
+        assert backend.can_use_host_pointer(dev) is not None  # the next runtime call succeeds: not sticky
     with pd.register_host_tensor(t, dev) as again:
         assert not again.closed
 

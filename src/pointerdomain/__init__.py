@@ -6,11 +6,13 @@ See docs/design.md for the two address domains and the rules.
 """
 
 from pointerdomain import checked, errors
-from pointerdomain.domains import Address, Device, DeviceAlias, HostVA, as_device
-from pointerdomain.guard import DeviceGuard
-from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.domains import Address, DeviceAlias, HostVA
+from pointerdomain.devices import Device, as_device
+from pointerdomain.devices import DeviceGuard
+from pointerdomain.kernels import DEFAULT_MAX_CTAS, WHOLE_GPU, MaxCtas, WholeGpu, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import RegisteredHostMemory, alloc_registered, device_empty, register_host_tensor
+from pointerdomain.memory import RegisteredHostMemory, register_host_tensor
+from pointerdomain.allocation import alloc_registered, device_empty, memory_device
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.pools import DeviceKVPool, HostKVPool
 from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
@@ -19,6 +21,8 @@ from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_t
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_MAX_CTAS",
+    "WHOLE_GPU",
     "Address",
     "AliasPolicy",
     "BufferInfo",
@@ -29,6 +33,7 @@ __all__ = [
     "HostKVPool",
     "HostVA",
     "KVLayout",
+    "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
     "__version__",
@@ -39,6 +44,7 @@ __all__ = [
     "checked",
     "device_empty",
     "errors",
+    "memory_device",
     "fallback_count",
     "host_ptr_table",
     "make_kernel_ptr_table",
@@ -48,4 +54,5 @@ __all__ = [
     "resolve_alias",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
+    "WholeGpu",
 ]

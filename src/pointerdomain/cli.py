@@ -13,12 +13,12 @@ from typing import Any, get_args
 import pydantic
 import torch
 
-from pointerdomain._extension import extension, gpu_ops_built
-from pointerdomain.domains import Device
+from pointerdomain._platform import backend_for, extension_ops, extension_path, gpu_ops_built
+from pointerdomain.devices import Device
 from pointerdomain.errors import PointerDomainError
-from pointerdomain.guard import validate_device
+from pointerdomain.devices import validate_device
 from pointerdomain.layouts import DType, KVLayout, LayoutKind
-from pointerdomain.memory import alloc_registered, device_empty
+from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.pools import DeviceKVPool, HostKVPool
 from pointerdomain.resolve import alias_policy, can_use_host_pointer
 from pointerdomain.tables import make_kernel_ptr_table
@@ -34,8 +34,7 @@ def default_device() -> Device:
 
 
 def _sync(device: Device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device.ordinal)
+    backend_for(device).synchronize(device)
 
 
 def _random_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -75,15 +74,14 @@ def doctor(args: argparse.Namespace) -> int:
         "cuda_available": torch.cuda.is_available(),
     }
     try:
-        ext = extension()
+        report["extension"] = extension_path()
     except PointerDomainError as exc:
         report["extension"] = f"MISSING: {exc}"
         print(json.dumps(report, indent=2))
         return 1
-    report["extension"] = ext.__file__
     report["gpu_ops_built"] = gpu_ops_built()
-    report["gpu_runtime"] = getattr(ext, "gpu_runtime", None)
-    report["ops"] = sorted(name for name in dir(ext) if not name.startswith("_") and callable(getattr(ext, name)))
+    report["gpu_runtime"] = backend_for(Device("cuda", 0)).runtime if gpu_ops_built() else None
+    report["ops"] = extension_ops()
     devices = [validate_device(args.device)] if args.device else []
     if not devices:
         n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0

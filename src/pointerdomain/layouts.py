@@ -21,7 +21,7 @@ what a host pool registered in several chunks needs).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,8 +42,30 @@ _DIM_ORDER: dict[str, tuple[str, ...]] = {
 _ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
                              "int8": 1, "uint8": 1}
 
-#: Geometry passed to the kernels: (e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, num_slots).
-Geometry = tuple[int, int, int, int, int, int, int, int]
+class Geometry(NamedTuple):
+    """How the kernels address one table over a layout (``pd::Side`` in ``transfer.h``)::
+
+        entry = kv*e_kv + layer*e_layer + page*e_page
+        addr  = table[entry] + kv*s_kv + layer*s_layer + page*s_page + tok*s_tok
+
+    Each dimension feeds either the entry (``e_*`` != 0: a leading dimension the table
+    splits) or the byte offset (``s_*`` != 0). Strides in bytes; ``num_slots`` token slots.
+    """
+
+    e_kv: int
+    e_layer: int
+    e_page: int
+    s_kv: int
+    s_layer: int
+    s_page: int
+    s_tok: int
+    num_slots: int
+
+    def item_address(self, table: tuple[int, ...] | list[int], kv: int, layer: int, slot: int, page_size: int) -> int:
+        """The address of item (kv, layer, slot) through ``table`` (``item_address`` in transfer.h)."""
+        page, tok = divmod(slot, page_size)
+        base = table[kv * self.e_kv + layer * self.e_layer + page * self.e_page]
+        return base + kv * self.s_kv + layer * self.s_layer + page * self.s_page + tok * self.s_tok
 
 
 class KVLayout(BaseModel, frozen=True):
@@ -172,7 +194,7 @@ class KVLayout(BaseModel, frozen=True):
             entry_stride *= count
         for dim, _, stride in self._dims[k:]:
             s[dim] = stride
-        return (e["kv"], e["layer"], e["page"], s["kv"], s["layer"], s["page"], s["tok"], self.num_slots)
+        return Geometry(e["kv"], e["layer"], e["page"], s["kv"], s["layer"], s["page"], s["tok"], self.num_slots)
 
     def page_blocks(self, page: int) -> list[tuple[int, int]]:
         """``(byte offset, nbytes)`` of the contiguous blocks holding ``page`` in the

@@ -12,12 +12,14 @@ from types import TracebackType
 
 import torch
 
-from pointerdomain.domains import Device, DeviceAlias, HostVA
+from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.devices import Device
 from pointerdomain.errors import InvalidArgumentError, LayoutError
-from pointerdomain.guard import validate_device
-from pointerdomain.kernels import DEFAULT_MAX_CTAS, Backend, transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.devices import validate_device
+from pointerdomain.kernels import DEFAULT_MAX_CTAS, Backend, MaxCtas, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, alloc_registered, device_empty
+from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
+from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 
@@ -94,7 +96,7 @@ class HostKVPool:
 
     def backup(
         self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, *,
-        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: Backend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """D2H: copy token slots ``device_indices`` of ``device_pool`` to ``host_indices``, all layers.
@@ -109,7 +111,7 @@ class HostKVPool:
 
     def load(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
-        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: Backend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
@@ -121,7 +123,7 @@ class HostKVPool:
 
     def load_layer(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, *,
-        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: Backend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """H2D for one layer (overlaps the forward pass layer by layer)."""

@@ -7,11 +7,12 @@ from typing import Any, Protocol
 
 import torch
 
-from pointerdomain.domains import Device, DeviceAlias, HostVA
+from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.devices import Device
 from pointerdomain.errors import DomainError, IndexValidationError, LayoutError
 from pointerdomain.layouts import DType, KVLayout
-from pointerdomain.guard import validate_device
-from pointerdomain.memory import memory_device
+from pointerdomain.devices import validate_device
+from pointerdomain.allocation import memory_device
 from pointerdomain.tables import PointerTable, make_kernel_ptr_table
 
 __all__ = ["DevicePool", "check_kernel_table", "dtype_name", "index_list", "kernel_table_checked", "launch_options", "same_device", "tensor_nbytes"]

@@ -35,12 +35,13 @@ from typing import Any, cast
 import torch
 
 from pointerdomain.adapters._common import dtype_name, launch_options, tensor_nbytes
-from pointerdomain.domains import Device, DeviceAlias
+from pointerdomain.domains import DeviceAlias
+from pointerdomain.devices import Device
 from pointerdomain.errors import ClosedError, DomainError, IndexValidationError, LayoutError, NonContiguousError
-from pointerdomain.guard import validate_device
+from pointerdomain.devices import validate_device
 from pointerdomain.kernels import transfer_kv_all_layer
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import memory_device
+from pointerdomain.allocation import memory_device
 from pointerdomain.tables import PointerTable, make_kernel_ptr_table
 
 __all__ = ["LayerPointerCache", "PagedKVConnector", "TensorKey"]

@@ -43,9 +43,10 @@ from pointerdomain.adapters._common import (
     launch_options,
     tensor_nbytes,
 )
-from pointerdomain.domains import Device, DeviceAlias, HostVA
+from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.devices import Device
 from pointerdomain.errors import IndexValidationError, LayoutError, NonContiguousError
-from pointerdomain.guard import validate_device
+from pointerdomain.devices import validate_device
 from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import find_registration

@@ -38,9 +38,10 @@ from pointerdomain.adapters._common import (
     same_device,
     tensor_nbytes,
 )
-from pointerdomain.domains import Device, DeviceAlias
+from pointerdomain.domains import DeviceAlias
+from pointerdomain.devices import Device
 from pointerdomain.errors import IndexValidationError, LayoutError
-from pointerdomain.guard import validate_device
+from pointerdomain.devices import validate_device
 from pointerdomain.tables import PointerTable
 
 __all__ = ["BatchCopyFn", "BlockCopyBatch", "CpuGpuBlockOffload", "block_copy_batch", "run_batch_copy"]
