@@ -186,8 +186,8 @@ def test_gpu_doctor_and_demo() -> None:
 
 @pytest.mark.parametrize("kind", ["layer_first", "page_first_direct", "page_first"])
 @pytest.mark.parametrize("backend", ["copy_engine", "auto"])
-@pytest.mark.parametrize("max_ctas", [1, 2, 4, None])
-def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_ctas: int | None) -> None:
+@pytest.mark.parametrize("max_ctas", [1, 2, 4, pd.WHOLE_GPU])
+def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_ctas: pd.MaxCtas) -> None:
     dev = _dev()
     dev_layout = layout("layer_first", 24, "mla")
     host_layout = layout(kind, 40, "mla")

@@ -7,35 +7,44 @@ See docs/design.md for the two address domains and the rules.
 
 from pointerdomain import checked, errors
 from pointerdomain.domains import Address, DeviceAlias, HostVA
-from pointerdomain.devices import Device, as_device
-from pointerdomain.devices import DeviceGuard
-from pointerdomain.kernels import DEFAULT_MAX_CTAS, WHOLE_GPU, MaxCtas, WholeGpu, transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
+from pointerdomain.kernels import (
+    DEFAULT_MAX_CTAS,
+    WHOLE_GPU,
+    MaxCtas,
+    WholeGpu,
+    index_tensor,
+    transfer_kv_all_layer,
+    transfer_kv_per_layer,
+)
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import RegisteredHostMemory, register_host_tensor
-from pointerdomain.allocation import alloc_registered, device_empty, memory_device
+from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
+from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
-from pointerdomain.pools import DeviceKVPool, HostKVPool
+from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
 from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
-from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
+from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table, require_domain
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MAX_CTAS",
-    "WHOLE_GPU",
     "Address",
     "AliasPolicy",
     "BufferInfo",
+    "DEFAULT_MAX_CTAS",
     "Device",
     "DeviceAlias",
     "DeviceGuard",
     "DeviceKVPool",
+    "DevicePool",
     "HostKVPool",
     "HostVA",
     "KVLayout",
     "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
+    "WHOLE_GPU",
+    "WholeGpu",
     "__version__",
     "alias_policy",
     "alloc_registered",
@@ -44,15 +53,20 @@ __all__ = [
     "checked",
     "device_empty",
     "errors",
-    "memory_device",
+    "external_stream",
     "fallback_count",
+    "find_registration",
     "host_ptr_table",
+    "index_tensor",
     "make_kernel_ptr_table",
+    "memory_device",
+    "memory_device_at",
     "page_buffer_meta",
     "register_host_tensor",
+    "require_domain",
     "reset_resolver_cache",
     "resolve_alias",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
-    "WholeGpu",
+    "validate_device",
 ]

@@ -8,12 +8,12 @@ import mmap
 
 import torch
 
-from pointerdomain._platform import backend_for, memory_device
+from pointerdomain._platform import backend_for, device_holding, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import InvalidRegistrationError
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
 
-__all__ = ["alloc_registered", "device_empty", "memory_device"]
+__all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
 
 
 def alloc_registered(
@@ -60,3 +60,14 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
     return raw[:nbytes].view(dtype).view(shape)
+
+
+def memory_device_at(address: int, nbytes: int) -> Device | None:
+    """The device whose allocation holds ``[address, address + nbytes)`` when that is
+    known from the address alone (emulated device memory), else None. CUDA device
+    memory is known by its tensor: use :func:`memory_device`.
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    return device_holding(address, nbytes)

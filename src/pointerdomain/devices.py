@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from typing_extensions import final
 
@@ -33,6 +33,7 @@ __all__ = [
     "DeviceType",
     "as_device",
     "current_device",
+    "external_stream",
     "tensor_on",
     "validate_device",
 ]
@@ -111,6 +112,18 @@ def as_device(device: Device | str | torch.device) -> Device:
     if not ordinal.isdigit():
         raise InvalidDeviceError(f"bad device ordinal in {text!r}")
     return Device(kind, int(ordinal))  # type: ignore[arg-type]
+
+
+def external_stream(device: Device, stream: int | None) -> Any:
+    """``stream`` (a ``cudaStream_t`` as an int) as a ``torch.cuda.ExternalStream`` of a
+    CUDA ``device``, for ``Tensor.record_stream`` / ``PointerTable.record_stream``; None
+    when there is nothing to order against (no stream given, or an emulated device,
+    whose launches are synchronous)."""
+    if stream is None or device.type != "cuda":
+        return None
+    import torch
+
+    return cast(Any, torch.cuda).ExternalStream(stream, device=device.torch_device)
 
 
 def tensor_on(tensor: torch.Tensor, device: Device) -> bool:

@@ -19,6 +19,7 @@ tables and index tensors alive until the stream reaches it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any, Final, Literal, cast
 
 import torch
@@ -39,9 +40,31 @@ __all__ = [
     "Backend",
     "MaxCtas",
     "WholeGpu",
+    "index_tensor",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
 ]
+
+
+def index_tensor(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``ids`` (a tensor of any integer dtype on any device, or a sequence of ints) as a
+    contiguous 1-D ``int64`` CPU tensor, for callers that take loose id lists (adapters).
+
+    Raises:
+        IndexValidationError: not 1-D, or not integers.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise IndexValidationError(f"{name}: dtype {ids.dtype}, expected an integer dtype")
+        out = ids.detach().to("cpu", torch.int64).contiguous()
+    else:
+        values = list(ids)
+        if any(type(v) is not int for v in values):
+            raise IndexValidationError(f"{name}: expected ints, got {[type(v).__name__ for v in values][:4]}")
+        out = torch.tensor(values, dtype=torch.int64)
+    if out.dim() != 1:
+        raise IndexValidationError(f"{name}: shape {tuple(out.shape)}, expected 1-D")
+    return out
 
 
 def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:

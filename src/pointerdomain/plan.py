@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, LayoutError
+from pointerdomain.errors import DeviceMismatchError, InvalidArgumentError, LayoutError
 from pointerdomain.layouts import Geometry, KVLayout
-from pointerdomain.tables import PointerTable
+from pointerdomain.tables import PointerTable, require_domain
 
 if TYPE_CHECKING:
     from pointerdomain._platform.native import KernelPlan
@@ -98,18 +98,15 @@ class TransferPlan:
         return da[starts], sa[starts], lengths
 
 
-def _check_table(name: str, table: Any) -> Device:
-    if not isinstance(table, PointerTable):
-        raise DomainError(f"{name}: expected a PointerTable[DeviceAlias], got {type(table).__name__}")
-    if table.domain is not DeviceAlias:
-        raise DomainError(
-            f"{name}: a PointerTable[{table.domain.__name__}] reached a kernel launch; kernels need "
-            "PointerTable[DeviceAlias] (host VAs are not device addresses where "
-            "CanUseHostPointerForRegisteredMem is 0). Build it with make_kernel_ptr_table(tensors, device)"
-        )
-    device: Device | None = table.device
+def _check_table(name: str, table: object) -> Device:
+    kernel_table = require_domain(
+        name, table, DeviceAlias, "a kernel launch",
+        "kernels need PointerTable[DeviceAlias] (host VAs are not device addresses where "
+        "CanUseHostPointerForRegisteredMem is 0). Build it with make_kernel_ptr_table(tensors, device)",
+    )
+    device: Device | None = kernel_table.device
     assert device is not None  # a DeviceAlias table always has one
-    table.check_live()
+    kernel_table.check_live()
     return device
 
 

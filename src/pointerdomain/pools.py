@@ -9,6 +9,7 @@ registered host memory that backs pages up from it and loads them back.
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Protocol
 
 import torch
 
@@ -23,7 +24,21 @@ from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 
-__all__ = ["DeviceKVPool", "HostKVPool"]
+__all__ = ["DeviceKVPool", "DevicePool", "HostKVPool"]
+
+
+class DevicePool(Protocol):
+    """What a host pool needs from a device pool: its layout and its kernel table.
+
+    :class:`pointerdomain.DeviceKVPool` and
+    :class:`pointerdomain.adapters.sglang.DeviceKVBuffers` satisfy it.
+    """
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def table(self) -> PointerTable[DeviceAlias]: ...
 
 
 class DeviceKVPool:
@@ -85,12 +100,7 @@ class HostKVPool:
             layout.nbytes, self.device, granularity=layout.page_block_bytes(), max_chunk_bytes=max_chunk_bytes
         )
         self.buffer = self.memory.tensor[: layout.nbytes].view(layout.torch_dtype).view(layout.buffer_shape)
-        if len(self.memory.chunks) == 1:
-            entries = [self.buffer]
-        else:
-            flat = self.memory.tensor[: layout.nbytes]
-            block = layout.page_block_bytes()
-            entries = [flat[i : i + block] for i in range(0, layout.nbytes, block)]
+        entries = [self.buffer] if len(self.memory.chunks) == 1 else layout.page_block_views(self.buffer)
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
 

@@ -35,7 +35,7 @@ from pointerdomain.devices import Device, validate_device
 from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
 from pointerdomain.resolve import alias_of
 
-__all__ = ["PointerTable", "host_ptr_table", "make_kernel_ptr_table"]
+__all__ = ["PointerTable", "host_ptr_table", "make_kernel_ptr_table", "require_domain"]
 
 #: The address domain of a table. Invariant on purpose: a PointerTable[HostVA]
 #: is not a PointerTable[DeviceAlias], nor a table of the base Address.
@@ -158,6 +158,28 @@ class PointerTable(Generic[D]):
     def __repr__(self) -> str:
         where = "host" if self._device is None else str(self._device)
         return f"PointerTable[{self._domain.__name__}]({len(self)} entries, {where})"
+
+
+def require_domain(name: str, table: object, domain: type[D], use: str, why: str) -> PointerTable[D]:
+    """``table`` if it is a ``PointerTable[domain]``: the one table-domain check of the
+    launch, metadata and adapter paths (checked mode repeats it on purpose).
+
+    Args:
+        name: the argument, for the message.
+        domain: ``DeviceAlias`` or ``HostVA``.
+        use: what the table reached (``"a kernel launch"``, ``"metadata"``).
+        why: why the other domain is refused and how to build the right table.
+
+    Raises:
+        DomainError: another object, or a table of the other domain.
+    """
+    if isinstance(table, PointerTable) and table.domain is domain:
+        return table
+    want = f"PointerTable[{domain.__name__}]"
+    if isinstance(table, PointerTable):
+        got = f"PointerTable[{table.domain.__name__}]"
+        raise DomainError(f"{name}: a {got} reached {use}; {use} needs a {want}, got {got}: {why}")
+    raise DomainError(f"{name}: expected a {want}, got {type(table).__name__}; {use} needs a {want}: {why}")
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

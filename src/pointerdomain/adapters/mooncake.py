@@ -32,11 +32,8 @@ from typing import Any
 
 from typing_extensions import TypeAlias
 
-from pointerdomain._platform import device_holding
-from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
 from pointerdomain.errors import DomainError, ExtensionUnavailableError, NotRegisteredError, PointerDomainError, RuntimeCallError
-from pointerdomain.metadata import BufferInfo
-from pointerdomain.tables import PointerTable
 
 __all__ = ["EngineUnavailableError", "HostTransferEngine", "as_host_va"]
 
@@ -77,7 +74,7 @@ def as_host_va(value: object, name: str = "address") -> HostVA:
 def _device_memory_at(va: HostVA, nbytes: int) -> str | None:
     """Name of the emulated device whose memory holds the range, or None."""
     try:
-        where = device_holding(va.value, nbytes)
+        where = memory_device_at(va.value, nbytes)
     except ExtensionUnavailableError:
         return None
     return None if where is None else str(where)
