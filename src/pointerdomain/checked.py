@@ -91,7 +91,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
 )
 from pointerdomain.memory import RegisteredHostMemory, find_registration, open_registrations
-from pointerdomain.resolve import AliasPolicy, alias_policy
+from pointerdomain.resolve import AliasPolicy, cached_policy
 
 if TYPE_CHECKING:
     from pointerdomain.layouts import Geometry, KVLayout
@@ -300,7 +300,7 @@ def _alias_lookup(device: Device) -> Callable[[int], int | None]:
     backend again (so a range unregistered behind pointerdomain's back is seen); the
     host VA itself under the host-pointer fallback. Never counts as a resolver fallback."""
     try:
-        policy = alias_policy(device)
+        policy = cached_policy(device)
     except PointerDomainError:
         return lambda va: None
     if policy is AliasPolicy.HOST_POINTER_FALLBACK:

@@ -13,7 +13,14 @@ from typing import Any, get_args
 import pydantic
 import torch
 
-from pointerdomain._platform import backend_for, extension_ops, extension_path, gpu_ops_built
+from pointerdomain._platform import (
+    backend_for,
+    default_device,
+    extension_ops,
+    extension_path,
+    gpu_ops_built,
+    visible_devices,
+)
 from pointerdomain.devices import Device
 from pointerdomain.errors import PointerDomainError
 from pointerdomain.devices import validate_device
@@ -24,13 +31,6 @@ from pointerdomain.resolve import alias_policy, can_use_host_pointer
 from pointerdomain.tables import make_kernel_ptr_table
 
 __all__ = ["main"]
-
-
-def default_device() -> Device:
-    """``cuda:<current>`` when a GPU and the GPU ops are there, else ``emulated:0``."""
-    if torch.cuda.is_available() and gpu_ops_built():
-        return Device("cuda", torch.cuda.current_device())
-    return Device("emulated", 0)
 
 
 def _sync(device: Device) -> None:
@@ -84,18 +84,14 @@ def doctor(args: argparse.Namespace) -> int:
     report["ops"] = extension_ops()
     devices = [validate_device(args.device)] if args.device else []
     if not devices:
-        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        devices = [Device("cuda", i) for i in range(n_gpu)] or [Device("emulated", 0)]
+        devices = visible_devices()
     report["devices"] = []
     status = 0
     for dev in devices:
         entry: dict[str, Any] = {"device": str(dev)}
-        if dev.type == "cuda":
-            entry["name"] = torch.cuda.get_device_name(dev.ordinal)
-            entry["can_use_host_pointer_for_registered_mem"] = can_use_host_pointer(dev)
-        else:
-            entry["can_use_host_pointer_for_registered_mem"] = 0
         try:
+            entry["name"] = backend_for(dev).device_name(dev)
+            entry["can_use_host_pointer_for_registered_mem"] = can_use_host_pointer(dev)
             entry["alias_policy"] = alias_policy(dev).value
             entry["self_test"] = self_test(dev)
             status |= 0 if entry["self_test"]["ok"] else 1
@@ -123,13 +119,13 @@ def _memory_problem(device: Device, dev_layout: KVLayout, host_layout: KVLayout,
     and (emulated) the device pool against MemAvailable; CUDA: the device pool and the
     saved pages against free device memory."""
     saved = pages * dev_layout.nbytes // dev_layout.num_pages
-    host_need = host_layout.nbytes + (dev_layout.nbytes + saved if device.type == "emulated" else 0)
+    free = backend_for(device).free_device_memory(device)  # None: device memory is host memory
+    host_need = host_layout.nbytes + (dev_layout.nbytes + saved if free is None else 0)
     available = _available_host_bytes()
     if available is not None and host_need > available * 0.8:
         return (f"the pools need {host_need / 2**30:.1f} GiB of host memory and {available / 2**30:.1f} GiB is "
                 "available: lower --layers, --device-pages, --host-pages or --pages")
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device.ordinal)
+    if free is not None:
         if dev_layout.nbytes + saved > free * 0.9:
             return (f"the device pool needs {(dev_layout.nbytes + saved) / 2**30:.1f} GiB and {device} has "
                     f"{free / 2**30:.1f} GiB free: lower --layers or --device-pages")

@@ -31,7 +31,18 @@ from pointerdomain.memory import find_closed_registration, find_registration
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AliasPolicy", "alias_policy", "fallback_count", "reset_resolver_cache", "resolve_alias"]
+__all__ = [
+    "AliasPolicy",
+    "alias_of",
+    "alias_policy",
+    "cached_policy",
+    "can_use_host_pointer",
+    "decide_policy",
+    "fallback_count",
+    "policy_of",
+    "reset_resolver_cache",
+    "resolve_alias",
+]
 
 class AliasPolicy(enum.Enum):
     """How device aliases are obtained for a device."""
@@ -114,7 +125,11 @@ def alias_policy(device: Device | str | torch.device) -> AliasPolicy:
         ExtensionUnavailableError: the extension does not import.
         AliasOpMissingError: see :func:`decide_policy`.
     """
-    dev = validate_device(device)
+    return cached_policy(validate_device(device))
+
+
+def cached_policy(dev: Device) -> AliasPolicy:
+    """:func:`alias_policy` for a validated device (internal callers)."""
     with _lock:
         policy = _policies.get(dev)
     if policy is not None:
@@ -144,7 +159,7 @@ def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlia
 
 def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
     """:func:`resolve_alias` for a validated device (internal callers)."""
-    policy = alias_policy(dev)
+    policy = cached_policy(dev)
     owner = find_registration(va)
     if owner is not None:
         owner.check_open()

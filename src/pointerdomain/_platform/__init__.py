@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "backend_for",
+    "default_device",
     "device_holding",
     "extension_ops",
     "extension_path",
@@ -45,6 +46,7 @@ __all__ = [
     "memory_device",
     "on_backend_change",
     "register_backend",
+    "visible_devices",
 ]
 
 _lock = threading.Lock()
@@ -152,6 +154,29 @@ def extension_path() -> str:
     from pointerdomain._platform.native import PATH
 
     return PATH
+
+
+def visible_devices() -> list[Device]:
+    """The CUDA devices torch sees, or ``[emulated:0]`` when there are none."""
+    from pointerdomain.devices import Device
+
+    count = backend_for(Device("cuda", 0)).device_count() if _cuda_visible() else 0
+    return [Device("cuda", i) for i in range(count)] or [Device("emulated", 0)]
+
+
+def default_device() -> Device:
+    """``cuda:<current>`` when a GPU and the GPU ops are there, else ``emulated:0``."""
+    from pointerdomain.devices import Device, current_device
+
+    if _cuda_visible() and gpu_ops_built():
+        return current_device("cuda")
+    return Device("emulated", 0)
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def extension_ops() -> list[str]:

@@ -73,6 +73,15 @@ class Backend(Protocol):
         """``CanUseHostPointerForRegisteredMem`` of ``device``, or None if unreadable."""
         ...
 
+    def device_name(self, device: Device) -> str:
+        """The device's product name (for ``pointerdomain doctor``)."""
+        ...
+
+    def free_device_memory(self, device: Device) -> int | None:
+        """Free bytes of the device's own memory, or None where device memory is host
+        memory (the emulated backend: count it against host memory instead)."""
+        ...
+
     # allocation --------------------------------------------------------------
     def host_alloc(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of page-aligned host memory that :meth:`register` accepts (a uint8 tensor)."""

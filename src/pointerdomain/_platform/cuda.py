@@ -58,6 +58,13 @@ class _TorchDevice:
     def device_lookup(self, addr: int, nbytes: int) -> int:
         return -1  # CUDA device memory is known by its tensor's device, not by address
 
+    def device_name(self, device: Device) -> str:
+        return str(torch.cuda.get_device_name(device.ordinal))
+
+    def free_device_memory(self, device: Device) -> int | None:
+        free, _total = torch.cuda.mem_get_info(device.ordinal)
+        return int(free)
+
     def host_alloc(self, nbytes: int) -> torch.Tensor:
         # Page-aligned start, so chunk cuts on a page-multiple granularity never split an
         # OS page between two cudaHostRegister calls.

@@ -89,6 +89,12 @@ class EmulatedBackend:
     def can_use_host_pointer(self, device: Device) -> int | None:
         return 0  # aliases are distinct mappings by construction
 
+    def device_name(self, device: Device) -> str:
+        return f"emulated device {device.ordinal} (CPU memory, distinct alias mappings)"
+
+    def free_device_memory(self, device: Device) -> int | None:
+        return None  # emulated device memory is host memory
+
     def host_alloc(self, nbytes: int) -> torch.Tensor:
         return _C.emu_host_alloc(nbytes)
 

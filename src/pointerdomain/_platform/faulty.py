@@ -73,6 +73,12 @@ class FaultyBackend:
     def can_use_host_pointer(self, device: Device) -> int | None:
         return self.inner.can_use_host_pointer(device)
 
+    def device_name(self, device: Device) -> str:
+        return self.inner.device_name(device)
+
+    def free_device_memory(self, device: Device) -> int | None:
+        return self.inner.free_device_memory(device)
+
     def host_alloc(self, nbytes: int) -> torch.Tensor:
         return self.inner.host_alloc(nbytes)
 
