@@ -38,7 +38,7 @@ from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.domains import HostVA
-from tests.kvref import EMU, table_storage
+from tests.reference import EMU, fill_pool, fill_random, items, same, table_storage
 
 DEV = "emulated:0"
 DEV1 = "emulated:1"
@@ -58,32 +58,12 @@ def _checked_mode() -> Iterator[None]:
 # ---------------------------------------------------------------- helpers
 
 
-def fill(t: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    flat = t.view(torch.uint8).view(-1)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
-
-
 def snap(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1).clone()
 
 
 def unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
     return torch.equal(t.view(torch.uint8).reshape(-1), before)
-
-
-def items(buffer: torch.Tensor, layout: pd.KVLayout, kv: int, layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """Items of ``(kv, layer, slots)`` of a one-buffer tensor, by plain torch indexing."""
-    if layout.kind == "layer_first":
-        return buffer[kv, layer][slots]
-    if layout.kind == "page_first":
-        return buffer[kv][slots][:, layer]
-    return buffer[kv][slots // layout.page_size, layer, slots % layout.page_size]
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Byte-for-byte equality (random bytes make NaNs, which torch.equal calls unequal)."""
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def expect(info: pytest.ExceptionInfo[BaseException], cls: type[BaseException], *needles: str) -> str:
@@ -101,9 +81,8 @@ class Rig:
     def __init__(self, device: str = DEV, seed: int = 0, **host: Any) -> None:
         self.dev = pd.DeviceKVPool(DEV_LAYOUT, device)
         self.host = pd.HostKVPool(HOST_LAYOUT, device, **host)
-        for i, buf in enumerate(self.dev.buffers):
-            fill(buf, seed * 100 + i)
-        fill(self.host.buffer, seed * 100 + 99)
+        fill_pool(self.dev, seed * 100)
+        fill_random(self.host.buffer, seed * 100 + 99)
         self.slots = torch.tensor([5, 0, 13, 7], dtype=torch.int64)
         self.host_slots = torch.tensor([20, 3, 9, 14], dtype=torch.int64)
 
@@ -164,7 +143,7 @@ def registered_nothing_at(va: int, nbytes: int) -> bool:
 def host_buffer(nbytes: int, seed: int = 1) -> torch.Tensor:
     """Page-aligned host memory (memfd backed, like alloc_registered's) with random bytes, unregistered."""
     t = EMU.host_alloc(nbytes)
-    fill(t, seed)
+    fill_random(t, seed)
     return t
 
 
@@ -198,7 +177,7 @@ def test_misaligned_interior_registration_keeps_in_page_offset() -> None:
     start = (100 - backing.data_ptr()) % PAGE
     layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=2, page_size=4,
                          num_heads=1, head_dim=64, dtype="uint8")
-    fill(backing, 3)
+    fill_random(backing, 3)
     outside = torch.cat([backing[:start], backing[start + layout.nbytes:]]).clone()
     region = backing[start : start + layout.nbytes]
     with pd.register_host_tensor(region, DEV) as mem:
@@ -207,7 +186,7 @@ def test_misaligned_interior_registration_keeps_in_page_offset() -> None:
         assert alias.value % PAGE == 100 and alias.value != mem.host_va.value
         assert pd.resolve_alias(mem.host_va + 37, DEV) == alias + 37
         src = pd.device_empty(layout.buffer_shape, torch.uint8, DEV)
-        fill(src, 4)
+        fill_random(src, 4)
         slots = torch.tensor([6, 1, 3], dtype=torch.int64)
         pd.transfer_kv_all_layer(pd.make_kernel_ptr_table([src], DEV), pd.make_kernel_ptr_table([region], DEV),
                                  slots, slots, src_layout=layout, dst_layout=layout)
@@ -222,7 +201,7 @@ def test_registration_sharing_a_page_with_another_is_refused() -> None:
     RLIMIT_MEMLOCK is), nothing stays registered, the first still works."""
     backing = torch.zeros(5 * PAGE, dtype=torch.uint8)
     start = (100 - backing.data_ptr()) % PAGE
-    fill(backing, 5)
+    fill_random(backing, 5)
     with pd.register_host_tensor(backing[start : start + 3000], DEV) as first:
         before = snap(backing)
         second = backing[start + 3000 : start + 3000 + 2 * PAGE]
@@ -696,7 +675,7 @@ def test_interior_pointer_keeps_its_offset_through_a_launch() -> None:
     layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=2, page_size=4,
                          num_heads=1, head_dim=32, dtype="uint8")
     with pd.alloc_registered(3 * PAGE, DEV, granularity=PAGE) as mem:
-        fill(mem.tensor, 9)
+        fill_random(mem.tensor, 9)
         off = PAGE + 96
         inner = mem.tensor[off : off + layout.nbytes]
         table = pd.make_kernel_ptr_table([inner], DEV)
@@ -755,10 +734,10 @@ def test_table_keeps_its_memory_alive_after_the_caller_drops_it() -> None:
     layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=2, num_pages=2, page_size=4,
                          num_heads=1, head_dim=64, dtype="uint8")
     src = pd.device_empty(layout.buffer_shape, torch.uint8, DEV)
-    fill(src, 11)
+    fill_random(src, 11)
     expected = src.clone()
     mem = pd.alloc_registered(layout.nbytes, DEV)
-    fill(mem.tensor, 12)
+    fill_random(mem.tensor, 12)
     src_table = pd.make_kernel_ptr_table([src], DEV)
     mid_table = pd.make_kernel_ptr_table([mem.tensor], DEV)
     del src, mem

@@ -23,7 +23,7 @@ from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.domains import HostVA
-from tests.kvref import EMU
+from tests.reference import EMU, fill_random
 
 PAGE = 4096
 MODEL = dict(attention="mha", num_layers=2, page_size=4, num_heads=2, head_dim=8, dtype="float16")
@@ -61,12 +61,6 @@ def run_threads(workers: list[Callable[[], None]], timeout: float = 120) -> None
     assert not failures, "\n".join(failures)
 
 
-def fill(t: torch.Tensor, rng: random.Random) -> None:
-    g = torch.Generator().manual_seed(rng.randrange(2**31))
-    flat = t.view(torch.uint8).view(-1)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
-
-
 def registrar(seed: int, rounds: int) -> Callable[[], None]:
     """Register (chunked), check aliases and a kernel read through them, close."""
 
@@ -82,7 +76,7 @@ def registrar(seed: int, rounds: int) -> Callable[[], None]:
                     base = pd.resolve_alias(c.host_va, dev)
                     k = rng.randrange(c.nbytes)
                     assert pd.resolve_alias(c.host_va + k, dev) == base + k
-                fill(mem.tensor, rng)
+                fill_random(mem.tensor, rng.randrange(2**31))
                 out = pd.device_empty((PAGE,), torch.uint8, dev)
                 layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=1,
                                      page_size=4, num_heads=1, head_dim=1024, dtype="uint8")
@@ -133,7 +127,7 @@ def launcher(seed: int, rounds: int) -> Callable[[], None]:
         with pd.HostKVPool(host_layout, dev, max_chunk_bytes=2 * host_layout.page_block_bytes()) as host:
             for _ in range(rounds):
                 for buf in device_pool.buffers:
-                    fill(buf, rng)
+                    fill_random(buf, rng.randrange(2**31))
                 n = rng.randint(1, dev_layout.num_slots)
                 d_slots = torch.tensor(rng.sample(range(dev_layout.num_slots), n))
                 h_slots = torch.tensor(rng.sample(range(host_layout.num_slots), n))

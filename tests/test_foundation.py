@@ -14,7 +14,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.allocation import memory_device
-from tests.kvref import as_bytes, fill_random, items, pool_items
+from tests.reference import as_bytes, fill_pool, fill_random, items, pool_items
 
 DEV = pd.Device("emulated", 0)
 
@@ -233,8 +233,7 @@ def test_round_trip_matches_reference(kind: str, attention: str, chunked: bool) 
     dev_layout = layout("layer_first", pages=6, attention=attention)
     host_layout = layout(kind, pages=10, attention=attention)
     pool = pd.DeviceKVPool(dev_layout, DEV)
-    for i, b in enumerate(pool.buffers):
-        fill_random(b, i)
+    fill_pool(pool, 0)
     max_chunk = host_layout.page_block_bytes() * 3 if chunked else 1 << 40
     with pd.HostKVPool(host_layout, DEV, max_chunk_bytes=max_chunk) as host:
         assert (len(host.memory.chunks) > 1) == chunked
@@ -258,8 +257,7 @@ def test_round_trip_matches_reference(kind: str, attention: str, chunked: bool) 
         assert torch.equal(as_bytes(host.buffer), as_bytes(expected))
         # H2D per layer into a poisoned pool
         saved = [as_bytes(b).clone() for b in pool.buffers]
-        for i, b in enumerate(pool.buffers):
-            fill_random(b, 1000 + i)
+        fill_pool(pool, 1000)
         poisoned = [as_bytes(b).clone() for b in pool.buffers]
         for layer in range(3):
             host.load_layer(pool, host_slots, dev_slots, layer)
@@ -271,8 +269,7 @@ def test_round_trip_matches_reference(kind: str, attention: str, chunked: bool) 
 
 def test_per_layer_touches_one_layer() -> None:
     pool = pd.DeviceKVPool(layout(), DEV)
-    for i, b in enumerate(pool.buffers):
-        fill_random(b, i)
+    fill_pool(pool, 0)
     before = [as_bytes(b).clone() for b in pool.buffers]
     with pd.HostKVPool(layout("page_first"), DEV) as host:
         fill_random(host.buffer, 5)
@@ -353,8 +350,7 @@ def test_copy_engine_path_matches_kernel(kind: str, chunked: bool) -> None:
     dev_layout = layout("layer_first", pages=6)
     host_layout = layout(kind, pages=10)
     pool = pd.DeviceKVPool(dev_layout, DEV)
-    for i, b in enumerate(pool.buffers):
-        fill_random(b, i)
+    fill_pool(pool, 0)
     max_chunk = host_layout.page_block_bytes() * 3 if chunked else 1 << 40
     # runs of consecutive slots, crossing page boundaries, plus singletons
     dev_slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 20, 21, 22, 23, 17])

@@ -11,7 +11,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.kvref import as_bytes, fill_random, items, pool_items
+from tests.reference import as_bytes, fill_pool, fill_random, items, pool_items
 
 pytestmark = pytest.mark.gpu
 
@@ -26,13 +26,6 @@ def layout(kind: str, pages: int, attention: str = "mha") -> pd.KVLayout:
                        num_heads=heads, head_dim=dim, dtype="bfloat16")
 
 
-def _fill_pool(pool: pd.DeviceKVPool, seed: int) -> None:
-    for i, b in enumerate(pool.buffers):
-        cpu = torch.empty(b.shape, dtype=b.dtype)
-        fill_random(cpu, seed + i)
-        b.copy_(cpu)
-
-
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 @pytest.mark.parametrize("kind", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("chunked", [False, True])
@@ -41,7 +34,7 @@ def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked
     dev_layout = layout("layer_first", 24, attention)
     host_layout = layout(kind, 40, attention)
     pool = pd.DeviceKVPool(dev_layout, dev)
-    _fill_pool(pool, 0)
+    fill_pool(pool, 0)
     max_chunk = host_layout.page_block_bytes() * 7 if chunked else 1 << 40
     with pd.HostKVPool(host_layout, dev, max_chunk_bytes=max_chunk) as host:
         assert (len(host.memory.chunks) > 1) == chunked
@@ -67,7 +60,7 @@ def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked
                     expected[kv][host_slots // 16, layer, host_slots % 16] = src
         assert torch.equal(as_bytes(host.buffer), as_bytes(expected)), "bytes outside the moved items changed"
         saved = [as_bytes(b).clone() for b in pool.buffers]
-        _fill_pool(pool, 500)
+        fill_pool(pool, 500)
         poisoned = [as_bytes(b).clone() for b in pool.buffers]
         # H2D per layer for even layers, all-layer afterwards for the rest must equal all-layer
         for layer in range(4):
@@ -78,7 +71,7 @@ def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked
             want = poisoned[i].view(-1, item).clone()
             want[dev_slots] = saved[i].view(-1, item)[dev_slots]
             assert torch.equal(as_bytes(b).view(-1, item), want)
-        _fill_pool(pool, 900)
+        fill_pool(pool, 900)
         host.load(pool, host_slots.cuda(), dev_slots.cuda(), max_ctas=2)
         torch.cuda.synchronize()
         for i, b in enumerate(pool.buffers):
@@ -105,7 +98,7 @@ def test_gpu_graph_capture_and_replay() -> None:
             d = torch.randperm(dev_layout.num_slots, generator=g)[:64]
             src.copy_(h)
             dst.copy_(d)
-            _fill_pool(pool, 40 * seed)
+            fill_pool(pool, 40 * seed)
             graph.replay()
             torch.cuda.synchronize()
             for kv in range(2):
@@ -192,7 +185,7 @@ def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_c
     dev_layout = layout("layer_first", 24, "mla")
     host_layout = layout(kind, 40, "mla")
     pool = pd.DeviceKVPool(dev_layout, dev)
-    _fill_pool(pool, 11)
+    fill_pool(pool, 11)
     with pd.HostKVPool(host_layout, dev, max_chunk_bytes=host_layout.page_block_bytes() * 5) as host:
         fill_random(host.buffer, 12)
         g = torch.Generator().manual_seed(2)
@@ -206,7 +199,7 @@ def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_c
         for layer in range(4):
             assert torch.equal(as_bytes(items(host.buffer, host_layout, 0, layer, h)),
                                as_bytes(pool_items(pool, 0, layer, d)))
-        _fill_pool(pool, 99)
+        fill_pool(pool, 99)
         host.load(pool, h.cuda(), d.cuda(), backend=backend, max_ctas=max_ctas)
         torch.cuda.synchronize()
         for layer in range(4):
