@@ -1,4 +1,4 @@
-"""Bad-input catalogue (issue 5): one case per input that would have corrupted
+"""Bad-input catalogue: one case per input that would have corrupted
 memory or faulted, with the exact typed error it now gets.
 
 Every case asserts

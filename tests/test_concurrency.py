@@ -1,4 +1,4 @@
-"""Concurrency (issue 5): registration, the registry, the resolver (and its cache
+"""Concurrency: registration, the registry, the resolver (and its cache
 reset) and launches from many threads at once, with exact results and no error
 escaping. Checked mode is on, so its registry snapshots race with registration too.
 

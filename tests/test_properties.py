@@ -1,4 +1,4 @@
-"""Property tests (issue 5): random layouts, page and item sizes, index sets, memory
+"""Property tests: random layouts, page and item sizes, index sets, memory
 kinds and directions, every transfer compared byte-for-byte with a plain torch
 reference on the CPU (emulated backend, checked mode on).
 

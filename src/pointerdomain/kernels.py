@@ -113,7 +113,8 @@ WHOLE_GPU: Final = WholeGpu.WHOLE_GPU
 MaxCtas = int | WholeGpu
 
 #: Default SM budget: serving engines give copy kernels a few CTAs so the copy
-#: overlaps model compute (field notes). The same default in the core and the adapters.
+#: overlaps model compute (docs/performance.md has the bandwidth at 2, 4 and 8 CTAs
+#: and the whole GPU). The same default in the core and the adapters.
 DEFAULT_MAX_CTAS: Final = 4
 
 #: Runs at least this long go to the copy engine under ``backend="auto"``. Measured on

@@ -4,7 +4,8 @@
 :class:`RegisteredHostMemory` owner: a context manager that unregisters exactly
 once (on ``close()``, on exit, or when collected). On CUDA the range is
 registered with ``cudaHostRegister(portable | mapped)`` in chunks cut on a
-caller-given granularity (a driver limit near 512 GiB per call, field notes);
+caller-given granularity (one very large cudaHostRegister can fail: drivers have
+refused single calls near 512 GiB);
 a failing chunk rolls back the chunks already registered. On the emulated
 backend each chunk gets a second virtual mapping of the same pages, so device
 aliases differ from host VAs and separately registered chunks are not contiguous
