@@ -14,7 +14,8 @@ library's own geometry:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -29,8 +30,10 @@ __all__ = [
     "canonical",
     "fill_pool",
     "fill_random",
+    "filled_pools",
     "items",
     "model_layout",
+    "pool_bytes",
     "pool_items",
     "reference_transfer",
     "same",
@@ -102,6 +105,26 @@ def items(buffer: torch.Tensor, layout: KVLayout, kv: int, layer: int, slots: to
 def pool_items(pool: DeviceKVPool, kv: int, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """Items ``[len(slots), heads, head_dim]`` of a device pool's per-layer buffer."""
     return pool.buffer(kv, layer)[slots.to(pool.buffer(kv, layer).device)]
+
+
+@contextlib.contextmanager
+def filled_pools(
+    dev_layout: KVLayout, host_layout: KVLayout, device: pd.Device | str, *, chunk_blocks: int | None, seed: int
+) -> Iterator[tuple[DeviceKVPool, pd.HostKVPool]]:
+    """A device pool and a host pool (registered in chunks of ``chunk_blocks`` page blocks,
+    or in one piece for None), both filled from ``seed``; the host pool closed on exit."""
+    pool = DeviceKVPool(dev_layout, device)
+    fill_pool(pool, seed)
+    max_chunk = host_layout.page_block_bytes() * chunk_blocks if chunk_blocks else 1 << 40
+    with pd.HostKVPool(host_layout, device, max_chunk_bytes=max_chunk) as host:
+        assert (len(host.memory.chunks) > 1) == (chunk_blocks is not None)
+        fill_random(host.buffer, seed + 10_000)
+        yield pool, host
+
+
+def pool_bytes(pool: DeviceKVPool) -> torch.Tensor:
+    """A device pool's per-layer buffers as its one-buffer (``layer_first``) bytes, on the CPU."""
+    return torch.cat([as_bytes(b).reshape(-1) for b in pool.buffers])
 
 
 def reference_transfer(

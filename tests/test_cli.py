@@ -7,10 +7,6 @@ import subprocess
 import sys
 
 
-import pointerdomain as pd
-from tests.reference import DEV
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pointerdomain", *args], capture_output=True, text=True, timeout=300)
 

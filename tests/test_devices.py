@@ -6,7 +6,6 @@ import pytest
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.reference import DEV
 
 
 def test_device_guard_restores_on_exception() -> None:

@@ -11,7 +11,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.reference import as_bytes, fill_pool, fill_random, items, pool_items
+from tests.reference import filled_pools, as_bytes, fill_pool, fill_random, items, pool_bytes, pool_items, reference_transfer
 
 pytestmark = pytest.mark.gpu
 
@@ -33,44 +33,24 @@ def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked
     dev = _dev()
     dev_layout = layout("layer_first", 24, attention)
     host_layout = layout(kind, 40, attention)
-    pool = pd.DeviceKVPool(dev_layout, dev)
-    fill_pool(pool, 0)
-    max_chunk = host_layout.page_block_bytes() * 7 if chunked else 1 << 40
-    with pd.HostKVPool(host_layout, dev, max_chunk_bytes=max_chunk) as host:
-        assert (len(host.memory.chunks) > 1) == chunked
-        fill_random(host.buffer, 77)
+    with filled_pools(dev_layout, host_layout, dev, chunk_blocks=7 if chunked else None, seed=0) as (pool, host):
         before = as_bytes(host.buffer).clone()
         g = torch.Generator().manual_seed(1)
         dev_slots = torch.randperm(dev_layout.num_slots, generator=g)[:100]
         host_slots = torch.randperm(host_layout.num_slots, generator=g)[:100]
+        expected = reference_transfer(pool_bytes(pool), dev_layout, before, host_layout, dev_slots, host_slots)
         host.backup(pool, dev_slots.cuda(), host_slots.cuda())
         torch.cuda.synchronize()
-        expected = before.view(torch.bfloat16).view(host_layout.buffer_shape).clone()
-        for kv in range(dev_layout.num_kv):
-            for layer in range(4):
-                src = pool_items(pool, kv, layer, dev_slots).cpu()
-                assert torch.equal(as_bytes(items(host.buffer, host_layout, kv, layer, host_slots)), as_bytes(src))
-                ref = items(expected, host_layout, kv, layer, host_slots)  # a copy; write through index below
-                del ref
-                if kind == "layer_first":
-                    expected[kv, layer][host_slots] = src
-                elif kind == "page_first":
-                    expected[kv][host_slots, layer] = src
-                else:
-                    expected[kv][host_slots // 16, layer, host_slots % 16] = src
-        assert torch.equal(as_bytes(host.buffer), as_bytes(expected)), "bytes outside the moved items changed"
+        assert torch.equal(as_bytes(host.buffer).reshape(-1), expected), "not the reference (moved items or the rest)"
         saved = [as_bytes(b).clone() for b in pool.buffers]
         fill_pool(pool, 500)
-        poisoned = [as_bytes(b).clone() for b in pool.buffers]
-        # H2D per layer for even layers, all-layer afterwards for the rest must equal all-layer
+        # H2D per layer into a poisoned pool: moved items from the host, every other byte kept
+        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, host_slots, dev_slots)
         for layer in range(4):
             host.load_layer(pool, host_slots.cuda(), dev_slots.cuda(), layer)
         torch.cuda.synchronize()
+        assert torch.equal(pool_bytes(pool), expected)
         item = dev_layout.item_bytes
-        for i, b in enumerate(pool.buffers):
-            want = poisoned[i].view(-1, item).clone()
-            want[dev_slots] = saved[i].view(-1, item)[dev_slots]
-            assert torch.equal(as_bytes(b).view(-1, item), want)
         fill_pool(pool, 900)
         host.load(pool, host_slots.cuda(), dev_slots.cuda(), max_ctas=2)
         torch.cuda.synchronize()

@@ -7,7 +7,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.reference import DEV, as_bytes, fill_pool, fill_random, items, pool_items, model_layout
+from tests.reference import filled_pools, DEV, as_bytes, fill_pool, fill_random, items, model_layout, pool_bytes, pool_items, reference_transfer
 
 
 def test_host_table_at_launch_raises_before_launch() -> None:
@@ -29,39 +29,20 @@ def test_host_table_at_launch_raises_before_launch() -> None:
 def test_round_trip_matches_reference(kind: str, attention: str, chunked: bool) -> None:
     dev_layout = model_layout("layer_first", pages=6, attention=attention)
     host_layout = model_layout(kind, pages=10, attention=attention)
-    pool = pd.DeviceKVPool(dev_layout, DEV)
-    fill_pool(pool, 0)
-    max_chunk = host_layout.page_block_bytes() * 3 if chunked else 1 << 40
-    with pd.HostKVPool(host_layout, DEV, max_chunk_bytes=max_chunk) as host:
-        assert (len(host.memory.chunks) > 1) == chunked
-        fill_random(host.buffer, 99)
+    with filled_pools(dev_layout, host_layout, DEV, chunk_blocks=3 if chunked else None, seed=0) as (pool, host):
         host_before = as_bytes(host.buffer).clone()
         dev_slots = torch.tensor([0, 5, 23, 7, 12, 13])
         host_slots = torch.tensor([39, 2, 8, 17, 30, 31])
+        expected = reference_transfer(pool_bytes(pool), dev_layout, host_before, host_layout, dev_slots, host_slots)
         host.backup(pool, dev_slots, host_slots)
         # D2H: every moved item equals the device item; every other byte is unchanged
-        expected = host_before.view(torch.bfloat16).view(host_layout.buffer_shape).clone()
-        for kv in range(dev_layout.num_kv):
-            for layer in range(3):
-                got = items(host.buffer, host_layout, kv, layer, host_slots)
-                assert torch.equal(as_bytes(got), as_bytes(pool_items(pool, kv, layer, dev_slots)))
-                if host_layout.kind == "layer_first":
-                    expected[kv, layer][host_slots] = pool_items(pool, kv, layer, dev_slots)
-                elif host_layout.kind == "page_first":
-                    expected[kv][host_slots, layer] = pool_items(pool, kv, layer, dev_slots)
-                else:
-                    expected[kv][host_slots // 4, layer, host_slots % 4] = pool_items(pool, kv, layer, dev_slots)
-        assert torch.equal(as_bytes(host.buffer), as_bytes(expected))
+        assert torch.equal(as_bytes(host.buffer).reshape(-1), expected)
         # H2D per layer into a poisoned pool
-        saved = [as_bytes(b).clone() for b in pool.buffers]
         fill_pool(pool, 1000)
-        poisoned = [as_bytes(b).clone() for b in pool.buffers]
+        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, host_slots, dev_slots)
         for layer in range(3):
             host.load_layer(pool, host_slots, dev_slots, layer)
-        for i, b in enumerate(pool.buffers):
-            want = poisoned[i].view(-1, dev_layout.item_bytes).clone()
-            want[dev_slots] = saved[i].view(-1, dev_layout.item_bytes)[dev_slots]
-            assert torch.equal(as_bytes(b).view(-1, dev_layout.item_bytes), want)
+        assert torch.equal(pool_bytes(pool), expected)
 
 
 def test_per_layer_touches_one_layer() -> None:

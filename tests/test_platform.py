@@ -62,7 +62,7 @@ def test_failed_launch_raises_the_typed_error_and_copies_nothing(pools: tuple[pd
     dev, host = pools
     before = host.buffer.view(torch.uint8).reshape(-1).clone()
     slots = torch.tensor([0, 5, 9])
-    plan = plan_for(dev.table, DEV_LAYOUT, host.kernel_table, HOST_LAYOUT)
+    assert plan_for(dev.table, DEV_LAYOUT, host.kernel_table, HOST_LAYOUT).platform is EMU
     with install_backend(FaultyBackend(EMU, fail={"launch": {1: 700}}), "emulated") as faulty:
         assert plan_for(dev.table, DEV_LAYOUT, host.kernel_table, HOST_LAYOUT).platform is faulty  # plans rebuilt
         with pytest.raises(errors.RuntimeCallError) as info:

@@ -6,8 +6,8 @@ See docs/design.md for the two address domains and the rules.
 """
 
 from pointerdomain import checked, errors
-from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
+from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.kernels import (
     DEFAULT_MAX_CTAS,
     WHOLE_GPU,
@@ -17,9 +17,9 @@ from pointerdomain.kernels import (
     transfer_kv_all_layer,
     transfer_kv_per_layer,
 )
+from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
-from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
 from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias

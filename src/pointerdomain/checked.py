@@ -80,8 +80,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pointerdomain._platform import backend_for, device_holding, memory_device
-from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.devices import Device
+from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,

@@ -21,14 +21,11 @@ from pointerdomain._platform import (
     gpu_ops_built,
     visible_devices,
 )
-from pointerdomain.devices import Device
+from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import PointerDomainError
-from pointerdomain.devices import validate_device
 from pointerdomain.layouts import DType, KVLayout, LayoutKind
-from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.pools import DeviceKVPool, HostKVPool
 from pointerdomain.resolve import alias_policy, can_use_host_pointer
-from pointerdomain.tables import make_kernel_ptr_table
 
 __all__ = ["main"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pointerdomain.domains import HostVA
-from pointerdomain.errors import DomainError, LayoutError
+from pointerdomain.errors import LayoutError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.tables import PointerTable, require_domain
 

@@ -13,14 +13,13 @@ from typing import Protocol
 
 import torch
 
+from pointerdomain.allocation import alloc_registered, device_empty
+from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.devices import Device
 from pointerdomain.errors import InvalidArgumentError, LayoutError
-from pointerdomain.devices import validate_device
-from pointerdomain.kernels import DEFAULT_MAX_CTAS, Backend, MaxCtas, transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.kernels import Backend, DEFAULT_MAX_CTAS, MaxCtas, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
-from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 

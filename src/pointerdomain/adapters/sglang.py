@@ -31,7 +31,7 @@ Buffer shapes (sglang names, ``size`` = token slots = ``num_pages * page_size``)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import torch
 
