@@ -121,6 +121,10 @@ class LayerPointerCache:
         return len(self._entries)
 
 
+def _parse(device: Device | str | torch.device | None) -> Device | None:
+    return None if device is None else validate_device(device)
+
+
 class PagedKVConnector:
     """LMCache's paged-memory connector call shapes over typed, cached tables.
 
@@ -169,7 +173,7 @@ class PagedKVConnector:
             IndexValidationError: a bad token range, or a slot out of range.
             Everything :func:`pointerdomain.transfer_kv_all_layer` raises.
         """
-        self._move(memory_obj, start, end, kvcaches, slot_mapping, device, to_gpu=False, stream=stream, max_ctas=max_ctas)
+        self._move(memory_obj, start, end, kvcaches, slot_mapping, _parse(device), to_gpu=False, stream=stream, max_ctas=max_ctas)
 
     def to_gpu(
         self,
@@ -187,7 +191,7 @@ class PagedKVConnector:
 
         Arguments and errors as :meth:`from_gpu`.
         """
-        self._move(memory_obj, start, end, kvcaches, slot_mapping, device, to_gpu=True, stream=stream, max_ctas=max_ctas)
+        self._move(memory_obj, start, end, kvcaches, slot_mapping, _parse(device), to_gpu=True, stream=stream, max_ctas=max_ctas)
 
     def _move(
         self,
@@ -196,7 +200,7 @@ class PagedKVConnector:
         end: int,
         kvcaches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
-        device: Device | str | torch.device | None,
+        device: Device | None,
         *,
         to_gpu: bool,
         stream: int | None,
@@ -226,7 +230,7 @@ class PagedKVConnector:
                 raise DomainError("kvcaches are host memory; a paged KV cache is device memory")
             dev = where
         else:
-            dev = validate_device(device)
+            dev = device
         if type(start) is not int or type(end) is not int or not 0 <= start <= end <= slot_mapping.numel():
             raise IndexValidationError(f"token range [{start!r}, {end!r}) outside slot_mapping of {slot_mapping.numel()} slots")
         count = end - start
