@@ -24,7 +24,7 @@ def test_kernel_table_of_registered_and_device_memory() -> None:
         assert table.sizes == (4096, 128)
         backing = table.as_uint64_tensor()
         assert backing.dtype == torch.uint64 and backing.tolist() == [table[0].value, table[1].value]
-        assert pd.memory_device(table._tensor) == DEV  # the table's own array is device memory
+        assert pd.memory_device_at(table.kernel_table_address(), 16) == DEV  # the table's own array is device memory
         backing.zero_()  # a copy: the table is unchanged
         assert table.as_uint64_tensor().tolist() == [table[0].value, table[1].value]
 
