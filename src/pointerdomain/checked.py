@@ -391,20 +391,20 @@ def _verify_table(
     # bytes' hull is [sum of min coord * s, sum of max coord * s + (page_size-1)*s_tok
     # + item_bytes): each touched page span lies in the region iff the hull does
     # (the region is one interval and the extreme (kv, layer, page) are touched).
-    e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, _slots = geometry
+    g = geometry
     page_size, item_bytes = layout.page_size, layout.item_bytes
     pages = _touched_pages(indices, layout)
     if not pages:
         return
     dims = (
-        ("kv", list(range(layout.num_kv)), e_kv, s_kv),
-        ("layer", list(range(layer_begin, layer_begin + layer_count)), e_layer, s_layer),
-        ("page", pages, e_page, s_page),
+        ("kv", list(range(layout.num_kv)), g.e_kv, g.s_kv),
+        ("layer", list(range(layer_begin, layer_begin + layer_count)), g.e_layer, g.s_layer),
+        ("page", pages, g.e_page, g.s_page),
     )
     if any(e and s for _, _, e, s in dims):
         raise LayoutError(f"checked mode: {name} geometry mixes entry and offset strides: {dims}")
     off_min = sum(min(coords) * s for _, coords, _, s in dims)
-    end_max = sum(max(coords) * s for _, coords, _, s in dims) + (page_size - 1) * s_tok + item_bytes
+    end_max = sum(max(coords) * s for _, coords, _, s in dims) + (page_size - 1) * g.s_tok + item_bytes
     entries: dict[int, dict[str, int]] = {0: {}}
     for dim, coords, e, _s in dims:
         if e:
@@ -417,7 +417,7 @@ def _verify_table(
         pick = min if low else max
         coord = {dim: where.get(dim, pick(coords)) for dim, coords, _, _ in dims}
         a = value + sum(coord[dim] * s for dim, _, _, s in dims)
-        b = a + (page_size - 1) * s_tok + item_bytes
+        b = a + (page_size - 1) * g.s_tok + item_bytes
         what = (
             f"checked mode: {name} table entry {e_i} (of {n}) at {value:#x}: page {coord['page']} "
             f"(kv {coord['kv']}, layer {coord['layer']}) spans [{a:#x}, {b:#x}), which is not inside "

@@ -70,11 +70,10 @@ class Geometry(NamedTuple):
     s_tok: int
     num_slots: int
 
-    def item_address(self, table: tuple[int, ...] | list[int], kv: int, layer: int, slot: int, page_size: int) -> int:
-        """The address of item (kv, layer, slot) through ``table`` (``item_address`` in transfer.h)."""
-        page, tok = divmod(slot, page_size)
-        base = table[kv * self.e_kv + layer * self.e_layer + page * self.e_page]
-        return base + kv * self.s_kv + layer * self.s_layer + page * self.s_page + tok * self.s_tok
+    @property
+    def byte_strides(self) -> tuple[int, int, int, int]:
+        """``(s_kv, s_layer, s_page, s_tok)``: the strides that add to an entry's address."""
+        return (self.s_kv, self.s_layer, self.s_page, self.s_tok)
 
 
 class KVLayout(BaseModel, frozen=True):

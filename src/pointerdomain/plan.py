@@ -126,8 +126,7 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
             )
     src_geo = src_layout.geometry(len(src), src.sizes, "src")
     dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
-    strides = (*src_geo[3:7], *dst_geo[3:7])
-    vec = src_layout.vector_bytes(src.alignment, dst.alignment, *strides)
+    vec = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo.byte_strides, *dst_geo.byte_strides)
     item = src_layout.item_bytes
     run = src_layout.page_size * item if src_geo.s_tok == item and dst_geo.s_tok == item else item
     kernel = kernel_plan(src.kernel_table_address(), src_geo, dst.kernel_table_address(), dst_geo,
