@@ -37,8 +37,8 @@ __all__ = [
     "CE_MIN_RUN_BYTES_WHOLE_GPU",
     "DEFAULT_MAX_CTAS",
     "WHOLE_GPU",
-    "Backend",
     "MaxCtas",
+    "TransferBackend",
     "WholeGpu",
     "index_tensor",
     "transfer_kv_all_layer",
@@ -124,7 +124,8 @@ DEFAULT_MAX_CTAS: Final = 4
 CE_MIN_RUN_BYTES_SMALL_BUDGET: Final = 512 << 10
 CE_MIN_RUN_BYTES_WHOLE_GPU: Final = 1 << 20
 
-Backend = Literal["auto", "kernel", "copy_engine"]
+#: How a launch moves bytes (the ``backend`` argument): see :func:`transfer_kv_all_layer`.
+TransferBackend = Literal["auto", "kernel", "copy_engine"]
 
 
 def _launch(
@@ -138,7 +139,7 @@ def _launch(
     layer_count: int,
     stream: int | None,
     max_ctas: MaxCtas,
-    backend: Backend,
+    backend: TransferBackend,
     validate_indices: bool,
 ) -> None:
     plan = plan_for(src, src_layout, dst, dst_layout)
@@ -199,7 +200,7 @@ def transfer_kv_all_layer(
     dst_layout: KVLayout,
     stream: int | None = None,
     max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
-    backend: Backend = "auto",
+    backend: TransferBackend = "auto",
     validate_indices: bool = True,
 ) -> None:
     """Copy token slots ``src_indices[i] -> dst_indices[i]`` for every layer and K/V.
@@ -258,7 +259,7 @@ def transfer_kv_per_layer(
     dst_layout: KVLayout,
     stream: int | None = None,
     max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
-    backend: Backend = "auto",
+    backend: TransferBackend = "auto",
     validate_indices: bool = True,
 ) -> None:
     """As :func:`transfer_kv_all_layer`, for one layer (layer-by-layer loading that

@@ -17,7 +17,7 @@ from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import InvalidArgumentError, LayoutError
-from pointerdomain.kernels import Backend, DEFAULT_MAX_CTAS, MaxCtas, transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.kernels import DEFAULT_MAX_CTAS, MaxCtas, TransferBackend, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
@@ -105,7 +105,7 @@ class HostKVPool:
 
     def backup(
         self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, *,
-        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """D2H: copy token slots ``device_indices`` of ``device_pool`` to ``host_indices``, all layers.
@@ -120,7 +120,7 @@ class HostKVPool:
 
     def load(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
-        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
@@ -132,7 +132,7 @@ class HostKVPool:
 
     def load_layer(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, *,
-        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """H2D for one layer (overlaps the forward pass layer by layer)."""
