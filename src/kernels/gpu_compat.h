@@ -1,8 +1,19 @@
-// The few runtime names that differ between CUDA and HIP.
+// The few runtime names that differ between CUDA and HIP: the kernel and runtime
+// code (transfer_gpu.cu) spells gpu* and this header maps them, so one source builds
+// for both. POINTERDOMAIN_HIP is set by CMake for POINTERDOMAIN_GPU=hip, which also
+// force-includes this header (-include) ahead of every other one, as nvcc implicitly
+// includes cuda_runtime.h: headers shared with the CPU build (transfer.h) then see
+// __host__ / __device__ / __forceinline__ without including a runtime header.
 #pragma once
 #if defined(__HIP_PLATFORM_AMD__) || defined(POINTERDOMAIN_HIP)
 #include <hip/hip_runtime.h>
+#include <hip/hip_version.h>
 #define PD_RUNTIME_NAME "hip"
+// HIP passes kernel arguments by value in constant memory already; the CUDA 11.7+
+// qualifier that says so has no HIP spelling.
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
 #define gpuError_t hipError_t
 #define gpuSuccess hipSuccess
 #define gpuStream_t hipStream_t
@@ -20,11 +31,31 @@
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuDevAttrCanUseHostPointerForRegisteredMem hipDeviceAttributeCanUseHostPointerForRegisteredMem
 #define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
-#define gpuPointerAttributes hipPointerAttribute_t
-#define gpuPointerGetAttributes hipPointerGetAttributes
+#define gpuHostAlloc hipHostMalloc
+#define gpuHostAllocPortable hipHostMallocPortable
+#define gpuHostAllocMapped hipHostMallocMapped
+#define gpuFreeHost hipHostFree
 #define gpuMemoryTypeHost hipMemoryTypeHost
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyDefault hipMemcpyDefault
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+// hipPointerAttribute_t names the memory type `memoryType` before ROCm 6 and `type`
+// from ROCm 6 on (CUDA: `type`); this view gives callers `attr.type` on every version.
+struct pdHipPointerAttributes {
+    hipMemoryType type;
+};
+inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const void *ptr) {
+    hipPointerAttribute_t attr{};
+    const hipError_t e = hipPointerGetAttributes(&attr, ptr);
+#if HIP_VERSION_MAJOR >= 6
+    out->type = attr.type;
+#else
+    out->type = attr.memoryType;
+#endif
+    return e;
+}
+#define gpuPointerAttributes pdHipPointerAttributes
+#define gpuPointerGetAttributes pdHipPointerGetAttributes
 #else
 #include <cuda_runtime.h>
 #define PD_RUNTIME_NAME "cuda"
@@ -45,9 +76,14 @@
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuDevAttrCanUseHostPointerForRegisteredMem cudaDevAttrCanUseHostPointerForRegisteredMem
 #define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuHostAlloc cudaHostAlloc
+#define gpuHostAllocPortable cudaHostAllocPortable
+#define gpuHostAllocMapped cudaHostAllocMapped
+#define gpuFreeHost cudaFreeHost
 #define gpuPointerAttributes cudaPointerAttributes
 #define gpuPointerGetAttributes cudaPointerGetAttributes
 #define gpuMemoryTypeHost cudaMemoryTypeHost
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemcpyDefault cudaMemcpyDefault
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #endif

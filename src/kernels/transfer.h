@@ -6,6 +6,12 @@
 //   addr  = table[entry] + kv*s_kv + layer*s_layer + page*s_page + tok*s_tok
 // Python (pointerdomain.layouts) derives these numbers and checks that every
 // address stays inside the entry's buffer; the kernels only move bytes.
+//
+// The formula is split in two so that a kernel pays for the slot's page/token
+// split (a division) once per slot pair and steps through the (kv, layer) items
+// with multiply-adds only: slot_base() holds the slot's part of the entry and of
+// the offset, item_entry() / item_offset() add the (kv, layer) part. The CPU
+// reference and every GPU kernel variant call these same functions.
 #pragma once
 #include <cstdint>
 
@@ -38,12 +44,43 @@ struct Transfer {
     std::uint32_t *oob;
 };
 
-PD_HD std::uint64_t item_address(const Side &s, std::int64_t kv, std::int64_t layer,
-                                 std::int64_t slot, std::int64_t page_size) {
-    const std::int64_t page = slot / page_size, tok = slot - page * page_size;
-    const std::uint64_t base = s.table[kv * s.e_kv + layer * s.e_layer + page * s.e_page];
-    return base + static_cast<std::uint64_t>(kv * s.s_kv + layer * s.s_layer + page * s.s_page +
-                                             tok * s.s_tok);
+// The slot's share of an item address: page*e_page of the entry, page*s_page +
+// tok*s_tok of the offset. Needs slot >= 0 (slot_ok) and page_size > 0.
+struct SlotBase {
+    std::int64_t entry, offset;
+};
+
+PD_HD SlotBase slot_base(const Side &s, std::int64_t slot, std::int64_t page_size) {
+    std::int64_t page, tok;
+    if ((static_cast<std::uint64_t>(slot) | static_cast<std::uint64_t>(page_size)) >> 32 == 0) {
+        // 32-bit division where the operands fit (always in practice): a 64-bit one is a
+        // long instruction sequence on the GPU.
+        const auto s32 = static_cast<std::uint32_t>(slot), p32 = static_cast<std::uint32_t>(page_size);
+        const std::uint32_t q = s32 / p32;
+        page = q;
+        tok = s32 - q * p32;
+    } else {
+        page = slot / page_size;
+        tok = slot - page * page_size;
+    }
+    return SlotBase{page * s.e_page, page * s.s_page + tok * s.s_tok};
+}
+
+PD_HD std::int64_t item_entry(const Side &s, const SlotBase &b, std::int64_t kv, std::int64_t layer) {
+    return b.entry + kv * s.e_kv + layer * s.e_layer;
+}
+
+PD_HD std::uint64_t item_offset(const Side &s, const SlotBase &b, std::int64_t kv, std::int64_t layer) {
+    return static_cast<std::uint64_t>(b.offset + kv * s.s_kv + layer * s.s_layer);
+}
+
+PD_HD std::uint64_t item_address(const Side &s, const SlotBase &b, std::int64_t kv, std::int64_t layer) {
+    return s.table[item_entry(s, b, kv, layer)] + item_offset(s, b, kv, layer);
+}
+
+PD_HD std::uint64_t item_address(const Side &s, std::int64_t kv, std::int64_t layer, std::int64_t slot,
+                                 std::int64_t page_size) {
+    return item_address(s, slot_base(s, slot, page_size), kv, layer);
 }
 
 // A slot outside [0, num_slots) is skipped: Python rejects it before launch, and

@@ -28,6 +28,16 @@ from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_t
 
 __version__ = "0.1.0"
 
+
+def get_include() -> str:
+    """Directory of the C++ headers for third-party extensions and kernels
+    (``pointerdomain/pointerdomain.h``: HostVA, DeviceAlias, KernelTable;
+    ``pointerdomain/nanobind.h``: the nanobind casters). Add it to the include path
+    (``target_include_directories(... PRIVATE ${dir})``); see docs/embedding.md."""
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parent / "include")
+
 __all__ = [
     "Address",
     "AliasPolicy",
@@ -58,6 +68,7 @@ __all__ = [
     "external_stream",
     "fallback_count",
     "find_registration",
+    "get_include",
     "host_ptr_table",
     "index_tensor",
     "make_kernel_ptr_table",

@@ -19,6 +19,7 @@ from pointerdomain._platform import (
     extension_ops,
     extension_path,
     gpu_ops_built,
+    runtime_devices,
     visible_devices,
 )
 from pointerdomain.devices import Device, validate_device
@@ -78,6 +79,8 @@ def doctor(args: argparse.Namespace) -> int:
         return 1
     report["gpu_ops_built"] = gpu_ops_built()
     report["gpu_runtime"] = backend_for(Device("cuda", 0)).runtime if gpu_ops_built() else None
+    if gpu_ops_built():
+        report.update(runtime_devices())
     report["ops"] = extension_ops()
     devices = [validate_device(args.device)] if args.device else []
     if not devices:

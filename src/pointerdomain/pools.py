@@ -8,6 +8,7 @@ registered host memory that backs pages up from it and loads them back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 from typing import Protocol
 
@@ -102,6 +103,7 @@ class HostKVPool:
         entries = [self.buffer] if len(self.memory.chunks) == 1 else layout.page_block_views(self.buffer)
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
+        self._close_hooks: list[Callable[[], None]] = []
 
     def backup(
         self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, *,
@@ -150,8 +152,18 @@ class HostKVPool:
         """Host-VA blocks holding ``pages``, in order (for a transfer engine's reads/writes)."""
         return page_buffer_meta(self.host_table, self.layout, pages)
 
+    def add_close_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` once, at :meth:`close`, before the memory is unregistered (last
+        added runs first). For registrations that must end with the pool, e.g. a transfer
+        engine's (``pointerdomain.adapters.nixl``)."""
+        self._close_hooks.append(hook)
+
     def close(self) -> None:
-        """Unregister the pool's memory; launches with its tables raise ClosedError after this."""
+        """Run the close hooks, then unregister the pool's memory; launches with its tables
+        raise ClosedError after this."""
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in reversed(hooks):
+            hook()
         self.memory.close()
 
     def __enter__(self) -> HostKVPool:

@@ -46,6 +46,7 @@ __all__ = [
     "memory_device",
     "on_backend_change",
     "register_backend",
+    "runtime_devices",
     "visible_devices",
 ]
 
@@ -177,6 +178,19 @@ def _cuda_visible() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def runtime_devices() -> dict[str, object]:
+    """The GPU runtime's own device count and version (``pointerdomain doctor``); only
+    for builds with the GPU ops (:func:`gpu_ops_built`).
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    _import("pointerdomain._platform.cuda")
+    from pointerdomain._platform.cuda import runtime_report
+
+    return runtime_report()
 
 
 def extension_ops() -> list[str]:

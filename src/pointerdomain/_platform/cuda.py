@@ -47,6 +47,20 @@ def load_cudart() -> Any:
     return ctypes.CDLL("libcudart.so")
 
 
+def runtime_report() -> dict[str, object]:
+    """What the extension's own runtime (CUDA or HIP, the one its kernels use) sees; torch
+    may be a CPU build that sees nothing. A runtime with no device (HIP: hipErrorNoDevice
+    from hipGetDeviceCount) is reported as ``"no device"``, not as a failure."""
+    status, count = _C.gpu_device_count()
+    _, version = _C.gpu_runtime_version()
+    if status != 0:
+        devices = f"no device ({_C.gpu_error_string(status)}, code {status})"
+        count = 0
+    else:
+        devices = f"{count} device(s)" if count else "no device"
+    return {"gpu_runtime_version": version, "gpu_device_count": count, "gpu_devices": devices}
+
+
 class _TorchDevice:
     """What both CUDA backends take from torch: device memory, streams, capture state."""
 

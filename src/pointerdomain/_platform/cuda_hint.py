@@ -6,5 +6,5 @@ __all__ = ["BUILD_HINT"]
 
 BUILD_HINT = (
     "install a pointerdomain build with the GPU ops: `pip install --no-build-isolation .` on a machine "
-    "with the CUDA toolkit (nvcc on PATH) or, for ROCm, with -DPOINTERDOMAIN_USE_HIP=ON in CMAKE_ARGS"
+    "with the CUDA toolkit (nvcc on PATH) or, for ROCm, with POINTERDOMAIN_GPU=hip (README, Building)"
 )

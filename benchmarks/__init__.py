@@ -1,0 +1,1 @@
+"""Benchmarks and developer tools (not part of the installed package)."""
