@@ -14,20 +14,9 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.adapters import lmcache, sglang, vllm
+from tests.reference import fill_random, items, same
 
 DEV = "emulated:0"
-
-
-def fill_random(t: torch.Tensor, seed: int) -> None:
-    """Random bytes (never all zeros, so a copy that did nothing shows)."""
-    g = torch.Generator().manual_seed(seed)
-    flat = t.view(torch.uint8).view(-1)
-    flat.copy_(torch.randint(1, 256, flat.shape, dtype=torch.uint8, generator=g))
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (random bytes include NaN patterns, which torch.equal calls unequal)."""
-    return a.shape == b.shape and bool((a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)).all())
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -49,15 +38,6 @@ def owners() -> Iterator[list[pd.RegisteredHostMemory]]:
 
 
 # --------------------------------------------------------------------------- sglang
-
-
-def host_item(buffer: torch.Tensor, layout: pd.KVLayout, kv: int, layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """Reference: items ``[n, heads, head_dim]`` of (kv, layer, slots) in a host buffer of ``layout.buffer_shape``."""
-    if layout.kind == "layer_first":
-        return buffer[kv, layer][slots]
-    if layout.kind == "page_first":
-        return buffer[kv][slots][:, layer]
-    return buffer[kv][slots // layout.page_size, layer, slots % layout.page_size]
 
 
 def sglang_device_pool(layers: int, slots: int, heads: int, dim: int, page: int, mla: bool, seed: int) -> sglang.DeviceKVBuffers:
@@ -91,7 +71,7 @@ def test_sglang_host_pool_backup_meta_and_load(kind: str, mla: bool, owners: lis
     buffers = dev_pool.k_buffer + (dev_pool.v_buffer or [])
     for kv in range(layout.num_kv):
         for layer in range(layers):
-            assert same(host_item(host.kv_buffer, layout, kv, layer, host_idx), buffers[kv * layers + layer][device_idx])
+            assert same(items(host.kv_buffer, layout, kv, layer, host_idx), buffers[kv * layers + layer][device_idx])
 
     # Storage back-end: zero-copy page metadata, read by the CPU at the HostVAs.
     ptrs, sizes = host.get_page_buffer_meta(host_idx)
@@ -100,10 +80,10 @@ def test_sglang_host_pool_backup_meta_and_load(kind: str, mla: bool, owners: lis
     for p in (4, 1):
         slots = torch.arange(p * page, (p + 1) * page)
         if kind == "layer_first":
-            expected += [raw(host_item(host.kv_buffer, layout, kv, layer, slots))
+            expected += [raw(items(host.kv_buffer, layout, kv, layer, slots))
                          for layer in range(layers) for kv in range(layout.num_kv)]
         else:
-            expected += [raw(torch.stack([host_item(host.kv_buffer, layout, kv, layer, slots) for layer in range(layers)],
+            expected += [raw(torch.stack([items(host.kv_buffer, layout, kv, layer, slots) for layer in range(layers)],
                                          dim=1 if kind == "page_first" else 0))
                          for kv in range(layout.num_kv)]
     assert [ctypes.string_at(p.value, n) for p, n in zip(ptrs, sizes)] == expected
@@ -201,7 +181,7 @@ def test_sglang_adapter_over_chunked_pool() -> None:
         buffers = dev_pool.k_buffer + (dev_pool.v_buffer or [])
         for kv in range(2):
             for layer in range(2):
-                assert same(host_item(pool.buffer, layout, kv, layer, idx), buffers[kv * 2 + layer][idx])
+                assert same(items(pool.buffer, layout, kv, layer, idx), buffers[kv * 2 + layer][idx])
 
 
 # --------------------------------------------------------------------------- vLLM

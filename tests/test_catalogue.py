@@ -1,4 +1,4 @@
-"""Bad-input catalogue (issue 5): one case per input that would have corrupted
+"""Bad-input catalogue: one case per input that would have corrupted
 memory or faulted, with the exact typed error it now gets.
 
 Every case asserts
@@ -34,9 +34,11 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import checked, errors, memory
-from pointerdomain._extension import extension
+from pointerdomain._platform.faulty import FaultyBackend
+from pointerdomain._platform.status import NOT_REGISTERED
+from pointerdomain._platform.testing import install_backend
 from pointerdomain.domains import HostVA
-from tests.kvref import table_storage
+from tests.reference import EMU, fill_pool, fill_random, items, same, table_storage
 
 DEV = "emulated:0"
 DEV1 = "emulated:1"
@@ -56,32 +58,12 @@ def _checked_mode() -> Iterator[None]:
 # ---------------------------------------------------------------- helpers
 
 
-def fill(t: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    flat = t.view(torch.uint8).view(-1)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
-
-
 def snap(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1).clone()
 
 
 def unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
     return torch.equal(t.view(torch.uint8).reshape(-1), before)
-
-
-def items(buffer: torch.Tensor, layout: pd.KVLayout, kv: int, layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """Items of ``(kv, layer, slots)`` of a one-buffer tensor, by plain torch indexing."""
-    if layout.kind == "layer_first":
-        return buffer[kv, layer][slots]
-    if layout.kind == "page_first":
-        return buffer[kv][slots][:, layer]
-    return buffer[kv][slots // layout.page_size, layer, slots % layout.page_size]
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Byte-for-byte equality (random bytes make NaNs, which torch.equal calls unequal)."""
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def expect(info: pytest.ExceptionInfo[BaseException], cls: type[BaseException], *needles: str) -> str:
@@ -99,9 +81,8 @@ class Rig:
     def __init__(self, device: str = DEV, seed: int = 0, **host: Any) -> None:
         self.dev = pd.DeviceKVPool(DEV_LAYOUT, device)
         self.host = pd.HostKVPool(HOST_LAYOUT, device, **host)
-        for i, buf in enumerate(self.dev.buffers):
-            fill(buf, seed * 100 + i)
-        fill(self.host.buffer, seed * 100 + 99)
+        fill_pool(self.dev, seed * 100)
+        fill_random(self.host.buffer, seed * 100 + 99)
         self.slots = torch.tensor([5, 0, 13, 7], dtype=torch.int64)
         self.host_slots = torch.tensor([20, 3, 9, 14], dtype=torch.int64)
 
@@ -156,13 +137,13 @@ def registered_nothing_at(va: int, nbytes: int) -> bool:
     """Neither pointerdomain's registry nor the emulated backend knows any page of the range."""
     if memory.find_registration(HostVA(va), nbytes) is not None:
         return False
-    return all(extension().emu_get_device_pointer(a)[0] == 713 for a in range(va, va + nbytes, PAGE))
+    return all(EMU.alias(a, pd.as_device(DEV))[0] == NOT_REGISTERED for a in range(va, va + nbytes, PAGE))
 
 
 def host_buffer(nbytes: int, seed: int = 1) -> torch.Tensor:
     """Page-aligned host memory (memfd backed, like alloc_registered's) with random bytes, unregistered."""
-    t: torch.Tensor = extension().emu_host_alloc(nbytes)
-    fill(t, seed)
+    t = EMU.host_alloc(nbytes)
+    fill_random(t, seed)
     return t
 
 
@@ -170,14 +151,14 @@ def host_buffer(nbytes: int, seed: int = 1) -> torch.Tensor:
 
 
 def test_zero_length_alloc_registered_is_refused() -> None:
-    before = memory._registry.pinned_bytes
+    before = memory.pinned_bytes()
     with pytest.raises(errors.InvalidRegistrationError) as info:
         pd.alloc_registered(0, DEV)
     expect(info, errors.InvalidRegistrationError, "0-byte registration is invalid", "got 0")
     # the backend itself refuses a 0-byte range (cudaErrorInvalidValue's counterpart)
     t = host_buffer(PAGE)
-    assert memory._EMULATED.register(t.data_ptr(), 0, pd.as_device(DEV)) == 1
-    assert memory._registry.pinned_bytes == before and registered_nothing_at(t.data_ptr(), PAGE)
+    assert EMU.register(t.data_ptr(), 0, pd.as_device(DEV)) == 1
+    assert memory.pinned_bytes() == before and registered_nothing_at(t.data_ptr(), PAGE)
     still_usable()
 
 
@@ -196,7 +177,7 @@ def test_misaligned_interior_registration_keeps_in_page_offset() -> None:
     start = (100 - backing.data_ptr()) % PAGE
     layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=2, page_size=4,
                          num_heads=1, head_dim=64, dtype="uint8")
-    fill(backing, 3)
+    fill_random(backing, 3)
     outside = torch.cat([backing[:start], backing[start + layout.nbytes:]]).clone()
     region = backing[start : start + layout.nbytes]
     with pd.register_host_tensor(region, DEV) as mem:
@@ -205,7 +186,7 @@ def test_misaligned_interior_registration_keeps_in_page_offset() -> None:
         assert alias.value % PAGE == 100 and alias.value != mem.host_va.value
         assert pd.resolve_alias(mem.host_va + 37, DEV) == alias + 37
         src = pd.device_empty(layout.buffer_shape, torch.uint8, DEV)
-        fill(src, 4)
+        fill_random(src, 4)
         slots = torch.tensor([6, 1, 3], dtype=torch.int64)
         pd.transfer_kv_all_layer(pd.make_kernel_ptr_table([src], DEV), pd.make_kernel_ptr_table([region], DEV),
                                  slots, slots, src_layout=layout, dst_layout=layout)
@@ -220,7 +201,7 @@ def test_registration_sharing_a_page_with_another_is_refused() -> None:
     RLIMIT_MEMLOCK is), nothing stays registered, the first still works."""
     backing = torch.zeros(5 * PAGE, dtype=torch.uint8)
     start = (100 - backing.data_ptr()) % PAGE
-    fill(backing, 5)
+    fill_random(backing, 5)
     with pd.register_host_tensor(backing[start : start + 3000], DEV) as first:
         before = snap(backing)
         second = backing[start + 3000 : start + 3000 + 2 * PAGE]
@@ -230,31 +211,24 @@ def test_registration_sharing_a_page_with_another_is_refused() -> None:
                "allocate with alloc_registered")
         assert unchanged(backing, before)
         assert memory.find_registration(HostVA(second.data_ptr()), second.numel()) is None
-        assert extension().emu_get_device_pointer(second.data_ptr() + PAGE)[0] == 713
+        assert EMU.alias(second.data_ptr() + PAGE, pd.as_device(DEV))[0] == NOT_REGISTERED
         table = pd.make_kernel_ptr_table([backing[start : start + 3000]], DEV)
         assert table[0] == pd.resolve_alias(first.host_va, DEV)
     still_usable()
 
 
 @pytest.mark.parametrize("fail_at", [1, 3, 5])
-def test_registration_failing_half_way_rolls_back(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
+def test_registration_failing_half_way_rolls_back(fail_at: int) -> None:
     t = host_buffer(5 * PAGE, seed=fail_at)
-    before_bytes, before_pinned = snap(t), memory._registry.pinned_bytes
-    real = memory._EMULATED.register
-    calls: list[int] = []
-
-    def flaky(va: int, nbytes: int, device: pd.Device) -> int:
-        calls.append(va)
-        return 1 if len(calls) == fail_at else real(va, nbytes, device)
-
-    monkeypatch.setattr(memory._EMULATED, "register", flaky)
-    with pytest.raises(errors.RegistrationError) as info:
-        pd.register_host_tensor(t, DEV, max_chunk_bytes=PAGE)
+    before_bytes, before_pinned = snap(t), memory.pinned_bytes()
+    with install_backend(FaultyBackend(EMU, fail={"register": {fail_at: 1}}), "emulated") as faulty:
+        with pytest.raises(errors.RegistrationError) as info:
+            pd.register_host_tensor(t, DEV, max_chunk_bytes=PAGE)
+    assert faulty.calls["register"] == fail_at and faulty.calls["unregister"] == fail_at - 1
     rolled = f"the {fail_at - 1} chunk(s) before it were unregistered" if fail_at > 1 else "invalid value"
     expect(info, errors.RegistrationError, f"chunk {fail_at}/5", rolled)
-    monkeypatch.undo()
     assert registered_nothing_at(t.data_ptr(), t.numel())
-    assert memory._registry.pinned_bytes == before_pinned and unchanged(t, before_bytes)
+    assert memory.pinned_bytes() == before_pinned and unchanged(t, before_bytes)
     with pd.register_host_tensor(t, DEV, max_chunk_bytes=PAGE) as mem:  # the same range registers fine
         assert len(mem.chunks) == 5
         assert unchanged(t, before_bytes)
@@ -266,6 +240,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
     import json, resource, torch
     import pointerdomain as pd
     from pointerdomain import errors, memory
+    from pointerdomain._platform import backend_for
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
     out = {}
@@ -275,7 +250,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
             out[name] = ["no error", ""]
         except errors.PointerDomainError as exc:
             out[name] = [type(exc).__name__, str(exc)]
-    out["pinned_after"] = memory._registry.pinned_bytes + sum(memory._EMULATED._pinned.values())
+    out["pinned_after"] = memory.pinned_bytes() + backend_for(pd.Device("emulated", 0)).pinned_bytes()
     with pd.alloc_registered(16 << 10, "emulated:0") as small:  # still usable: under the limit
         src = pd.device_empty((16 << 10,), torch.uint8, "emulated:0")
         src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8))
@@ -329,8 +304,7 @@ def test_close_twice_is_a_no_op_and_the_backend_refuses_a_double_unregister() ->
     mem.close()  # by design: exactly one unregister
     assert mem.closed and registered_nothing_at(va, 2 * PAGE)
     # below the API a second unregister of the range is an error (cudaErrorHostMemoryNotRegistered, 713)
-    assert extension().emu_unregister(va) == 713
-    assert memory._EMULATED.unregister(va, pd.as_device(DEV)) == memory._NOT_REGISTERED
+    assert EMU.unregister(va, pd.as_device(DEV)) == NOT_REGISTERED
     with pd.register_host_tensor(mem.tensor, DEV):  # the range registers again
         pass
     still_usable()
@@ -343,7 +317,7 @@ def test_range_unregistered_behind_the_owner_is_refused(rig: Rig) -> None:
     (without it the kernel would read an unmapped alias)."""
     mem = rig.host.memory
     table = rig.host.kernel_table
-    assert extension().emu_unregister(mem.host_va.value) == 0
+    assert EMU.unregister(mem.host_va.value, pd.as_device(DEV)) == 0
     try:
         with pytest.raises(errors.NotRegisteredError) as info:
             pd.make_kernel_ptr_table([rig.host.buffer], DEV)
@@ -356,7 +330,6 @@ def test_range_unregistered_behind_the_owner_is_refused(rig: Rig) -> None:
                "found: no device alias", "expected: a registered range", "fix: unregister only through")
         assert rig.dev_unchanged(before)
     finally:
-        memory._EMULATED._pinned.pop(mem.host_va.value, None)
         rig.host.close()  # its own unregister now gets 713; close still completes
     with pd.register_host_tensor(mem.tensor, DEV):
         pass
@@ -563,7 +536,7 @@ _N_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0  # the f
     ],
 )
 def test_invalid_device_to_device_guard(device: str, needles: tuple[str, ...]) -> None:
-    from pointerdomain.guard import current_device
+    from pointerdomain.devices import current_device
 
     with pd.DeviceGuard(DEV1):
         with pytest.raises(errors.InvalidDeviceError) as info:
@@ -702,7 +675,7 @@ def test_interior_pointer_keeps_its_offset_through_a_launch() -> None:
     layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=2, page_size=4,
                          num_heads=1, head_dim=32, dtype="uint8")
     with pd.alloc_registered(3 * PAGE, DEV, granularity=PAGE) as mem:
-        fill(mem.tensor, 9)
+        fill_random(mem.tensor, 9)
         off = PAGE + 96
         inner = mem.tensor[off : off + layout.nbytes]
         table = pd.make_kernel_ptr_table([inner], DEV)
@@ -761,10 +734,10 @@ def test_table_keeps_its_memory_alive_after_the_caller_drops_it() -> None:
     layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=2, num_pages=2, page_size=4,
                          num_heads=1, head_dim=64, dtype="uint8")
     src = pd.device_empty(layout.buffer_shape, torch.uint8, DEV)
-    fill(src, 11)
+    fill_random(src, 11)
     expected = src.clone()
     mem = pd.alloc_registered(layout.nbytes, DEV)
-    fill(mem.tensor, 12)
+    fill_random(mem.tensor, 12)
     src_table = pd.make_kernel_ptr_table([src], DEV)
     mid_table = pd.make_kernel_ptr_table([mem.tensor], DEV)
     del src, mem

@@ -1,4 +1,4 @@
-"""Concurrency (issue 5): registration, the registry, the resolver (and its cache
+"""Concurrency: registration, the registry, the resolver (and its cache
 reset) and launches from many threads at once, with exact results and no error
 escaping. Checked mode is on, so its registry snapshots race with registration too.
 
@@ -19,8 +19,11 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import checked, errors, memory
-from pointerdomain._extension import extension
+from pointerdomain._platform.faulty import FaultyBackend
+from pointerdomain._platform.status import NOT_REGISTERED
+from pointerdomain._platform.testing import install_backend
 from pointerdomain.domains import HostVA
+from tests.reference import EMU, fill_random
 
 PAGE = 4096
 MODEL = dict(attention="mha", num_layers=2, page_size=4, num_heads=2, head_dim=8, dtype="float16")
@@ -58,12 +61,6 @@ def run_threads(workers: list[Callable[[], None]], timeout: float = 120) -> None
     assert not failures, "\n".join(failures)
 
 
-def fill(t: torch.Tensor, rng: random.Random) -> None:
-    g = torch.Generator().manual_seed(rng.randrange(2**31))
-    flat = t.view(torch.uint8).view(-1)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
-
-
 def registrar(seed: int, rounds: int) -> Callable[[], None]:
     """Register (chunked), check aliases and a kernel read through them, close."""
 
@@ -79,7 +76,7 @@ def registrar(seed: int, rounds: int) -> Callable[[], None]:
                     base = pd.resolve_alias(c.host_va, dev)
                     k = rng.randrange(c.nbytes)
                     assert pd.resolve_alias(c.host_va + k, dev) == base + k
-                fill(mem.tensor, rng)
+                fill_random(mem.tensor, rng.randrange(2**31))
                 out = pd.device_empty((PAGE,), torch.uint8, dev)
                 layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=1,
                                      page_size=4, num_heads=1, head_dim=1024, dtype="uint8")
@@ -89,7 +86,7 @@ def registrar(seed: int, rounds: int) -> Callable[[], None]:
                                          src_layout=layout, dst_layout=layout)
                 assert torch.equal(out, mem.tensor[:PAGE])
             assert memory.find_registration(mem.host_va, mem.nbytes) is None
-            assert extension().emu_get_device_pointer(mem.host_va.value)[0] == 713
+            assert EMU.alias(mem.host_va.value, mem.device)[0] == NOT_REGISTERED
 
     return work
 
@@ -130,7 +127,7 @@ def launcher(seed: int, rounds: int) -> Callable[[], None]:
         with pd.HostKVPool(host_layout, dev, max_chunk_bytes=2 * host_layout.page_block_bytes()) as host:
             for _ in range(rounds):
                 for buf in device_pool.buffers:
-                    fill(buf, rng)
+                    fill_random(buf, rng.randrange(2**31))
                 n = rng.randint(1, dev_layout.num_slots)
                 d_slots = torch.tensor(rng.sample(range(dev_layout.num_slots), n))
                 h_slots = torch.tensor(rng.sample(range(host_layout.num_slots), n))
@@ -169,7 +166,7 @@ def test_one_winner_when_threads_register_the_same_range() -> None:
     """The registry check and the backend call are one atomic step: of threads
     registering one range at once exactly one wins, the others get
     AlreadyRegisteredError, and after the winner closes the next round starts clean."""
-    buf: torch.Tensor = extension().emu_host_alloc(4 * PAGE)
+    buf = EMU.host_alloc(4 * PAGE)
     n_threads, rounds = 4, 30
     barrier = threading.Barrier(n_threads)
     results: list[list[str]] = [[] for _ in range(rounds)]
@@ -198,20 +195,10 @@ def test_one_winner_when_threads_register_the_same_range() -> None:
 
 
 def test_close_from_many_threads_unregisters_once() -> None:
-    calls: list[int] = []
-    real = memory._EMULATED.unregister
-
-    def counting(va: int, device: pd.Device) -> int:
-        calls.append(va)
-        return real(va, device)
-
-    memory._EMULATED.unregister = counting  # type: ignore[method-assign]
-    try:
+    with install_backend(FaultyBackend(EMU, fail={}), "emulated") as counting:
         for _ in range(20):
             mem = pd.alloc_registered(3 * PAGE, "emulated:1", max_chunk_bytes=PAGE)
-            calls.clear()
+            before = counting.calls["unregister"]
             run_threads([mem.close] * 6)
-            assert sorted(calls) == [c.host_va.value for c in mem.chunks]
+            assert counting.calls["unregister"] - before == len(mem.chunks) == 3
             assert memory.find_registration(mem.host_va, mem.nbytes) is None
-    finally:
-        del memory._EMULATED.unregister  # type: ignore[method-assign]

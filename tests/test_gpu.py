@@ -11,7 +11,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.kvref import as_bytes, fill_random, items, pool_items
+from tests.reference import filled_pools, as_bytes, fill_pool, fill_random, items, pool_bytes, pool_items, reference_transfer
 
 pytestmark = pytest.mark.gpu
 
@@ -26,13 +26,6 @@ def layout(kind: str, pages: int, attention: str = "mha") -> pd.KVLayout:
                        num_heads=heads, head_dim=dim, dtype="bfloat16")
 
 
-def _fill_pool(pool: pd.DeviceKVPool, seed: int) -> None:
-    for i, b in enumerate(pool.buffers):
-        cpu = torch.empty(b.shape, dtype=b.dtype)
-        fill_random(cpu, seed + i)
-        b.copy_(cpu)
-
-
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 @pytest.mark.parametrize("kind", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("chunked", [False, True])
@@ -40,45 +33,25 @@ def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked
     dev = _dev()
     dev_layout = layout("layer_first", 24, attention)
     host_layout = layout(kind, 40, attention)
-    pool = pd.DeviceKVPool(dev_layout, dev)
-    _fill_pool(pool, 0)
-    max_chunk = host_layout.page_block_bytes() * 7 if chunked else 1 << 40
-    with pd.HostKVPool(host_layout, dev, max_chunk_bytes=max_chunk) as host:
-        assert (len(host.memory.chunks) > 1) == chunked
-        fill_random(host.buffer, 77)
+    with filled_pools(dev_layout, host_layout, dev, chunk_blocks=7 if chunked else None, seed=0) as (pool, host):
         before = as_bytes(host.buffer).clone()
         g = torch.Generator().manual_seed(1)
         dev_slots = torch.randperm(dev_layout.num_slots, generator=g)[:100]
         host_slots = torch.randperm(host_layout.num_slots, generator=g)[:100]
+        expected = reference_transfer(pool_bytes(pool), dev_layout, before, host_layout, dev_slots, host_slots)
         host.backup(pool, dev_slots.cuda(), host_slots.cuda())
         torch.cuda.synchronize()
-        expected = before.view(torch.bfloat16).view(host_layout.buffer_shape).clone()
-        for kv in range(dev_layout.num_kv):
-            for layer in range(4):
-                src = pool_items(pool, kv, layer, dev_slots).cpu()
-                assert torch.equal(as_bytes(items(host.buffer, host_layout, kv, layer, host_slots)), as_bytes(src))
-                ref = items(expected, host_layout, kv, layer, host_slots)  # a copy; write through index below
-                del ref
-                if kind == "layer_first":
-                    expected[kv, layer][host_slots] = src
-                elif kind == "page_first":
-                    expected[kv][host_slots, layer] = src
-                else:
-                    expected[kv][host_slots // 16, layer, host_slots % 16] = src
-        assert torch.equal(as_bytes(host.buffer), as_bytes(expected)), "bytes outside the moved items changed"
+        assert torch.equal(as_bytes(host.buffer).reshape(-1), expected), "not the reference (moved items or the rest)"
         saved = [as_bytes(b).clone() for b in pool.buffers]
-        _fill_pool(pool, 500)
-        poisoned = [as_bytes(b).clone() for b in pool.buffers]
-        # H2D per layer for even layers, all-layer afterwards for the rest must equal all-layer
+        fill_pool(pool, 500)
+        # H2D per layer into a poisoned pool: moved items from the host, every other byte kept
+        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, host_slots, dev_slots)
         for layer in range(4):
             host.load_layer(pool, host_slots.cuda(), dev_slots.cuda(), layer)
         torch.cuda.synchronize()
+        assert torch.equal(pool_bytes(pool), expected)
         item = dev_layout.item_bytes
-        for i, b in enumerate(pool.buffers):
-            want = poisoned[i].view(-1, item).clone()
-            want[dev_slots] = saved[i].view(-1, item)[dev_slots]
-            assert torch.equal(as_bytes(b).view(-1, item), want)
-        _fill_pool(pool, 900)
+        fill_pool(pool, 900)
         host.load(pool, host_slots.cuda(), dev_slots.cuda(), max_ctas=2)
         torch.cuda.synchronize()
         for i, b in enumerate(pool.buffers):
@@ -105,7 +78,7 @@ def test_gpu_graph_capture_and_replay() -> None:
             d = torch.randperm(dev_layout.num_slots, generator=g)[:64]
             src.copy_(h)
             dst.copy_(d)
-            _fill_pool(pool, 40 * seed)
+            fill_pool(pool, 40 * seed)
             graph.replay()
             torch.cuda.synchronize()
             for kv in range(2):
@@ -138,11 +111,11 @@ def test_gpu_direct_cuda_register_conflict_reports_712() -> None:
     dev = _dev()
     t = torch.empty(1 << 20, dtype=torch.uint8)
     with pd.register_host_tensor(t, dev):
-        from pointerdomain._extension import extension
+        from pointerdomain._platform import backend_for
 
-        code = extension().gpu_host_register(t.data_ptr(), t.numel(), 0)
-        assert code == 712
-        assert extension().gpu_device_count()[0] == 0  # not sticky
+        backend = backend_for(dev)
+        assert backend.register(t.data_ptr(), t.numel(), dev) == 712
+        assert backend.can_use_host_pointer(dev) is not None  # the next runtime call succeeds: not sticky
     with pd.register_host_tensor(t, dev) as again:
         assert not again.closed
 
@@ -186,13 +159,13 @@ def test_gpu_doctor_and_demo() -> None:
 
 @pytest.mark.parametrize("kind", ["layer_first", "page_first_direct", "page_first"])
 @pytest.mark.parametrize("backend", ["copy_engine", "auto"])
-@pytest.mark.parametrize("max_ctas", [1, 2, 4, None])
-def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_ctas: int | None) -> None:
+@pytest.mark.parametrize("max_ctas", [1, 2, 4, pd.WHOLE_GPU])
+def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_ctas: pd.MaxCtas) -> None:
     dev = _dev()
     dev_layout = layout("layer_first", 24, "mla")
     host_layout = layout(kind, 40, "mla")
     pool = pd.DeviceKVPool(dev_layout, dev)
-    _fill_pool(pool, 11)
+    fill_pool(pool, 11)
     with pd.HostKVPool(host_layout, dev, max_chunk_bytes=host_layout.page_block_bytes() * 5) as host:
         fill_random(host.buffer, 12)
         g = torch.Generator().manual_seed(2)
@@ -206,7 +179,7 @@ def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_c
         for layer in range(4):
             assert torch.equal(as_bytes(items(host.buffer, host_layout, 0, layer, h)),
                                as_bytes(pool_items(pool, 0, layer, d)))
-        _fill_pool(pool, 99)
+        fill_pool(pool, 99)
         host.load(pool, h.cuda(), d.cuda(), backend=backend, max_ctas=max_ctas)
         torch.cuda.synchronize()
         for layer in range(4):

@@ -1,4 +1,4 @@
-"""Property tests (issue 5): random layouts, page and item sizes, index sets, memory
+"""Property tests: random layouts, page and item sizes, index sets, memory
 kinds and directions, every transfer compared byte-for-byte with a plain torch
 reference on the CPU (emulated backend, checked mode on).
 
@@ -28,7 +28,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import pointerdomain as pd  # noqa: E402
 from pointerdomain import checked, errors  # noqa: E402
-from tests.kvref import table_storage
+from tests.reference import fill_random, reference_transfer, table_storage
 
 KINDS = ["layer_first", "page_first", "page_first_direct"]
 DTYPES = ["bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "uint8"]
@@ -40,18 +40,6 @@ SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 def _checked_mode() -> Iterator[None]:
     with checked.checked_mode(True):
         yield
-
-
-def canonical(flat: torch.Tensor, layout: pd.KVLayout) -> torch.Tensor:
-    """``[kv, layers, pages, page_size, item_bytes]`` uint8 view of a one-buffer pool,
-    from the documented one-buffer shapes."""
-    kv, n_l, n_p, ps = layout.num_kv, layout.num_layers, layout.num_pages, layout.page_size
-    ib = layout.num_heads * layout.head_dim * torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-    if layout.kind == "layer_first":  # [kv, L, P*ps, h, d]
-        return flat.view(kv, n_l, n_p, ps, ib)
-    if layout.kind == "page_first":  # [kv, P*ps, L, h, d]
-        return flat.view(kv, n_p, ps, n_l, ib).permute(0, 3, 1, 2, 4)
-    return flat.view(kv, n_p, n_l, ps, ib).permute(0, 2, 1, 3, 4)  # [kv, P, L, ps, h, d]
 
 
 @dataclass
@@ -79,8 +67,7 @@ def make_side(stack: contextlib.ExitStack, layout: pd.KVLayout, memory: str, dev
         n = splits[split % len(splits)]
         size = layout.nbytes // n
         table = pd.make_kernel_ptr_table([flat[i * size : (i + 1) * size] for i in range(n)], device)
-    g = torch.Generator().manual_seed(seed)
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
+    fill_random(flat, seed)
     return Side(layout, flat, table)
 
 
@@ -132,14 +119,9 @@ def run_and_check(case: dict[str, Any]) -> None:
         )
         s_idx = torch.tensor(case["src_idx"], dtype=torch.int64)
         d_idx = torch.tensor(case["dst_idx"], dtype=torch.int64)
-        src_before, dst_before = src.flat.clone(), dst.flat.clone()
-        # reference: torch indexing on the documented shapes
-        expected = dst_before.clone()
-        want, have = canonical(expected, dst.layout), canonical(src_before, src.layout)
-        ps = src.layout.page_size
-        layers = range(src.layout.num_layers) if case["layer"] is None else [case["layer"]]
-        for layer in layers:
-            want[:, layer, d_idx // ps, d_idx % ps] = have[:, layer, s_idx // ps, s_idx % ps]
+        src_before = src.flat.clone()
+        layers = None if case["layer"] is None else [case["layer"]]
+        expected = reference_transfer(src.flat, src.layout, dst.flat, dst.layout, s_idx, d_idx, layers)
         launch = dict(src_layout=src.layout, dst_layout=dst.layout, backend=case["backend"])
         if case["layer"] is None:
             pd.transfer_kv_all_layer(src.table, dst.table, s_idx, d_idx, **launch)

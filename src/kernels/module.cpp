@@ -1,6 +1,6 @@
 // pointerdomain._C: thin bindings. Addresses cross as Python ints that the typed
-// layer (pointerdomain.kernels, pointerdomain.memory) has already checked;
-// status codes come back as ints and Python raises the typed errors.
+// layer has already checked; only pointerdomain._platform calls these, and it turns
+// the status codes that come back into the typed errors.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
@@ -22,20 +22,32 @@ namespace pd = pointerdomain;
 using Geometry = std::array<std::int64_t, 8>;  // e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, num_slots
 using HostBytes = nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+// The part of a launch that depends only on the tables and layouts, built once by
+// pointerdomain.plan.TransferPlan and bound as _C.KernelPlan, so a launch crosses
+// the binding with one object instead of two geometries and a dozen ints.
+struct KernelPlan {
+    pd::Side src{}, dst{};
+    std::int64_t page_size = 0, num_kv = 0, item_bytes = 0;
+    int vec_bytes = 1;
+
+    pd::Transfer transfer(std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n, std::int64_t layer_begin,
+                          std::int64_t layer_count) const {
+        return pd::Transfer{src,       dst,         reinterpret_cast<const std::int64_t *>(src_idx),
+                            reinterpret_cast<const std::int64_t *>(dst_idx),
+                            n,         page_size,   num_kv,
+                            layer_begin, layer_count, item_bytes, nullptr};
+    }
+};
+
 static pd::Side side(std::uint64_t table, const Geometry &g) {
     return pd::Side{reinterpret_cast<const std::uint64_t *>(table), g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]};
 }
 
-static pd::Transfer make_transfer(std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
-                                  const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx,
-                                  std::int64_t n, std::int64_t page_size, std::int64_t num_kv,
-                                  std::int64_t layer_begin, std::int64_t layer_count, std::int64_t item_bytes) {
-    return pd::Transfer{side(src_table, src_geometry),
-                        side(dst_table, dst_geometry),
-                        reinterpret_cast<const std::int64_t *>(src_idx),
-                        reinterpret_cast<const std::int64_t *>(dst_idx),
-                        n, page_size, num_kv, layer_begin, layer_count, item_bytes, nullptr};
+static Geometry geometry(const pd::Side &s) {
+    return {s.e_kv, s.e_layer, s.e_page, s.s_kv, s.s_layer, s.s_page, s.s_tok, s.num_slots};
 }
+
+static std::uint64_t table_address(const pd::Side &s) { return reinterpret_cast<std::uint64_t>(s.table); }
 
 static HostBytes wrap(void *ptr, std::uint64_t nbytes, void (*release)(void *) noexcept) {
     nb::capsule owner(ptr, release);
@@ -50,20 +62,35 @@ NB_MODULE(_C, m) {
     m.attr("gpu_built") = false;
 #endif
 
+    nb::class_<KernelPlan>(m, "KernelPlan", "Tables and geometry of one launch plan (see pointerdomain.plan).")
+        .def(
+            "__init__",
+            [](KernelPlan *p, std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
+               const Geometry &dst_geometry, std::int64_t page_size, std::int64_t num_kv, std::int64_t item_bytes,
+               int vec_bytes) {
+                new (p) KernelPlan{side(src_table, src_geometry), side(dst_table, dst_geometry), page_size, num_kv,
+                                   item_bytes, vec_bytes};
+            },
+            nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
+            nb::arg("page_size"), nb::arg("num_kv"), nb::arg("item_bytes"), nb::arg("vec_bytes"))
+        .def_prop_ro("src_table", [](const KernelPlan &p) { return table_address(p.src); })
+        .def_prop_ro("dst_table", [](const KernelPlan &p) { return table_address(p.dst); })
+        .def_prop_ro("src_geometry", [](const KernelPlan &p) { return geometry(p.src); })
+        .def_prop_ro("dst_geometry", [](const KernelPlan &p) { return geometry(p.dst); })
+        .def_ro("page_size", &KernelPlan::page_size)
+        .def_ro("num_kv", &KernelPlan::num_kv)
+        .def_ro("item_bytes", &KernelPlan::item_bytes)
+        .def_ro("vec_bytes", &KernelPlan::vec_bytes);
+
     m.def(
         "cpu_transfer",
-        [](std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
-           const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
-           std::int64_t page_size, std::int64_t num_kv, std::int64_t layer_begin, std::int64_t layer_count,
-           std::int64_t item_bytes, int num_threads) {
-            pd::transfer_cpu(make_transfer(src_table, src_geometry, dst_table, dst_geometry, src_idx, dst_idx, n,
-                                           page_size, num_kv, layer_begin, layer_count, item_bytes),
-                             num_threads);
+        [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t layer_begin, std::int64_t layer_count, int num_threads) {
+            pd::transfer_cpu(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), num_threads);
         },
-        nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
-        nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("page_size"), nb::arg("num_kv"),
-        nb::arg("layer_begin"), nb::arg("layer_count"), nb::arg("item_bytes"), nb::arg("num_threads"),
-        nb::call_guard<nb::gil_scoped_release>(), "Copy KV items between two tables of CPU addresses.");
+        nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
+        nb::arg("layer_count"), nb::arg("num_threads"), nb::call_guard<nb::gil_scoped_release>(),
+        "Copy KV items between two tables of CPU addresses.");
 
     m.def(
         "cpu_copy_runs",
@@ -147,20 +174,16 @@ NB_MODULE(_C, m) {
     m.def("gpu_error_string", &g::error_string, nb::arg("code"));
     m.def(
         "gpu_transfer",
-        [](std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
-           const Geometry &dst_geometry, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
-           std::int64_t page_size, std::int64_t num_kv, std::int64_t layer_begin, std::int64_t layer_count,
-           std::int64_t item_bytes, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {
-            return g::transfer(make_transfer(src_table, src_geometry, dst_table, dst_geometry, src_idx, dst_idx, n,
-                                             page_size, num_kv, layer_begin, layer_count, item_bytes),
-                               device, stream, max_ctas, vec_bytes);
+        [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t layer_begin, std::int64_t layer_count, int device, std::uint64_t stream, int max_ctas) {
+            return g::transfer(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), device, stream, max_ctas,
+                               plan.vec_bytes);
         },
-        nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
-        nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("page_size"), nb::arg("num_kv"),
-        nb::arg("layer_begin"), nb::arg("layer_count"), nb::arg("item_bytes"), nb::arg("device"),
-        nb::arg("stream"), nb::arg("max_ctas"), nb::arg("vec_bytes"),
+        nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
+        nb::arg("layer_count"), nb::arg("device"), nb::arg("stream"), nb::arg("max_ctas"),
         nb::call_guard<nb::gil_scoped_release>(),
-        "Launch the KV transfer kernel on a stream: status (tables and indices in device memory).");
+        "Launch the KV transfer kernel on a stream: status (tables and indices in device memory; "
+        "max_ctas <= 0: the whole GPU).");
     m.def(
         "gpu_copy_runs",
         [](std::uint64_t dsts, std::uint64_t srcs, std::uint64_t sizes, std::size_t count, int device,

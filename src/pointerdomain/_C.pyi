@@ -10,7 +10,36 @@ import torch
 
 gpu_built: bool = True
 
-def cpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, num_threads: int) -> None:
+class KernelPlan:
+    """Tables and geometry of one launch plan (see pointerdomain.plan)."""
+
+    def __init__(self, src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], page_size: int, num_kv: int, item_bytes: int, vec_bytes: int) -> None: ...
+
+    @property
+    def src_table(self) -> int: ...
+
+    @property
+    def dst_table(self) -> int: ...
+
+    @property
+    def src_geometry(self) -> list[int]: ...
+
+    @property
+    def dst_geometry(self) -> list[int]: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def num_kv(self) -> int: ...
+
+    @property
+    def item_bytes(self) -> int: ...
+
+    @property
+    def vec_bytes(self) -> int: ...
+
+def cpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, num_threads: int) -> None:
     """Copy KV items between two tables of CPU addresses."""
 
 def cpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int) -> None:
@@ -61,9 +90,9 @@ def gpu_multiprocessor_count(device: int) -> tuple[int, int]:
 
 def gpu_error_string(code: int) -> str: ...
 
-def gpu_transfer(src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], src_idx: int, dst_idx: int, n: int, page_size: int, num_kv: int, layer_begin: int, layer_count: int, item_bytes: int, device: int, stream: int, max_ctas: int, vec_bytes: int) -> int:
+def gpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int) -> int:
     """
-    Launch the KV transfer kernel on a stream: status (tables and indices in device memory).
+    Launch the KV transfer kernel on a stream: status (tables and indices in device memory; max_ctas <= 0: the whole GPU).
     """
 
 def gpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int, device: int, stream: int, use_batch: bool) -> int:

@@ -6,15 +6,25 @@ See docs/design.md for the two address domains and the rules.
 """
 
 from pointerdomain import checked, errors
-from pointerdomain.domains import Address, Device, DeviceAlias, HostVA, as_device
-from pointerdomain.guard import DeviceGuard
-from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
+from pointerdomain.domains import Address, DeviceAlias, HostVA
+from pointerdomain.kernels import (
+    DEFAULT_MAX_CTAS,
+    WHOLE_GPU,
+    MaxCtas,
+    TransferBackend,
+    WholeGpu,
+    index_tensor,
+    transfer_kv_all_layer,
+    transfer_kv_per_layer,
+)
+from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import RegisteredHostMemory, alloc_registered, device_empty, register_host_tensor
+from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
-from pointerdomain.pools import DeviceKVPool, HostKVPool
+from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
 from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
-from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
+from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table, require_domain
 
 __version__ = "0.1.0"
 
@@ -32,15 +42,21 @@ __all__ = [
     "Address",
     "AliasPolicy",
     "BufferInfo",
+    "DEFAULT_MAX_CTAS",
     "Device",
     "DeviceAlias",
     "DeviceGuard",
     "DeviceKVPool",
+    "DevicePool",
     "HostKVPool",
     "HostVA",
     "KVLayout",
+    "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
+    "TransferBackend",
+    "WHOLE_GPU",
+    "WholeGpu",
     "__version__",
     "alias_policy",
     "alloc_registered",
@@ -49,14 +65,21 @@ __all__ = [
     "checked",
     "device_empty",
     "errors",
+    "external_stream",
     "fallback_count",
+    "find_registration",
     "get_include",
     "host_ptr_table",
+    "index_tensor",
     "make_kernel_ptr_table",
+    "memory_device",
+    "memory_device_at",
     "page_buffer_meta",
     "register_host_tensor",
+    "require_domain",
     "reset_resolver_cache",
     "resolve_alias",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
+    "validate_device",
 ]

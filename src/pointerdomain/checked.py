@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -80,8 +79,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from pointerdomain._extension import extension
-from pointerdomain.domains import Address, Device, DeviceAlias, HostVA
+from pointerdomain._platform import backend_for, device_holding, memory_device
+from pointerdomain.devices import Device
+from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,
@@ -90,11 +90,12 @@ from pointerdomain.errors import (
     PointerDomainError,
     RegistrationSpanError,
 )
-from pointerdomain.memory import RegisteredHostMemory, _registry, find_registration
-from pointerdomain.resolve import AliasPolicy, _runtime_reports_host, alias_policy
+from pointerdomain.memory import RegisteredHostMemory, find_registration, open_registrations
+from pointerdomain.resolve import AliasPolicy, cached_policy
 
 if TYPE_CHECKING:
-    from pointerdomain.layouts import KVLayout
+    from pointerdomain.layouts import Geometry, KVLayout
+    from pointerdomain.plan import TransferPlan
     from pointerdomain.tables import PointerTable
 
 __all__ = ["checked_mode", "enabled", "set_enabled", "verify_launch"]
@@ -176,7 +177,7 @@ class _Regions:
         self.device = device
         self.other: list[_Region] = []  # allocations of other devices (for the diagnosis only)
         found: list[_Region] = []
-        for owner in table._owners:
+        for owner in table.registrations():
             owner.check_open()
             if find_registration(owner.host_va, owner.nbytes) is not owner:
                 raise NotRegisteredError(
@@ -199,7 +200,7 @@ class _Regions:
                     )
                 found.append(_Region(alias, alias + chunk.nbytes, "registered", odev, owner, k, len(chunks)))
         seen: set[int] = set()
-        for t in table._keepalive:
+        for t in table.kept_tensors():
             storage = t.untyped_storage()
             lo = int(storage.data_ptr())
             if lo in seen:
@@ -233,9 +234,8 @@ class _Regions:
                     f"{head}, found: {region.describe()}; expected: {want}. Fix: build the table for the device "
                     "whose memory it holds, or copy the data to that device first"
                 )
-        ordinal = int(extension().emu_device_lookup(value, 1))
-        if ordinal >= 0:
-            where = Device("emulated", ordinal)
+        where = device_holding(value, 1)
+        if where is not None:
             if where == self.device:
                 return DomainError(
                     f"{head}, found: device memory of {where} that this table does not keep alive (not one of "
@@ -265,7 +265,7 @@ class _Regions:
                 f"(+{owner.nbytes} bytes) for {owner.device}; expected: {want}. A kernel must never read a host "
                 f"VA (it is not a device address where CanUseHostPointerForRegisteredMem is 0). Fix: {_FIX_BUILD}"
             )
-        for t in table._keepalive:
+        for t in table.kept_tensors():
             if t.device.type == "cpu":
                 storage = t.untyped_storage()
                 if storage.data_ptr() <= value < storage.data_ptr() + storage.nbytes():
@@ -283,76 +283,56 @@ class _Regions:
 
 def _registry_alias_regions(device: Device) -> list[_Region]:
     """Alias ranges of every open registration for ``device``'s type (diagnosis only)."""
-    with _registry._lock:
-        owners = [ref() for ref in _registry._active.values()]
     regions: list[_Region] = []
-    for owner in owners:
-        if owner is None or owner.closed or owner.device.type != device.type:
+    lookup = _alias_lookup(device)
+    for owner in open_registrations():
+        if owner.device.type != device.type:
             continue
         for k, chunk in enumerate(owner.chunks):
-            alias = _chunk_alias(chunk.host_va.value, device)
+            alias = lookup(chunk.host_va.value)
             if alias is not None:
                 regions.append(_Region(alias, alias + chunk.nbytes, "registered", owner.device, owner, k, len(owner.chunks)))
     return regions
 
 
 def _alias_lookup(device: Device) -> Callable[[int], int | None]:
-    """``va -> alias or None`` for registered host addresses on ``device`` (fast path of
-    :func:`_chunk_alias` for the emulated backend)."""
-    if device.type != "emulated":
-        return lambda va: _chunk_alias(va, device)
-    get = extension().emu_get_device_pointer
-
-    def emulated(va: int) -> int | None:
-        status, alias = get(va)
-        return int(alias) if status == 0 else None
-
-    return emulated
-
-
-def _chunk_alias(va: int, device: Device) -> int | None:
-    """The device alias of registered host address ``va`` on ``device``, or None if the
-    backend does not know it as registered. Never counts as a resolver fallback."""
-    if device.type == "emulated":
-        status, alias = extension().emu_get_device_pointer(va)
-        return int(alias) if status == 0 else None
+    """``va -> alias or None`` for registered host addresses on ``device``: asked of the
+    backend again (so a range unregistered behind pointerdomain's back is seen); the
+    host VA itself under the host-pointer fallback. Never counts as a resolver fallback."""
     try:
-        policy = alias_policy(device)
+        policy = cached_policy(device)
     except PointerDomainError:
-        return None
+        return lambda va: None
     if policy is AliasPolicy.HOST_POINTER_FALLBACK:
-        return va
-    status, alias = extension().gpu_host_get_device_pointer(va, device.ordinal)
-    return int(alias) if status == 0 else None
+        return lambda va: va
+    backend = backend_for(device)
 
+    def ask(va: int) -> int | None:
+        status, alias = backend.alias(va, device)
+        return alias if status == 0 else None
 
-@functools.lru_cache(maxsize=64)
-def _device(kind: str, ordinal: int) -> Device:
-    return Device(kind, ordinal)  # type: ignore[arg-type]
+    return ask
 
 
 def _device_region(t: torch.Tensor, lo: int, nbytes: int, device: Device) -> _Region | None:
     """The device allocation (or runtime-pinned memory) behind kept tensor ``t``, or None
     for host memory (registered host memory comes from the registry instead)."""
-    if t.device.type == "cuda":
-        return _Region(lo, lo + nbytes, "device", _device("cuda", int(t.get_device())))
+    where = memory_device(t, whole_storage=True)
+    if where is not None:
+        return _Region(lo, lo + nbytes, "device", where)
     if t.device.type != "cpu":
         return None
-    ordinal = int(extension().emu_device_lookup(lo, nbytes))
-    if ordinal >= 0:
-        return _Region(lo, lo + nbytes, "device", _device("emulated", ordinal))
-    if device.type == "cuda":
-        if find_registration(HostVA(lo)) is None and _runtime_reports_host(HostVA(lo)):
-            alias = _chunk_alias(lo, device)
-            if alias is not None:
-                return _Region(alias, alias + nbytes, "pinned", device)
+    if find_registration(HostVA(lo)) is None and backend_for(device).pointer_is_host(lo):
+        alias = _alias_lookup(device)(lo)
+        if alias is not None:
+            return _Region(alias, alias + nbytes, "pinned", device)
     return None
 
 
 def _kernel_values(name: str, table: PointerTable[DeviceAlias], device: Device) -> list[int]:
     """The addresses the kernel will read for ``table``."""
-    recorded = list(table._values)
-    if device.type != "emulated":
+    recorded = list(table.raw_values())
+    if not backend_for(device).host_readable:
         return recorded  # the device copy: reading it would synchronise the GPU
     actual = [int(v) for v in table.as_uint64_tensor().tolist()]
     if len(actual) != len(recorded):
@@ -382,16 +362,11 @@ def _touched_pages(indices: torch.Tensor, layout: KVLayout) -> list[int]:
     return found
 
 
-@functools.lru_cache(maxsize=512)
-def _geometry(layout: KVLayout, table_len: int) -> tuple[int, ...]:
-    """``layout.geometry`` for a table length (entry sizes were checked by the launch)."""
-    return tuple(layout.geometry(table_len, (), "table"))
-
-
 def _verify_table(
     name: str,
     table: PointerTable[DeviceAlias],
     layout: KVLayout,
+    geometry: Geometry,
     indices: torch.Tensor,
     layer_begin: int,
     layer_count: int,
@@ -416,20 +391,20 @@ def _verify_table(
     # bytes' hull is [sum of min coord * s, sum of max coord * s + (page_size-1)*s_tok
     # + item_bytes): each touched page span lies in the region iff the hull does
     # (the region is one interval and the extreme (kv, layer, page) are touched).
-    e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, _slots = _geometry(layout, len(table))
+    g = geometry
     page_size, item_bytes = layout.page_size, layout.item_bytes
     pages = _touched_pages(indices, layout)
     if not pages:
         return
     dims = (
-        ("kv", list(range(layout.num_kv)), e_kv, s_kv),
-        ("layer", list(range(layer_begin, layer_begin + layer_count)), e_layer, s_layer),
-        ("page", pages, e_page, s_page),
+        ("kv", list(range(layout.num_kv)), g.e_kv, g.s_kv),
+        ("layer", list(range(layer_begin, layer_begin + layer_count)), g.e_layer, g.s_layer),
+        ("page", pages, g.e_page, g.s_page),
     )
     if any(e and s for _, _, e, s in dims):
         raise LayoutError(f"checked mode: {name} geometry mixes entry and offset strides: {dims}")
     off_min = sum(min(coords) * s for _, coords, _, s in dims)
-    end_max = sum(max(coords) * s for _, coords, _, s in dims) + (page_size - 1) * s_tok + item_bytes
+    end_max = sum(max(coords) * s for _, coords, _, s in dims) + (page_size - 1) * g.s_tok + item_bytes
     entries: dict[int, dict[str, int]] = {0: {}}
     for dim, coords, e, _s in dims:
         if e:
@@ -442,7 +417,7 @@ def _verify_table(
         pick = min if low else max
         coord = {dim: where.get(dim, pick(coords)) for dim, coords, _, _ in dims}
         a = value + sum(coord[dim] * s for dim, _, _, s in dims)
-        b = a + (page_size - 1) * s_tok + item_bytes
+        b = a + (page_size - 1) * g.s_tok + item_bytes
         what = (
             f"checked mode: {name} table entry {e_i} (of {n}) at {value:#x}: page {coord['page']} "
             f"(kv {coord['kv']}, layer {coord['layer']}) spans [{a:#x}, {b:#x}), which is not inside "
@@ -461,8 +436,8 @@ def _verify_table(
             "and build the table from those buffers"
         )
     # 1. (emulated) the tensor the kernel reads still holds what the table was built with
-    if device.type == "emulated":
-        for i, (value, built) in enumerate(zip(values, table._values)):
+    if backend_for(device).host_readable:
+        for i, (value, built) in enumerate(zip(values, table.raw_values())):
             if value != built:
                 raise DomainError(
                     f"checked mode: {name} table entry {i} (of {n}): the kernel would read {value:#x} but the "
@@ -473,24 +448,25 @@ def _verify_table(
 
 
 def verify_launch(
+    plan: TransferPlan,
     src: PointerTable[DeviceAlias],
-    src_layout: KVLayout,
     dst: PointerTable[DeviceAlias],
-    dst_layout: KVLayout,
     src_indices: torch.Tensor,
     dst_indices: torch.Tensor,
     layer_begin: int,
     layer_count: int,
 ) -> None:
-    """Check every table entry and every page the launch touches against the registry
-    of open registrations and device allocations (see the module docstring).
+    """Check that ``plan`` belongs to these tables, then every table entry and every page
+    the launch touches against the registry of open registrations and device
+    allocations (see the module docstring), with the plan's geometry.
 
     Called by the launch functions, after their own argument checks, when
     :func:`enabled`. Reads no GPU memory (no synchronisation).
 
     Raises:
         DomainError: an entry that is not a device address of the launch's device
-            (a host VA, unregistered or unknown memory), or a modified table tensor.
+            (a host VA, unregistered or unknown memory), a modified table tensor, or
+            a plan that is not the tables' own.
         DeviceMismatchError: an entry in memory of another device.
         NotRegisteredError: a registration the tables use was unregistered outside pointerdomain.
         RegistrationSpanError: a touched page crosses the end of its registration chunk.
@@ -505,9 +481,19 @@ def verify_launch(
                 f"PointerTable[DeviceAlias]. Fix: {_FIX_BUILD}"
             )
         table.check_live()
-    device = src.device
-    assert device is not None
-    if dst.device != device:
-        raise DeviceMismatchError(f"checked mode: src table is for {device} but dst table is for {dst.device}")
-    _verify_table("src", src, src_layout, src_indices, layer_begin, layer_count, _Regions(device, "src", src))
-    _verify_table("dst", dst, dst_layout, dst_indices, layer_begin, layer_count, _Regions(device, "dst", dst))
+    device = plan.device
+    if src.device != device or dst.device != device:
+        raise DeviceMismatchError(
+            f"checked mode: the plan is for {device} but the tables are for {src.device} and {dst.device}"
+        )
+    kernel = plan.kernel
+    for name, table, values, address in (("src", src, plan.src_values, kernel.src_table),
+                                         ("dst", dst, plan.dst_values, kernel.dst_table)):
+        if values != table.raw_values() or address != table.kernel_table_address():
+            raise DomainError(f"checked mode: the launch plan's {name} table is not this {name} table. Fix: {_FIX_BUILD}")
+    if tuple(kernel.src_geometry) != plan.src_geometry or tuple(kernel.dst_geometry) != plan.dst_geometry:
+        raise LayoutError("checked mode: the bound launch struct's geometry differs from the plan's")
+    _verify_table("src", src, plan.src_layout, plan.src_geometry, src_indices, layer_begin, layer_count,
+                  _Regions(device, "src", src))
+    _verify_table("dst", dst, plan.dst_layout, plan.dst_geometry, dst_indices, layer_begin, layer_count,
+                  _Regions(device, "dst", dst))

@@ -13,29 +13,26 @@ from typing import Any, get_args
 import pydantic
 import torch
 
-from pointerdomain._extension import extension, gpu_ops_built
-from pointerdomain.domains import Device
+from pointerdomain._platform import (
+    backend_for,
+    default_device,
+    extension_ops,
+    extension_path,
+    gpu_ops_built,
+    runtime_devices,
+    visible_devices,
+)
+from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import PointerDomainError
-from pointerdomain.guard import validate_device
 from pointerdomain.layouts import DType, KVLayout, LayoutKind
-from pointerdomain.memory import alloc_registered, device_empty
 from pointerdomain.pools import DeviceKVPool, HostKVPool
 from pointerdomain.resolve import alias_policy, can_use_host_pointer
-from pointerdomain.tables import make_kernel_ptr_table
 
 __all__ = ["main"]
 
 
-def default_device() -> Device:
-    """``cuda:<current>`` when a GPU and the GPU ops are there, else ``emulated:0``."""
-    if torch.cuda.is_available() and gpu_ops_built():
-        return Device("cuda", torch.cuda.current_device())
-    return Device("emulated", 0)
-
-
 def _sync(device: Device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device.ordinal)
+    backend_for(device).synchronize(device)
 
 
 def _random_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -65,20 +62,6 @@ def self_test(device: Device) -> dict[str, Any]:
     return {"ok": ok, "host_va": hex(va.value), "device_alias": hex(alias.value), "alias_equals_va": va.value == alias.value}
 
 
-def _runtime_devices(ext: Any) -> dict[str, Any]:
-    """What the extension's own runtime (CUDA or HIP, the one its kernels use) sees; torch may
-    be a CPU build that sees nothing. A runtime with no device (HIP: hipErrorNoDevice from
-    hipGetDeviceCount) is reported as ``"no device"``, not as a failure."""
-    status, count = ext.gpu_device_count()
-    _, version = ext.gpu_runtime_version()
-    if status != 0:
-        devices = f"no device ({ext.gpu_error_string(status)}, code {status})"
-        count = 0
-    else:
-        devices = f"{count} device(s)" if count else "no device"
-    return {"gpu_runtime_version": int(version), "gpu_device_count": int(count), "gpu_devices": devices}
-
-
 def doctor(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "python": platform.python_version(),
@@ -89,31 +72,26 @@ def doctor(args: argparse.Namespace) -> int:
         "cuda_available": torch.cuda.is_available(),
     }
     try:
-        ext = extension()
+        report["extension"] = extension_path()
     except PointerDomainError as exc:
         report["extension"] = f"MISSING: {exc}"
         print(json.dumps(report, indent=2))
         return 1
-    report["extension"] = ext.__file__
     report["gpu_ops_built"] = gpu_ops_built()
-    report["gpu_runtime"] = getattr(ext, "gpu_runtime", None)
+    report["gpu_runtime"] = backend_for(Device("cuda", 0)).runtime if gpu_ops_built() else None
     if gpu_ops_built():
-        report.update(_runtime_devices(ext))
-    report["ops"] = sorted(name for name in dir(ext) if not name.startswith("_") and callable(getattr(ext, name)))
+        report.update(runtime_devices())
+    report["ops"] = extension_ops()
     devices = [validate_device(args.device)] if args.device else []
     if not devices:
-        n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        devices = [Device("cuda", i) for i in range(n_gpu)] or [Device("emulated", 0)]
+        devices = visible_devices()
     report["devices"] = []
     status = 0
     for dev in devices:
         entry: dict[str, Any] = {"device": str(dev)}
-        if dev.type == "cuda":
-            entry["name"] = torch.cuda.get_device_name(dev.ordinal)
-            entry["can_use_host_pointer_for_registered_mem"] = can_use_host_pointer(dev)
-        else:
-            entry["can_use_host_pointer_for_registered_mem"] = 0
         try:
+            entry["name"] = backend_for(dev).device_name(dev)
+            entry["can_use_host_pointer_for_registered_mem"] = can_use_host_pointer(dev)
             entry["alias_policy"] = alias_policy(dev).value
             entry["self_test"] = self_test(dev)
             status |= 0 if entry["self_test"]["ok"] else 1
@@ -141,13 +119,13 @@ def _memory_problem(device: Device, dev_layout: KVLayout, host_layout: KVLayout,
     and (emulated) the device pool against MemAvailable; CUDA: the device pool and the
     saved pages against free device memory."""
     saved = pages * dev_layout.nbytes // dev_layout.num_pages
-    host_need = host_layout.nbytes + (dev_layout.nbytes + saved if device.type == "emulated" else 0)
+    free = backend_for(device).free_device_memory(device)  # None: device memory is host memory
+    host_need = host_layout.nbytes + (dev_layout.nbytes + saved if free is None else 0)
     available = _available_host_bytes()
     if available is not None and host_need > available * 0.8:
         return (f"the pools need {host_need / 2**30:.1f} GiB of host memory and {available / 2**30:.1f} GiB is "
                 "available: lower --layers, --device-pages, --host-pages or --pages")
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device.ordinal)
+    if free is not None:
         if dev_layout.nbytes + saved > free * 0.9:
             return (f"the device pool needs {(dev_layout.nbytes + saved) / 2**30:.1f} GiB and {device} has "
                     f"{free / 2**30:.1f} GiB free: lower --layers or --device-pages")

@@ -1,4 +1,4 @@
-"""The two address domains of registered host memory, and devices.
+"""The two address domains of registered host memory.
 
 Registered (pinned) host memory has a **host VA**, the address CPU code uses,
 and a **device alias**, the address a kernel must use (``cudaHostGetDevicePointer``
@@ -15,97 +15,17 @@ arithmetic keeps the domain (``addr + nbytes`` is the same type, ``a - b`` is an
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, overload
 
 from typing_extensions import Self, final
 
+from pointerdomain.devices import Device
 from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, InvalidDeviceError
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["Address", "Device", "DeviceAlias", "HostVA", "as_device"]
+__all__ = ["Address", "DeviceAlias", "HostVA"]
 
 _ADDR_LIMIT = 1 << 64
-
-DeviceType = Literal["cuda", "emulated"]
-
-def _emulated_device_count() -> int:
-    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES", "2")
-    if not text.isdigit() or int(text) < 1:
-        import warnings
-
-        warnings.warn(f"POINTERDOMAIN_EMULATED_DEVICES={text!r} is not a positive int; using 2", stacklevel=2)
-        return 2
-    return int(text)
-
-
-#: Number of emulated devices on a machine without a GPU (``POINTERDOMAIN_EMULATED_DEVICES``, default 2).
-EMULATED_DEVICE_COUNT = _emulated_device_count()
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class Device:
-    """A device: ``Device("cuda", 0)`` or ``Device("emulated", 0)``.
-
-    ``"emulated"`` is the CPU backend that stands in for a GPU whose device
-    aliases differ from host VAs; ``torch.device("cpu")`` maps to ``emulated:0``.
-    ``"cuda"`` also covers ROCm builds of torch, which name HIP devices ``cuda``.
-    """
-
-    type: DeviceType
-    ordinal: int
-
-    def __post_init__(self) -> None:
-        if self.type not in ("cuda", "emulated"):
-            raise InvalidDeviceError(f"unknown device type {self.type!r}; expected 'cuda' or 'emulated'")
-        if type(self.ordinal) is not int or self.ordinal < 0:
-            raise InvalidDeviceError(f"device ordinal must be an int >= 0, got {self.ordinal!r}")
-
-    def __str__(self) -> str:
-        return f"{self.type}:{self.ordinal}"
-
-    @property
-    def torch_device(self) -> Any:
-        """The torch device whose tensors hold this device's memory (``cpu`` when emulated)."""
-        return _torch_device(self.type, self.ordinal)
-
-
-@functools.lru_cache(maxsize=64)
-def _torch_device(kind: str, ordinal: int) -> Any:
-    import torch
-
-    return torch.device("cuda", ordinal) if kind == "cuda" else torch.device("cpu")
-
-
-def as_device(device: Device | str | torch.device) -> Device:
-    """Normalise ``Device``, ``"cuda:1"``, ``"emulated:0"``, ``"cpu"`` or a ``torch.device``.
-
-    Raises:
-        InvalidDeviceError: an unknown device string or type.
-    """
-    if isinstance(device, Device):
-        return device
-    text = str(device)
-    kind, _, ordinal = text.partition(":")
-    if kind == "cpu" and not ordinal:
-        return Device("emulated", 0)
-    if kind not in ("cuda", "emulated"):
-        raise InvalidDeviceError(f"cannot use {text!r} as a device; expected 'cuda:N', 'emulated:N' or 'cpu'")
-    if not ordinal:
-        if kind == "cuda":
-            import torch
-
-            return Device("cuda", torch.cuda.current_device())
-        return Device("emulated", 0)
-    if not ordinal.isdigit():
-        raise InvalidDeviceError(f"bad device ordinal in {text!r}")
-    return Device(kind, int(ordinal))  # type: ignore[arg-type]
-
 
 def _check_value(value: object) -> int:
     if type(value) is not int:

@@ -18,41 +18,53 @@ tables and index tensors alive until the stream reaches it.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Literal, NamedTuple, cast
+import enum
+from collections.abc import Sequence
+from typing import Any, Final, Literal, cast
 
 import torch
 
 from pointerdomain import checked
-from pointerdomain._extension import extension
-from pointerdomain.domains import Device, DeviceAlias
-from pointerdomain.errors import (
-    ClosedError,
-    InvalidArgumentError,
-    DeviceMismatchError,
-    DomainError,
-    IndexValidationError,
-    LayoutError,
-    RuntimeCallError,
-)
-from pointerdomain.layouts import Geometry, KVLayout
+from pointerdomain.devices import Device, tensor_on
+from pointerdomain.domains import DeviceAlias
+from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError
+from pointerdomain.layouts import KVLayout
+from pointerdomain.plan import TransferPlan, plan_for
 from pointerdomain.tables import PointerTable
 
-__all__ = ["DEFAULT_MAX_CTAS", "Backend", "kernel_config", "transfer_kv_all_layer", "transfer_kv_per_layer"]
+__all__ = [
+    "CE_MIN_RUN_BYTES_SMALL_BUDGET",
+    "CE_MIN_RUN_BYTES_WHOLE_GPU",
+    "DEFAULT_MAX_CTAS",
+    "WHOLE_GPU",
+    "MaxCtas",
+    "TransferBackend",
+    "WholeGpu",
+    "index_tensor",
+    "transfer_kv_all_layer",
+    "transfer_kv_per_layer",
+]
 
 
-def _check_table(name: str, table: Any) -> Device:
-    if not isinstance(table, PointerTable):
-        raise DomainError(f"{name}: expected a PointerTable[DeviceAlias], got {type(table).__name__}")
-    if table.domain is not DeviceAlias:
-        raise DomainError(
-            f"{name}: a PointerTable[{table.domain.__name__}] reached a kernel launch; kernels need "
-            "PointerTable[DeviceAlias] (host VAs are not device addresses where "
-            "CanUseHostPointerForRegisteredMem is 0). Build it with make_kernel_ptr_table(tensors, device)"
-        )
-    assert table.device is not None
-    table.check_live()
-    return table.device
+def index_tensor(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``ids`` (a tensor of any integer dtype on any device, or a sequence of ints) as a
+    contiguous 1-D ``int64`` CPU tensor, for callers that take loose id lists (adapters).
+
+    Raises:
+        IndexValidationError: not 1-D, or not integers.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise IndexValidationError(f"{name}: dtype {ids.dtype}, expected an integer dtype")
+        out = ids.detach().to("cpu", torch.int64).contiguous()
+    else:
+        values = list(ids)
+        if any(type(v) is not int for v in values):
+            raise IndexValidationError(f"{name}: expected ints, got {[type(v).__name__ for v in values][:4]}")
+        out = torch.tensor(values, dtype=torch.int64)
+    if out.dim() != 1:
+        raise IndexValidationError(f"{name}: shape {tuple(out.shape)}, expected 1-D")
+    return out
 
 
 def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:
@@ -64,17 +76,17 @@ def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:
         raise IndexValidationError(f"{name}: shape {tuple(idx.shape)}, expected 1-D")
     if not idx.is_contiguous():
         raise IndexValidationError(f"{name}: not contiguous (stride {idx.stride()})")
-    if (idx.get_device() != device.ordinal) if device.type == "cuda" else idx.is_cuda or idx.is_meta:
+    if not tensor_on(idx, device):
         raise IndexValidationError(
             f"{name}: on {idx.device}, but the launch runs on {device} (indices must be on {device.torch_device})"
         )
     return idx
 
 
-def _check_range(src_idx: torch.Tensor, dst_idx: torch.Tensor, src_slots: int, dst_slots: int, device: Device) -> None:
+def _check_range(src_idx: torch.Tensor, dst_idx: torch.Tensor, src_slots: int, dst_slots: int, plan: TransferPlan) -> None:
     if src_idx.numel() == 0:
         return
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if plan.platform.is_capturing(plan.device):
         return  # no host sync during capture; the kernel skips out-of-range slots
     if not src_idx.is_cuda and src_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
         s_list, d_list = src_idx.tolist(), dst_idx.tolist()
@@ -87,130 +99,33 @@ def _check_range(src_idx: torch.Tensor, dst_idx: torch.Tensor, src_slots: int, d
             raise IndexValidationError(f"{name}: slot {bad} outside [0, {slots}); nothing was copied")
 
 
+class WholeGpu(enum.Enum):
+    """The type of :data:`WHOLE_GPU`."""
+
+    WHOLE_GPU = "whole_gpu"
+
+
+#: ``max_ctas=WHOLE_GPU``: as many CTAs as the GPU holds at once (the runtime's
+#: occupancy, chosen in transfer_gpu.cu), for a copy that may take every SM.
+WHOLE_GPU: Final = WholeGpu.WHOLE_GPU
+
+#: An SM budget: a positive number of CTAs, or :data:`WHOLE_GPU`.
+MaxCtas = int | WholeGpu
+
 #: Default SM budget: serving engines give copy kernels a few CTAs so the copy
-#: overlaps model compute (field notes). None = the whole GPU.
-DEFAULT_MAX_CTAS = 4
+#: overlaps model compute (docs/performance.md has the bandwidth at 2, 4 and 8 CTAs
+#: and the whole GPU). The same default in the core and the adapters.
+DEFAULT_MAX_CTAS: Final = 4
 
 #: Runs at least this long go to the copy engine under ``backend="auto"``. Measured on
 #: the H200 (docs/performance.md): cudaMemcpyBatchAsync of 64 KiB runs gave 0.72-0.79 x
 #: bulk while the kernel gave 0.91-0.94 x with only 2-4 CTAs, so the engine only pays
 #: for runs far longer than a KV item, where it approaches a bulk copy and frees the SMs.
-CE_MIN_RUN_BYTES_SMALL_BUDGET = 512 << 10
-CE_MIN_RUN_BYTES_WHOLE_GPU = 1 << 20
+CE_MIN_RUN_BYTES_SMALL_BUDGET: Final = 512 << 10
+CE_MIN_RUN_BYTES_WHOLE_GPU: Final = 1 << 20
 
-Backend = Literal["auto", "kernel", "copy_engine"]
-
-class _Plan(NamedTuple):
-    """What a launch needs that depends only on the (immutable) tables and layouts."""
-
-    dst: weakref.ref[PointerTable[DeviceAlias]]
-    src_layout: KVLayout
-    dst_layout: KVLayout
-    device: Device
-    src_geo: Geometry
-    dst_geo: Geometry
-    run_bytes: int
-    vec_max: int
-    #: (src table ptr, src geometry, dst table ptr, dst geometry, page_size, num_kv, item_bytes)
-    kernel_args: tuple[int, Geometry, int, Geometry, int, int, int]
-    config: tuple[int, int, int]  # threads, items in flight, word bytes
-
-
-_plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], _Plan]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _plan(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTable[DeviceAlias], dst_layout: KVLayout) -> _Plan:
-    """Domain, device and layout checks, once per (src, dst, layouts); cached while the tables live."""
-    key = (id(dst), id(src_layout), id(dst_layout))
-    per_src = _plans.get(src) if isinstance(cast(object, src), PointerTable) else None
-    plan = per_src.get(key) if per_src is not None else None
-    if plan is not None and plan.dst() is dst and plan.src_layout is src_layout and plan.dst_layout is dst_layout:
-        return plan
-    device = _check_table("src", src)
-    dst_device = _check_table("dst", dst)
-    if dst_device != device:
-        raise DeviceMismatchError(f"src table is for {device} but dst table is for {dst_device}")
-    for name, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
-        if not isinstance(layout, KVLayout):
-            raise InvalidArgumentError(f"{name} must be a KVLayout, got {type(layout).__name__}")
-    for field in ("attention", "num_layers", "page_size", "num_heads", "head_dim", "dtype"):
-        if getattr(src_layout, field) != getattr(dst_layout, field):
-            raise LayoutError(
-                f"src and dst layouts differ in {field}: "
-                f"{getattr(src_layout, field)!r} vs {getattr(dst_layout, field)!r}"
-            )
-    src_geo = src_layout.geometry(len(src), src.sizes, "src")
-    dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
-    vec_max = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo[3:7], *dst_geo[3:7])
-    plan = _Plan(
-        weakref.ref(dst), src_layout, dst_layout, device, src_geo, dst_geo,
-        _run_bytes(src_layout, src_geo, dst_geo), vec_max,
-        (src.kernel_table_address(), src_geo, dst.kernel_table_address(), dst_geo,
-         src_layout.page_size, src_layout.num_kv, src_layout.item_bytes),
-        kernel_config(vec_max),
-    )
-    _plans.setdefault(src, {})[key] = plan
-    return plan
-
-
-def _current_stream(device: Device) -> int:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x cheaper
-    if raw is not None:
-        return int(raw(device.ordinal))
-    return int(torch.cuda.current_stream(device.torch_device).cuda_stream)
-
-
-def kernel_config(vec_max: int) -> tuple[int, int, int]:
-    """(threads per CTA, items in flight per warp, copy word bytes) for a launch whose
-    addresses and strides allow ``vec_max``-byte words.
-
-    From the H200 sweep (benchmarks/sweep_kernel.py, docs/performance.md): 1024
-    threads per CTA with 4 items in flight per warp and 16-byte words was within
-    3% of the best configuration at every budget (2, 4, 8 CTAs, whole GPU), both
-    directions, 1 KiB to 2 KiB items; smaller CTAs lose up to 3x at 2 CTAs. One
-    configuration serves both directions and every budget (the whole GPU is one
-    such CTA per SM, see transfer_gpu.cu).
-    """
-    return 1024, 4, vec_max
-
-
-def _run_bytes(src_layout: KVLayout, src_geo: Geometry, dst_geo: Geometry) -> int:
-    """Longest contiguous run a page can give on both sides (token stride == item)."""
-    item = src_layout.item_bytes
-    return src_layout.page_size * item if src_geo[6] == item and dst_geo[6] == item else item
-
-
-def _copy_runs(
-    src: PointerTable[DeviceAlias], src_geo: Geometry, dst: PointerTable[DeviceAlias], dst_geo: Geometry,
-    s_idx: torch.Tensor, d_idx: torch.Tensor, layout: KVLayout, layer_begin: int, layer_count: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-copy (dst, src, nbytes) arrays on the host: items merged into runs of
-    consecutive slots that stay inside one page on both sides (a run never crosses a
-    table entry, so never two registrations)."""
-    item, ps = layout.item_bytes, layout.page_size
-    s = s_idx.cpu()
-    d = d_idx.cpu()
-    kv = torch.arange(layout.num_kv).view(1, -1, 1)
-    layer = torch.arange(layer_begin, layer_begin + layer_count).view(1, 1, -1)
-
-    def addresses(table: PointerTable[DeviceAlias], g: Geometry, slots: torch.Tensor) -> torch.Tensor:
-        values = torch.tensor(table.raw_values(), dtype=torch.int64)
-        page, tok = (slots // ps).view(-1, 1, 1), (slots % ps).view(-1, 1, 1)
-        entry = kv * g[0] + layer * g[1] + page * g[2]
-        return values[entry] + kv * g[3] + layer * g[4] + page * g[5] + tok * g[6]
-
-    sa = addresses(src, src_geo, s).permute(1, 2, 0).reshape(-1)  # (kv, layer, i) order: runs along i
-    da = addresses(dst, dst_geo, d).permute(1, 2, 0).reshape(-1)
-    same_page = torch.zeros(s.numel(), dtype=torch.bool)  # slot i continues slot i-1's page on both sides
-    same_page[1:] = (s[1:] // ps == s[:-1] // ps) & (d[1:] // ps == d[:-1] // ps)
-    same_page = same_page.repeat(layout.num_kv * layer_count)
-    cont = torch.zeros_like(same_page)
-    cont[1:] = (sa[1:] == sa[:-1] + item) & (da[1:] == da[:-1] + item) & same_page[1:]
-    starts = torch.nonzero(~cont).view(-1)
-    lengths = torch.diff(starts, append=torch.tensor([sa.numel()])) * item
-    return da[starts], sa[starts], lengths
+#: How a launch moves bytes (the ``backend`` argument): see :func:`transfer_kv_all_layer`.
+TransferBackend = Literal["auto", "kernel", "copy_engine"]
 
 
 def _launch(
@@ -223,13 +138,12 @@ def _launch(
     layer_begin: int,
     layer_count: int,
     stream: int | None,
-    max_ctas: int | None,
-    backend: Backend,
+    max_ctas: MaxCtas,
+    backend: TransferBackend,
     validate_indices: bool,
 ) -> None:
-    plan = _plan(src, src_layout, dst, dst_layout)
-    device = plan.device
-    cuda = device.type == "cuda"
+    plan = plan_for(src, src_layout, dst, dst_layout)
+    device, platform = plan.device, plan.platform
     for name, table in (("src", src), ("dst", dst)):
         try:
             table.check_live()
@@ -240,54 +154,40 @@ def _launch(
     n = s_idx.numel()
     if n != d_idx.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {d_idx.numel()}")
-    if max_ctas is not None and (type(max_ctas) is not int or max_ctas <= 0):
-        raise InvalidArgumentError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+    if max_ctas is WHOLE_GPU:
+        ctas = 0  # the C++ side: the whole GPU
+    elif type(max_ctas) is int and max_ctas > 0:
+        ctas = max_ctas
+    else:
+        raise InvalidArgumentError(f"max_ctas must be a positive int or pointerdomain.WHOLE_GPU, got {max_ctas!r}")
     if backend != "kernel" and backend != "auto" and backend != "copy_engine":
         raise InvalidArgumentError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
     if stream is not None and (type(stream) is not int or stream < 0):
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
     if type(validate_indices) is not bool:
         raise InvalidArgumentError(f"validate_indices must be a bool, got {validate_indices!r}")
-    if backend == "auto":
-        threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if max_ctas is None else CE_MIN_RUN_BYTES_SMALL_BUDGET
+    if backend == "auto":  # the capture query only where it decides something
+        threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
         long_runs = plan.run_bytes >= threshold
-        backend = "copy_engine" if long_runs and not (cuda and torch.cuda.is_current_stream_capturing()) else "kernel"
-    elif backend == "copy_engine" and cuda and torch.cuda.is_current_stream_capturing():
+        backend = "copy_engine" if long_runs and not platform.is_capturing(device) else "kernel"
+    elif backend == "copy_engine" and platform.is_capturing(device):
         raise InvalidArgumentError(
             "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
         )
     if validate_indices or backend == "copy_engine":  # the copy engine reads the indices on the host anyway
-        _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, device)
+        _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
     if n == 0:
         return
     if checked.enabled():
-        checked.verify_launch(src, src_layout, dst, dst_layout, s_idx, d_idx, layer_begin, layer_count)
-    ext = extension()
-    if stream is None and cuda:
-        stream = _current_stream(device)
+        checked.verify_launch(plan, src, dst, s_idx, d_idx, layer_begin, layer_count)
+    if stream is None:
+        stream = platform.current_stream(device)
     if backend == "copy_engine":
-        dsts, srcs, sizes = _copy_runs(
-            src, plan.src_geo, dst, plan.dst_geo, s_idx, d_idx, src_layout, layer_begin, layer_count
-        )
-        if not cuda:
-            ext.cpu_copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel())
-            return
-        status = ext.gpu_copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(),
-                                   device.ordinal, stream, bool(ext.gpu_has_batch_copy))
-        if status != 0:
-            raise RuntimeCallError("cudaMemcpyBatchAsync", int(status), str(ext.gpu_error_string(status)))
+        dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
+        platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
         return
-    src_ptr, src_geo, dst_ptr, dst_geo, page_size, num_kv, item_bytes = plan.kernel_args
-    if not cuda:
-        ext.cpu_transfer(src_ptr, src_geo, dst_ptr, dst_geo, s_idx.data_ptr(), d_idx.data_ptr(), n, page_size,
-                         num_kv, layer_begin, layer_count, item_bytes, torch.get_num_threads())
-        return
-    vec = plan.config[2]
-    status = ext.gpu_transfer(src_ptr, src_geo, dst_ptr, dst_geo, s_idx.data_ptr(), d_idx.data_ptr(), n, page_size,
-                              num_kv, layer_begin, layer_count, item_bytes, device.ordinal, stream, max_ctas or 0,
-                              vec)
-    if status != 0:
-        raise RuntimeCallError("transfer kernel launch", int(status), str(ext.gpu_error_string(status)))
+    platform.launch(plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, device, stream,
+                    ctas)
 
 
 def transfer_kv_all_layer(
@@ -299,8 +199,8 @@ def transfer_kv_all_layer(
     src_layout: KVLayout,
     dst_layout: KVLayout,
     stream: int | None = None,
-    max_ctas: int | None = DEFAULT_MAX_CTAS,
-    backend: Backend = "auto",
+    max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
+    backend: TransferBackend = "auto",
     validate_indices: bool = True,
 ) -> None:
     """Copy token slots ``src_indices[i] -> dst_indices[i]`` for every layer and K/V.
@@ -316,8 +216,8 @@ def transfer_kv_all_layer(
         src_layout, dst_layout: must agree on everything but ``kind`` and ``num_pages``.
         stream: a ``cudaStream_t`` as an int; default the device's current stream.
         max_ctas: SM budget: at most this many CTAs (thread blocks) for the kernel
-            (default :data:`DEFAULT_MAX_CTAS` = 4, so the copy overlaps compute);
-            None: the whole GPU. Ignored on the emulated device.
+            (default :data:`DEFAULT_MAX_CTAS` = 4, so the copy overlaps compute), or
+            :data:`WHOLE_GPU`. Ignored on the emulated device.
         backend: ``"kernel"`` (graph-safe: no host sync, allocation or index read),
             ``"copy_engine"`` (cudaMemcpyBatchAsync of runs of consecutive slots inside
             a page, fed device aliases; reads the indices on the host, so it syncs on
@@ -358,8 +258,8 @@ def transfer_kv_per_layer(
     src_layout: KVLayout,
     dst_layout: KVLayout,
     stream: int | None = None,
-    max_ctas: int | None = DEFAULT_MAX_CTAS,
-    backend: Backend = "auto",
+    max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
+    backend: TransferBackend = "auto",
     validate_indices: bool = True,
 ) -> None:
     """As :func:`transfer_kv_all_layer`, for one layer (layer-by-layer loading that

@@ -21,7 +21,7 @@ what a host pool registered in several chunks needs).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,11 +39,41 @@ _DIM_ORDER: dict[str, tuple[str, ...]] = {
     "page_first_direct": ("kv", "page", "layer", "tok"),
 }
 
-_ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
-                             "int8": 1, "uint8": 1}
+#: The one dtype table: KVLayout dtype names and the torch dtypes they stand for.
+_DTYPES: dict[DType, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_NAMES: dict[torch.dtype, DType] = {dtype: name for name, dtype in _DTYPES.items()}
 
-#: Geometry passed to the kernels: (e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, num_slots).
-Geometry = tuple[int, int, int, int, int, int, int, int]
+class Geometry(NamedTuple):
+    """How the kernels address one table over a layout (``pd::Side`` in ``transfer.h``)::
+
+        entry = kv*e_kv + layer*e_layer + page*e_page
+        addr  = table[entry] + kv*s_kv + layer*s_layer + page*s_page + tok*s_tok
+
+    Each dimension feeds either the entry (``e_*`` != 0: a leading dimension the table
+    splits) or the byte offset (``s_*`` != 0). Strides in bytes; ``num_slots`` token slots.
+    """
+
+    e_kv: int
+    e_layer: int
+    e_page: int
+    s_kv: int
+    s_layer: int
+    s_page: int
+    s_tok: int
+    num_slots: int
+
+    @property
+    def byte_strides(self) -> tuple[int, int, int, int]:
+        """``(s_kv, s_layer, s_page, s_tok)``: the strides that add to an entry's address."""
+        return (self.s_kv, self.s_layer, self.s_page, self.s_tok)
 
 
 class KVLayout(BaseModel, frozen=True):
@@ -78,13 +108,24 @@ class KVLayout(BaseModel, frozen=True):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dtype: torch.dtype = getattr(torch, self.dtype)
-        return dtype
+        return _DTYPES[self.dtype]
+
+    @staticmethod
+    def dtype_name(dtype: torch.dtype) -> DType:
+        """The layout name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``).
+
+        Raises:
+            LayoutError: a dtype the kernels do not move.
+        """
+        try:
+            return _NAMES[dtype]
+        except KeyError:
+            raise LayoutError(f"dtype {dtype} is not a KV dtype; expected one of {sorted(_DTYPES)}") from None
 
     @property
     def item_bytes(self) -> int:
         """Bytes of one (kv, layer, token) item: ``num_heads * head_dim * itemsize``."""
-        return self.num_heads * self.head_dim * _ITEMSIZE[self.dtype]
+        return self.num_heads * self.head_dim * _DTYPES[self.dtype].itemsize
 
     @property
     def num_slots(self) -> int:
@@ -172,11 +213,21 @@ class KVLayout(BaseModel, frozen=True):
             entry_stride *= count
         for dim, _, stride in self._dims[k:]:
             s[dim] = stride
-        return (e["kv"], e["layer"], e["page"], s["kv"], s["layer"], s["page"], s["tok"], self.num_slots)
+        return Geometry(e["kv"], e["layer"], e["page"], s["kv"], s["layer"], s["page"], s["tok"], self.num_slots)
 
-    def page_blocks(self, page: int) -> list[tuple[int, int]]:
+    def page_blocks(
+        self, page: int, *, order: Literal["kv_major", "layer_major"] = "kv_major", merge: bool = True
+    ) -> list[tuple[int, int]]:
         """``(byte offset, nbytes)`` of the contiguous blocks holding ``page`` in the
-        one-buffer form, merged where adjacent. Used for transfer-engine metadata.
+        one-buffer form. Used for transfer-engine and storage metadata.
+
+        Args:
+            page: the page number.
+            order: ``"kv_major"``: K of every layer, then V; ``"layer_major"``: K, V of
+                layer 0, then layer 1 (sglang's ``get_page_buffer_meta`` order). Only
+                ``layer_first`` has a layer dimension above the page: elsewhere a page
+                is one block per kv.
+            merge: merge blocks that are adjacent in memory (in the order given).
 
         Raises:
             IndexValidationError: ``page`` not an int in ``[0, num_pages)`` (an ``IndexError`` too).
@@ -186,15 +237,38 @@ class KVLayout(BaseModel, frozen=True):
         block = self.page_block_bytes()
         # Below the page dimension only layer_first has an outer layer dimension.
         layers = range(self.num_layers) if self.kind == "layer_first" else range(1)
+        pairs = [(kv, layer) for kv in range(self.num_kv) for layer in layers]
+        if order == "layer_major":
+            pairs.sort(key=lambda kv_layer: (kv_layer[1], kv_layer[0]))
         blocks: list[tuple[int, int]] = []
-        for kv in range(self.num_kv):
-            for layer in layers:
-                off = kv * self._stride("kv") + layer * self._stride("layer") + page * block
-                if blocks and blocks[-1][0] + blocks[-1][1] == off:
-                    blocks[-1] = (blocks[-1][0], blocks[-1][1] + block)
-                else:
-                    blocks.append((off, block))
+        for kv, layer in pairs:
+            off = kv * self._stride("kv") + layer * self._stride("layer") + page * block
+            if merge and blocks and blocks[-1][0] + blocks[-1][1] == off:
+                blocks[-1] = (blocks[-1][0], blocks[-1][1] + block)
+            else:
+                blocks.append((off, block))
         return blocks
+
+    def page_regions(self) -> list[tuple[int, int]]:
+        """``(byte offset, nbytes)`` of the contiguous regions of whole pages in the
+        one-buffer form, each ``num_pages * page_block_bytes()`` bytes: one per (kv,
+        layer) for ``layer_first``, one per kv otherwise (what a transfer engine registers)."""
+        region = self.num_pages * self.page_block_bytes()
+        return [(offset, region) for offset in range(0, self.nbytes, region)]
+
+    def page_block_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """``buffer`` (the one-buffer form, contiguous, any dtype) cut into its
+        ``page_block_bytes()`` blocks, as flat ``uint8`` views in address order: the
+        table entries of a pool registered in several chunks (no page spans two).
+
+        Raises:
+            LayoutError: ``buffer`` is not ``nbytes`` contiguous bytes.
+        """
+        if not buffer.is_contiguous() or buffer.numel() * buffer.element_size() != self.nbytes:
+            raise LayoutError(f"need the contiguous {self.nbytes}-byte buffer of this layout, got {tuple(buffer.shape)}")
+        flat = buffer.reshape(-1).view(torch.uint8)
+        block = self.page_block_bytes()
+        return [flat[i : i + block] for i in range(0, self.nbytes, block)]
 
     def vector_bytes(self, *values: int) -> int:
         """Largest copy word in {16, 8, 4, 1} bytes dividing the item size and all ``values``

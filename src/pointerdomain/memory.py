@@ -4,7 +4,8 @@
 :class:`RegisteredHostMemory` owner: a context manager that unregisters exactly
 once (on ``close()``, on exit, or when collected). On CUDA the range is
 registered with ``cudaHostRegister(portable | mapped)`` in chunks cut on a
-caller-given granularity (a driver limit near 512 GiB per call, field notes);
+caller-given granularity (one very large cudaHostRegister can fail: drivers have
+refused single calls near 512 GiB);
 a failing chunk rolls back the chunks already registered. On the emulated
 backend each chunk gets a second virtual mapping of the same pages, so device
 aliases differ from host VAs and separately registered chunks are not contiguous
@@ -14,49 +15,43 @@ in alias space, as on MI355X.
 from __future__ import annotations
 
 import mmap
-import os
 import resource
 import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, cast
 
 import torch
 
-from pointerdomain._extension import extension, gpu_ops_built
-from pointerdomain.domains import Device, DeviceAlias, HostVA
+from pointerdomain._platform import Backend, backend_for, memory_device
+from pointerdomain._platform.status import registration_error
+from pointerdomain.devices import Device, validate_device
+from pointerdomain.domains import HostVA
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     ClosedError,
     DomainError,
     InvalidArgumentError,
     InvalidRegistrationError,
-    MemlockLimitError,
     NonContiguousError,
     NotRegisteredError,
-    RegistrationError,
     RegistrationSpanError,
 )
-from pointerdomain.guard import validate_device
 
 __all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
     "Chunk",
     "RegisteredHostMemory",
-    "alloc_registered",
-    "device_empty",
+    "check_granularity",
     "find_closed_registration",
     "find_registration",
-    "memory_device",
+    "open_registrations",
+    "pinned_bytes",
     "register_host_tensor",
 ]
 
 #: Default largest single registration call, bytes (well under the ~512 GiB driver limit).
 DEFAULT_MAX_CHUNK_BYTES = 64 << 30
-
-_ALREADY_REGISTERED = 712
-_NOT_REGISTERED = 713
-_OUT_OF_MEMORY = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,83 +63,6 @@ class Chunk:
 
     def contains(self, va: HostVA, nbytes: int) -> bool:
         return self.host_va.value <= va.value and va.value + nbytes <= self.host_va.value + self.nbytes
-
-
-class _Backend(Protocol):
-    def register(self, va: int, nbytes: int, device: Device) -> int: ...
-    def unregister(self, va: int, device: Device) -> int: ...
-    def describe(self, code: int) -> str: ...
-
-
-class _EmulatedBackend:
-    """Second mappings of the same pages. The mappings are not pinned; with
-    ``POINTERDOMAIN_EMULATE_MEMLOCK=1`` registered bytes are counted against
-    RLIMIT_MEMLOCK as cudaHostRegister in an unprivileged container counts them."""
-
-    def __init__(self) -> None:
-        self._pinned: dict[int, int] = {}
-
-    def register(self, va: int, nbytes: int, device: Device) -> int:
-        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        limited = os.environ.get("POINTERDOMAIN_EMULATE_MEMLOCK") == "1" and soft != resource.RLIM_INFINITY
-        if limited and sum(self._pinned.values()) + nbytes > soft:
-            return _OUT_OF_MEMORY
-        status, _alias = extension().emu_register(va, nbytes)
-        if status == 0:
-            self._pinned[va] = nbytes
-        return int(status)
-
-    def unregister(self, va: int, device: Device) -> int:
-        status = int(extension().emu_unregister(va))
-        if status == 0:
-            self._pinned.pop(va, None)
-        return status
-
-    def describe(self, code: int) -> str:
-        return {1: "invalid value", 2: "out of memory, or the pages could not be mapped a second time (they "
-                "share a page with memory registered separately: allocate with alloc_registered)",
-                712: "host memory already registered", 713: "host memory not registered"}.get(code, "unknown")
-
-
-class _GpuBackend:
-    def register(self, va: int, nbytes: int, device: Device) -> int:
-        return int(extension().gpu_host_register(va, nbytes, device.ordinal))
-
-    def unregister(self, va: int, device: Device) -> int:
-        return int(extension().gpu_host_unregister(va, device.ordinal))
-
-    def describe(self, code: int) -> str:
-        return str(extension().gpu_error_string(code))
-
-
-def _cudart() -> Any:
-    return cast(Any, torch.cuda).cudart()
-
-
-class _TorchCudartBackend:
-    """Registration through torch's cudart binding, for builds without the GPU ops."""
-
-    def register(self, va: int, nbytes: int, device: Device) -> int:
-        with torch.cuda.device(device.ordinal):
-            return int(_cudart().cudaHostRegister(va, nbytes, 1 | 2))  # portable | mapped
-
-    def unregister(self, va: int, device: Device) -> int:
-        with torch.cuda.device(device.ordinal):
-            return int(_cudart().cudaHostUnregister(va))
-
-    def describe(self, code: int) -> str:
-        return str(_cudart().cudaGetErrorString(code))
-
-
-_EMULATED = _EmulatedBackend()
-_GPU = _GpuBackend()
-_TORCH_CUDART = _TorchCudartBackend()
-
-
-def _backend(device: Device) -> _Backend:
-    if device.type == "emulated":
-        return _EMULATED
-    return _GPU if gpu_ops_built() else _TORCH_CUDART
 
 
 class _Registry:
@@ -197,6 +115,18 @@ def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | Non
     return None
 
 
+def open_registrations() -> list[RegisteredHostMemory]:
+    """Every open registration (a snapshot; for diagnosis, e.g. checked mode)."""
+    with _registry._lock:
+        owners = [ref() for ref in _registry._active.values()]
+    return [owner for owner in owners if owner is not None and not owner.closed]
+
+
+def pinned_bytes() -> int:
+    """Bytes registered through pointerdomain and not yet unregistered, in this process."""
+    return _registry.pinned_bytes
+
+
 def find_closed_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
     """A closed registration (its owner still alive) overlapping ``[va, va + nbytes)``,
     or None. For error reporting: use :func:`find_registration` for open ones."""
@@ -217,7 +147,7 @@ def _memlock_hint(nbytes: int) -> str:
     )
 
 
-def _release(backend: _Backend, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
+def _release(backend: Backend, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
     for chunk in chunks:
         backend.unregister(chunk.host_va.value, device)
     with _registry._lock:
@@ -247,7 +177,7 @@ class RegisteredHostMemory:
         self.nbytes = tensor.numel() * tensor.element_size()
         self._lock = threading.Lock()
         self._closed = False
-        backend = _backend(device)
+        backend = backend_for(device)
         chunk_bytes = max(granularity, (max_chunk_bytes // granularity) * granularity)
         chunks = tuple(
             Chunk(self.host_va + start, min(chunk_bytes, self.nbytes - start))
@@ -273,15 +203,10 @@ class RegisteredHostMemory:
             _registry.pinned_bytes += self.nbytes
         self._finalizer = weakref.finalize(self, _release, backend, device, chunks, self.nbytes, tensor)
 
-    def _registration_error(self, backend: _Backend, code: int, chunk: Chunk, done: int, total: int) -> Exception:
+    def _registration_error(self, backend: Backend, code: int, chunk: Chunk, done: int, total: int) -> Exception:
         where = f"registering chunk {done + 1}/{total} ({chunk.nbytes} bytes at {chunk.host_va!r}) for {self.device}"
         rolled = f"; the {done} chunk(s) before it were unregistered" if done else ""
-        if code == _ALREADY_REGISTERED:
-            return AlreadyRegisteredError(f"{where}: already registered (error 712){rolled}")
-        hint = _memlock_hint(self.nbytes)
-        if hint and code in (_OUT_OF_MEMORY, -_OUT_OF_MEMORY):
-            return MemlockLimitError(f"{where}: {backend.describe(code)} (error {code}){rolled}.{hint}")
-        return RegistrationError(f"{where}: {backend.describe(code)} (error {code}){rolled}")
+        return registration_error(backend, code, where, rolled, _memlock_hint(self.nbytes))
 
     @property
     def closed(self) -> bool:
@@ -339,48 +264,11 @@ class RegisteredHostMemory:
         return f"RegisteredHostMemory({self.host_va!r}, nbytes={self.nbytes}, device={self.device}, {state})"
 
 
-def _check_granularity(granularity: int, max_chunk_bytes: int) -> None:
+def check_granularity(granularity: int, max_chunk_bytes: int) -> None:
     if type(granularity) is not int or granularity <= 0:
         raise InvalidRegistrationError(f"granularity must be a positive int (bytes), got {granularity!r}")
     if type(max_chunk_bytes) is not int or max_chunk_bytes <= 0:
         raise InvalidRegistrationError(f"max_chunk_bytes must be a positive int (bytes), got {max_chunk_bytes!r}")
-
-
-def alloc_registered(
-    nbytes: int,
-    device: Device | str | torch.device,
-    *,
-    granularity: int = mmap.PAGESIZE,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> RegisteredHostMemory:
-    """Allocate ``nbytes`` of page-aligned host memory and register it for ``device``.
-
-    Args:
-        nbytes: size in bytes (> 0).
-        device: the device whose kernels will read it (``"cuda:0"``, ``"emulated:0"``).
-        granularity: chunks are cut on multiples of this many bytes from the start;
-            pass the KV page size in bytes so no page spans two registrations.
-        max_chunk_bytes: largest single registration call (rounded down to the granularity).
-
-    Raises:
-        InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
-            positive (a ``ValueError`` too).
-        InvalidDeviceError: the device does not exist.
-        RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
-    """
-    if type(nbytes) is not int or nbytes <= 0:
-        raise InvalidRegistrationError(f"nbytes must be a positive int: a 0-byte registration is invalid (got {nbytes!r})")
-    _check_granularity(granularity, max_chunk_bytes)
-    dev = validate_device(device)
-    if dev.type == "emulated":
-        tensor = extension().emu_host_alloc(nbytes)
-    else:
-        # Page-aligned start, so chunk cuts on a page-multiple granularity never split an
-        # OS page between two cudaHostRegister calls.
-        raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
-        skip = -raw.data_ptr() % mmap.PAGESIZE
-        tensor = raw[skip : skip + nbytes]
-    return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes)
 
 
 def register_host_tensor(
@@ -420,38 +308,7 @@ def register_host_tensor(
         )
     if tensor.numel() == 0:
         raise InvalidRegistrationError("cannot register an empty tensor: a 0-byte registration is invalid")
-    _check_granularity(granularity, max_chunk_bytes)
+    check_granularity(granularity, max_chunk_bytes)
     dev = validate_device(device)
     flat = tensor.reshape(-1).view(torch.uint8)
     return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes)
-
-
-def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | torch.device) -> torch.Tensor:
-    """Uninitialised device memory: a CUDA tensor, or emulated device memory (a CPU
-    tensor tagged with the emulated ordinal, so CPU-only APIs refuse it).
-
-    Raises:
-        InvalidDeviceError: the device does not exist.
-        ValueError: a negative dimension.
-    """
-    dev = validate_device(device)
-    if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in {shape}")
-    if dev.type == "cuda":
-        return torch.empty(shape, dtype=dtype, device=dev.torch_device)
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
-    raw: torch.Tensor = extension().emu_device_alloc(nbytes, dev.ordinal)
-    return raw[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
-
-
-def memory_device(tensor: torch.Tensor) -> Device | None:
-    """The device whose memory holds ``tensor`` (a CUDA device, or an emulated device
-    for emulated device memory), or None for host memory."""
-    if tensor.device.type == "cuda":
-        return Device("cuda", int(tensor.get_device()))
-    nbytes = tensor.numel() * tensor.element_size()
-    ordinal = int(extension().emu_device_lookup(tensor.data_ptr(), max(nbytes, 1)))
-    return Device("emulated", ordinal) if ordinal >= 0 else None

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pointerdomain.domains import HostVA
-from pointerdomain.errors import DomainError, LayoutError
+from pointerdomain.errors import LayoutError
 from pointerdomain.layouts import KVLayout
-from pointerdomain.tables import PointerTable
+from pointerdomain.tables import PointerTable, require_domain
 
 __all__ = ["BufferInfo", "buffer_infos", "page_buffer_meta"]
 
@@ -38,13 +38,8 @@ class BufferInfo(BaseModel, frozen=True):
 
 
 def _check_host(table: object) -> PointerTable[HostVA]:
-    if not isinstance(table, PointerTable) or table.domain is not HostVA:
-        what = f"PointerTable[{table.domain.__name__}]" if isinstance(table, PointerTable) else type(table).__name__
-        raise DomainError(
-            f"metadata needs a PointerTable[HostVA] (from host_ptr_table), got {what}: "
-            "device aliases must never reach transfer engines or CPU code"
-        )
-    return table
+    return require_domain("table", table, HostVA, "metadata",
+                          "device aliases must never reach transfer engines or CPU code; build it with host_ptr_table")
 
 
 def buffer_infos(table: PointerTable[HostVA], item_bytes: int) -> list[BufferInfo]:

@@ -10,19 +10,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
+from typing import Protocol
 
 import torch
 
-from pointerdomain.domains import Device, DeviceAlias, HostVA
+from pointerdomain.allocation import alloc_registered, device_empty
+from pointerdomain.devices import Device, validate_device
+from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import InvalidArgumentError, LayoutError
-from pointerdomain.guard import validate_device
-from pointerdomain.kernels import DEFAULT_MAX_CTAS, Backend, transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.kernels import DEFAULT_MAX_CTAS, MaxCtas, TransferBackend, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, alloc_registered, device_empty
+from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 
-__all__ = ["DeviceKVPool", "HostKVPool"]
+__all__ = ["DeviceKVPool", "DevicePool", "HostKVPool"]
+
+
+class DevicePool(Protocol):
+    """What a host pool needs from a device pool: its layout and its kernel table.
+
+    :class:`pointerdomain.DeviceKVPool` and
+    :class:`pointerdomain.adapters.sglang.DeviceKVBuffers` satisfy it.
+    """
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def table(self) -> PointerTable[DeviceAlias]: ...
 
 
 class DeviceKVPool:
@@ -84,19 +100,14 @@ class HostKVPool:
             layout.nbytes, self.device, granularity=layout.page_block_bytes(), max_chunk_bytes=max_chunk_bytes
         )
         self.buffer = self.memory.tensor[: layout.nbytes].view(layout.torch_dtype).view(layout.buffer_shape)
-        if len(self.memory.chunks) == 1:
-            entries = [self.buffer]
-        else:
-            flat = self.memory.tensor[: layout.nbytes]
-            block = layout.page_block_bytes()
-            entries = [flat[i : i + block] for i in range(0, layout.nbytes, block)]
+        entries = [self.buffer] if len(self.memory.chunks) == 1 else layout.page_block_views(self.buffer)
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
         self._close_hooks: list[Callable[[], None]] = []
 
     def backup(
         self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, *,
-        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """D2H: copy token slots ``device_indices`` of ``device_pool`` to ``host_indices``, all layers.
@@ -111,7 +122,7 @@ class HostKVPool:
 
     def load(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
-        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
@@ -123,7 +134,7 @@ class HostKVPool:
 
     def load_layer(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, *,
-        stream: int | None = None, max_ctas: int | None = DEFAULT_MAX_CTAS, backend: Backend = "auto",
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
         validate_indices: bool = True,
     ) -> None:
         """H2D for one layer (overlaps the forward pass layer by layer)."""

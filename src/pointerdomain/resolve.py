@@ -15,30 +15,34 @@ Policies are cached per process and device; :func:`reset_resolver_cache` clears 
 
 from __future__ import annotations
 
-import ctypes
 import enum
-import glob
-import os
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pointerdomain._extension import extension, gpu_ops_built
-from pointerdomain.domains import Device, DeviceAlias, HostVA
-from pointerdomain.errors import AliasOpMissingError, NotRegisteredError, RuntimeCallError
-from pointerdomain.guard import validate_device
+from pointerdomain._platform import backend_for
+from pointerdomain._platform.cuda_hint import BUILD_HINT
+from pointerdomain._platform.status import check
+from pointerdomain.devices import Device, validate_device
+from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.errors import AliasOpMissingError, DomainError, NotRegisteredError
 from pointerdomain.memory import find_closed_registration, find_registration
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AliasPolicy", "alias_policy", "fallback_count", "reset_resolver_cache", "resolve_alias"]
-
-_BUILD_HINT = (
-    "install a pointerdomain build with the GPU ops: `pip install --no-build-isolation .` on a machine "
-    "with the CUDA toolkit (nvcc on PATH) or, for ROCm, with POINTERDOMAIN_GPU=hip (README, Building)"
-)
-
+__all__ = [
+    "AliasPolicy",
+    "alias_of",
+    "alias_policy",
+    "cached_policy",
+    "can_use_host_pointer",
+    "decide_policy",
+    "fallback_count",
+    "policy_of",
+    "reset_resolver_cache",
+    "resolve_alias",
+]
 
 class AliasPolicy(enum.Enum):
     """How device aliases are obtained for a device."""
@@ -84,49 +88,33 @@ def decide_policy(runtime: str, has_op: bool, can_use_host_pointer: int | None) 
     if has_op:
         return AliasPolicy.RUNTIME_OP
     if runtime == "hip":
-        raise AliasOpMissingError(f"this pointerdomain build has no hipHostGetDevicePointer op; {_BUILD_HINT}")
+        raise AliasOpMissingError(f"this pointerdomain build has no hipHostGetDevicePointer op; {BUILD_HINT}")
     if can_use_host_pointer == 1:
         return AliasPolicy.HOST_POINTER_FALLBACK
     seen = "could not be read" if can_use_host_pointer is None else f"is {can_use_host_pointer}"
     raise AliasOpMissingError(
         "this pointerdomain build has no cudaHostGetDevicePointer op and "
-        f"cudaDevAttrCanUseHostPointerForRegisteredMem {seen}, so host VAs are not valid in kernels; {_BUILD_HINT}"
+        f"cudaDevAttrCanUseHostPointerForRegisteredMem {seen}, so host VAs are not valid in kernels; {BUILD_HINT}"
     )
 
 
-def _torch_runtime() -> str:
-    import torch
-
-    return "hip" if getattr(torch.version, "hip", None) else "cuda"
-
-
-def _load_cudart() -> Any:
-    import torch
-
-    roots = [os.path.dirname(torch.__file__), os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia")]
-    for root in roots:
-        for path in sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True)):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    return ctypes.CDLL("libcudart.so")
-
-
 def can_use_host_pointer(device: Device) -> int | None:
-    """``cudaDevAttrCanUseHostPointerForRegisteredMem`` (attribute 91) for a CUDA device,
-    or None if it cannot be read."""
-    if gpu_ops_built():
-        status, value = extension().gpu_can_use_host_pointer_for_registered_mem(device.ordinal)
-        return int(value) if status == 0 else None
-    try:
-        lib = _load_cudart()
-        value = ctypes.c_int(0)
-        if lib.cudaDeviceGetAttribute(ctypes.byref(value), 91, device.ordinal) != 0:
-            return None
-        return int(value.value)
-    except (OSError, AttributeError):
-        return None
+    """``cudaDevAttrCanUseHostPointerForRegisteredMem`` of ``device``, or None if it cannot be read."""
+    return backend_for(device).can_use_host_pointer(device)
+
+
+def policy_of(device: Device) -> AliasPolicy:
+    """The alias policy of ``device``, not cached (see :func:`alias_policy`).
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+        AliasOpMissingError: see :func:`decide_policy`.
+    """
+    backend = backend_for(device)
+    if backend.runtime == "emulated":
+        return AliasPolicy.EMULATED
+    has_op = backend.has_alias_op
+    return decide_policy(backend.runtime, has_op, None if has_op else backend.can_use_host_pointer(device))
 
 
 def alias_policy(device: Device | str | torch.device) -> AliasPolicy:
@@ -137,18 +125,16 @@ def alias_policy(device: Device | str | torch.device) -> AliasPolicy:
         ExtensionUnavailableError: the extension does not import.
         AliasOpMissingError: see :func:`decide_policy`.
     """
-    dev = validate_device(device)
+    return cached_policy(validate_device(device))
+
+
+def cached_policy(dev: Device) -> AliasPolicy:
+    """:func:`alias_policy` for a validated device (internal callers)."""
     with _lock:
         policy = _policies.get(dev)
     if policy is not None:
         return policy
-    if dev.type == "emulated":
-        extension()
-        policy = AliasPolicy.EMULATED
-    else:
-        has_op = gpu_ops_built() and hasattr(extension(), "gpu_host_get_device_pointer")
-        runtime = str(getattr(extension(), "gpu_runtime", _torch_runtime()))
-        policy = decide_policy(runtime, has_op, None if has_op else can_use_host_pointer(dev))
+    policy = policy_of(dev)
     with _lock:
         _policies[dev] = policy
     return policy
@@ -166,27 +152,30 @@ def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlia
         AliasOpMissingError: no way to get a valid alias on this device.
         RuntimeCallError: the runtime call failed.
     """
-    from pointerdomain.errors import DomainError
-
     if not isinstance(va, HostVA):
         raise DomainError(f"resolve_alias takes a HostVA, got {type(va).__name__}")
-    dev = validate_device(device)
-    policy = alias_policy(dev)
+    return alias_of(va, validate_device(device))
+
+
+def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
+    """:func:`resolve_alias` for a validated device (internal callers)."""
+    policy = cached_policy(dev)
     owner = find_registration(va)
     if owner is not None:
         owner.check_open()
     elif (closed := find_closed_registration(va)) is not None:
         closed.check_open()  # raises ClosedError
-    elif policy is AliasPolicy.EMULATED or not _runtime_reports_host(va):
+    elif policy is AliasPolicy.EMULATED or not backend_for(dev).pointer_is_host(va.value):
         raise NotRegisteredError(
             f"{va!r} is not inside registered host memory; register it first "
             "(pointerdomain.alloc_registered / register_host_tensor)"
         )
+    backend = backend_for(dev)
     if policy is AliasPolicy.EMULATED:
-        status, alias = extension().emu_get_device_pointer(va.value)
+        status, alias = backend.alias(va.value, dev)
         if status != 0:
             raise NotRegisteredError(f"{va!r} has no emulated alias (status {status})")
-        return DeviceAlias(int(alias), dev)
+        return DeviceAlias(alias, dev)
     if policy is AliasPolicy.HOST_POINTER_FALLBACK:
         global _fallbacks
         with _lock:
@@ -195,20 +184,11 @@ def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlia
         if first:
             warnings.warn(
                 f"pointerdomain: device-pointer op missing; using host VAs as aliases on {dev} "
-                f"(CanUseHostPointerForRegisteredMem = 1). {_BUILD_HINT}",
+                f"(CanUseHostPointerForRegisteredMem = 1). {BUILD_HINT}",
                 FallbackWarning,
                 stacklevel=2,
             )
         return DeviceAlias(va.value, dev)
-    status, alias = extension().gpu_host_get_device_pointer(va.value, dev.ordinal)
-    if status != 0:
-        raise RuntimeCallError("cudaHostGetDevicePointer", int(status), str(extension().gpu_error_string(status)))
-    return DeviceAlias(int(alias), dev)
-
-
-def _runtime_reports_host(va: HostVA) -> bool:
-    """True when the GPU runtime knows ``va`` as pinned host memory (e.g. torch ``pin_memory()``)."""
-    if not gpu_ops_built():
-        return False
-    status, is_host = extension().gpu_pointer_is_host(va.value)
-    return status == 0 and bool(is_host)
+    status, alias = backend.alias(va.value, dev)
+    check(backend, "cudaHostGetDevicePointer", status)
+    return DeviceAlias(alias, dev)

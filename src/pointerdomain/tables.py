@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from typing_extensions import final
 
-from pointerdomain.domains import Address, Device, DeviceAlias, HostVA
+from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import (
     ClosedError,
     DeviceMismatchError,
@@ -30,17 +30,12 @@ from pointerdomain.errors import (
     NotRegisteredError,
     RegistrationSpanError,
 )
-from pointerdomain.guard import validate_device
-from pointerdomain.memory import (
-    RegisteredHostMemory,
-    device_empty,
-    find_closed_registration,
-    find_registration,
-    memory_device,
-)
-from pointerdomain.resolve import resolve_alias
+from pointerdomain.allocation import device_empty, memory_device
+from pointerdomain.devices import Device, validate_device
+from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
+from pointerdomain.resolve import alias_of
 
-__all__ = ["PointerTable", "host_ptr_table", "make_kernel_ptr_table"]
+__all__ = ["PointerTable", "host_ptr_table", "make_kernel_ptr_table", "require_domain"]
 
 #: The address domain of a table. Invariant on purpose: a PointerTable[HostVA]
 #: is not a PointerTable[DeviceAlias], nor a table of the base Address.
@@ -146,6 +141,14 @@ class PointerTable(Generic[D]):
         used to build copy-engine descriptors without reading the device copy)."""
         return self._values
 
+    def registrations(self) -> tuple[RegisteredHostMemory, ...]:
+        """The registrations this table points into (kept open-checked at every launch)."""
+        return self._owners
+
+    def kept_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this table keeps alive (the buffers it was built from)."""
+        return self._keepalive
+
     def check_live(self) -> None:
         """Raises:
         ClosedError: a registration this table points into was closed."""
@@ -155,6 +158,28 @@ class PointerTable(Generic[D]):
     def __repr__(self) -> str:
         where = "host" if self._device is None else str(self._device)
         return f"PointerTable[{self._domain.__name__}]({len(self)} entries, {where})"
+
+
+def require_domain(name: str, table: object, domain: type[D], use: str, why: str) -> PointerTable[D]:
+    """``table`` if it is a ``PointerTable[domain]``: the one table-domain check of the
+    launch, metadata and adapter paths (checked mode repeats it on purpose).
+
+    Args:
+        name: the argument, for the message.
+        domain: ``DeviceAlias`` or ``HostVA``.
+        use: what the table reached (``"a kernel launch"``, ``"metadata"``).
+        why: why the other domain is refused and how to build the right table.
+
+    Raises:
+        DomainError: another object, or a table of the other domain.
+    """
+    if isinstance(table, PointerTable) and table.domain is domain:
+        return table
+    want = f"PointerTable[{domain.__name__}]"
+    if isinstance(table, PointerTable):
+        got = f"PointerTable[{table.domain.__name__}]"
+        raise DomainError(f"{name}: a {got} reached {use}; {use} needs a {want}, got {got}: {why}")
+    raise DomainError(f"{name}: expected a {want}, got {type(table).__name__}; {use} needs a {want}: {why}")
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -199,11 +224,10 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
                 f"(+{closed.nbytes} bytes) and that registration was closed: found a closed registration, "
                 "expected an open one. Fix: register the memory again (register_host_tensor) and rebuild the table"
             )
-        if device.type == "cuda":
-            try:
-                return resolve_alias(va, device).value, None  # pinned by the runtime (e.g. pin_memory())
-            except NotRegisteredError:
-                pass
+        try:
+            return alias_of(va, device).value, None  # pinned by the runtime (e.g. pin_memory())
+        except NotRegisteredError:
+            pass
         raise DomainError(
             f"{name}: unregistered host memory at {va!r} (a HostVA) cannot be read by a kernel on {device}; "
             "allocate it with pointerdomain.alloc_registered or register it with register_host_tensor"
@@ -215,7 +239,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
         owner.chunk_of(va, nbytes)
     except RegistrationSpanError as exc:
         raise RegistrationSpanError(f"{name}: {exc}") from None
-    return resolve_alias(va, device).value, owner
+    return alias_of(va, device).value, owner
 
 
 def make_kernel_ptr_table(tensors: Sequence[torch.Tensor], device: Device | str | torch.device) -> PointerTable[DeviceAlias]:

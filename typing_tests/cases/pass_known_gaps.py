@@ -18,7 +18,6 @@ from pointerdomain import (
     DeviceAlias,
     HostVA,
 )
-from pointerdomain._extension import extension
 from pointerdomain.errors import DomainError
 
 va = HostVA(0x10_0000)
@@ -41,12 +40,3 @@ with raises(DomainError, "a distance is only defined inside one domain"):
 # G3. bool is an int: a flag added to an address type-checks.
 with raises(DomainError, "only a byte count (int) can be added"):
     assert_type(va + True, HostVA)
-
-# G4. The library reaches the extension through extension() -> ModuleType, whose
-#     attributes are Any: calls made that way bypass the _C.pyi stub (type-checked
-#     only; not run).
-def unchecked_extension_call() -> None:
-    extension().emu_unregister(va)  # the stub says int; nothing checks it here
-
-
-assert callable(unchecked_extension_call)

@@ -27,7 +27,7 @@ from pointerdomain import (
     transfer_kv_all_layer,
     transfer_kv_per_layer,
 )
-from pointerdomain.guard import validate_device
+from pointerdomain.devices import validate_device
 
 
 class TransferEngine:

@@ -30,18 +30,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from pointerdomain.adapters._common import dtype_name, launch_options, tensor_nbytes
-from pointerdomain.domains import Device, DeviceAlias
+from pointerdomain import (
+    DEFAULT_MAX_CTAS,
+    Device,
+    DeviceAlias,
+    KVLayout,
+    MaxCtas,
+    PointerTable,
+    external_stream,
+    make_kernel_ptr_table,
+    memory_device,
+    transfer_kv_all_layer,
+    validate_device,
+)
 from pointerdomain.errors import ClosedError, DomainError, IndexValidationError, LayoutError, NonContiguousError
-from pointerdomain.guard import validate_device
-from pointerdomain.kernels import transfer_kv_all_layer
-from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import memory_device
-from pointerdomain.tables import PointerTable, make_kernel_ptr_table
 
 __all__ = ["LayerPointerCache", "PagedKVConnector", "TensorKey"]
 
@@ -77,7 +83,7 @@ class LayerPointerCache:
     @staticmethod
     def key_of(tensors: Sequence[torch.Tensor]) -> TensorKey:
         """The cache key of ``tensors``: ``(data_ptr, nbytes, storage id)`` each."""
-        return tuple((t.data_ptr(), tensor_nbytes(t), _storage_id(t)) for t in tensors)
+        return tuple((t.data_ptr(), t.nbytes, _storage_id(t)) for t in tensors)
 
     def get(self, tensors: Sequence[torch.Tensor], device: Device | str | torch.device) -> PointerTable[DeviceAlias]:
         """The kernel table of ``tensors`` for ``device``, cached.
@@ -115,6 +121,10 @@ class LayerPointerCache:
         return len(self._entries)
 
 
+def _parse(device: Device | str | torch.device | None) -> Device | None:
+    return None if device is None else validate_device(device)
+
+
 class PagedKVConnector:
     """LMCache's paged-memory connector call shapes over typed, cached tables.
 
@@ -138,7 +148,7 @@ class PagedKVConnector:
         slot_mapping: torch.Tensor,
         device: Device | str | torch.device | None = None,
         stream: int | None = None,
-        max_ctas: int | None = None,
+        max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
     ) -> None:
         """D2H (or D2D): tokens ``start:end`` of the paged caches -> ``memory_obj``, every layer.
 
@@ -163,7 +173,7 @@ class PagedKVConnector:
             IndexValidationError: a bad token range, or a slot out of range.
             Everything :func:`pointerdomain.transfer_kv_all_layer` raises.
         """
-        self._move(memory_obj, start, end, kvcaches, slot_mapping, device, to_gpu=False, stream=stream, max_ctas=max_ctas)
+        self._move(memory_obj, start, end, kvcaches, slot_mapping, _parse(device), to_gpu=False, stream=stream, max_ctas=max_ctas)
 
     def to_gpu(
         self,
@@ -175,13 +185,13 @@ class PagedKVConnector:
         slot_mapping: torch.Tensor,
         device: Device | str | torch.device | None = None,
         stream: int | None = None,
-        max_ctas: int | None = None,
+        max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
     ) -> None:
         """H2D (or D2D): ``memory_obj`` -> tokens ``start:end`` of the paged caches, every layer.
 
         Arguments and errors as :meth:`from_gpu`.
         """
-        self._move(memory_obj, start, end, kvcaches, slot_mapping, device, to_gpu=True, stream=stream, max_ctas=max_ctas)
+        self._move(memory_obj, start, end, kvcaches, slot_mapping, _parse(device), to_gpu=True, stream=stream, max_ctas=max_ctas)
 
     def _move(
         self,
@@ -190,11 +200,11 @@ class PagedKVConnector:
         end: int,
         kvcaches: Sequence[torch.Tensor],
         slot_mapping: torch.Tensor,
-        device: Device | str | torch.device | None,
+        device: Device | None,
         *,
         to_gpu: bool,
         stream: int | None,
-        max_ctas: int | None,
+        max_ctas: MaxCtas,
     ) -> None:
         caches = list(kvcaches)
         if not caches:
@@ -220,7 +230,7 @@ class PagedKVConnector:
                 raise DomainError("kvcaches are host memory; a paged KV cache is device memory")
             dev = where
         else:
-            dev = validate_device(device)
+            dev = device
         if type(start) is not int or type(end) is not int or not 0 <= start <= end <= slot_mapping.numel():
             raise IndexValidationError(f"token range [{start!r}, {end!r}) outside slot_mapping of {slot_mapping.numel()} slots")
         count = end - start
@@ -229,13 +239,13 @@ class PagedKVConnector:
         slots = int(first[0].shape[0] * first[0].shape[1]) if attention == "mha" else int(first.shape[0] * first.shape[1])
         common: dict[str, Any] = dict(
             attention=attention, num_layers=len(caches), page_size=1, num_heads=heads, head_dim=dim,
-            dtype=dtype_name(first.dtype),
+            dtype=KVLayout.dtype_name(first.dtype),
         )
         paged_layout = KVLayout(kind="layer_first", num_pages=slots, **common)
         chunk_layout = KVLayout(kind="layer_first", num_pages=count, **common)
-        if tensor_nbytes(memory_obj) != chunk_layout.nbytes:
+        if memory_obj.nbytes != chunk_layout.nbytes:
             raise LayoutError(
-                f"memory_obj holds {tensor_nbytes(memory_obj)} bytes; {count} tokens x {len(caches)} layers need "
+                f"memory_obj holds {memory_obj.nbytes} bytes; {count} tokens x {len(caches)} layers need "
                 f"{chunk_layout.nbytes}"
             )
         if not memory_obj.is_contiguous():
@@ -244,19 +254,19 @@ class PagedKVConnector:
         chunk_table = make_kernel_ptr_table([memory_obj], dev)
         chunk_idx = torch.arange(count, dtype=torch.int64, device=dev.torch_device)
         slot_idx = slot_mapping[start:end]
-        if stream is not None and dev.type == "cuda":
+        side = external_stream(dev, stream)
+        if side is not None:
             # The table and index tensors are freed when this returns; keep the caching
             # allocator from reusing them before the launch on `stream` has read them.
-            side = cast(Any, torch.cuda).ExternalStream(stream, device=dev.torch_device)
             chunk_table.record_stream(side)
             chunk_idx.record_stream(side)
         if to_gpu:
             transfer_kv_all_layer(
                 chunk_table, paged_table, chunk_idx, slot_idx, src_layout=chunk_layout, dst_layout=paged_layout,
-                **launch_options(stream, max_ctas),
+                stream=stream, max_ctas=max_ctas,
             )
         else:
             transfer_kv_all_layer(
                 paged_table, chunk_table, slot_idx, chunk_idx, src_layout=paged_layout, dst_layout=chunk_layout,
-                **launch_options(stream, max_ctas),
+                stream=stream, max_ctas=max_ctas,
             )

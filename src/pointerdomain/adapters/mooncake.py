@@ -32,10 +32,8 @@ from typing import Any
 
 from typing_extensions import TypeAlias
 
-from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.errors import DomainError, NotRegisteredError, PointerDomainError, RuntimeCallError
-from pointerdomain.metadata import BufferInfo
-from pointerdomain.tables import PointerTable
+from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
+from pointerdomain.errors import DomainError, ExtensionUnavailableError, NotRegisteredError, PointerDomainError, RuntimeCallError
 
 __all__ = ["EngineUnavailableError", "HostTransferEngine", "as_host_va"]
 
@@ -76,12 +74,10 @@ def as_host_va(value: object, name: str = "address") -> HostVA:
 def _device_memory_at(va: HostVA, nbytes: int) -> str | None:
     """Name of the emulated device whose memory holds the range, or None."""
     try:
-        from pointerdomain._extension import extension
-
-        ordinal = int(extension().emu_device_lookup(va.value, max(nbytes, 1)))
-    except (ImportError, AttributeError):
+        where = memory_device_at(va.value, nbytes)
+    except ExtensionUnavailableError:
         return None
-    return f"emulated:{ordinal}" if ordinal >= 0 else None
+    return None if where is None else str(where)
 
 
 class HostTransferEngine:

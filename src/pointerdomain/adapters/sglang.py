@@ -31,27 +31,31 @@ Buffer shapes (sglang names, ``size`` = token slots = ``num_pages * page_size``)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import torch
 
-from pointerdomain.adapters._common import (
+from pointerdomain import (
+    DEFAULT_MAX_CTAS,
+    BufferInfo,
+    Device,
+    DeviceAlias,
     DevicePool,
-    dtype_name,
-    index_list,
-    kernel_table_checked,
-    launch_options,
-    tensor_nbytes,
+    HostKVPool,
+    HostVA,
+    KVLayout,
+    MaxCtas,
+    PointerTable,
+    find_registration,
+    host_ptr_table,
+    index_tensor,
+    memory_device,
+    transfer_kv_all_layer,
+    transfer_kv_per_layer,
+    validate_device,
 )
-from pointerdomain.domains import Device, DeviceAlias, HostVA
-from pointerdomain.errors import IndexValidationError, LayoutError, NonContiguousError
-from pointerdomain.guard import validate_device
-from pointerdomain.kernels import transfer_kv_all_layer, transfer_kv_per_layer
-from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import find_registration
-from pointerdomain.metadata import BufferInfo
-from pointerdomain.pools import HostKVPool
-from pointerdomain.tables import PointerTable, host_ptr_table
+from pointerdomain import make_kernel_ptr_table as _core_kernel_table
+from pointerdomain.errors import DomainError, IndexValidationError, LayoutError, NonContiguousError
 
 __all__ = [
     "ContiguousBufInfos",
@@ -91,7 +95,24 @@ def make_kernel_ptr_table(
         NonContiguousError, DeviceMismatchError, RegistrationSpanError,
         ClosedError, InvalidDeviceError: as :func:`pointerdomain.make_kernel_ptr_table`.
     """
-    return kernel_table_checked(tensors, target_device, host_memory_registered=host_memory_registered)
+    dev = validate_device(target_device)
+    for i, t in enumerate(tensors):
+        if not isinstance(cast(object, t), torch.Tensor):
+            continue  # the core builder names the type
+        where = memory_device(t)
+        is_host = where is None and t.device.type == "cpu"
+        if host_memory_registered and not is_host:
+            raise DomainError(
+                f"tensors[{i}]: memory of {where or t.device}, but host_memory_registered=True says the "
+                "tensors are registered host memory"
+            )
+        if not host_memory_registered and is_host:
+            raise DomainError(
+                f"tensors[{i}]: host memory at {HostVA(t.data_ptr())!r} with host_memory_registered=False: its "
+                f"data_ptr() is a host VA, not an address a kernel on {dev} may use. Register it "
+                "(pointerdomain.register_host_tensor) and pass host_memory_registered=True"
+            )
+    return _core_kernel_table(tensors, dev)
 
 
 class ContiguousBufInfos(NamedTuple):
@@ -174,9 +195,9 @@ class HostKVCacheAdapter:
     def __init__(self, kv_buffer: torch.Tensor, layout: KVLayout, device: Device | str | torch.device) -> None:
         if not isinstance(cast(object, kv_buffer), torch.Tensor):
             raise TypeError(f"kv_buffer: expected a torch.Tensor, got {type(kv_buffer).__name__}")
-        if tensor_nbytes(kv_buffer) != layout.nbytes:
+        if kv_buffer.nbytes != layout.nbytes:
             raise LayoutError(
-                f"kv_buffer holds {tensor_nbytes(kv_buffer)} bytes but the {layout.kind} layout needs {layout.nbytes}"
+                f"kv_buffer holds {kv_buffer.nbytes} bytes but the {layout.kind} layout needs {layout.nbytes}"
             )
         if not kv_buffer.is_contiguous():
             raise NonContiguousError(f"kv_buffer of shape {tuple(kv_buffer.shape)} is strided; pass the pool buffer")
@@ -185,11 +206,8 @@ class HostKVCacheAdapter:
         self.kv_buffer = kv_buffer
         self.host_table: PointerTable[HostVA] = host_ptr_table([kv_buffer])
         owner = find_registration(HostVA(kv_buffer.data_ptr()), layout.nbytes)
-        entries = [kv_buffer]
-        if owner is not None and len(owner.chunks) > 1:
-            flat = kv_buffer.reshape(-1).view(torch.uint8)
-            block = layout.page_block_bytes()
-            entries = [flat[i : i + block] for i in range(0, layout.nbytes, block)]
+        chunked = owner is not None and len(owner.chunks) > 1
+        entries = layout.page_block_views(kv_buffer) if chunked else [kv_buffer]
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(
             entries, self.device, host_memory_registered=True
         )
@@ -233,15 +251,12 @@ class HostKVCacheAdapter:
         ``page_first*``: one region per K/V. ``item_lens`` = bytes of one page in
         the region (``kv_layout.page_block_bytes()``). Addresses are HostVA.
         """
-        lay = self.kv_layout
-        block = lay.page_block_bytes()
-        region = lay.num_pages * block
-        base = self.host_table[0]
-        count = lay.nbytes // region
-        return ContiguousBufInfos([base + r * region for r in range(count)], [region] * count, [block] * count)
+        regions = self.kv_layout.page_regions()
+        base, block = self.host_table[0], self.kv_layout.page_block_bytes()
+        return ContiguousBufInfos([base + off for off, _ in regions], [n for _, n in regions], [block] * len(regions))
 
     def _pages(self, indices: torch.Tensor | Sequence[int]) -> list[int]:
-        idx = index_list("indices", indices)
+        idx = index_tensor("indices", indices)
         ps = self.page_size
         if idx.numel() % ps:
             raise IndexValidationError(f"indices: {idx.numel()} token slots, not a multiple of page_size {ps}")
@@ -273,24 +288,13 @@ class HostKVCacheAdapter:
             IndexValidationError: wrong shape or dtype, a partial or misaligned
                 page, or a slot outside ``[0, size)``.
         """
-        lay = self.kv_layout
         base = self.host_table[0]
-        ptrs: list[HostVA] = []
-        sizes: list[int] = []
-        for page in self._pages(indices):
-            if lay.kind == "layer_first":
-                block = lay.page_size * lay.item_bytes
-                for layer in range(lay.num_layers):
-                    for kv in range(lay.num_kv):
-                        slot = (kv * lay.num_layers + layer) * lay.num_slots + page * lay.page_size
-                        ptrs.append(base + slot * lay.item_bytes)
-                        sizes.append(block)
-            else:
-                block = lay.page_block_bytes()
-                for kv in range(lay.num_kv):
-                    ptrs.append(base + kv * (lay.nbytes // lay.num_kv) + page * block)
-                    sizes.append(block)
-        return PageBufferMeta(ptrs, sizes)
+        blocks = [
+            block
+            for page in self._pages(indices)
+            for block in self.kv_layout.page_blocks(page, order="layer_major", merge=False)
+        ]
+        return PageBufferMeta([base + off for off, _ in blocks], [n for _, n in blocks])
 
     def backup_from_device_all_layer(
         self,
@@ -300,7 +304,7 @@ class HostKVCacheAdapter:
         io_backend: str = "kernel",
         *,
         stream: int | None = None,
-        max_ctas: int | None = None,
+        max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
     ) -> None:
         """D2H: token slots ``device_indices`` of ``device_pool`` -> ``host_indices``, every layer.
 
@@ -313,7 +317,8 @@ class HostKVCacheAdapter:
         _check_backend(io_backend)
         transfer_kv_all_layer(
             device_pool.table, self.kernel_table, device_indices, host_indices,
-            src_layout=device_pool.layout, dst_layout=self.kv_layout, **launch_options(stream, max_ctas),
+            src_layout=device_pool.layout, dst_layout=self.kv_layout,
+            stream=stream, max_ctas=max_ctas,
         )
 
     def load_to_device_all_layer(
@@ -324,13 +329,14 @@ class HostKVCacheAdapter:
         io_backend: str = "kernel",
         *,
         stream: int | None = None,
-        max_ctas: int | None = None,
+        max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
     ) -> None:
         """H2D: ``host_indices`` -> ``device_indices`` of ``device_pool``, every layer."""
         _check_backend(io_backend)
         transfer_kv_all_layer(
             self.kernel_table, device_pool.table, host_indices, device_indices,
-            src_layout=self.kv_layout, dst_layout=device_pool.layout, **launch_options(stream, max_ctas),
+            src_layout=self.kv_layout, dst_layout=device_pool.layout,
+            stream=stream, max_ctas=max_ctas,
         )
 
     def load_to_device_per_layer(
@@ -342,7 +348,7 @@ class HostKVCacheAdapter:
         io_backend: str = "kernel",
         *,
         stream: int | None = None,
-        max_ctas: int | None = None,
+        max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
     ) -> None:
         """H2D for one layer (layer-by-layer loading overlapping the forward pass).
 
@@ -353,7 +359,8 @@ class HostKVCacheAdapter:
         _check_backend(io_backend)
         transfer_kv_per_layer(
             self.kernel_table, device_pool.table, host_indices, device_indices, layer_id=layer_id,
-            src_layout=self.kv_layout, dst_layout=device_pool.layout, **launch_options(stream, max_ctas),
+            src_layout=self.kv_layout, dst_layout=device_pool.layout,
+            stream=stream, max_ctas=max_ctas,
         )
 
 
@@ -416,7 +423,7 @@ class DeviceKVBuffers:
             page_size=page_size,
             num_heads=heads,
             head_dim=dim,
-            dtype=dtype_name(first.dtype),
+            dtype=KVLayout.dtype_name(first.dtype),
         )
         self._table = make_kernel_ptr_table(buffers, device, host_memory_registered=False)
 

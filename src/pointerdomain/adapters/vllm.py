@@ -27,21 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from pointerdomain.adapters._common import (
-    check_kernel_table,
-    index_list,
-    kernel_table_checked,
-    same_device,
-    tensor_nbytes,
-)
-from pointerdomain.domains import Device, DeviceAlias
-from pointerdomain.errors import IndexValidationError, LayoutError
-from pointerdomain.guard import validate_device
-from pointerdomain.tables import PointerTable
+from pointerdomain import Device, DeviceAlias, PointerTable, index_tensor, require_domain, validate_device
+from pointerdomain.adapters.sglang import make_kernel_ptr_table
+from pointerdomain.errors import DeviceMismatchError, DomainError, IndexValidationError, LayoutError
 
 __all__ = ["BatchCopyFn", "BlockCopyBatch", "CpuGpuBlockOffload", "block_copy_batch", "run_batch_copy"]
 
@@ -165,20 +156,42 @@ def block_copy_batch(
         IndexValidationError: id lists of different lengths or shapes, or a block
             past an entry's end.
     """
-    s = check_kernel_table("src", src)
-    d = check_kernel_table("dst", dst)
-    device = same_device("block_copy_batch", s.device, d.device)
+    s = _kernel_table("src", src)
+    d = _kernel_table("dst", dst)
+    device = _same_device("block_copy_batch", s.device, d.device)
     if len(s) != len(d):
         raise LayoutError(f"src has {len(s)} entries but dst has {len(d)}; entry t must be the same tensor on both sides")
     sizes_per_entry = _per_entry("block_bytes", block_bytes, len(s))
-    s_ids = index_list("src_block_ids", src_block_ids)
-    d_ids = index_list("dst_block_ids", dst_block_ids)
+    s_ids = index_tensor("src_block_ids", src_block_ids)
+    d_ids = index_tensor("dst_block_ids", dst_block_ids)
     if s_ids.numel() != d_ids.numel():
         raise IndexValidationError(f"src_block_ids has {s_ids.numel()} blocks but dst_block_ids has {d_ids.numel()}")
     src_ptrs = _addresses(s, s_ids, sizes_per_entry, "src")
     dst_ptrs = _addresses(d, d_ids, sizes_per_entry, "dst")
     sizes = torch.tensor(sizes_per_entry, dtype=torch.int64).repeat_interleave(s_ids.numel())
     return BlockCopyBatch(src_ptrs, dst_ptrs, sizes, device, (s, d))
+
+
+def _kernel_table(name: str, table: object) -> PointerTable[DeviceAlias]:
+    checked = require_domain(name, table, DeviceAlias, "a batch copy",
+                             "copy descriptors and kernels take device aliases, never host VAs; build it with "
+                             "make_kernel_ptr_table")
+    checked.check_live()
+    return checked
+
+
+def _same_device(name: str, a: Device | None, b: Device | None) -> Device:
+    """The common device of two kernel tables.
+
+    Raises:
+        DomainError: a host table (no device).
+        DeviceMismatchError: different devices.
+    """
+    if a is None or b is None:
+        raise DomainError(f"{name}: a host table has no device")
+    if a != b:
+        raise DeviceMismatchError(f"{name}: tables for {a} and {b}; a batch copy runs on one device")
+    return a
 
 
 def run_batch_copy(batch: BlockCopyBatch, copy_fn: BatchCopyFn) -> int:
@@ -204,7 +217,7 @@ def _block_bytes(name: str, tensors: Sequence[torch.Tensor]) -> list[int]:
     for i, t in enumerate(tensors):
         if t.dim() < 1 or t.shape[0] == 0:
             raise LayoutError(f"{name}[{i}]: shape {tuple(t.shape)}; expected block-major [num_blocks, ...]")
-        out.append(tensor_nbytes(t) // int(t.shape[0]))
+        out.append(t.nbytes // int(t.shape[0]))
     return out
 
 
@@ -241,10 +254,10 @@ class CpuGpuBlockOffload:
             raise LayoutError(f"block sizes differ: GPU {gpu_bytes} vs CPU {cpu_bytes} bytes")
         self.device: Device = validate_device(device)
         self.block_bytes: list[int] = gpu_bytes
-        self.gpu_table: PointerTable[DeviceAlias] = kernel_table_checked(
+        self.gpu_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(
             gpu_tensors, self.device, host_memory_registered=False
         )
-        self.cpu_table: PointerTable[DeviceAlias] = kernel_table_checked(
+        self.cpu_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(
             cpu_tensors, self.device, host_memory_registered=True
         )
 

@@ -1,0 +1,238 @@
+"""The platform layer: the only code that imports the compiled extension (``_C``).
+
+Everything the library asks of a platform goes through a :class:`Backend`
+(``base.py``): registration, device aliases, pointer queries, device
+attributes, allocation, launches, copy-engine runs and synchronisation. One
+module per backend:
+
+* ``emulated.py``: the CPU stand-in whose aliases differ from host VAs;
+* ``cuda.py``: CUDA (HIP builds share it), and the torch-cudart stand-in for
+  builds without the GPU ops;
+* ``faulty.py``: a fault-injecting wrapper for tests (the example of a new backend:
+  one file, installed with :func:`pointerdomain._platform.testing.install_backend`).
+
+The backend for a device is chosen here, by :func:`backend_for`, and nowhere
+else. Backend modules import ``_C`` at their top (so mypy checks every call
+against ``_C.pyi``); this package imports them on first use, so
+``import pointerdomain`` works without the extension and the first call that
+needs it raises :class:`~pointerdomain.errors.ExtensionUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pointerdomain._platform.base import Backend
+from pointerdomain.errors import ExtensionUnavailableError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pointerdomain._C import KernelPlan
+    from pointerdomain.devices import Device
+
+__all__ = [
+    "Backend",
+    "backend_for",
+    "default_device",
+    "device_holding",
+    "extension_ops",
+    "extension_path",
+    "gpu_ops_built",
+    "kernel_plan",
+    "memory_device",
+    "on_backend_change",
+    "register_backend",
+    "runtime_devices",
+    "visible_devices",
+]
+
+_lock = threading.Lock()
+_factories: dict[str, Callable[[], Backend]] = {}
+_backends: dict[str, Backend] = {}  # device type -> the backend in use (read without the lock)
+_on_swap: list[Callable[[], None]] = []  # caches of backend-derived state (launch plans)
+
+
+def _import(name: str) -> object:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ExtensionUnavailableError(
+            f"pointerdomain._C could not be imported ({exc}); reinstall with `pip install .` from a source "
+            "checkout so the extension is built for this Python"
+        ) from exc
+
+
+def _emulated() -> Backend:
+    from pointerdomain.devices import EMULATED_DEVICE_COUNT
+
+    _import("pointerdomain._platform.emulated")
+    from pointerdomain._platform.emulated import EmulatedBackend
+
+    return EmulatedBackend(EMULATED_DEVICE_COUNT)
+
+
+def _cuda() -> Backend:
+    _import("pointerdomain._platform.cuda")
+    from pointerdomain._platform.cuda import CudaBackend, TorchCudartBackend
+
+    return CudaBackend() if gpu_ops_built() else TorchCudartBackend()
+
+
+def register_backend(device_type: str, factory: Callable[[], Backend]) -> None:
+    """Make ``factory`` build the backend of ``device_type`` devices (on first use)."""
+    with _lock:
+        _factories[device_type] = factory
+        replaced = _backends.pop(device_type, None) is not None
+    if replaced:
+        for callback in _on_swap:
+            callback()
+
+
+register_backend("emulated", _emulated)
+register_backend("cuda", _cuda)
+
+
+def backend_for(device: Device) -> Backend:
+    """The backend of ``device`` (built on first use, then cached).
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    backend = _backends.get(device.type)
+    if backend is not None:
+        return backend
+    with _lock:
+        backend = _backends.get(device.type)
+        if backend is None:
+            backend = _factories[device.type]()
+            _backends[device.type] = backend
+    return backend
+
+
+def on_backend_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever a device type's backend is replaced (caches that hold
+    a backend, such as launch plans, drop their entries)."""
+    _on_swap.append(callback)
+
+
+def _swap(device_type: str, backend: Backend | None) -> Backend | None:
+    """Install ``backend`` for ``device_type`` (None: the registered one, rebuilt on
+    next use) and return the one it replaces. For :mod:`.testing`."""
+    with _lock:
+        previous = _backends.get(device_type)
+        if backend is None:
+            _backends.pop(device_type, None)
+        else:
+            _backends[device_type] = backend
+    for callback in _on_swap:
+        callback()
+    return previous
+
+
+def gpu_ops_built() -> bool:
+    """True when the extension was built with the CUDA (or HIP) kernels and runtime ops.
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    _import("pointerdomain._platform.native")
+    from pointerdomain._platform.native import GPU_BUILT
+
+    return GPU_BUILT
+
+
+def extension_path() -> str:
+    """File of the loaded extension (for ``pointerdomain doctor``).
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    _import("pointerdomain._platform.native")
+    from pointerdomain._platform.native import PATH
+
+    return PATH
+
+
+def visible_devices() -> list[Device]:
+    """The CUDA devices torch sees, or ``[emulated:0]`` when there are none."""
+    from pointerdomain.devices import Device
+
+    count = backend_for(Device("cuda", 0)).device_count() if _cuda_visible() else 0
+    return [Device("cuda", i) for i in range(count)] or [Device("emulated", 0)]
+
+
+def default_device() -> Device:
+    """``cuda:<current>`` when a GPU and the GPU ops are there, else ``emulated:0``."""
+    from pointerdomain.devices import Device, current_device
+
+    if _cuda_visible() and gpu_ops_built():
+        return current_device("cuda")
+    return Device("emulated", 0)
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def runtime_devices() -> dict[str, object]:
+    """The GPU runtime's own device count and version (``pointerdomain doctor``); only
+    for builds with the GPU ops (:func:`gpu_ops_built`).
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    _import("pointerdomain._platform.cuda")
+    from pointerdomain._platform.cuda import runtime_report
+
+    return runtime_report()
+
+
+def extension_ops() -> list[str]:
+    """Names of the extension's functions and classes, sorted (for ``pointerdomain doctor``).
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    _import("pointerdomain._platform.native")
+    from pointerdomain._platform.native import OPS
+
+    return list(OPS)
+
+
+def kernel_plan(
+    src_table: int, src_geometry: tuple[int, ...], dst_table: int, dst_geometry: tuple[int, ...],
+    page_size: int, num_kv: int, item_bytes: int, vec_bytes: int,
+) -> KernelPlan:
+    """The bound launch struct (``_C.KernelPlan``) every backend's :meth:`~Backend.launch` takes."""
+    _import("pointerdomain._platform.native")
+    from pointerdomain._platform.native import KernelPlan
+
+    return KernelPlan(src_table, src_geometry, dst_table, dst_geometry, page_size, num_kv, item_bytes, vec_bytes)
+
+
+def memory_device(tensor: torch.Tensor, *, whole_storage: bool = False) -> Device | None:
+    """The device whose memory holds ``tensor`` (its elements, or its whole storage),
+    a CUDA device or an emulated device for emulated device memory; None for host memory."""
+    from pointerdomain.devices import Device
+
+    if tensor.device.type == "cuda":
+        return Device("cuda", int(tensor.get_device()))
+    if whole_storage:
+        storage = tensor.untyped_storage()
+        return device_holding(int(storage.data_ptr()), int(storage.nbytes()))
+    return device_holding(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def device_holding(addr: int, nbytes: int) -> Device | None:
+    """The emulated device whose allocation holds ``[addr, addr + nbytes)``, or None
+    (CUDA memory is known by its tensor, not by address: see :func:`memory_device`)."""
+    from pointerdomain.devices import Device
+
+    ordinal = backend_for(Device("emulated", 0)).device_lookup(addr, max(nbytes, 1))
+    return Device("emulated", ordinal) if ordinal >= 0 else None

@@ -1,0 +1,125 @@
+"""The :class:`Backend` protocol: everything the library asks of a platform.
+
+A backend speaks raw ints (addresses, ordinals, status codes) and torch
+tensors; the typed layer above wraps them in :class:`~pointerdomain.HostVA` /
+:class:`~pointerdomain.DeviceAlias`. Launches and copies raise the typed errors
+themselves (through :mod:`pointerdomain._platform.status`); registration calls
+return the runtime's status, because the registration layer names the chunk and
+rolls back before it raises.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from pointerdomain._C import KernelPlan
+    from pointerdomain.devices import Device
+
+__all__ = ["Backend"]
+
+
+class Backend(Protocol):
+    """One platform (emulated CPU, CUDA/HIP runtime, ...). See the module docstring.
+
+    Attributes:
+        name: short name for messages (``"emulated"``, ``"cuda"``, ``"hip"``, ``"torch-cudart"``).
+        runtime: ``"emulated"``, ``"cuda"`` or ``"hip"``.
+        has_alias_op: the backend can ask the runtime for a device alias
+            (``cudaHostGetDevicePointer``); False means the alias policy may fall back.
+        host_readable: the device's memory (kernel tables, indices) is readable from
+            the CPU without a synchronisation (true only for the emulated backend).
+    """
+
+    name: str
+    runtime: str
+    has_alias_op: bool
+    host_readable: bool
+
+    # registration ------------------------------------------------------------
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        """Register ``[va, va + nbytes)`` for ``device``: the runtime status (0 = success)."""
+        ...
+
+    def unregister(self, va: int, device: Device) -> int:
+        """Undo :meth:`register` of the range starting at ``va``: the runtime status."""
+        ...
+
+    def describe(self, code: int) -> str:
+        """The runtime's text for status ``code``."""
+        ...
+
+    # addresses ---------------------------------------------------------------
+    def alias(self, va: int, device: Device) -> tuple[int, int]:
+        """(status, device alias) of registered host address ``va``."""
+        ...
+
+    def pointer_is_host(self, ptr: int) -> bool:
+        """True when the runtime knows ``ptr`` as pinned / registered host memory."""
+        ...
+
+    def device_lookup(self, addr: int, nbytes: int) -> int:
+        """Ordinal of this backend's device allocation holding ``[addr, addr + nbytes)``, or -1."""
+        ...
+
+    # device attributes -------------------------------------------------------
+    def device_count(self) -> int:
+        """Number of devices this backend sees."""
+        ...
+
+    def can_use_host_pointer(self, device: Device) -> int | None:
+        """``CanUseHostPointerForRegisteredMem`` of ``device``, or None if unreadable."""
+        ...
+
+    def device_name(self, device: Device) -> str:
+        """The device's product name (for ``pointerdomain doctor``)."""
+        ...
+
+    def free_device_memory(self, device: Device) -> int | None:
+        """Free bytes of the device's own memory, or None where device memory is host
+        memory (the emulated backend: count it against host memory instead)."""
+        ...
+
+    # allocation --------------------------------------------------------------
+    def host_alloc(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of page-aligned host memory that :meth:`register` accepts (a uint8 tensor)."""
+        ...
+
+    def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
+        """``nbytes`` of device memory of ``device`` (a flat uint8 tensor)."""
+        ...
+
+    # launches ----------------------------------------------------------------
+    def current_stream(self, device: Device) -> int:
+        """The device's current stream as an int (0 where streams do not exist)."""
+        ...
+
+    def is_capturing(self, device: Device) -> bool:
+        """True while the current stream is being captured into a graph."""
+        ...
+
+    def launch(
+        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        """Run the transfer kernel of ``plan`` on ``n`` slot pairs (index arrays by
+        address); ``max_ctas`` <= 0 is the whole GPU.
+
+        Raises:
+            RuntimeCallError: the launch failed.
+        """
+        ...
+
+    def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
+        """``count`` copies ``dsts[i] <- srcs[i]`` of ``sizes[i]`` bytes (host uint64 arrays by address).
+
+        Raises:
+            RuntimeCallError: the copy failed.
+        """
+        ...
+
+    def synchronize(self, device: Device) -> None:
+        """Wait for the device's work (a no-op where launches are synchronous)."""
+        ...

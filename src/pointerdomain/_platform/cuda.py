@@ -1,0 +1,197 @@
+"""The CUDA backend (HIP builds share it: their differences stay in
+``src/kernels/gpu_compat.h``), and the torch-cudart stand-in for builds
+without the GPU ops (a CPU-only wheel on a GPU machine).
+
+Device memory is torch's (the caching allocator); registered host memory is
+``cudaHostRegister(portable | mapped)``; launches and copies are enqueued on the
+stream given, asynchronously.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import mmap
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from pointerdomain import _C
+from pointerdomain._platform.cuda_hint import BUILD_HINT
+from pointerdomain._platform.status import check
+from pointerdomain.errors import ExtensionUnavailableError
+
+if TYPE_CHECKING:
+    from pointerdomain.devices import Device
+
+__all__ = ["BUILD_HINT", "CudaBackend", "TorchCudartBackend", "load_cudart"]
+
+#: cudaDevAttrCanUseHostPointerForRegisteredMem (CUDA Runtime API, cudaDeviceAttr).
+_ATTR_CAN_USE_HOST_POINTER = 91
+
+
+def load_cudart() -> Any:
+    """libcudart through ctypes: the copy torch ships (or its nvidia wheels), else the system's.
+
+    Raises:
+        OSError: no libcudart can be loaded.
+    """
+    roots = [os.path.dirname(torch.__file__), os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia")]
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True)):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return ctypes.CDLL("libcudart.so")
+
+
+def runtime_report() -> dict[str, object]:
+    """What the extension's own runtime (CUDA or HIP, the one its kernels use) sees; torch
+    may be a CPU build that sees nothing. A runtime with no device (HIP: hipErrorNoDevice
+    from hipGetDeviceCount) is reported as ``"no device"``, not as a failure."""
+    status, count = _C.gpu_device_count()
+    _, version = _C.gpu_runtime_version()
+    if status != 0:
+        devices = f"no device ({_C.gpu_error_string(status)}, code {status})"
+        count = 0
+    else:
+        devices = f"{count} device(s)" if count else "no device"
+    return {"gpu_runtime_version": version, "gpu_device_count": count, "gpu_devices": devices}
+
+
+class _TorchDevice:
+    """What both CUDA backends take from torch: device memory, streams, capture state."""
+
+    host_readable = False
+
+    def device_count(self) -> int:
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+    def device_lookup(self, addr: int, nbytes: int) -> int:
+        return -1  # CUDA device memory is known by its tensor's device, not by address
+
+    def device_name(self, device: Device) -> str:
+        return str(torch.cuda.get_device_name(device.ordinal))
+
+    def free_device_memory(self, device: Device) -> int | None:
+        free, _total = torch.cuda.mem_get_info(device.ordinal)
+        return int(free)
+
+    def host_alloc(self, nbytes: int) -> torch.Tensor:
+        # Page-aligned start, so chunk cuts on a page-multiple granularity never split an
+        # OS page between two cudaHostRegister calls.
+        raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % mmap.PAGESIZE
+        return raw[skip : skip + nbytes]
+
+    def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device)
+
+    def current_stream(self, device: Device) -> int:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x cheaper
+        if raw is not None:
+            return int(raw(device.ordinal))
+        return int(torch.cuda.current_stream(device.torch_device).cuda_stream)
+
+    def is_capturing(self, device: Device) -> bool:
+        return bool(torch.cuda.is_current_stream_capturing())
+
+    def synchronize(self, device: Device) -> None:
+        torch.cuda.synchronize(device.ordinal)
+
+
+class CudaBackend(_TorchDevice):
+    """The extension's own runtime calls and kernels (``src/kernels/transfer_gpu.cu``)."""
+
+    has_alias_op = True
+
+    def __init__(self) -> None:
+        self.runtime = _C.gpu_runtime
+        self.name = self.runtime
+
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        return _C.gpu_host_register(va, nbytes, device.ordinal)
+
+    def unregister(self, va: int, device: Device) -> int:
+        return _C.gpu_host_unregister(va, device.ordinal)
+
+    def describe(self, code: int) -> str:
+        return _C.gpu_error_string(code)
+
+    def alias(self, va: int, device: Device) -> tuple[int, int]:
+        return _C.gpu_host_get_device_pointer(va, device.ordinal)
+
+    def pointer_is_host(self, ptr: int) -> bool:
+        status, is_host = _C.gpu_pointer_is_host(ptr)
+        return status == 0 and bool(is_host)
+
+    def can_use_host_pointer(self, device: Device) -> int | None:
+        status, value = _C.gpu_can_use_host_pointer_for_registered_mem(device.ordinal)
+        return value if status == 0 else None
+
+    def launch(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        status = _C.gpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream, max_ctas)
+        if status != 0:
+            check(self, "transfer kernel launch", status)
+
+    def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
+        status = _C.gpu_copy_runs(dsts, srcs, sizes, count, device.ordinal, stream, _C.gpu_has_batch_copy)
+        if status != 0:
+            check(self, "cudaMemcpyBatchAsync", status)
+
+
+def _cudart() -> Any:
+    return cast(Any, torch.cuda).cudart()
+
+
+class TorchCudartBackend(_TorchDevice):
+    """Registration through torch's cudart binding, for builds without the GPU ops.
+    It has no alias op and no kernels: the alias policy decides whether host VAs may
+    stand in (pointerdomain.resolve), and launches raise ExtensionUnavailableError."""
+
+    name = "torch-cudart"
+    has_alias_op = False
+
+    def __init__(self) -> None:
+        self.runtime = "hip" if getattr(torch.version, "hip", None) else "cuda"
+
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        with torch.cuda.device(device.ordinal):
+            return int(_cudart().cudaHostRegister(va, nbytes, 1 | 2))  # portable | mapped
+
+    def unregister(self, va: int, device: Device) -> int:
+        with torch.cuda.device(device.ordinal):
+            return int(_cudart().cudaHostUnregister(va))
+
+    def describe(self, code: int) -> str:
+        return str(_cudart().cudaGetErrorString(code))
+
+    def alias(self, va: int, device: Device) -> tuple[int, int]:
+        raise ExtensionUnavailableError(f"this pointerdomain build has no cudaHostGetDevicePointer op; {BUILD_HINT}")
+
+    def pointer_is_host(self, ptr: int) -> bool:
+        return False  # no cudaPointerGetAttributes without the GPU ops
+
+    def can_use_host_pointer(self, device: Device) -> int | None:
+        try:
+            lib = load_cudart()
+            value = ctypes.c_int(0)
+            if lib.cudaDeviceGetAttribute(ctypes.byref(value), _ATTR_CAN_USE_HOST_POINTER, device.ordinal) != 0:
+                return None
+            return int(value.value)
+        except (OSError, AttributeError):
+            return None
+
+    def launch(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        raise ExtensionUnavailableError(f"this pointerdomain build has no GPU kernels; {BUILD_HINT}")
+
+    def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
+        raise ExtensionUnavailableError(f"this pointerdomain build has no GPU copy ops; {BUILD_HINT}")

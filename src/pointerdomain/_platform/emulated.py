@@ -1,0 +1,120 @@
+"""The emulated backend: a CPU stand-in for a GPU whose device aliases differ
+from host VAs (as on MI355X or WSL2).
+
+Registered host memory gets a second virtual mapping of the same pages
+(``src/kernels/emulation.cpp``), emulated device memory is anonymous memory
+tagged with an ordinal, and launches run the CPU reference kernel. The
+mappings are not pinned; with ``POINTERDOMAIN_EMULATE_MEMLOCK=1`` registered
+bytes are counted against RLIMIT_MEMLOCK as ``cudaHostRegister`` in an
+unprivileged container counts them.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from pointerdomain import _C
+from pointerdomain._platform.status import OUT_OF_MEMORY
+
+if TYPE_CHECKING:
+    from pointerdomain.devices import Device
+
+__all__ = ["EmulatedBackend"]
+
+_MESSAGES = {
+    1: "invalid value",
+    2: "out of memory, or the pages could not be mapped a second time (they share a page with memory "
+    "registered separately: allocate with alloc_registered)",
+    712: "host memory already registered",
+    713: "host memory not registered",
+}
+
+
+class EmulatedBackend:
+    """See the module docstring."""
+
+    name = "emulated"
+    runtime = "emulated"
+    has_alias_op = True
+    host_readable = True
+
+    def __init__(self, device_count: int) -> None:
+        self._device_count = device_count
+        self._lock = threading.Lock()
+        self._pinned: dict[int, int] = {}
+
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        limited = os.environ.get("POINTERDOMAIN_EMULATE_MEMLOCK") == "1" and soft != resource.RLIM_INFINITY
+        with self._lock:
+            if limited and sum(self._pinned.values()) + nbytes > soft:
+                return OUT_OF_MEMORY
+            status, _alias = _C.emu_register(va, nbytes)
+            if status == 0:
+                self._pinned[va] = nbytes
+        return status
+
+    def unregister(self, va: int, device: Device) -> int:
+        with self._lock:
+            status = _C.emu_unregister(va)
+            if status == 0:
+                self._pinned.pop(va, None)
+        return status
+
+    def pinned_bytes(self) -> int:
+        """Bytes counted against RLIMIT_MEMLOCK (registered and not unregistered)."""
+        with self._lock:
+            return sum(self._pinned.values())
+
+    def describe(self, code: int) -> str:
+        return _MESSAGES.get(code, "unknown")
+
+    def alias(self, va: int, device: Device) -> tuple[int, int]:
+        return _C.emu_get_device_pointer(va)
+
+    def pointer_is_host(self, ptr: int) -> bool:
+        return False  # no runtime pins memory behind pointerdomain's back here
+
+    def device_lookup(self, addr: int, nbytes: int) -> int:
+        return _C.emu_device_lookup(addr, nbytes)
+
+    def device_count(self) -> int:
+        return self._device_count
+
+    def can_use_host_pointer(self, device: Device) -> int | None:
+        return 0  # aliases are distinct mappings by construction
+
+    def device_name(self, device: Device) -> str:
+        return f"emulated device {device.ordinal} (CPU memory, distinct alias mappings)"
+
+    def free_device_memory(self, device: Device) -> int | None:
+        return None  # emulated device memory is host memory
+
+    def host_alloc(self, nbytes: int) -> torch.Tensor:
+        return _C.emu_host_alloc(nbytes)
+
+    def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
+        return _C.emu_device_alloc(nbytes, device.ordinal)
+
+    def current_stream(self, device: Device) -> int:
+        return 0
+
+    def is_capturing(self, device: Device) -> bool:
+        return False
+
+    def launch(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
+
+    def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
+        _C.cpu_copy_runs(dsts, srcs, sizes, count)
+
+    def synchronize(self, device: Device) -> None:
+        return None

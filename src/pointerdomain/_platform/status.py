@@ -1,0 +1,46 @@
+"""Status codes from the backends turned into typed errors, in one place."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pointerdomain.errors import (
+    AlreadyRegisteredError,
+    MemlockLimitError,
+    RegistrationError,
+    RuntimeCallError,
+)
+
+if TYPE_CHECKING:
+    from pointerdomain._platform.base import Backend
+
+__all__ = ["ALREADY_REGISTERED", "NOT_REGISTERED", "OUT_OF_MEMORY", "check", "registration_error"]
+
+#: cudaErrorHostMemoryAlreadyRegistered; the emulated backend uses the same code.
+ALREADY_REGISTERED = 712
+#: cudaErrorHostMemoryNotRegistered; the emulated backend uses the same code.
+NOT_REGISTERED = 713
+#: cudaErrorMemoryAllocation; the emulated backend's "could not map" (kMapFailed).
+OUT_OF_MEMORY = 2
+
+
+def check(backend: Backend, call: str, code: int) -> None:
+    """Raise :class:`RuntimeCallError` for a non-zero status of ``call``."""
+    if code != 0:
+        raise RuntimeCallError(call, code, backend.describe(code))
+
+
+def registration_error(backend: Backend, code: int, where: str, rolled: str, memlock_hint: str) -> RegistrationError:
+    """The error for a failed registration call.
+
+    Args:
+        where: which call failed (chunk, size, address, device).
+        rolled: what was undone, "" if nothing.
+        memlock_hint: non-empty when RLIMIT_MEMLOCK would be exceeded (then an
+            out-of-memory status is a :class:`MemlockLimitError`).
+    """
+    if code == ALREADY_REGISTERED:
+        return AlreadyRegisteredError(f"{where}: already registered (error {code}){rolled}")
+    if memlock_hint and code in (OUT_OF_MEMORY, -OUT_OF_MEMORY):
+        return MemlockLimitError(f"{where}: {backend.describe(code)} (error {code}){rolled}.{memlock_hint}")
+    return RegistrationError(f"{where}: {backend.describe(code)} (error {code}){rolled}")

@@ -1,0 +1,73 @@
+"""Allocation: registered host memory (:func:`alloc_registered`) and device
+memory (:func:`device_empty`), from the device's backend."""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+from pointerdomain._platform import backend_for, device_holding, memory_device
+from pointerdomain.devices import Device, validate_device
+from pointerdomain.errors import InvalidRegistrationError
+from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
+
+__all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
+
+
+def alloc_registered(
+    nbytes: int,
+    device: Device | str | torch.device,
+    *,
+    granularity: int = mmap.PAGESIZE,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> RegisteredHostMemory:
+    """Allocate ``nbytes`` of page-aligned host memory and register it for ``device``.
+
+    Args:
+        nbytes: size in bytes (> 0).
+        device: the device whose kernels will read it (``"cuda:0"``, ``"emulated:0"``).
+        granularity: chunks are cut on multiples of this many bytes from the start;
+            pass the KV page size in bytes so no page spans two registrations.
+        max_chunk_bytes: largest single registration call (rounded down to the granularity).
+
+    Raises:
+        InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
+            positive (a ``ValueError`` too).
+        InvalidDeviceError: the device does not exist.
+        RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
+    """
+    if type(nbytes) is not int or nbytes <= 0:
+        raise InvalidRegistrationError(f"nbytes must be a positive int: a 0-byte registration is invalid (got {nbytes!r})")
+    check_granularity(granularity, max_chunk_bytes)
+    dev = validate_device(device)
+    tensor = backend_for(dev).host_alloc(nbytes)
+    return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes)
+
+
+def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | torch.device) -> torch.Tensor:
+    """Uninitialised device memory: a CUDA tensor, or emulated device memory (a CPU
+    tensor tagged with the emulated ordinal, so CPU-only APIs refuse it).
+
+    Raises:
+        InvalidDeviceError: the device does not exist.
+        ValueError: a negative dimension.
+    """
+    dev = validate_device(device)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in {shape}")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
+    return raw[:nbytes].view(dtype).view(shape)
+
+
+def memory_device_at(address: int, nbytes: int) -> Device | None:
+    """The device whose allocation holds ``[address, address + nbytes)`` when that is
+    known from the address alone (emulated device memory), else None. CUDA device
+    memory is known by its tensor: use :func:`memory_device`.
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    return device_holding(address, nbytes)

@@ -1,0 +1,202 @@
+"""Devices: :class:`Device`, parsing (:func:`as_device`), validation, the
+calling thread's current device and :class:`DeviceGuard`.
+
+Public entry points parse a device argument once (:func:`validate_device`);
+internal functions take a :class:`Device` only.
+
+The C++ side has its own RAII guard (``transfer_gpu.cu``) that sets and restores
+the device around each runtime call and launch; :class:`DeviceGuard` is for
+callers' own code and for the emulated devices, whose "current device" is per
+thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from typing_extensions import final
+
+from pointerdomain.errors import InvalidDeviceError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "EMULATED_DEVICE_COUNT",
+    "Device",
+    "DeviceGuard",
+    "DeviceType",
+    "as_device",
+    "current_device",
+    "external_stream",
+    "tensor_on",
+    "validate_device",
+]
+
+DeviceType = Literal["cuda", "emulated"]
+
+def _emulated_device_count() -> int:
+    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES", "2")
+    if not text.isdigit() or int(text) < 1:
+        import warnings
+
+        warnings.warn(f"POINTERDOMAIN_EMULATED_DEVICES={text!r} is not a positive int; using 2", stacklevel=2)
+        return 2
+    return int(text)
+
+
+#: Number of emulated devices on a machine without a GPU (``POINTERDOMAIN_EMULATED_DEVICES``, default 2).
+EMULATED_DEVICE_COUNT = _emulated_device_count()
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A device: ``Device("cuda", 0)`` or ``Device("emulated", 0)``.
+
+    ``"emulated"`` is the CPU backend that stands in for a GPU whose device
+    aliases differ from host VAs; ``torch.device("cpu")`` maps to ``emulated:0``.
+    ``"cuda"`` also covers ROCm builds of torch, which name HIP devices ``cuda``.
+    """
+
+    type: DeviceType
+    ordinal: int
+
+    def __post_init__(self) -> None:
+        if self.type not in ("cuda", "emulated"):
+            raise InvalidDeviceError(f"unknown device type {self.type!r}; expected 'cuda' or 'emulated'")
+        if type(self.ordinal) is not int or self.ordinal < 0:
+            raise InvalidDeviceError(f"device ordinal must be an int >= 0, got {self.ordinal!r}")
+
+    def __str__(self) -> str:
+        return f"{self.type}:{self.ordinal}"
+
+    @property
+    def torch_device(self) -> Any:
+        """The torch device whose tensors hold this device's memory (``cpu`` when emulated)."""
+        return _torch_device(self.type, self.ordinal)
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_device(kind: str, ordinal: int) -> Any:
+    import torch
+
+    return torch.device("cuda", ordinal) if kind == "cuda" else torch.device("cpu")
+
+
+def as_device(device: Device | str | torch.device) -> Device:
+    """Normalise ``Device``, ``"cuda:1"``, ``"emulated:0"``, ``"cpu"`` or a ``torch.device``.
+
+    Raises:
+        InvalidDeviceError: an unknown device string or type.
+    """
+    if isinstance(device, Device):
+        return device
+    text = str(device)
+    kind, _, ordinal = text.partition(":")
+    if kind == "cpu" and not ordinal:
+        return Device("emulated", 0)
+    if kind not in ("cuda", "emulated"):
+        raise InvalidDeviceError(f"cannot use {text!r} as a device; expected 'cuda:N', 'emulated:N' or 'cpu'")
+    if not ordinal:
+        if kind == "cuda":
+            import torch
+
+            return Device("cuda", torch.cuda.current_device())
+        return Device("emulated", 0)
+    if not ordinal.isdigit():
+        raise InvalidDeviceError(f"bad device ordinal in {text!r}")
+    return Device(kind, int(ordinal))  # type: ignore[arg-type]
+
+
+def external_stream(device: Device, stream: int | None) -> Any:
+    """``stream`` (a ``cudaStream_t`` as an int) as a ``torch.cuda.ExternalStream`` of a
+    CUDA ``device``, for ``Tensor.record_stream`` / ``PointerTable.record_stream``; None
+    when there is nothing to order against (no stream given, or an emulated device,
+    whose launches are synchronous)."""
+    if stream is None or device.type != "cuda":
+        return None
+    import torch
+
+    return cast(Any, torch.cuda).ExternalStream(stream, device=device.torch_device)
+
+
+def tensor_on(tensor: torch.Tensor, device: Device) -> bool:
+    """True when ``tensor``'s memory is where ``device``'s kernels read operands
+    (the CUDA device itself; the CPU for an emulated device)."""
+    if device.type == "cuda":
+        return tensor.get_device() == device.ordinal  # -1 for CPU tensors
+    return not (tensor.is_cuda or tensor.is_meta)  # attributes: ~10x cheaper than tensor.device
+
+
+_emulated = threading.local()
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def validate_device(device: Device | str | torch.device) -> Device:
+    """Normalise ``device`` and check that it exists on this machine.
+
+    Raises:
+        InvalidDeviceError: unknown type, or ordinal >= the number of devices
+            (``torch.cuda.device_count()`` for CUDA, ``POINTERDOMAIN_EMULATED_DEVICES``
+            (default 2) for emulated devices).
+    """
+    dev = as_device(device)
+    count = _cuda_device_count() if dev.type == "cuda" else EMULATED_DEVICE_COUNT
+    if dev.ordinal >= count:
+        raise InvalidDeviceError(f"device {dev} does not exist: this process sees {count} {dev.type} device(s)")
+    return dev
+
+
+def current_device(kind: str = "cuda") -> Device:
+    """The calling thread's current device of ``kind`` ("cuda" or "emulated")."""
+    if kind == "cuda":
+        import torch
+
+        return Device("cuda", int(torch.cuda.current_device()))
+    return Device("emulated", int(getattr(_emulated, "ordinal", 0)))
+
+
+class DeviceGuard:
+    """Make ``device`` current for the block; restore the previous device on exit,
+    exceptions included.
+
+    Raises:
+        InvalidDeviceError: on construction, for a device that does not exist.
+    """
+
+    __slots__ = ("device", "_previous")
+
+    def __init__(self, device: Device | str | torch.device) -> None:
+        self.device = validate_device(device)
+        self._previous: Device | None = None
+
+    def __enter__(self) -> Device:
+        self._previous = current_device(self.device.type)
+        self._set(self.device)
+        return self.device
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._previous is not None
+        self._set(self._previous)
+
+    @staticmethod
+    def _set(device: Device) -> None:
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device.ordinal)
+        else:
+            _emulated.ordinal = device.ordinal

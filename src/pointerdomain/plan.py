@@ -1,0 +1,164 @@
+"""The launch plan: everything a transfer needs that depends only on its tables
+and layouts, checked and computed once and cached while the tables live.
+
+:func:`plan_for` checks the tables' domain and device, that the layouts agree,
+and that each table fits its layout, then builds a :class:`TransferPlan`: the
+device and its platform backend, both :class:`~pointerdomain.layouts.Geometry`,
+the copy word width, the longest contiguous run (for the copy engine) and the
+bound launch struct (``_C.KernelPlan``) the backend hands to C++ in one piece.
+Per call only the indices, the layer range, the stream and the SM budget vary.
+Checked mode (:mod:`pointerdomain.checked`) verifies a plan; it does not
+recompute it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
+from pointerdomain.devices import Device
+from pointerdomain.domains import DeviceAlias
+from pointerdomain.errors import DeviceMismatchError, InvalidArgumentError, LayoutError
+from pointerdomain.layouts import Geometry, KVLayout
+from pointerdomain.tables import PointerTable, require_domain
+
+if TYPE_CHECKING:
+    from pointerdomain._platform.native import KernelPlan
+
+__all__ = ["TransferPlan", "plan_for"]
+
+#: Layout fields src and dst must agree on (``kind`` and ``num_pages`` may differ).
+_SHARED_FIELDS = ("attention", "num_layers", "page_size", "num_heads", "head_dim", "dtype")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """A checked launch plan (see the module docstring).
+
+    Attributes:
+        device: the tables' device.
+        platform: its backend (``pointerdomain._platform.backend_for(device)`` when built).
+        src_layout, dst_layout: the layouts the plan was built for.
+        src_geometry, dst_geometry: how the kernels address each table.
+        src_values, dst_values: the tables' addresses as ints (host-side; copy-engine runs).
+        vec_bytes: copy word width in {16, 8, 4, 1} that every address and stride allows.
+        run_bytes: longest contiguous run a page gives on both sides (``page_size *
+            item_bytes`` when both token strides equal the item, else ``item_bytes``).
+        kernel: the bound struct passed to C++ (tables, geometries, sizes, word width).
+    """
+
+    device: Device
+    platform: Backend
+    src_layout: KVLayout
+    dst_layout: KVLayout
+    src_geometry: Geometry
+    dst_geometry: Geometry
+    src_values: tuple[int, ...]
+    dst_values: tuple[int, ...]
+    vec_bytes: int
+    run_bytes: int
+    kernel: KernelPlan
+    dst_ref: weakref.ref[PointerTable[DeviceAlias]]
+
+    def copy_runs(
+        self, s_idx: torch.Tensor, d_idx: torch.Tensor, layer_begin: int, layer_count: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-copy ``(dst, src, nbytes)`` int64 arrays on the host, for
+        :meth:`Backend.copy_runs`: the items of slot pairs ``s_idx[i] -> d_idx[i]``
+        (layers ``[layer_begin, layer_begin + layer_count)``, every kv) merged into runs
+        of consecutive slots that stay inside one page on both sides (a run never
+        crosses a table entry, so never two registrations). Slots must be in range."""
+        layout = self.src_layout
+        item, ps = layout.item_bytes, layout.page_size
+        s = s_idx.cpu()
+        d = d_idx.cpu()
+        kv = torch.arange(layout.num_kv).view(1, -1, 1)
+        layer = torch.arange(layer_begin, layer_begin + layer_count).view(1, 1, -1)
+
+        def addresses(table: tuple[int, ...], g: Geometry, slots: torch.Tensor) -> torch.Tensor:
+            values = torch.tensor(table, dtype=torch.int64)
+            page, tok = (slots // ps).view(-1, 1, 1), (slots % ps).view(-1, 1, 1)
+            entry = kv * g.e_kv + layer * g.e_layer + page * g.e_page
+            return values[entry] + kv * g.s_kv + layer * g.s_layer + page * g.s_page + tok * g.s_tok
+
+        # (kv, layer, i) order: runs along i
+        sa = addresses(self.src_values, self.src_geometry, s).permute(1, 2, 0).reshape(-1)
+        da = addresses(self.dst_values, self.dst_geometry, d).permute(1, 2, 0).reshape(-1)
+        same_page = torch.zeros(s.numel(), dtype=torch.bool)  # slot i continues slot i-1's page on both sides
+        same_page[1:] = (s[1:] // ps == s[:-1] // ps) & (d[1:] // ps == d[:-1] // ps)
+        same_page = same_page.repeat(layout.num_kv * layer_count)
+        cont = torch.zeros_like(same_page)
+        cont[1:] = (sa[1:] == sa[:-1] + item) & (da[1:] == da[:-1] + item) & same_page[1:]
+        starts = torch.nonzero(~cont).view(-1)
+        lengths = torch.diff(starts, append=torch.tensor([sa.numel()])) * item
+        return da[starts], sa[starts], lengths
+
+
+def _check_table(name: str, table: object) -> Device:
+    kernel_table = require_domain(
+        name, table, DeviceAlias, "a kernel launch",
+        "kernels need PointerTable[DeviceAlias] (host VAs are not device addresses where "
+        "CanUseHostPointerForRegisteredMem is 0). Build it with make_kernel_ptr_table(tensors, device)",
+    )
+    device: Device | None = kernel_table.device
+    assert device is not None  # a DeviceAlias table always has one
+    kernel_table.check_live()
+    return device
+
+
+def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTable[DeviceAlias], dst_layout: KVLayout) -> TransferPlan:
+    device = _check_table("src", src)
+    dst_device = _check_table("dst", dst)
+    if dst_device != device:
+        raise DeviceMismatchError(f"src table is for {device} but dst table is for {dst_device}")
+    for name, layout in (("src_layout", src_layout), ("dst_layout", dst_layout)):
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgumentError(f"{name} must be a KVLayout, got {type(layout).__name__}")
+    for field in _SHARED_FIELDS:
+        if getattr(src_layout, field) != getattr(dst_layout, field):
+            raise LayoutError(
+                f"src and dst layouts differ in {field}: "
+                f"{getattr(src_layout, field)!r} vs {getattr(dst_layout, field)!r}"
+            )
+    src_geo = src_layout.geometry(len(src), src.sizes, "src")
+    dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
+    vec = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo.byte_strides, *dst_geo.byte_strides)
+    item = src_layout.item_bytes
+    run = src_layout.page_size * item if src_geo.s_tok == item and dst_geo.s_tok == item else item
+    kernel = kernel_plan(src.kernel_table_address(), src_geo, dst.kernel_table_address(), dst_geo,
+                         src_layout.page_size, src_layout.num_kv, item, vec)
+    return TransferPlan(device, backend_for(device), src_layout, dst_layout, src_geo, dst_geo, src.raw_values(),
+                        dst.raw_values(), vec, run, kernel, weakref.ref(dst))
+
+
+_plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], TransferPlan]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+on_backend_change(_plans.clear)
+
+
+def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTable[DeviceAlias], dst_layout: KVLayout) -> TransferPlan:
+    """The plan for (src, src_layout, dst, dst_layout), cached while ``src`` lives
+    (dropped when a backend is replaced, e.g. under the test hook).
+
+    Raises:
+        DomainError: a table is not a PointerTable[DeviceAlias].
+        DeviceMismatchError: the tables are for different devices.
+        ClosedError: a table's registered memory was closed.
+        InvalidArgumentError: a layout that is not a KVLayout.
+        LayoutError: layouts disagree, or a table does not fit its layout.
+    """
+    key = (id(dst), id(src_layout), id(dst_layout))
+    per_src = _plans.get(src) if isinstance(cast(object, src), PointerTable) else None
+    plan = per_src.get(key) if per_src is not None else None
+    if plan is not None and plan.dst_ref() is dst and plan.src_layout is src_layout and plan.dst_layout is dst_layout:
+        return plan
+    plan = _build(src, src_layout, dst, dst_layout)
+    _plans.setdefault(src, {})[key] = plan
+    return plan
