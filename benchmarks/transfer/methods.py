@@ -256,13 +256,14 @@ def build(bench: "Bench") -> list[Method]:
             budget = "whole GPU" if mc is None else f"max_ctas={mc}"
             ms.append(Method(f"e{tag}", f"(e) kernel@{'GPU' if mc is None else mc}",
                              f"our kernel, all layers: transfer_kv_all_layer(backend='kernel', {budget}, "
-                             "validate_indices=False)", prep_ours("kernel", mc), ctas="GPU" if mc is None else mc))
+                             "validate_indices=False)", prep_ours("kernel", pd.WHOLE_GPU if mc is None else mc),
+                             ctas="GPU" if mc is None else mc))
         for mc in (1, 2, 4, 8, None):
             tag = "all" if mc is None else str(mc)
             budget = "whole GPU" if mc is None else f"max_ctas={mc}"
             ms.append(Method(f"p{tag}", f"(p) per-layer@{'GPU' if mc is None else mc}",
                              f"our kernel, one transfer_kv_per_layer(backend='kernel', {budget}, "
-                             "validate_indices=False) per layer", prep_ours("kernel", mc, per_layer=True),
+                             "validate_indices=False) per layer", prep_ours("kernel", pd.WHOLE_GPU if mc is None else mc, per_layer=True),
                              ctas="GPU" if mc is None else mc, mode="per_layer"))
     else:
         ms.append(Method("e", "(e) kernel", "our CPU kernel, transfer_kv_all_layer(backend='kernel') "
