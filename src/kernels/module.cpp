@@ -29,13 +29,14 @@ struct KernelPlan {
     pd::Side src{}, dst{};
     std::int64_t page_size = 0, num_kv = 0, item_bytes = 0;
     int vec_bytes = 1;
+    std::uint64_t oob = 0;  // address of the uint32 error word the kernels set (0: none)
 
     pd::Transfer transfer(std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n, std::int64_t layer_begin,
                           std::int64_t layer_count) const {
         return pd::Transfer{src,       dst,         reinterpret_cast<const std::int64_t *>(src_idx),
                             reinterpret_cast<const std::int64_t *>(dst_idx),
                             n,         page_size,   num_kv,
-                            layer_begin, layer_count, item_bytes, nullptr};
+                            layer_begin, layer_count, item_bytes, reinterpret_cast<std::uint32_t *>(oob)};
     }
 };
 
@@ -67,12 +68,12 @@ NB_MODULE(_C, m) {
             "__init__",
             [](KernelPlan *p, std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
                const Geometry &dst_geometry, std::int64_t page_size, std::int64_t num_kv, std::int64_t item_bytes,
-               int vec_bytes) {
+               int vec_bytes, std::uint64_t oob) {
                 new (p) KernelPlan{side(src_table, src_geometry), side(dst_table, dst_geometry), page_size, num_kv,
-                                   item_bytes, vec_bytes};
+                                   item_bytes, vec_bytes, oob};
             },
             nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
-            nb::arg("page_size"), nb::arg("num_kv"), nb::arg("item_bytes"), nb::arg("vec_bytes"))
+            nb::arg("page_size"), nb::arg("num_kv"), nb::arg("item_bytes"), nb::arg("vec_bytes"), nb::arg("oob") = 0)
         .def_prop_ro("src_table", [](const KernelPlan &p) { return table_address(p.src); })
         .def_prop_ro("dst_table", [](const KernelPlan &p) { return table_address(p.dst); })
         .def_prop_ro("src_geometry", [](const KernelPlan &p) { return geometry(p.src); })
@@ -80,7 +81,8 @@ NB_MODULE(_C, m) {
         .def_ro("page_size", &KernelPlan::page_size)
         .def_ro("num_kv", &KernelPlan::num_kv)
         .def_ro("item_bytes", &KernelPlan::item_bytes)
-        .def_ro("vec_bytes", &KernelPlan::vec_bytes);
+        .def_ro("vec_bytes", &KernelPlan::vec_bytes)
+        .def_ro("oob", &KernelPlan::oob, "Address of the uint32 out-of-range error word (0: none).");
 
     m.def(
         "cpu_transfer",

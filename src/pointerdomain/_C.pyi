@@ -13,7 +13,7 @@ gpu_built: bool = True
 class KernelPlan:
     """Tables and geometry of one launch plan (see pointerdomain.plan)."""
 
-    def __init__(self, src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], page_size: int, num_kv: int, item_bytes: int, vec_bytes: int) -> None: ...
+    def __init__(self, src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], page_size: int, num_kv: int, item_bytes: int, vec_bytes: int, oob: int = 0) -> None: ...
 
     @property
     def src_table(self) -> int: ...
@@ -38,6 +38,10 @@ class KernelPlan:
 
     @property
     def vec_bytes(self) -> int: ...
+
+    @property
+    def oob(self) -> int:
+        """Address of the uint32 out-of-range error word (0: none)."""
 
 def cpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, num_threads: int) -> None:
     """Copy KV items between two tables of CPU addresses."""

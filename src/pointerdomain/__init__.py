@@ -19,6 +19,7 @@ from pointerdomain.kernels import (
     transfer_kv_per_layer,
 )
 from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
+from pointerdomain.launch_errors import check_errors, synchronize
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
@@ -62,6 +63,7 @@ __all__ = [
     "alloc_registered",
     "as_device",
     "buffer_infos",
+    "check_errors",
     "checked",
     "device_empty",
     "errors",
@@ -79,6 +81,7 @@ __all__ = [
     "require_domain",
     "reset_resolver_cache",
     "resolve_alias",
+    "synchronize",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
     "validate_device",

@@ -29,6 +29,7 @@ from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import (
     AlreadyRegisteredError,
+    BusyError,
     ClosedError,
     DomainError,
     InvalidArgumentError,
@@ -37,6 +38,7 @@ from pointerdomain.errors import (
     NotRegisteredError,
     RegistrationSpanError,
 )
+from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -147,7 +149,15 @@ def _memlock_hint(nbytes: int) -> str:
     )
 
 
-def _release(backend: Backend, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
+def _release(
+    backend: Backend, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object, leases: LeaseSet | None = None
+) -> None:
+    if leases is not None and not leases.closing:  # collected or at exit, not close(): still never under a copy
+        try:
+            leases.drain(f"registered memory at {chunks[0].host_va!r}" if chunks else "registered memory",
+                         DEFAULT_CLOSE_TIMEOUT_S)
+        except BusyError:
+            return  # left registered (a leak) rather than unmapped under a running copy
     for chunk in chunks:
         backend.unregister(chunk.host_va.value, device)
     with _registry._lock:
@@ -166,8 +176,11 @@ class RegisteredHostMemory:
         device: the device the registration was made for.
         chunks: the registration calls, in address order.
 
+        leases: the launches using it now (:class:`pointerdomain.leases.LeaseSet`).
+
     Use as a context manager or call :meth:`close`; closing twice is a no-op.
-    Tables built on this memory keep it alive and refuse to launch once it is closed.
+    Tables built on this memory keep it alive and refuse to launch once it is closed;
+    :meth:`close` waits for launches that use it (see :mod:`pointerdomain.leases`).
     """
 
     def __init__(self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int) -> None:
@@ -177,6 +190,7 @@ class RegisteredHostMemory:
         self.nbytes = tensor.numel() * tensor.element_size()
         self._lock = threading.Lock()
         self._closed = False
+        self.leases = LeaseSet()
         backend = backend_for(device)
         chunk_bytes = max(granularity, (max_chunk_bytes // granularity) * granularity)
         chunks = tuple(
@@ -201,7 +215,7 @@ class RegisteredHostMemory:
             self.chunks = chunks
             _registry.add(self)
             _registry.pinned_bytes += self.nbytes
-        self._finalizer = weakref.finalize(self, _release, backend, device, chunks, self.nbytes, tensor)
+        self._finalizer = weakref.finalize(self, _release, backend, device, chunks, self.nbytes, tensor, self.leases)
 
     def _registration_error(self, backend: Backend, code: int, chunk: Chunk, done: int, total: int) -> Exception:
         where = f"registering chunk {done + 1}/{total} ({chunk.nbytes} bytes at {chunk.host_va!r}) for {self.device}"
@@ -243,11 +257,22 @@ class RegisteredHostMemory:
             "(KVLayout.page_block_bytes(), as HostKVPool does), or split the table per page block"
         )
 
-    def close(self) -> None:
-        """Unregister (once). The tensor stays valid as ordinary host memory."""
+    def close(self, *, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """Unregister (once). The tensor stays valid as ordinary host memory.
+
+        First waits, up to ``timeout`` seconds, for every launch that uses this memory:
+        CPU copies still running and, on CUDA, GPU work already queued that reads or
+        writes it (an event per launch stream). Launches started meanwhile get
+        ``ClosedError``.
+
+        Raises:
+            BusyError: a launch still used the memory after ``timeout``; it stays
+                registered and open.
+        """
         with self._lock:
             if self._closed:
                 return
+            self.leases.drain(f"registered memory at {self.host_va!r} (+{self.nbytes} bytes)", timeout)
             self._closed = True
         self._finalizer()
 
