@@ -137,7 +137,8 @@ def record_gpu_launch(owners: tuple[Any, ...], ordinal: int, stream: int, info: 
 
     entry = _stream_events.get((ordinal, stream))
     if entry is None:
-        entry = (torch.cuda.Event(), torch.cuda.ExternalStream(stream, device=torch.device("cuda", ordinal)))
+        cuda: Any = torch.cuda  # Event / ExternalStream are untyped in torch's stubs
+        entry = (cuda.Event(), cuda.ExternalStream(stream, device=torch.device("cuda", ordinal)))
         _stream_events[(ordinal, stream)] = entry
     event, ext = entry
     event.record(ext)

@@ -70,9 +70,10 @@ class DeviceKVPool:
         self.layout = layout
         self.device = validate_device(device)
         shape = (layout.num_slots, layout.num_heads, layout.head_dim)
-        self.buffers = [
-            device_empty(shape, layout.torch_dtype, self.device) for _ in range(layout.num_kv * layout.num_layers)
-        ]
+        # One allocation viewed per buffer: the launch's storage check (PointerTable.check_live)
+        # then costs one storage, not num_kv * num_layers.
+        whole = device_empty((layout.num_kv * layout.num_layers, *shape), layout.torch_dtype, self.device)
+        self.buffers = list(whole.unbind(0))
         self.table: PointerTable[DeviceAlias] = make_kernel_ptr_table(self.buffers, self.device, layout=layout)
 
     def buffer(self, kv: int, layer: int) -> torch.Tensor:
