@@ -122,6 +122,7 @@ class HostKVPool:
             ClosedError: the pool was closed.
         """
         dev = validate_device(device)
+        self.memory.check_open()
         with self._tables_lock:
             table = self._tables.get(dev)
             if table is None:
