@@ -16,6 +16,7 @@
 // (an indexing formula written from the layout shapes, independent of item_address).
 #include "../src/kernels/transfer_gpu.cu"
 #include "../src/kernels/transfer_cpu.cpp"
+#include "../src/kernels/staged_gpu.cu"
 
 #include <algorithm>
 #include <chrono>
@@ -290,6 +291,7 @@ struct Case {
     Pool dev, host;
     std::int64_t *d_dev_slots, *d_host_slots;
     std::int64_t n;
+    std::vector<std::int64_t> host_slots;  // host copy (the staged path reads it on the host)
 };
 
 static Case make_case(int item, bool mla, int host_kind, std::int64_t target_bytes, std::mt19937_64 &rng) {
@@ -317,6 +319,7 @@ static Case make_case(int item, bool mla, int host_kind, std::int64_t target_byt
     CK(cudaMalloc(&c.d_host_slots, 8 * c.n));
     CK(cudaMemcpy(c.d_dev_slots, ds.data(), 8 * c.n, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(c.d_host_slots, hs.data(), 8 * c.n, cudaMemcpyHostToDevice));
+    c.host_slots = hs;
     return c;
 }
 
@@ -459,6 +462,34 @@ int main(int argc, char **argv) {
             free_case(c);
             std::printf("-- %.0f s\n", secs());
         }
+    }
+    if (phase == "staged") {
+        // The staged copy-engine path (issue 15 item 2) at 1 and 2 CTAs, all layers, page_first host.
+        void *staging = nullptr;
+        const std::uint64_t staging_max = 256ull << 20;
+        CK(cudaMalloc(&staging, staging_max));
+        for (Item it : {Item{1024, false}, Item{1152, true}, Item{2048, false}, Item{4096, false}}) {
+            Case c = make_case(it.item, it.mla, PAGE_FIRST, target, rng);
+            const std::uint64_t host_entry = c.host.alias;  // the host side's table, in host memory
+            const pd::Side host_side = make_side(PAGE_FIRST, c.shape, 0, &host_entry);
+            for (std::uint64_t mib : {16ull, 64ull, 256ull})
+                for (int ring : {2, 4}) {
+                    if (mib == 256 && ring == 2) continue;
+                    char name[64];
+                    std::snprintf(name, sizeof name, "staged.%lluMiB.r%d", (unsigned long long)mib, ring);
+                    for (int dir = 0; dir < 2; ++dir) {
+                        LaunchFn fn = [&, dir, mib, ring](const pd::Transfer &t, int m, cudaStream_t s) {
+                            return g::staged_transfer(t, dir == 1, host_side, c.host_slots.data(),
+                                                      reinterpret_cast<std::uint64_t>(staging), mib << 20, ring, 0,
+                                                      reinterpret_cast<std::uint64_t>(s), m, 16);
+                        };
+                        for (int b : {1, 2}) point(x, c, dir, false, b, name, fn, seed);
+                    }
+                }
+            free_case(c);
+            std::printf("-- %.0f s\n", secs());
+        }
+        CK(cudaFree(staging));
     }
     if (phase == "all" || phase == "shipped") {
         // The shipped dispatch on the other host layouts (page_first at every budget: python -m benchmarks.transfer).
