@@ -1,11 +1,13 @@
-// Kernel tuning sweep (H200): every candidate shape of the specialised transfer
-// kernel, and the shipped choice (gpu::transfer) at every CTA budget, in one process.
+// Kernel tuning sweep (H200), in one process per phase: `candidates` (every candidate shape
+// of the specialised transfer kernel), `shipped` (gpu::transfer's own choice on the other
+// host layouts), `all` (both), `tma` (the TMA bulk-copy experiment, not adopted) and
+// `staged` (gpu::staged_transfer, the staged copy-engine path).
 // A developer tool: it includes the kernel source to reach the templates; the user
 // benchmark (python -m benchmarks.transfer) goes through the public API only.
 //
 // Build and run (scripts/gpu-check sweep does this):
 //   nvcc -arch=sm_90 -O3 -std=c++17 -Isrc/kernels benchmarks/kernel_sweep.cu -o /tmp/sweep
-//   /tmp/sweep OUT_DIR [all|candidates|shipped|tma] [GiB per point]
+//   /tmp/sweep OUT_DIR [all|candidates|shipped|tma|staged] [GiB per point]
 //
 // Pools: a device pool in layer_first layout with one table entry per (kv, layer)
 // buffer (as engines hold them) and a registered host pool (page_first by default,
