@@ -193,6 +193,7 @@ def test_gpu_close_waits_for_queued_gpu_work() -> None:
         b.copy_(torch.randn(b.shape, dtype=b.dtype))
     host = pd.HostKVPool(model_layout("page_first", pages=64), dev)
     slots = torch.arange(layout.num_slots, device="cuda")
+    torch.cuda.synchronize()  # the fills are done before the side stream reads the pool
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000_000)  # the copy queued behind ~1 s of GPU time
