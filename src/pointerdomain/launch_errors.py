@@ -45,10 +45,12 @@ def ensure_error_word(device: Device) -> int:
         with _lock:
             word = _words.get(device)
             if word is None:
+                platform = backend_for(device)
                 word = device_empty((1,), torch.int32, device)
                 word.zero_()
-                if backend_for(device).host_readable:
-                    backend_for(device).synchronize(device)
+                if not platform.is_capturing(device):
+                    platform.synchronize(device)  # zeroed before any launch on another stream can set it
+                if platform.host_readable:
                     _host_views[device] = ctypes.c_uint32.from_address(word.data_ptr())
                 _words[device] = word
     return int(word.data_ptr())
