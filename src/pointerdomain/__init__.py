@@ -7,7 +7,7 @@ See docs/design.md for the two address domains and the rules.
 
 from pointerdomain import checked, errors
 from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
-from pointerdomain.domains import Address, DeviceAlias, HostVA
+from pointerdomain.domains import Address, AddressT, DeviceAlias, HostVA
 from pointerdomain.kernels import (
     DEFAULT_MAX_CTAS,
     WHOLE_GPU,
@@ -19,12 +19,19 @@ from pointerdomain.kernels import (
     transfer_kv_per_layer,
 )
 from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
-from pointerdomain.layouts import KVLayout
+from pointerdomain.layouts import KVLayout, KVLayoutChanges
 from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
 from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
-from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table, require_domain
+from pointerdomain.tables import (
+    PointerTable,
+    host_ptr_table,
+    is_host_table,
+    is_kernel_table,
+    make_kernel_ptr_table,
+    require_domain,
+)
 
 __version__ = "0.1.0"
 
@@ -40,6 +47,7 @@ def get_include() -> str:
 
 __all__ = [
     "Address",
+    "AddressT",
     "AliasPolicy",
     "BufferInfo",
     "DEFAULT_MAX_CTAS",
@@ -51,6 +59,7 @@ __all__ = [
     "HostKVPool",
     "HostVA",
     "KVLayout",
+    "KVLayoutChanges",
     "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
@@ -71,6 +80,8 @@ __all__ = [
     "get_include",
     "host_ptr_table",
     "index_tensor",
+    "is_host_table",
+    "is_kernel_table",
     "make_kernel_ptr_table",
     "memory_device",
     "memory_device_at",
