@@ -118,8 +118,9 @@ class KVLayout(ValidatedModel, frozen=True):
         return self
 
     def replace(self, **changes: Unpack[KVLayoutChanges]) -> KVLayout:
-        """A copy with ``changes`` applied, **validated** like a new layout
-        (``model_copy(update=...)`` takes ``dict[str, Any]`` and skips validation).
+        """A copy with ``changes`` applied, **validated** like a new layout, with field
+        names and types checked by mypy and pyright (:class:`KVLayoutChanges`);
+        pydantic's ``model_copy(update=...)`` takes an unchecked ``dict[str, Any]``.
 
         Raises:
             pydantic.ValidationError: a changed value is invalid (e.g. ``num_pages=0``),

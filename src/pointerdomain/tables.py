@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
-from typing_extensions import TypeIs, final
+from typing_extensions import Never, TypeIs, final
 
 from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import (
@@ -71,7 +71,7 @@ class _TableDevice:
             return self
         return table._device  # noqa: SLF001 -- the descriptor is part of the table's class
 
-    def __set__(self, table: PointerTable[Any], value: object) -> None:
+    def __set__(self, table: PointerTable[Any], value: Never) -> None:  # read-only, also statically
         raise AttributeError("PointerTable is immutable")
 
 

@@ -12,7 +12,7 @@ any argument is a type error under mypy and pyright) and at run time
 
 from __future__ import annotations
 
-from typing_extensions import Never
+from typing_extensions import Never, Self
 
 from pydantic import BaseModel
 
@@ -25,8 +25,12 @@ class ValidatedModel(BaseModel, frozen=True):
     """A frozen pydantic model without the unvalidated ``model_construct``."""
 
     @classmethod
-    def model_construct(cls, *args: Never, **values: Never) -> Never:  # type: ignore[override]  # refused on purpose
+    def model_construct(cls, *args: Never, **values: Never) -> Self:  # type: ignore[override]  # refused on purpose
         """Refused: it would skip validation (a DeviceAlias in a HostVA field).
+
+        Typed with ``Never`` parameters, so a call with any argument is a static error;
+        the return type stays ``Self`` (not ``Never``) so that checkers keep checking the
+        code after a call instead of treating it as unreachable.
 
         Raises:
             DomainError: always; use ``cls(**fields)`` or ``cls.model_validate(data)``.
