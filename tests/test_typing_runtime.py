@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import json
 import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,6 +85,7 @@ def test_table_is_a_sequence_of_its_domain(
     from collections.abc import Sequence
 
     assert isinstance(kernel, Sequence) and isinstance(host, Sequence)
+    assert typing.get_args(pd.PointerTable[pd.HostVA]) == (pd.HostVA,)  # still a typing.Generic at run time
     base = memory.host_va
     assert [*host] == [base, base + (1 << 12), base + (1 << 13)]
     assert host[1:] == (base + (1 << 12), base + (1 << 13)) and host[::-2] == (host[2], host[0])

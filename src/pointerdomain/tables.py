@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 from typing_extensions import Never, TypeIs, final
@@ -76,7 +76,7 @@ class _TableDevice:
 
 
 @final
-class PointerTable(Sequence[D]):
+class PointerTable(Sequence[D], Generic[D]):  # Generic too: runtime parameters as before
     """An immutable table of buffer start addresses of one domain and device.
 
     Build with :func:`make_kernel_ptr_table` or :func:`host_ptr_table`.
