@@ -1,4 +1,4 @@
-"""Command line: ``pointerdomain doctor`` and ``pointerdomain demo``."""
+"""Command line: ``pointerdomain doctor``, ``pointerdomain demo`` and ``pointerdomain audit``."""
 
 from __future__ import annotations
 
@@ -230,7 +230,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--pages", type=int, default=16, help="pages moved each way")
     p_demo.add_argument("--host-layout", choices=list(get_args(LayoutKind)), default="page_first")
     p_demo.add_argument("--seed", type=int, default=0)
+    from pointerdomain.audit import cli as audit_cli  # torch-free; see docs/audit.md
+
+    audit_cli.add_arguments(sub.add_parser("audit", help="find raw integer addresses (PD rules); CI gate"))
     args = parser.parse_args(argv)
+    if args.command == "audit":
+        return audit_cli.run(args)
     try:
         return doctor(args) if args.command == "doctor" else demo(args)
     except PointerDomainError as exc:

@@ -144,13 +144,14 @@ def load_config(path: Path | None) -> AuditConfig:
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [tool.pointerdomain.audit] must be a table")
     try:
-        raw = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
-        if isinstance(raw.get("per_file_ignores"), dict):
-            raw["per_file_ignores"] = {k: tuple(v) if isinstance(v, list) else v
-                                       for k, v in raw["per_file_ignores"].items()}
+        # TOML arrays arrive as lists; the model holds tuples (strict mode converts nothing else).
+        raw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+        pfi = raw.get("per_file_ignores")
+        if isinstance(pfi, dict):
+            raw["per_file_ignores"] = {k: tuple(v) if isinstance(v, list) else v for k, v in pfi.items()}
         if "root" in raw or "source" in raw:
             raise ConfigError(f"{path}: [tool.pointerdomain.audit]: unknown key(s) root/source")
-        return AuditConfig(**raw, root=path.parent.resolve(), source=path)
+        return AuditConfig.model_validate(raw | {"root": path.parent.resolve(), "source": path})
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{path}: [tool.pointerdomain.audit]: {problems}") from None

@@ -4,7 +4,7 @@ per-file ignores and the baseline.
 Files are audited in a :mod:`multiprocessing` pool (``fork`` where the platform has it,
 so workers start in milliseconds without re-importing anything); trees of fewer than
 ``_SERIAL_BELOW`` candidate files run in-process, where a pool costs more than it
-saves. Progress goes to stderr through tqdm, only when stderr is a terminal (or when
+saves. Progress goes to stderr through rich, only when stderr is a terminal (or when
 asked for).
 """
 
@@ -133,9 +133,11 @@ def _results(files: Sequence[Path], config: AuditConfig, jobs: int) -> Iterator[
 def _progress(items: Iterable[tuple[list[Finding], int]], total: int, mode: Progress) -> Iterable[tuple[list[Finding], int]]:
     if mode == "none" or (mode == "auto" and not sys.stderr.isatty()):
         return items
-    from tqdm import tqdm  # only when drawn: tqdm's import is not free
+    from rich.console import Console  # only when drawn: rich's import is not free
+    from rich.progress import track
 
-    return tqdm(items, total=total, file=sys.stderr, unit="file", desc="pointerdomain audit", leave=False)
+    return track(items, total=total, description="pointerdomain audit", console=Console(stderr=True),
+                 transient=True)
 
 
 def audit_paths(paths: Sequence[Path], config: AuditConfig, *, jobs: int | None = None,
@@ -156,8 +158,5 @@ def audit_paths(paths: Sequence[Path], config: AuditConfig, *, jobs: int | None 
         findings.extend(found)
         suppressed += n_sup
     findings.sort()
-    if known is None:
-        new, old, stale = findings, [], 0
-    else:
-        new, old, stale = split_baselined(findings, known)
+    new, old, stale = split_baselined(findings, known) if known is not None else (findings, [], 0)
     return AuditRun(len(files), tuple(new), tuple(old), suppressed, stale, time.perf_counter() - t0)

@@ -102,8 +102,8 @@ def _has_trigger(text: str, triggers: Sequence[str]) -> bool:
 
 
 def _stmt_start(node: ast.stmt) -> int:
-    decorators = getattr(node, "decorator_list", None) or []
-    return min([node.lineno] + [d.lineno for d in decorators])
+    decorators: list[ast.expr] = getattr(node, "decorator_list", None) or []
+    return min([node.lineno] + [int(d.lineno) for d in decorators])
 
 
 def slice_source(source: str, triggers: Sequence[str]) -> str:
@@ -362,9 +362,9 @@ class _Auditor(cst.CSTVisitor):
                 out |= self._qualnames(ann)
         elif isinstance(expr, cst.Attribute):
             name = get_full_name_for_node(expr)
-            ann = self.c.attr_annotations.get(name) if name else None
-            if ann is not None:
-                out |= self._qualnames(ann)
+            attr_ann = self.c.attr_annotations.get(name) if name else None
+            if attr_ann is not None:
+                out |= self._qualnames(attr_ann)
         for v in self._values_of(expr):
             out |= self._origin_qualnames(v, depth + 1)
         return out
