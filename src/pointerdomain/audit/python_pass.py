@@ -369,9 +369,16 @@ class _Auditor(cst.CSTVisitor):
             out |= self._origin_qualnames(v, depth + 1)
         return out
 
+    def engine_kind(self, expr: cst.BaseExpression) -> str | None:
+        """"mooncake" / "nixl" for an object built by (or annotated with) a name from those
+        packages, else None."""
+        roots = {q.split(".", 1)[0] for q in self._origin_qualnames(expr)}
+        if "mooncake" in roots:
+            return "mooncake"
+        return "nixl" if roots & set(_ENGINE_ROOTS) else None
+
     def is_engine(self, expr: cst.BaseExpression) -> bool:
-        """A Mooncake / NIXL object: built by (or annotated with) a name from those packages."""
-        return any(q.split(".", 1)[0] in _ENGINE_ROOTS for q in self._origin_qualnames(expr))
+        return self.engine_kind(expr) is not None
 
     def _is_pointer_table(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         if depth > _MAX_DEPTH:
@@ -461,19 +468,20 @@ class _Auditor(cst.CSTVisitor):
             self._report(node, "PD004", f"{name}() fed a list of (addr, len, dev, meta) int tuples",
                          RULES["PD004"].fix)
             return
-        engine = self.is_engine(receiver)
+        # Mooncake's raw engine/store take only int addresses; NIXL also takes tensors (safe).
+        engine = self.engine_kind(receiver) == "mooncake"
         fed_ints = any(self.is_address(a) or self.is_address_collection(a) for a in args)
         if not engine and not fed_ints:
-            return  # e.g. nn.Module.register_buffer, or a typed wrapper's register_memory
+            return  # e.g. nn.Module.register_buffer, NIXL given tensors, a typed wrapper
         self._covered.update(id(v) for v in args)
-        why = "on a Mooncake/NIXL object" if engine else "with data_ptr() ints"
+        why = "with data_ptr() ints" if fed_ints else "on a raw Mooncake object (it takes int addresses)"
         self._report(node, "PD003", f"transfer-engine {name}() {why}: registration metadata must be a HostVA")
 
     def _check_transfer(self, node: cst.Call, name: str) -> None:
         assert isinstance(node.func, cst.Attribute)
         args = self._arg_values(node)
         fed = [a for a in args if self.is_address(a) or self.is_address_collection(a) or self._is_int_descriptor_list(a)]
-        engine = self.is_engine(node.func.value)
+        engine = self.engine_kind(node.func.value) == "mooncake"
         if not fed and not (engine and name in _MOONCAKE_TRANSFERS):
             return
         self._covered.update(id(v) for v in args)

@@ -1,0 +1,12 @@
+# Cases for PD006 (ctypes.c_void_p to a CUDA/HIP entry point).
+import ctypes
+from ctypes import c_void_p
+
+
+def f(lib, t, n, count):
+    lib.cudaMemcpy(ctypes.c_void_p(t.data_ptr()), None, n, 0)  # expect[PD006]
+    p = c_void_p(t.data_ptr())
+    lib.hipHostRegister(p, n, 0)  # expect[PD003,PD006]
+    lib.cuMemcpyHtoD(p, None, n)  # expect[PD006]
+    lib.my_copy(ctypes.c_void_p(t.data_ptr()))  # negative: not a CUDA/HIP entry point
+    lib.cudaGetDeviceCount(ctypes.byref(count))  # negative: no c_void_p
