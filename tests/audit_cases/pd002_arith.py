@@ -18,3 +18,14 @@ def arith(host, idx, copy_size, other, f):
     same = host.data_ptr() == other.data_ptr()
     counts = [t.numel() for t in host]
     return src, end, table, out, d, descs, off, n, same, counts
+
+
+class Pool:
+    def __init__(self, buf):
+        self.base = buf.data_ptr()
+
+    def page_addr(self, page, page_bytes):
+        return self.base + page * page_bytes  # expect[PD002]
+
+    def size(self, page_bytes):
+        return self.count * page_bytes  # negative

@@ -106,39 +106,114 @@ def _stmt_start(node: ast.stmt) -> int:
     return min([node.lineno] + [int(d.lineno) for d in decorators])
 
 
+_ATTR_BINDING = re.compile(r"\bself\.(\w+)\s*(?::[^=\n]+)?=(?!=)[^\n]*")
+
+
+def _names(node: ast.AST) -> tuple[set[str], set[str]]:
+    """(names and ``obj.attr`` targets a statement binds, names it reads)."""
+    stores: set[str] = set()
+    loads: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            (stores if isinstance(n.ctx, ast.Store) else loads).add(n.id)
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+            if isinstance(n.ctx, ast.Store):
+                stores.add(f"{n.value.id}.{n.attr}")
+            else:
+                loads.add(f"{n.value.id}.{n.attr}")
+    return stores, loads
+
+
 def slice_source(source: str, triggers: Sequence[str]) -> str:
-    """``source`` with the functions and methods that contain no trigger word blanked out,
-    line for line (a ``pass`` keeps each blanked block's body valid). Imports, other
-    module-level and class-level statements stay. Returns ``source`` unchanged if it does
-    not parse with :mod:`ast` (libcst then reports the error)."""
+    """``source`` with the code no rule can report on blanked out, line for line, so every
+    kept line and column is the original's.
+
+    Kept: imports (and module-level ``if``/``try`` blocks holding one), module- and
+    class-level statements containing a trigger word, and in each function containing
+    one, the statements that contain a trigger plus, to a fixed point, those that read a
+    name a kept statement binds or bind a name a kept statement reads (the local data
+    flow the rules follow). A ``pass`` keeps each emptied body valid. Returns ``source``
+    unchanged if :mod:`ast` cannot parse it (libcst then reports the error)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return source
+    # `self.base = t.data_ptr()` in one method, `self.base + off` in another: the attribute
+    # names bound to a trigger expression are triggers too, for this file.
+    attrs = {m.group(1) for m in _ATTR_BINDING.finditer(source) if _has_trigger(m.group(0), triggers)}
+    triggers = tuple(triggers) + tuple(f".{a}" for a in sorted(attrs))
     lines = source.splitlines(keepends=True)
+    drop: list[ast.stmt] = []
 
     def segment(node: ast.stmt) -> str:
         return "".join(lines[_stmt_start(node) - 1: node.end_lineno])
 
-    blank: list[tuple[int, int, int]] = []  # (first line, last line, indent)
+    def has_import(node: ast.stmt) -> bool:
+        return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(node))
 
-    def visit_body(body: Sequence[ast.stmt]) -> None:
+    def visit_function(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        body = fn.body
+        if body[0].lineno == fn.lineno:
+            return  # a one-line def: keep as is
+        info = [(st, _has_trigger(segment(st), triggers), *_names(st)) for st in body]
+        kept = [seed for _, seed, _, _ in info]
+        tainted: set[str] = set()
+        needed: set[str] = set()
+        for (_, seed, stores, loads) in info:
+            if seed:
+                tainted |= stores
+                needed |= loads
+        changed = True
+        while changed:
+            changed = False
+            for i, (_, _, stores, loads) in enumerate(info):
+                if not kept[i] and (loads & tainted or stores & needed):
+                    kept[i] = changed = True
+                    tainted |= stores
+                    needed |= loads
+        if not any(kept):
+            kept[0] = True  # the trigger was in the signature: keep a statement so the body stays valid
+        drop.extend(st for st, keep in zip(body, kept) if not keep)
+
+    def visit_body(body: Sequence[ast.stmt], module_level: bool) -> None:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if not _has_trigger(segment(node), triggers) and node.end_lineno is not None:
-                    blank.append((_stmt_start(node), node.end_lineno, node.col_offset))
+                if _has_trigger(segment(node), triggers):
+                    visit_function(node)
+                else:
+                    drop.append(node)
             elif isinstance(node, ast.ClassDef):
-                visit_body(node.body)
+                visit_body(node.body, False)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            elif module_level and isinstance(node, (ast.If, ast.Try)) and has_import(node):
+                continue
+            elif not _has_trigger(segment(node), triggers):
+                drop.append(node)
 
-    visit_body(tree.body)
-    if not blank:
+    visit_body(tree.body, True)
+    if not drop:
         return source
-    for first, last, indent in blank:
-        for i in range(first - 1, last):
-            end = "\n" if lines[i].endswith("\n") else ""
-            lines[i] = end
-        end = "\n" if len(lines) > first - 1 and lines[first - 1] == "\n" else ""
-        lines[first - 1] = " " * indent + "pass" + (end or "\n")
+    # A line shared with a kept simple statement (`a = 1; b = 2`) stays whole.
+    dropped = {id(n) for n in drop}
+    shared: set[int] = set()
+    todo: list[ast.stmt] = [n for n in tree.body if id(n) not in dropped]
+    while todo:  # kept statements only, never descending into expressions
+        node = todo.pop()
+        bodies = [getattr(node, f, None) or [] for f in ("body", "orelse", "finalbody")]
+        bodies += [h.body for h in getattr(node, "handlers", [])] + [c.body for c in getattr(node, "cases", [])]
+        if any(bodies):
+            todo.extend(n for b in bodies for n in b if isinstance(n, ast.stmt) and id(n) not in dropped)
+        else:
+            shared.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    for node in drop:
+        first = _stmt_start(node)
+        if first in shared:
+            continue
+        for i in range(first - 1, node.end_lineno or node.lineno):
+            if i + 1 not in shared:
+                lines[i] = "\n" if lines[i].endswith("\n") else ""
+        lines[first - 1] = " " * node.col_offset + "pass\n"
     return "".join(lines)
 
 
