@@ -10,3 +10,10 @@ def f(lib, t, n, count):
     lib.cuMemcpyHtoD(p, None, n)  # expect[PD006]
     lib.my_copy(ctypes.c_void_p(t.data_ptr()))  # negative: not a CUDA/HIP entry point
     lib.cudaGetDeviceCount(ctypes.byref(count))  # negative: no c_void_p
+
+
+def handles(hip, lib, raw_stream):
+    module = ctypes.c_void_p()
+    hip.hipModuleLoadData(ctypes.byref(module), b"")
+    hip.hipModuleUnload(module)  # negative: a module handle, not an address
+    lib.cuFileStreamRegister(ctypes.c_void_p(raw_stream), 7)  # negative: a stream handle

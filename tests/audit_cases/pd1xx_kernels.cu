@@ -5,6 +5,8 @@ struct Desc {
   uintptr_t src;  // expect[PD103]
   uint64_t dst_addr;  // expect[PD103]
   uint64_t num_bytes;
+  size_t ptrs_needed;
+  int64_t num_ptrs;
   uintptr_t stream;
 };
 

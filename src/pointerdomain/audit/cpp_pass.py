@@ -33,8 +33,9 @@ __all__ = ["CPP_SUFFIXES", "audit_cpp_source", "cpp_suppressions", "strip_commen
 CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".cu", ".cuh", ".h", ".hpp", ".hh")
 
 _INT_T = r"(?:std::)?(?:u?int64_t|u?intptr_t|size_t|unsigned\s+long(?:\s+long)?|long\s+long)"
-_ADDR_NAME = r"\w*(?:ptr|ptrs|addr|addrs|address|addresses|pointer|pointers)\w*"
-_ADDR_NAME_RE = re.compile(rf"(?i)^(?:{_ADDR_NAME})$")
+# `dst_addr`, `multicast_ptr`, `kv_ptrs`: the address word ends the name (`ptrs_needed`,
+# `num_ptrs` are counts).
+_ADDR_NAME_RE = re.compile(r"(?i)^(?!num_|n_)\w*(?:ptr|ptrs|addr|addrs|address|addresses|pointer|pointers)$")
 # A table of addresses is named in the plural (`key_cache_ptrs`); `*_ptr` alone names any typed pointer.
 _TABLE_NAME_RE = re.compile(r"(?i)^\w*(?:ptrs|addrs|pointers|addresses|ptr_table|addr_table)\w*$")
 # Opaque handles held as integers are not memory addresses a kernel dereferences.

@@ -68,6 +68,7 @@ _POINTERDOMAIN_TABLE_CALLS = frozenset({
     "pointerdomain.tables.make_kernel_ptr_table", "pointerdomain.tables.host_ptr_table",
 })
 _TABLE_ATTRS = frozenset({"kernel_table", "host_table", "table"})
+_HANDLE_WORDS = re.compile(r"(?i)stream|handle|event|module|func|ctx|context|comm|graph")
 _GPU_ENTRY = re.compile(r"^(cuda[A-Z]|cu[A-Z]|hip[A-Z])")
 _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
 _MAX_DEPTH = 6
@@ -568,6 +569,9 @@ class _Auditor(cst.CSTVisitor):
             return False
         if isinstance(expr, cst.Call):
             if _call_name(expr) == "c_void_p":
+                # c_void_p() is an out-parameter for a handle; c_void_p(stream) wraps a handle
+                if not expr.args or _HANDLE_WORDS.search(cst.Module([]).code_for_node(expr.args[0].value)):
+                    return False
                 return "ctypes.c_void_p" in self._qualnames(expr.func)
             if _call_name(expr) == "cast" and len(expr.args) >= 2:
                 return "ctypes.c_void_p" in self._qualnames(expr.args[1].value)
@@ -597,8 +601,8 @@ class _Auditor(cst.CSTVisitor):
     # PD002 -----------------------------------------------------------------------------
 
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
-        if id(node) in self._covered:
-            return True
+        if id(node) in self._covered or isinstance(node.operator, cst.Modulo):
+            return True  # `addr % align` is an alignment/offset check, not a new address
         if self.is_address(node.left) or self.is_address(node.right):
             self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
                          "(an alias offset must stay inside one registration)")
