@@ -24,3 +24,12 @@ def gather(table_ptr, n):
 def not_a_kernel(t):
     v = tl.load(t)
     return v.to(tl.pointer_type(tl.int8))  # negative: not @triton.jit
+
+
+from vllm.triton_utils import tl as tl2, triton as triton2  # noqa: E402  re-exported triton
+
+
+@triton2.jit
+def reexported(src_addrs, job):
+    src = tl2.load(src_addrs + job).to(tl2.pointer_type(tl2.int64))  # expect[PD005]
+    tl2.store(src, 0)

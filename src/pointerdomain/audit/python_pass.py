@@ -74,6 +74,12 @@ _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
 _MAX_DEPTH = 6
 
 
+def _is_triton_jit(qualname: str) -> bool:
+    """``triton.jit``, also re-exported (vLLM: ``from vllm.triton_utils import triton``)."""
+    return qualname in _TRITON_JIT or qualname.endswith(".triton.jit") or (
+        qualname.endswith(".jit") and "triton" in qualname.split(".")[:-1])
+
+
 def trigger_words(kernel_ops: Iterable[str] = ()) -> tuple[str, ...]:
     """Words of which at least one occurs in the text of any site a PD0xx rule reports
     (the receiver-constructor words let ``self.engine = TransferEngine()`` be analysed).
@@ -669,7 +675,7 @@ class _Auditor(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         for d in node.decorators:
             target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
-            if self._qualnames(target) & _TRITON_JIT:
+            if any(_is_triton_jit(q) for q in self._qualnames(target)):
                 self._triton_depth += 1
                 self._jit_nodes = getattr(self, "_jit_nodes", set()) | {id(node)}
                 return
