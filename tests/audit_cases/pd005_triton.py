@@ -33,3 +33,13 @@ from vllm.triton_utils import tl as tl2, triton as triton2  # noqa: E402  re-exp
 def reexported(src_addrs, job):
     src = tl2.load(src_addrs + job).to(tl2.pointer_type(tl2.int64))  # expect[PD005]
     tl2.store(src, 0)
+
+
+@triton.jit
+def indexed(k_cache_ptr, block_table_ptr, stride):
+    idx = tl.load(block_table_ptr)
+    block_ptr = k_cache_ptr + idx.to(tl.int64) * stride
+    scale = block_ptr.to(tl.pointer_type(tl.int32))  # negative: a real pointer offset by a loaded index
+    base = tl.load(block_table_ptr + 1)
+    p = (base + 64).to(tl.pointer_type(tl.int8))  # expect[PD005]
+    tl.store(scale, tl.load(p))

@@ -705,8 +705,10 @@ class _Auditor(cst.CSTVisitor):
             if name in ("to", "cast") and isinstance(expr.func, cst.Attribute):
                 return self._is_loaded(expr.func.value, depth + 1)
             return False
-        if isinstance(expr, cst.BinaryOperation):
-            return self._is_loaded(expr.left, depth + 1) or self._is_loaded(expr.right, depth + 1)
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, (cst.Add, cst.Subtract)):
+            # `loaded + off`: the loaded value is the base; `ptr + loaded_idx * stride` is a real
+            # pointer offset by a loaded index (vLLM indexer_k_store.py was a false positive)
+            return self._is_loaded(expr.left, depth + 1)
         if isinstance(expr, cst.Name):
             return any(self._is_loaded(v, depth + 1) for v in self._values_of(expr))
         return False
