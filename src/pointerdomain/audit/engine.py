@@ -1,8 +1,8 @@
 """The runner: find the files, audit them in worker processes, apply suppressions,
 per-file ignores and the baseline.
 
-Files are audited in a :mod:`multiprocessing` pool (``fork`` where the platform has it,
-so workers start in milliseconds without re-importing anything); trees of fewer than
+Files are audited in a :mod:`multiprocessing` pool (``fork`` from the CLI; see
+``_results`` for when the forkserver is used instead); trees of fewer than
 ``_SERIAL_BELOW`` candidate files run in-process, where a pool costs more than it
 saves. Progress goes to stderr through rich, only when stderr is a terminal (or when
 asked for).
@@ -14,6 +14,7 @@ import dataclasses
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -122,8 +123,17 @@ def _results(files: Sequence[Path], config: AuditConfig, jobs: int) -> Iterator[
         for f in files:
             yield audit_file(f, config, rules)
         return
+    # `fork` starts workers in milliseconds and is what the CLI uses (it imports no torch and
+    # runs no threads). In a process with torch loaded or threads running (pytest, a
+    # notebook) a forked worker was seen to abort inside libcst's native parser: there the
+    # forkserver, preloaded with this module, starts workers from a clean process.
     methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    if "fork" in methods and "torch" not in sys.modules and threading.active_count() == 1:
+        ctx = multiprocessing.get_context("fork")
+    else:
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in methods:
+            ctx.set_forkserver_preload([__name__])
     # Big files first, so the last worker to finish is not the one holding the largest file.
     order = sorted(files, key=lambda f: -f.stat().st_size)
     with ctx.Pool(jobs, initializer=_init_worker, initargs=(config,)) as pool:
