@@ -128,6 +128,7 @@ def _results(files: Sequence[Path], config: AuditConfig, jobs: int) -> Iterator[
     # notebook) a forked worker was seen to abort inside libcst's native parser: there the
     # forkserver, preloaded with this module, starts workers from a clean process.
     methods = multiprocessing.get_all_start_methods()
+    ctx: multiprocessing.context.BaseContext
     if "fork" in methods and "torch" not in sys.modules and threading.active_count() == 1:
         ctx = multiprocessing.get_context("fork")
     else:
