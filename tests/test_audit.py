@@ -396,3 +396,12 @@ def test_flake8_entry_point_and_run(tmp_path: Path) -> None:
                           capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.startswith("./a.py:2:12: PD002 ") or proc.stdout.startswith("a.py:2:12: PD002 "), proc.stdout
+
+
+def test_main_cli_without_libcst(capsys: pytest.CaptureFixture[str]) -> None:
+    # doctor/demo must not need the `audit` extra; `audit` then says what to install.
+    code = ("import sys\nsys.modules['libcst'] = None\nfrom pointerdomain.cli import main\n"
+            "sys.exit(main(['audit', 'x']))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "pointerdomain[audit]" in proc.stderr, proc.stderr
