@@ -28,6 +28,7 @@ __all__ = [
     "ExtensionUnavailableError",
     "AliasOpMissingError",
     "RuntimeCallError",
+    "UnpinnedMemoryError",
 ]
 
 
@@ -112,3 +113,8 @@ class RuntimeCallError(PointerDomainError, RuntimeError):
         super().__init__(f"{call} failed with error {code}: {message}")
         self.call = call
         self.code = code
+
+
+class UnpinnedMemoryError(PointerDomainError, ValueError):
+    """A kernel was asked to read host memory that the registration ladder left
+    unpinned (rung ``unpinned``): only the copy engine may read it."""

@@ -27,7 +27,7 @@ import torch
 from pointerdomain import checked
 from pointerdomain.devices import Device, tensor_on
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError
+from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError, UnpinnedMemoryError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.plan import TransferPlan, plan_for
 from pointerdomain.tables import PointerTable
@@ -166,6 +166,15 @@ def _launch(
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
     if type(validate_indices) is not bool:
         raise InvalidArgumentError(f"validate_indices must be a bool, got {validate_indices!r}")
+    unpinned = [o for t in (src, dst) for o in t.registrations() if not o.kernel_readable]
+    if unpinned and backend == "auto":
+        backend = "copy_engine"
+    if unpinned and backend != "copy_engine":
+        raise UnpinnedMemoryError(
+            f"host memory at {unpinned[0].host_va!r} (+{unpinned[0].nbytes} bytes) is not pinned (registration "
+            f"ladder rung 'unpinned': {'; '.join(unpinned[0].ladder_record) or 'allowed by the policy'}): kernels "
+            "cannot read it. Fix: backend='copy_engine' (or 'auto'), or register the memory pinned"
+        )
     if backend == "auto":  # the capture query only where it decides something
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
         long_runs = plan.run_bytes >= threshold
