@@ -5,7 +5,7 @@ transfer kernels that accept only device aliases.
 See docs/design.md for the two address domains and the rules.
 """
 
-from pointerdomain import checked, errors
+from pointerdomain import checked, errors, ladder
 from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
 from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.kernels import (
@@ -19,10 +19,12 @@ from pointerdomain.kernels import (
     transfer_kv_per_layer,
 )
 from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
+from pointerdomain.ladder import RegistrationPolicy, Rung
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
+from pointerdomain.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
 from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
 from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table, require_domain
 
@@ -54,6 +56,9 @@ __all__ = [
     "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
+    "RegistrationPolicy",
+    "Rung",
+    "StrictCapability",
     "TransferBackend",
     "WHOLE_GPU",
     "WholeGpu",
@@ -71,6 +76,7 @@ __all__ = [
     "get_include",
     "host_ptr_table",
     "index_tensor",
+    "ladder",
     "make_kernel_ptr_table",
     "memory_device",
     "memory_device_at",
@@ -79,6 +85,9 @@ __all__ = [
     "require_domain",
     "reset_resolver_cache",
     "resolve_alias",
+    "strict_alias",
+    "strict_alias_enabled",
+    "strict_mode_capability",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
     "validate_device",
