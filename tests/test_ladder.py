@@ -181,3 +181,71 @@ def test_strict_mode_chunked_rung_registers_the_second_mapping() -> None:
             assert mem.host_va.value not in registered and mem.registered_address_of(mem.host_va) in registered
             readable_through_alias(mem)
         assert fb.pinned_bytes() == 0
+
+
+def test_probe_rungs_on_emulated_and_with_refusals() -> None:
+    assert ladder.probe_rungs(DEV) == {"single": "ok", "chunked": "ok", "pinned_copy": "ok",
+                                       "unpinned": "ok (copy engine only)"}
+    with install_backend(faults(refuse_all=NOT_SUPPORTED, refuse_pinned_alloc=2), "emulated") as fb:
+        out = ladder.probe_rungs(DEV)
+        assert "error 801" in out["single"] and "error 801" in out["chunked"] and "error 2" in out["pinned_copy"]
+        assert fb.pinned_bytes() == 0
+
+
+# GPU (the H200): the same rungs through the real runtime ---------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_registration_uses_the_driver_api_and_leaves_no_pending_error() -> None:
+    from pointerdomain._platform.cuda import load_cudart
+
+    dev = pd.Device("cuda", 0)
+    backend = backend_for(dev)
+    assert backend.name == "cuda-driver"  # POINTERDOMAIN_REGISTRATION_API unset: the driver API
+    t = torch.empty(1 << 20, dtype=torch.uint8)
+    with pd.register_host_tensor(t, dev) as mem:
+        assert mem.rung is pd.Rung.SINGLE and not mem.foreign
+        assert backend.register(t.data_ptr(), t.numel(), dev) == 712  # the driver's own refusal
+        assert load_cudart().cudaGetLastError() == 0  # ... left nothing for the runtime to report
+    assert ladder.probe_rungs(dev) == {"single": "ok", "chunked": "ok", "pinned_copy": "ok",
+                                       "unpinned": "ok (copy engine only)"}
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_copy_rung_under_injected_801_moves_the_right_bytes() -> None:
+    dev = pd.Device("cuda", 0)
+    dev_layout, host_layout = model_layout("layer_first", 6), model_layout("page_first", 10)
+    with install_backend(DriverFaults(backend_for(dev), refuse_all=NOT_SUPPORTED), "cuda"):
+        with pytest.warns(ladder.RegistrationDegradedWarning):
+            host = pd.HostKVPool(host_layout, dev, policy=DEGRADE)
+        with host:
+            assert host.memory.rung is pd.Rung.PINNED_COPY
+            pool = pd.DeviceKVPool(dev_layout, dev)
+            fill_pool(pool, 8)
+            fill_random(host.buffer, 9)
+            before = host.buffer.view(torch.uint8).clone()
+            src, dst = torch.tensor([0, 5, 9, 17]), torch.tensor([39, 1, 2, 20])
+            expected = reference_transfer(pool_bytes(pool), dev_layout, before, host_layout, src, dst)
+            host.backup(pool, src.cuda(), dst.cuda(), backend="kernel")
+            torch.cuda.synchronize()
+            assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), expected)
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_rung_under_a_per_call_cap() -> None:
+    dev = pd.Device("cuda", 0)
+    layout = model_layout("page_first", 24)
+    block = layout.page_block_bytes()
+    policy = pd.RegistrationPolicy(on_failure="degrade", chunk_bytes=3 * block)
+    with install_backend(DriverFaults(backend_for(dev), per_call_cap=4 * block), "cuda"):
+        with pytest.warns(ladder.RegistrationDegradedWarning):
+            host = pd.HostKVPool(layout, dev, policy=policy)
+        with host:
+            assert host.memory.rung is pd.Rung.CHUNKED and len(host.memory.chunks) > 1
+            pool = pd.DeviceKVPool(model_layout("layer_first", 8), dev)
+            fill_pool(pool, 1)
+            before = host.buffer.view(torch.uint8).clone()
+            src, dst = torch.tensor([0, 7, 13, 31]), torch.tensor([95, 2, 50, 51])
+            expected = reference_transfer(pool_bytes(pool), pool.layout, before, layout, src, dst)
+            host.backup(pool, src.cuda(), dst.cuda(), backend="kernel")
+            torch.cuda.synchronize()
+            assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), expected)

@@ -30,12 +30,18 @@ once per cause (:class:`RegistrationDegradedWarning`).
 from __future__ import annotations
 
 import enum
+import mmap
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pointerdomain.errors import InvalidRegistrationError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pointerdomain.devices import Device
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -44,6 +50,7 @@ __all__ = [
     "Rung",
     "default_policy",
     "note_rung",
+    "probe_rungs",
     "reset_ladder_stats",
     "rung_counts",
     "set_default_policy",
@@ -144,3 +151,52 @@ def warn_degraded(cause: str, message: str) -> None:
             return
         _warned.add(cause)
     warnings.warn(message, RegistrationDegradedWarning, stacklevel=4)
+
+
+def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> dict[str, str]:
+    """Self-test of each rung on ``device`` (for ``pointerdomain doctor``): ``{rung: "ok" or
+    why not}``. Makes real, small calls through the device's backend and undoes them:
+    ``single`` one registration of ``nbytes``; ``chunked`` the same range in two page-aligned
+    calls; ``pinned_copy`` one pinned allocation; ``unpinned`` needs no runtime call.
+
+    Raises:
+        InvalidDeviceError: the device does not exist.
+    """
+    from pointerdomain._platform import backend_for
+    from pointerdomain._platform.base import PinnedAllocator
+    from pointerdomain.devices import validate_device
+
+    dev = validate_device(device)
+    backend = backend_for(dev)
+    out: dict[str, str] = {}
+    buf = backend.host_alloc(nbytes)
+    va = buf.data_ptr()
+    half = (nbytes // 2) & ~(mmap.PAGESIZE - 1)
+
+    def attempt(ranges: list[tuple[int, int]]) -> str:
+        done: list[int] = []
+        for start, size in ranges:
+            code = backend.register(start, size, dev)
+            if code != 0:
+                for d in reversed(done):
+                    backend.unregister(d, dev)
+                return f"{backend.describe(code)} (error {code})"
+            done.append(start)
+        for d in reversed(done):
+            backend.unregister(d, dev)
+        return "ok"
+
+    out[Rung.SINGLE.value] = attempt([(va, nbytes)])
+    out[Rung.CHUNKED.value] = attempt([(va, half), (va + half, nbytes - half)])
+    if isinstance(backend, PinnedAllocator):
+        status, pinned = backend.pinned_alloc(nbytes, dev)
+        if status == 0 and pinned is not None:
+            backend.pinned_release(pinned.data_ptr(), dev)
+            out[Rung.PINNED_COPY.value] = "ok"
+        else:
+            out[Rung.PINNED_COPY.value] = f"{backend.describe(status)} (error {status})"
+        del pinned
+    else:
+        out[Rung.PINNED_COPY.value] = f"the {backend.name} backend cannot allocate pinned memory"
+    out[Rung.UNPINNED.value] = "ok (copy engine only)"
+    return out
