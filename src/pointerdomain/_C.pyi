@@ -71,6 +71,16 @@ def strict_shared_alloc(nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint
 def strict_mirror(va: int, nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
     """A second mapping of the shared pages at va (strict alias mode)."""
 
+def emu_get_device_pointer_on(va: int, ordinal: int) -> tuple[int, int]:
+    """
+    Alias of a registered host address on one emulated device (each device its own mapping): (status, alias).
+    """
+
+def emu_alias_lookup(addr: int, nbytes: int) -> int:
+    """
+    Ordinal of the emulated device whose alias mapping holds the range, or -1.
+    """
+
 gpu_runtime: str = 'cuda'
 
 def gpu_runtime_version() -> tuple[int, int]: ...
