@@ -18,11 +18,14 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain._platform import backend_for
+from pointerdomain.resolve import can_use_host_pointer
+from pointerdomain.strict import ENV_VAR
 from tests.reference import DEV, fill_pool, fill_random, filled_pools, model_layout, pool_bytes, reference_transfer
 
 
 def test_off_by_default_and_switches_back() -> None:
-    if os.environ.get(pd.strict.ENV_VAR) != "1":
+    if os.environ.get(ENV_VAR) != "1":
         with pd.strict_alias(False):
             assert not pd.strict_alias_enabled()
             with pd.strict_alias(True):
@@ -37,7 +40,7 @@ def test_env_var_turns_it_on_at_import() -> None:
     env = dict(os.environ, POINTERDOMAIN_STRICT_ALIAS="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
-    env[pd.strict.ENV_VAR] = "0"
+    env[ENV_VAR] = "0"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -55,7 +58,7 @@ def test_strict_allocation_is_two_mappings_of_the_same_bytes() -> None:
         ctypes.memmove(alias.value, b"\x5a" * 8, 8)  # written through the alias, read through the host VA
         assert bytes(mem.tensor[100:108].tolist()) == b"\x5a" * 8
         # the host VA itself is not what the backend registered: asking its alias directly fails
-        status, _ = pd._platform.backend_for(DEV).alias(mem.host_va.value, DEV)
+        status, _ = backend_for(DEV).alias(mem.host_va.value, DEV)
         assert status != 0
 
 
@@ -143,7 +146,7 @@ def test_gpu_host_va_table_faults_with_700_in_strict_mode() -> None:
 @pytest.mark.gpu
 def test_gpu_host_va_table_works_by_accident_without_strict_mode() -> None:
     """The control: with CanUseHostPointerForRegisteredMem = 1 the same bug goes unseen."""
-    if pd.resolve.can_use_host_pointer(pd.Device("cuda", 0)) != 1:
+    if can_use_host_pointer(pd.Device("cuda", 0)) != 1:
         pytest.skip("alias != host VA on this device: the bug faults without strict mode too")
     out = _run_child(strict=False)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
@@ -157,7 +160,7 @@ def test_gpu_strict_mapping_bytes_cross_and_kernel_reads_the_alias() -> None:
         assert mem.host_va.value != mem.registered_address_of(mem.host_va)
         fill_random(mem.tensor, 3)
         alias = pd.resolve_alias(mem.host_va, dev)
-        assert alias.value == pd._platform.backend_for(dev).alias(mem.registered_address_of(mem.host_va), dev)[1]
+        assert alias.value == backend_for(dev).alias(mem.registered_address_of(mem.host_va), dev)[1]
     dev_layout, host_layout = model_layout("layer_first", 6), model_layout("page_first_direct", 10)
     with pd.strict_alias(True), filled_pools(dev_layout, host_layout, "cuda:0", chunk_blocks=None, seed=4) as (pool, host):
         before = host.buffer.view(torch.uint8).clone()
