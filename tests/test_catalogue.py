@@ -317,7 +317,7 @@ def test_range_unregistered_behind_the_owner_is_refused(rig: Rig) -> None:
     (without it the kernel would read an unmapped alias)."""
     mem = rig.host.memory
     table = rig.host.kernel_table
-    assert EMU.unregister(mem.host_va.value, pd.as_device(DEV)) == 0
+    assert EMU.unregister(mem.registered_address_of(mem.host_va), pd.as_device(DEV)) == 0
     try:
         with pytest.raises(errors.NotRegisteredError) as info:
             pd.make_kernel_ptr_table([rig.host.buffer], DEV)

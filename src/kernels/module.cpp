@@ -4,16 +4,20 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 #include "emulation.h"
+#include "strict_alloc.h"
 #include "transfer.h"
 #ifdef POINTERDOMAIN_WITH_GPU
 #include "gpu.h"
+#include "pinned_gpu.h"
 #endif
 
 namespace nb = nanobind;
@@ -141,6 +145,22 @@ NB_MODULE(_C, m) {
         },
         nb::arg("va"), "Alias of a registered host address: (status, alias).");
     m.def(
+        "strict_shared_alloc",
+        [](std::uint64_t nbytes) {
+            void *p = pd::strict::shared_alloc(nbytes);
+            if (!p) throw std::bad_alloc();
+            return wrap(p, nbytes, [](void *q) noexcept { pd::strict::unmap(q); });
+        },
+        nb::arg("nbytes"), "Page-aligned memfd-backed MAP_SHARED host memory (strict alias mode), a uint8 tensor.");
+    m.def(
+        "strict_mirror",
+        [](std::uint64_t va, std::uint64_t nbytes) {
+            void *p = pd::strict::mirror(va, nbytes);
+            if (!p) throw std::bad_alloc();
+            return wrap(p, nbytes, [](void *q) noexcept { pd::strict::unmap(q); });
+        },
+        nb::arg("va"), nb::arg("nbytes"), "A second mapping of the shared pages at va (strict alias mode).");
+    m.def(
         "emu_get_device_pointer_on",
         [](std::uint64_t va, int ordinal) {
             std::uint64_t alias = 0;
@@ -185,6 +205,17 @@ NB_MODULE(_C, m) {
     m.def("gpu_multiprocessor_count", [out_int](int device) { return out_int(&g::multiprocessor_count)(device); },
           nb::arg("device"), "(status, number of SMs)");
     m.def("gpu_error_string", &g::error_string, nb::arg("code"));
+    m.def(
+        "gpu_pinned_alloc",
+        [](std::uint64_t nbytes, int device) {
+            void *p = nullptr;
+            const int status = g::pinned_alloc(nbytes, device, &p);
+            std::optional<HostBytes> out;
+            if (status == 0) out = wrap(p, nbytes, &g::pinned_free);
+            return std::make_pair(status, out);
+        },
+        nb::arg("nbytes"), nb::arg("device"),
+        "cudaHostAlloc(portable | mapped): (status, uint8 tensor or None), freed with the tensor.");
     m.def(
         "gpu_transfer",
         [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,

@@ -67,6 +67,14 @@ def emu_unregister(va: int) -> int:
 def emu_get_device_pointer(va: int) -> tuple[int, int]:
     """Alias of a registered host address: (status, alias)."""
 
+def strict_shared_alloc(nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
+    """
+    Page-aligned memfd-backed MAP_SHARED host memory (strict alias mode), a uint8 tensor.
+    """
+
+def strict_mirror(va: int, nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
+    """A second mapping of the shared pages at va (strict alias mode)."""
+
 def emu_get_device_pointer_on(va: int, ordinal: int) -> tuple[int, int]:
     """
     Alias of a registered host address on one emulated device (each device its own mapping): (status, alias).
@@ -103,6 +111,11 @@ def gpu_multiprocessor_count(device: int) -> tuple[int, int]:
     """(status, number of SMs)"""
 
 def gpu_error_string(code: int) -> str: ...
+
+def gpu_pinned_alloc(nbytes: int, device: int) -> tuple[int, Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')] | None]:
+    """
+    cudaHostAlloc(portable | mapped): (status, uint8 tensor or None), freed with the tensor.
+    """
 
 def gpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int) -> int:
     """

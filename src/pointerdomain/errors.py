@@ -30,6 +30,7 @@ __all__ = [
     "RuntimeCallError",
     "BusyError",
     "OverlapError",
+    "UnpinnedMemoryError",
 ]
 
 
@@ -126,3 +127,8 @@ class OverlapError(PointerDomainError, ValueError):
     """Source and destination of one launch intersect in the same memory (a slot that is
     both read and written, or two tables over shared memory with different geometries):
     the result would depend on the copy order, so nothing is launched."""
+
+
+class UnpinnedMemoryError(PointerDomainError, ValueError):
+    """A kernel was asked to read host memory that the registration ladder left
+    unpinned (rung ``unpinned``): only the copy engine may read it."""

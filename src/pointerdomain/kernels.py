@@ -30,7 +30,7 @@ from pointerdomain import checked, launch_errors, overlap
 from pointerdomain._platform import memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError
+from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError, UnpinnedMemoryError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.leases import record_gpu_launch
 from pointerdomain.plan import TransferPlan, plan_for
@@ -181,6 +181,15 @@ def _launch(
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
     if type(validate_indices) is not bool and validate_indices != "host":
         raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {validate_indices!r}")
+    unpinned = [o for o in plan.owners if not o.kernel_readable]  # the registrations of both tables
+    if unpinned and backend == "auto":
+        backend = "copy_engine"
+    if unpinned and backend != "copy_engine":
+        raise UnpinnedMemoryError(
+            f"host memory at {unpinned[0].host_va!r} (+{unpinned[0].nbytes} bytes) is not pinned (registration "
+            f"ladder rung 'unpinned': {'; '.join(unpinned[0].ladder_record) or 'allowed by the policy'}): kernels "
+            "cannot read it. Fix: backend='copy_engine' (or 'auto'), or register the memory pinned"
+        )
     # The rest (capture query, stream, kernel) on the tables' device; the caller's current
     # device comes back afterwards, also on error.
     with DeviceGuard.for_launch(device):

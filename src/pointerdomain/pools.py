@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 
@@ -27,6 +27,7 @@ from pointerdomain.kernels import (
     transfer_kv_all_layer,
     transfer_kv_per_layer,
 )
+from pointerdomain.ladder import RegistrationPolicy
 from pointerdomain.layouts import KVLayout
 from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
@@ -92,6 +93,9 @@ class HostKVPool:
         max_chunk_bytes: largest registration call; pools larger than this are
             registered in chunks cut on page blocks, and the kernel table then has
             one entry per page block so alias arithmetic never crosses a chunk.
+        policy: the registration ladder's policy (see :func:`pointerdomain.alloc_registered`;
+            chunks of the ``chunked`` rung are cut on page blocks too).
+        numa: ``"local"``: place the pool on the device's NUMA node.
 
     Attributes:
         buffer: the pool as a tensor of ``layout.buffer_shape`` (host VA side).
@@ -100,14 +104,16 @@ class HostKVPool:
     """
 
     def __init__(
-        self, layout: KVLayout, device: Device | str | torch.device, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+        self, layout: KVLayout, device: Device | str | torch.device, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        policy: RegistrationPolicy | None = None, numa: Literal["local"] | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.device = validate_device(device)
         self.memory: RegisteredHostMemory = alloc_registered(
-            layout.nbytes, self.device, granularity=layout.page_block_bytes(), max_chunk_bytes=max_chunk_bytes
+            layout.nbytes, self.device, granularity=layout.page_block_bytes(), max_chunk_bytes=max_chunk_bytes,
+            policy=policy, numa=numa,
         )
         self.buffer = self.memory.tensor[: layout.nbytes].view(layout.torch_dtype).view(layout.buffer_shape)
         entries = [self.buffer] if len(self.memory.chunks) == 1 else layout.page_block_views(self.buffer)

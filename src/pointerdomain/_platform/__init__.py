@@ -77,9 +77,10 @@ def _emulated() -> Backend:
 
 def _cuda() -> Backend:
     _import("pointerdomain._platform.cuda")
-    from pointerdomain._platform.cuda import CudaBackend, TorchCudartBackend
+    from pointerdomain._platform.cuda import TorchCudartBackend
+    from pointerdomain._platform.cuda_driver import cuda_backend
 
-    return CudaBackend() if gpu_ops_built() else TorchCudartBackend()
+    return cuda_backend() if gpu_ops_built() else TorchCudartBackend()
 
 
 def register_backend(device_type: str, factory: Callable[[], Backend]) -> None:
