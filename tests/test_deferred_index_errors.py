@@ -25,9 +25,9 @@ from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.plan import plan_for
 from tests.reference import DEV, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer, same
+from tests import childenv
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = Path(pd.__file__).resolve().parents[1]  # the pointerdomain under test, also in the child
 
 
 class DeviceLikeBackend(FaultyBackend):
@@ -153,7 +153,7 @@ _TOCTOU = textwrap.dedent("""
 def test_copy_engine_uses_the_indices_it_validated() -> None:
     """An index changed after validation (TOCTOU) does not reach the copy-engine
     descriptors: the copy uses the validated host copy (before: a write far past the pool)."""
-    env = {"PYTHONPATH": f"{SRC}:{ROOT}", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": childenv.pythonpath(), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", _TOCTOU], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", (proc.returncode, proc.stdout, proc.stderr[-2000:])
 

@@ -25,9 +25,9 @@ from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.devices import Device
 from tests.reference import DEV, filled_pools, model_layout, pool_bytes, reference_transfer, same
+from tests import childenv
 
 ROOT = Path(__file__).resolve().parents[1]
-SRC = Path(pd.__file__).resolve().parents[1]  # the pointerdomain under test, also in the child
 
 
 class BlockingBackend(FaultyBackend):
@@ -175,7 +175,7 @@ _CRASH_REPRO = textwrap.dedent("""
 def test_close_while_another_thread_copies_does_not_crash(run: int) -> None:
     """The issue's repro (SIGSEGV 5/5 before leases): a child process closes the host pool
     while another thread launches big CPU copies into it."""
-    env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"}
+    env = {"PYTHONPATH": childenv.pythonpath(), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "2"}
     proc = subprocess.run([sys.executable, "-c", _CRASH_REPRO], env=env, capture_output=True, text=True, timeout=300,
                           cwd=ROOT)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])

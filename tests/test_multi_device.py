@@ -36,6 +36,7 @@ from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.devices import current_device, emulated_device_count
 from tests.reference import as_bytes, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer
+from tests import childenv
 
 if TYPE_CHECKING:
     from pointerdomain._C import KernelPlan
@@ -44,7 +45,6 @@ E0 = pd.Device("emulated", 0)
 E1 = pd.Device("emulated", 1)
 ROOT = Path(__file__).resolve().parents[1]
 #: Where the imported package lives (the source tree, or site-packages under scripts/gpu-check).
-PACKAGE_PARENT = str(Path(pd.__file__).resolve().parents[1])
 
 
 def emulated() -> EmulatedBackend:
@@ -114,7 +114,7 @@ def test_bad_emulated_device_count_imports_then_raises_at_first_use() -> None:
         "except pd.errors.InvalidDeviceError as exc:\n"
         "    print('typed:', exc)\n"
     )
-    env = {**os.environ, "POINTERDOMAIN_EMULATED_DEVICES": "zero", "PYTHONPATH": PACKAGE_PARENT}
+    env = {**os.environ, "POINTERDOMAIN_EMULATED_DEVICES": "zero", "PYTHONPATH": childenv.pythonpath()}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("typed: POINTERDOMAIN_EMULATED_DEVICES='zero'"), out.stdout
@@ -131,7 +131,7 @@ def test_four_emulated_devices_each_with_its_own_alias() -> None:
         "assert all(ctypes.string_at(a, 50) == bytes(m.tensor[100:150].tolist()) for a in aliases)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "POINTERDOMAIN_EMULATED_DEVICES": "4", "PYTHONPATH": PACKAGE_PARENT}
+    env = {**os.environ, "POINTERDOMAIN_EMULATED_DEVICES": "4", "PYTHONPATH": childenv.pythonpath()}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and out.stdout == "ok\n", out.stderr
 
