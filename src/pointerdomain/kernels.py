@@ -24,7 +24,7 @@ from typing import Any, Final, Literal, cast
 
 import torch
 
-from pointerdomain import checked
+from pointerdomain import checked, staged
 from pointerdomain.devices import Device, tensor_on
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError
@@ -125,7 +125,7 @@ CE_MIN_RUN_BYTES_SMALL_BUDGET: Final = 512 << 10
 CE_MIN_RUN_BYTES_WHOLE_GPU: Final = 1 << 20
 
 #: How a launch moves bytes (the ``backend`` argument): see :func:`transfer_kv_all_layer`.
-TransferBackend = Literal["auto", "kernel", "copy_engine"]
+TransferBackend = Literal["auto", "kernel", "copy_engine", "staged"]
 
 
 def _launch(
@@ -160,8 +160,8 @@ def _launch(
         ctas = max_ctas
     else:
         raise InvalidArgumentError(f"max_ctas must be a positive int or pointerdomain.WHOLE_GPU, got {max_ctas!r}")
-    if backend != "kernel" and backend != "auto" and backend != "copy_engine":
-        raise InvalidArgumentError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
+    if backend != "kernel" and backend != "auto" and backend != "copy_engine" and backend != "staged":
+        raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {backend!r}")
     if stream is not None and (type(stream) is not int or stream < 0):
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
     if type(validate_indices) is not bool:
@@ -170,11 +170,18 @@ def _launch(
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
         long_runs = plan.run_bytes >= threshold
         backend = "copy_engine" if long_runs and not platform.is_capturing(device) else "kernel"
+        if backend == "kernel" and staged.auto_picks_staged(plan, src, dst, n, layer_begin, layer_count, ctas):
+            backend = "staged"
+    elif backend == "staged" and platform.is_capturing(device):
+        raise InvalidArgumentError(
+            "backend='staged' reads the indices on the host and cannot be captured in a CUDA graph; "
+            "use backend='kernel' (or 'auto', which falls back to it) inside capture"
+        )
     elif backend == "copy_engine" and platform.is_capturing(device):
         raise InvalidArgumentError(
             "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
         )
-    if validate_indices or backend == "copy_engine":  # the copy engine reads the indices on the host anyway
+    if (validate_indices or backend == "copy_engine") and backend != "staged":  # staged: checks its host copy
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
     if n == 0:
         return
@@ -182,6 +189,9 @@ def _launch(
         checked.verify_launch(plan, src, dst, s_idx, d_idx, layer_begin, layer_count)
     if stream is None:
         stream = platform.current_stream(device)
+    if backend == "staged":
+        staged.launch_staged(plan, src, dst, s_idx, d_idx, layer_begin, layer_count, stream, ctas)
+        return
     if backend == "copy_engine":
         dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
         platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
@@ -223,8 +233,16 @@ def transfer_kv_all_layer(
             a page, fed device aliases; reads the indices on the host, so it syncs on
             CUDA indices and cannot be captured), or ``"auto"``: the copy engine when
             both layouts give runs of at least 512 KiB (1 MiB with the whole GPU) and
-            not capturing, else the kernel (faster than the engine up to 64 KiB runs
-            even at 2 CTAs, measured on the H200).
+            not capturing, else the staged path where it wins, else the kernel (faster
+            than the engine up to 64 KiB runs even at 2 CTAs, measured on the H200).
+            ``"staged"`` (:mod:`pointerdomain.staged`): the copy engine moves whole host
+            runs of a ``page_first`` pool through a small device staging ring while the
+            kernel (``max_ctas`` CTAs) scatters or gathers the items; all layers only,
+            reads the indices on the host (always checks them, whatever
+            ``validate_indices``) and cannot be captured. ``"auto"`` takes it on CUDA,
+            outside capture, for items <= 4 KiB, >= 2 CTAs (or the whole GPU) and
+            transfers of >= 16 staging chunks (0.97 x bulk at 2 CTAs on the H200 where
+            the kernel gives 0.92-0.95).
         validate_indices: check every slot is in range on the host before launching
             (a device sync for CUDA indices; skipped during graph capture). When False
             the kernel still skips out-of-range slots, so nothing outside the tables is
@@ -239,7 +257,11 @@ def transfer_kv_all_layer(
         LayoutError: layouts disagree, or a table does not fit its layout.
         IndexValidationError: bad dtype, shape, device, lengths, or a slot out of range.
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
-            ``max_ctas``, ``backend`` or ``validate_indices``.
+            ``max_ctas``, ``backend`` or ``validate_indices``; ``backend="staged"`` or
+            ``"copy_engine"`` during CUDA-graph capture; ``"staged"`` per-layer, not
+            between a host and a device pool, or with a staging buffer too small.
+        LayoutError: ``backend="staged"`` with a host layout whose slot is not one block.
+        ExtensionUnavailableError: ``backend="staged"`` in a build without it.
         RuntimeCallError: the launch failed.
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
