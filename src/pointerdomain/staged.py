@@ -198,7 +198,7 @@ def auto_picks_staged(
     layout, platform = plan.src_layout, plan.platform
     if layer_count != layout.num_layers or layout.item_bytes > STAGED_MAX_ITEM_BYTES:
         return False
-    if 0 < ctas < STAGED_MIN_CTAS or plan.device.type != "cuda" or platform.runtime != "cuda":
+    if 0 < ctas < STAGED_MIN_CTAS or platform.runtime != "cuda":
         return False  # the figures are CUDA's (H200); HIP runs it only when asked
     block = layout.num_layers * layout.item_bytes
     if n < STAGED_MIN_CHUNKS * chunk_slots(staging_config(plan.device), layout.num_kv, block):
