@@ -151,7 +151,7 @@ def test_staging_too_small_for_one_slot_is_refused() -> None:
 def test_set_staging_checks_its_arguments() -> None:
     for kwargs in ({"ring": 1}, {"ring": 9}, {"nbytes": 64 << 10}, {"nbytes": 1.5e7}):
         with pytest.raises(errors.InvalidArgumentError):
-            staged.set_staging(DEV, **kwargs)  # type: ignore[arg-type]
+            staged.set_staging(DEV, **kwargs)
     staged.set_staging(DEV, nbytes=32 << 20, ring=4)
     assert staged.staging_config(DEV) == staged.StagingConfig(32 << 20, 4)
     staged.set_staging(DEV)
