@@ -35,7 +35,7 @@ from typing import Final
 
 import torch
 
-from pointerdomain._platform import backend_for, on_backend_change
+from pointerdomain._platform import backend_for
 from pointerdomain.allocation import memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
@@ -90,14 +90,9 @@ class StagingConfig:
 
 _lock = threading.Lock()
 _configs: dict[Device, StagingConfig] = {}
+# Kept across backend swaps on purpose: a staged transfer may still be using a buffer, and
+# dropping it would let the caching allocator hand its memory out under the copy.
 _buffers: dict[Device, torch.Tensor] = {}
-
-
-def _drop_buffers() -> None:
-    _buffers.clear()  # a replaced backend's memory is not this backend's
-
-
-on_backend_change(_drop_buffers)
 
 
 def set_staging(
