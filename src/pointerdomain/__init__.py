@@ -5,7 +5,7 @@ transfer kernels that accept only device aliases.
 See docs/design.md for the two address domains and the rules.
 """
 
-from pointerdomain import checked, errors
+from pointerdomain import checked, errors, staged
 from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
 from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.kernels import (
@@ -79,6 +79,7 @@ __all__ = [
     "require_domain",
     "reset_resolver_cache",
     "resolve_alias",
+    "staged",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
     "validate_device",
