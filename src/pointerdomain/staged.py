@@ -128,7 +128,14 @@ def staging_config(device: Device | str | torch.device) -> StagingConfig:
     Raises:
         InvalidDeviceError: not a device of this machine.
     """
-    return _configs.get(validate_device(device), StagingConfig(DEFAULT_STAGING_BYTES, DEFAULT_STAGING_RING))
+    return _config_of(validate_device(device))
+
+
+_DEFAULT = StagingConfig(DEFAULT_STAGING_BYTES, DEFAULT_STAGING_RING)
+
+
+def _config_of(device: Device) -> StagingConfig:
+    return _configs.get(device, _DEFAULT)  # launch path: the device is checked already
 
 
 def chunk_slots(config: StagingConfig, num_kv: int, block_bytes: int) -> int:
@@ -172,7 +179,7 @@ def staged_refusal(
             f"page_first_direct with page_size 1); the host pool is {host_layout.kind} with page_size "
             f"{host_layout.page_size}"
         )
-    config = staging_config(plan.device)
+    config = _config_of(plan.device)
     if chunk_slots(config, layout.num_kv, layout.num_layers * item) < 1:
         return InvalidArgumentError(
             f"the staging buffer of {plan.device} ({config.nbytes} bytes, {config.ring} slots) holds no slot of "
@@ -196,7 +203,7 @@ def auto_picks_staged(
     if 0 < ctas < STAGED_MIN_CTAS or platform.runtime != "cuda":
         return False  # the figures are CUDA's (H200); HIP runs it only when asked
     block = layout.num_layers * layout.item_bytes
-    if n < STAGED_MIN_CHUNKS * chunk_slots(staging_config(plan.device), layout.num_kv, block):
+    if n < STAGED_MIN_CHUNKS * chunk_slots(_config_of(plan.device), layout.num_kv, block):
         return False
     if not platform.staged_available() or platform.is_capturing(plan.device):
         return False
@@ -242,7 +249,7 @@ def launch_staged(
         s_idx, d_idx = s_host, d_host
     host_idx = s_host if host_is_src else d_host
     host_table = torch.tensor(plan.src_values if host_is_src else plan.dst_values, dtype=torch.uint64)
-    config = staging_config(plan.device)
+    config = _config_of(plan.device)
     staging = _staging_buffer(plan.device, config, plan)
     plan.platform.staged_transfer(
         plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), s_idx.numel(), layer_begin, layer_count, host_is_src,
