@@ -8,7 +8,7 @@ See docs/design.md for the two address domains and the rules.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pointerdomain import checked, errors, staged
+    from pointerdomain import checked, errors, ladder, staged
     from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
     from pointerdomain.domains import Address, AddressT, DeviceAlias, HostVA
     from pointerdomain.kernels import (
@@ -22,10 +22,13 @@ if TYPE_CHECKING:
         transfer_kv_per_layer,
     )
     from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
+    from pointerdomain.launch_errors import check_errors, synchronize
+    from pointerdomain.ladder import RegistrationPolicy, Rung
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
     from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
     from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
     from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
+    from pointerdomain.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
     from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
     from pointerdomain.tables import (
         PointerTable,
@@ -42,7 +45,14 @@ if TYPE_CHECKING:
 _LAZY = {
     "checked": "pointerdomain.checked",
     "errors": "pointerdomain.errors",
+    "ladder": "pointerdomain.ladder",
     "staged": "pointerdomain.staged",
+    "RegistrationPolicy": "pointerdomain.ladder",
+    "Rung": "pointerdomain.ladder",
+    "StrictCapability": "pointerdomain.strict",
+    "strict_alias": "pointerdomain.strict",
+    "strict_alias_enabled": "pointerdomain.strict",
+    "strict_mode_capability": "pointerdomain.strict",
     "Device": "pointerdomain.devices",
     "DeviceGuard": "pointerdomain.devices",
     "as_device": "pointerdomain.devices",
@@ -64,6 +74,8 @@ _LAZY = {
     "device_empty": "pointerdomain.allocation",
     "memory_device": "pointerdomain.allocation",
     "memory_device_at": "pointerdomain.allocation",
+    "check_errors": "pointerdomain.launch_errors",
+    "synchronize": "pointerdomain.launch_errors",
     "KVLayout": "pointerdomain.layouts",
     "KVLayoutChanges": "pointerdomain.layouts",
     "RegisteredHostMemory": "pointerdomain.memory",
@@ -137,6 +149,9 @@ __all__ = [
     "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
+    "RegistrationPolicy",
+    "Rung",
+    "StrictCapability",
     "TransferBackend",
     "WHOLE_GPU",
     "WholeGpu",
@@ -145,6 +160,7 @@ __all__ = [
     "alloc_registered",
     "as_device",
     "buffer_infos",
+    "check_errors",
     "checked",
     "device_empty",
     "errors",
@@ -156,6 +172,7 @@ __all__ = [
     "index_tensor",
     "is_host_table",
     "is_kernel_table",
+    "ladder",
     "make_kernel_ptr_table",
     "memory_device",
     "memory_device_at",
@@ -165,6 +182,10 @@ __all__ = [
     "reset_resolver_cache",
     "resolve_alias",
     "staged",
+    "synchronize",
+    "strict_alias",
+    "strict_alias_enabled",
+    "strict_mode_capability",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
     "validate_device",
