@@ -82,7 +82,8 @@ def test_failed_copy_engine_run_raises_the_typed_error(pools: tuple[pd.DeviceKVP
     with install_backend(FaultyBackend(EMU, fail={"copy_runs": {1: 1}}), "emulated") as faulty:
         with pytest.raises(errors.RuntimeCallError, match="copy runs failed with error 1"):
             host.backup(dev, torch.tensor([3]), torch.tensor([4]), backend="copy_engine")
-    assert faulty.calls == {"register": 0, "unregister": 0, "launch": 0, "copy_runs": 1}
+    assert faulty.calls == {"register": 0, "unregister": 0, "launch": 0, "copy_runs": 1,
+                            "staged_transfer": 0}
     assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), before)
 
 

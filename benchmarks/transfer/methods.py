@@ -10,6 +10,7 @@
 (e) our kernel, ``transfer_kv_all_layer(backend="kernel", max_ctas=N, validate_indices=False)``
     at N = 1, 2, 4, 8 and the whole GPU; (p) the same one ``transfer_kv_per_layer`` call
     per layer; (f) ``backend="auto"`` at the library's default budget;
+(s) the staged copy-engine path, ``transfer_kv_all_layer(backend="staged", max_ctas=2)``;
 (g) a simple warp-per-item 16-byte kernel on the whole GPU and (h) an imitation of a
     common 2-CTA design (8-byte words, each warp a contiguous share of the slots), both
     compiled here with ``cupy.RawKernel`` and fed per-item address lists. (h) is a
@@ -275,6 +276,21 @@ def build(bench: "Bench") -> list[Method]:
     default = pd.DEFAULT_MAX_CTAS
     ms.append(Method("f", "(f) auto", f"our auto path, transfer_kv_all_layer(backend='auto') at the default max_ctas "
                      f"({default})", prep_ours("auto", "default"), ctas=default if cuda else None))
+
+    # (s): the staged copy-engine path through the public API
+    if cuda:
+        ours_staged = prep_ours("staged", 2)
+
+        def prep_staged(case: "Case", direction: str, s: torch.Tensor, d: torch.Tensor) -> Fn:
+            src, dst = case.ends(direction)
+            if (src if direction == "H2D" else dst).layout.kind != "page_first":
+                raise Skip("the staged path needs a host pool whose slot holds its layers in one block (page_first)")
+            return ours_staged(case, direction, s, d)
+
+        ms.append(Method("s", "(s) staged@2", "our staged copy-engine path: transfer_kv_all_layer(backend='staged', "
+                         "max_ctas=2) (the copy engine moves whole host runs through a 16 MiB device ring of 2 "
+                         "slots, the kernel at 2 CTAs scatters/gathers the items; reads the indices on the host)",
+                         prep_staged, ctas=2))
 
     # (g), (h)
     def prep_cupy(which: str) -> Prep:

@@ -241,5 +241,27 @@ NB_MODULE(_C, m) {
         "Copy-engine copies: addresses of host uint64/int64 arrays of dst, src, bytes; status. "
         "use_batch: cudaMemcpyBatchAsync (CUDA >= 12.8), else a cudaMemcpyAsync loop.");
     m.attr("gpu_has_batch_copy") = g::has_batch_copy();
+    // Staged copy-engine path (staged_gpu.cu): the host side's table again, in HOST memory
+    // (the same alias values), and the host side's slot indices as a host int64 array.
+    m.def(
+        "gpu_staged_transfer",
+        [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t layer_begin, std::int64_t layer_count, bool host_is_src, std::uint64_t host_table,
+           std::uint64_t host_idx, std::uint64_t staging, std::uint64_t staging_bytes, int ring, int device,
+           std::uint64_t stream, int max_ctas) {
+            const pd::Transfer t = plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count);
+            pd::Side host = host_is_src ? t.src : t.dst;
+            host.table = reinterpret_cast<const std::uint64_t *>(host_table);
+            return g::staged_transfer(t, host_is_src, host, reinterpret_cast<const std::int64_t *>(host_idx), staging,
+                                      staging_bytes, ring, device, stream, max_ctas, plan.vec_bytes);
+        },
+        nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
+        nb::arg("layer_count"), nb::arg("host_is_src"), nb::arg("host_table"), nb::arg("host_idx"),
+        nb::arg("staging"), nb::arg("staging_bytes"), nb::arg("ring"), nb::arg("device"), nb::arg("stream"),
+        nb::arg("max_ctas"), nb::call_guard<nb::gil_scoped_release>(),
+        "Staged copy-engine transfer: status (0, a runtime error, gpu_staged_not_applicable or "
+        "gpu_staged_bad_index). host_table / host_idx: host uint64 / int64 arrays; staging: device buffer.");
+    m.attr("gpu_staged_not_applicable") = g::kStagedNotApplicable;
+    m.attr("gpu_staged_bad_index") = g::kStagedBadIndex;
 #endif
 }

@@ -116,18 +116,25 @@ int staged_transfer(const Transfer &t, bool host_is_src, const Side &host, const
         dsts.clear();
         srcs.clear();
         sizes.clear();
+        // A run never crosses a host table entry: two entries may be two registrations, whose
+        // aliases are not one range even where the numbers meet.
+        std::int64_t last_entry = -1;
         for (std::int64_t kv = 0; kv < t.num_kv; ++kv) {
             for (std::int64_t j = 0; j < m; ++j) {
-                const std::uint64_t h = item_address(host, kv, t.layer_begin, host_idx[c0 + j], t.page_size);
+                const SlotBase b = slot_base(host, host_idx[c0 + j], t.page_size);
+                const std::int64_t entry = item_entry(host, b, kv, t.layer_begin);
+                const std::uint64_t h = host.table[entry] + item_offset(host, b, kv, t.layer_begin);
                 const std::uint64_t d = ring_base + static_cast<std::uint64_t>((kv * chunk + j) * block);
                 const std::uint64_t hs = host_is_src ? h : d, hd = host_is_src ? d : h;
-                if (!sizes.empty() && srcs.back() + sizes.back() == hs && dsts.back() + sizes.back() == hd) {
+                if (!sizes.empty() && entry == last_entry && srcs.back() + sizes.back() == hs &&
+                    dsts.back() + sizes.back() == hd) {
                     sizes.back() += static_cast<std::uint64_t>(block);
                 } else {
                     srcs.push_back(hs);
                     dsts.push_back(hd);
                     sizes.push_back(static_cast<std::uint64_t>(block));
                 }
+                last_entry = entry;
             }
         }
         // The kernel's view of this ring slot: a page_first-like side of `chunk` slots.

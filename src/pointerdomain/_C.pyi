@@ -128,3 +128,12 @@ def gpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int, device: int, str
     """
 
 gpu_has_batch_copy: bool = True
+
+def gpu_staged_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int, device: int, stream: int, max_ctas: int) -> int:
+    """
+    Staged copy-engine transfer: status (0, a runtime error, gpu_staged_not_applicable or gpu_staged_bad_index). host_table / host_idx: host uint64 / int64 arrays; staging: device buffer.
+    """
+
+gpu_staged_not_applicable: int = -1
+
+gpu_staged_bad_index: int = -2

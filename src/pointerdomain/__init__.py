@@ -8,7 +8,7 @@ See docs/design.md for the two address domains and the rules.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pointerdomain import checked, errors, ladder
+    from pointerdomain import checked, errors, ladder, staged
     from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
     from pointerdomain.domains import Address, AddressT, DeviceAlias, HostVA
     from pointerdomain.kernels import (
@@ -46,6 +46,7 @@ _LAZY = {
     "checked": "pointerdomain.checked",
     "errors": "pointerdomain.errors",
     "ladder": "pointerdomain.ladder",
+    "staged": "pointerdomain.staged",
     "RegistrationPolicy": "pointerdomain.ladder",
     "Rung": "pointerdomain.ladder",
     "StrictCapability": "pointerdomain.strict",
@@ -180,6 +181,7 @@ __all__ = [
     "require_domain",
     "reset_resolver_cache",
     "resolve_alias",
+    "staged",
     "synchronize",
     "strict_alias",
     "strict_alias_enabled",

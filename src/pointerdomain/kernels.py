@@ -26,7 +26,7 @@ from typing import Any, Final, Literal, cast
 
 import torch
 
-from pointerdomain import checked, launch_errors, overlap
+from pointerdomain import checked, launch_errors, overlap, staged
 from pointerdomain._platform import memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
@@ -137,7 +137,7 @@ CE_MIN_RUN_BYTES_SMALL_BUDGET: Final = 512 << 10
 CE_MIN_RUN_BYTES_WHOLE_GPU: Final = 1 << 20
 
 #: How a launch moves bytes (the ``backend`` argument): see :func:`transfer_kv_all_layer`.
-TransferBackend = Literal["auto", "kernel", "copy_engine"]
+TransferBackend = Literal["auto", "kernel", "copy_engine", "staged"]
 
 #: The ``validate_indices`` argument: see :func:`transfer_kv_all_layer`.
 ValidateIndices = bool | Literal["host"]
@@ -175,8 +175,8 @@ def _launch(
         ctas = max_ctas
     else:
         raise InvalidArgumentError(f"max_ctas must be a positive int or pointerdomain.WHOLE_GPU, got {max_ctas!r}")
-    if backend != "kernel" and backend != "auto" and backend != "copy_engine":
-        raise InvalidArgumentError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
+    if backend != "kernel" and backend != "auto" and backend != "copy_engine" and backend != "staged":
+        raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {backend!r}")
     if stream is not None and (type(stream) is not int or stream < 0):
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
     if type(validate_indices) is not bool and validate_indices != "host":
@@ -207,6 +207,13 @@ def _launch_on_device(
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
         long_runs = plan.run_bytes >= threshold
         backend = "copy_engine" if long_runs and not platform.is_capturing(device) else "kernel"
+        if backend == "kernel" and staged.auto_picks_staged(plan, src, dst, n, layer_begin, layer_count, ctas):
+            backend = "staged"
+    elif backend == "staged" and platform.is_capturing(device):
+        raise InvalidArgumentError(
+            "backend='staged' reads the indices on the host and cannot be captured in a CUDA graph; "
+            "use backend='kernel' (or 'auto', which falls back to it) inside capture"
+        )
     elif backend == "copy_engine" and platform.is_capturing(device):
         raise InvalidArgumentError(
             "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
@@ -217,8 +224,11 @@ def _launch_on_device(
         s_idx = s_idx.to("cpu", copy=True)
         d_idx = d_idx.to("cpu", copy=True)
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
-    elif validate_indices == "host" or (validate_indices is True and platform.host_readable):
+    elif backend != "staged" and (
+        validate_indices == "host" or (validate_indices is True and platform.host_readable)
+    ):
         # host-readable indices (emulated device): no sync, so check before launching
+        # (staged: launch_staged checks its own host copy of the indices)
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
@@ -237,7 +247,9 @@ def _launch_on_device(
             for owner in owners:
                 owner.check_open()  # the closed one raises ClosedError
             raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
-        if backend == "copy_engine":
+        if backend == "staged":
+            staged.launch_staged(plan, src, dst, s_idx, d_idx, layer_begin, layer_count, stream, ctas)
+        elif backend == "copy_engine":
             dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
             platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
         else:
@@ -288,8 +300,16 @@ def transfer_kv_all_layer(
             a page, fed device aliases; reads the indices on the host, so it syncs on
             CUDA indices and cannot be captured), or ``"auto"``: the copy engine when
             both layouts give runs of at least 512 KiB (1 MiB with the whole GPU) and
-            not capturing, else the kernel (faster than the engine up to 64 KiB runs
-            even at 2 CTAs, measured on the H200).
+            not capturing, else the staged path where it wins, else the kernel (faster
+            than the engine up to 64 KiB runs even at 2 CTAs, measured on the H200).
+            ``"staged"`` (:mod:`pointerdomain.staged`): the copy engine moves whole host
+            runs of a ``page_first`` pool through a small device staging ring while the
+            kernel (``max_ctas`` CTAs) scatters or gathers the items; all layers only,
+            reads the indices on the host (always checks them, whatever
+            ``validate_indices``) and cannot be captured. ``"auto"`` takes it on CUDA,
+            outside capture, for items <= 4 KiB, >= 2 CTAs (or the whole GPU) and
+            transfers of >= 16 staging chunks (0.97 x bulk at 2 CTAs on the H200 where
+            the kernel gives 0.92-0.95).
         validate_indices: how a slot outside ``[0, num_slots)`` is reported (the kernel
             always skips such a pair, so nothing outside the tables is touched):
             ``True`` (default): on the emulated device checked on the host before the
@@ -301,8 +321,9 @@ def transfer_kv_all_layer(
             ``"host"``: check on the host before launching (a device sync for CUDA
             indices; skipped during capture, the error word still covers it), so the
             launch raises before anything is copied. ``False``: skipped slots are not
-            reported. The copy engine always checks on the host (it reads the indices
-            there anyway, once: the checked copy is the one it uses).
+            reported. The copy engine and the staged path always check on the host
+            (they read the indices there anyway, once: the checked copy is the one
+            they use).
 
     Moves ``n * num_kv * num_layers * item_bytes`` bytes.
 
@@ -318,7 +339,11 @@ def transfer_kv_all_layer(
         OverlapError: src and dst share memory and a slot is both read and written
             (rules in :mod:`pointerdomain.overlap`).
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
-            ``max_ctas``, ``backend`` or ``validate_indices``.
+            ``max_ctas``, ``backend`` or ``validate_indices``; ``backend="staged"`` or
+            ``"copy_engine"`` during CUDA-graph capture; ``"staged"`` per-layer, not
+            between a host and a device pool, or with a staging buffer too small.
+        LayoutError: ``backend="staged"`` with a host layout whose slot is not one block.
+        ExtensionUnavailableError: ``backend="staged"`` in a build without it.
         RuntimeCallError: the launch failed.
 
     While the copy can run (the CPU call; on CUDA until the stream reaches it) the

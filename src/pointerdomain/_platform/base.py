@@ -120,6 +120,34 @@ class Backend(Protocol):
         """
         ...
 
+    def staged_available(self) -> bool:
+        """True where :meth:`staged_transfer` runs the staged copy-engine path
+        (``src/kernels/staged_gpu.cu``); False where it runs the plain kernel instead
+        (the emulated device) or raises ExtensionUnavailableError (not built)."""
+        ...
+
+    def staged_transfer(
+        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        """The staged copy-engine transfer of ``n`` slot pairs: the copy engine moves whole
+        contiguous host runs between the host side and a device staging ring of ``ring``
+        slots in ``staging`` (``staging_bytes`` of device memory), a kernel of at most
+        ``max_ctas`` CTAs moves the items between the ring and the device side.
+        ``src_idx`` / ``dst_idx``: device index arrays (by address, as for :meth:`launch`);
+        ``host_table``: the host side's table values in HOST memory (uint64 array);
+        ``host_idx``: the host side's ``n`` slot indices in HOST memory (int64 array).
+
+        Raises:
+            IndexValidationError: a host slot out of range (nothing was launched).
+            InvalidArgumentError: the layout or staging buffer does not allow it, or the
+                stream is being captured.
+            ExtensionUnavailableError: this build has no staged path.
+            RuntimeCallError: a runtime call failed.
+        """
+        ...
+
     def synchronize(self, device: Device) -> None:
         """Wait for the device's work (a no-op where launches are synchronous)."""
         ...

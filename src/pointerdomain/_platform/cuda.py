@@ -13,14 +13,15 @@ import ctypes
 import glob
 import mmap
 import os
+import threading
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from pointerdomain import _C
 from pointerdomain._platform.cuda_hint import BUILD_HINT
-from pointerdomain._platform.status import check
-from pointerdomain.errors import ExtensionUnavailableError
+from pointerdomain._platform.status import check, check_staged
+from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
@@ -110,6 +111,10 @@ class CudaBackend(_TorchDevice):
     def __init__(self) -> None:
         self.runtime = _C.gpu_runtime
         self.name = self.runtime
+        # The staged path's copy stream, events and staging buffer are per device: one call
+        # at a time, and a call on another stream waits for the previous one (see staged_transfer).
+        self._staged_lock = threading.Lock()
+        self._staged_last: dict[int, tuple[int, Any]] = {}
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         return _C.gpu_host_register(va, nbytes, device.ordinal)
@@ -149,6 +154,35 @@ class CudaBackend(_TorchDevice):
         status = _C.gpu_copy_runs(dsts, srcs, sizes, count, device.ordinal, stream, _C.gpu_has_batch_copy)
         if status != 0:
             check(self, "cudaMemcpyBatchAsync", status)
+
+    def staged_available(self) -> bool:
+        return True
+
+    def staged_transfer(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        cuda = cast(Any, torch.cuda)
+        ext = cuda.ExternalStream(stream, device=device.torch_device)
+        with cuda.stream(ext):  # the stream given, not only the current one: descriptors read on the host
+            capturing = bool(cuda.is_current_stream_capturing())  # must never be baked into a graph
+        if capturing:
+            raise InvalidArgumentError(
+                "backend='staged' reads the indices on the host and cannot be captured in a CUDA graph"
+            )
+        with self._staged_lock:
+            last = self._staged_last.get(device.ordinal)
+            if last is not None and last[0] != stream:
+                ext.wait_event(last[1])  # the staging ring is free only once the previous call has passed it
+            status = _C.gpu_staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src,
+                                            host_table, host_idx, staging, staging_bytes, ring, device.ordinal,
+                                            stream, max_ctas)
+            if status == 0:
+                done = cuda.Event()
+                done.record(ext)
+                self._staged_last[device.ordinal] = (stream, done)
+        check_staged(self, status)
 
 
 def _cudart() -> Any:
@@ -201,3 +235,13 @@ class TorchCudartBackend(_TorchDevice):
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         raise ExtensionUnavailableError(f"this pointerdomain build has no GPU copy ops; {BUILD_HINT}")
+
+    def staged_available(self) -> bool:
+        return False
+
+    def staged_transfer(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        raise ExtensionUnavailableError(f"this pointerdomain build has no staged copy-engine path (not built); {BUILD_HINT}")

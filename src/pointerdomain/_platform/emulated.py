@@ -154,5 +154,16 @@ class EmulatedBackend:
         _require_current(device, "copy-engine runs")
         _C.cpu_copy_runs(dsts, srcs, sizes, count)
 
+    def staged_available(self) -> bool:
+        return False  # no copy engine to stage through: staged_transfer runs the kernel path
+
+    def staged_transfer(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        # The same bytes through the CPU kernel (emulated indices are host memory already).
+        _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
+
     def synchronize(self, device: Device) -> None:
         return None

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pointerdomain._platform.base import Backend
-from pointerdomain._platform.status import check
+from pointerdomain._platform.status import check, check_staged
 
 if TYPE_CHECKING:
     import torch
@@ -27,10 +27,11 @@ class FaultyBackend:
 
     Args:
         inner: the backend that does the work.
-        fail: call name (``"register"``, ``"unregister"``, ``"launch"``, ``"copy_runs"``)
+        fail: call name (``"register"``, ``"unregister"``, ``"launch"``, ``"copy_runs"``,
+            ``"staged_transfer"``)
             -> {call number (1-based) -> status to fail with}. A failing ``register`` /
             ``unregister`` returns the status without calling ``inner``; a failing
-            ``launch`` / ``copy_runs`` raises the typed error for it.
+            ``launch`` / ``copy_runs`` / ``staged_transfer`` raises the typed error for it.
 
     Attributes:
         calls: how many times each faultable call was made.
@@ -39,7 +40,7 @@ class FaultyBackend:
     def __init__(self, inner: Backend, fail: Mapping[str, Mapping[int, int]]) -> None:
         self.inner = inner
         self.fail = {name: dict(at) for name, at in fail.items()}
-        self.calls = {"register": 0, "unregister": 0, "launch": 0, "copy_runs": 0}
+        self.calls = {"register": 0, "unregister": 0, "launch": 0, "copy_runs": 0, "staged_transfer": 0}
         self.name = f"faulty({inner.name})"
         self.runtime = inner.runtime
         self.has_alias_op = inner.has_alias_op
@@ -101,6 +102,18 @@ class FaultyBackend:
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         check(self, "copy runs", self._fault("copy_runs"))
         self.inner.copy_runs(dsts, srcs, sizes, count, device, stream)
+
+    def staged_available(self) -> bool:
+        return self.inner.staged_available()
+
+    def staged_transfer(
+        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        check_staged(self, self._fault("staged_transfer"))
+        self.inner.staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
+                                   host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
 
     def synchronize(self, device: Device) -> None:
         self.inner.synchronize(device)

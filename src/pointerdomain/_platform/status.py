@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 from pointerdomain.errors import (
     AlreadyRegisteredError,
+    IndexValidationError,
+    InvalidArgumentError,
     MemlockLimitError,
     RegistrationError,
     RuntimeCallError,
@@ -14,7 +16,16 @@ from pointerdomain.errors import (
 if TYPE_CHECKING:
     from pointerdomain._platform.base import Backend
 
-__all__ = ["ALREADY_REGISTERED", "NOT_REGISTERED", "OUT_OF_MEMORY", "check", "registration_error"]
+__all__ = [
+    "ALREADY_REGISTERED",
+    "NOT_REGISTERED",
+    "OUT_OF_MEMORY",
+    "STAGED_BAD_INDEX",
+    "STAGED_NOT_APPLICABLE",
+    "check",
+    "check_staged",
+    "registration_error",
+]
 
 #: cudaErrorHostMemoryAlreadyRegistered; the emulated backend uses the same code.
 ALREADY_REGISTERED = 712
@@ -28,6 +39,24 @@ def check(backend: Backend, call: str, code: int) -> None:
     """Raise :class:`RuntimeCallError` for a non-zero status of ``call``."""
     if code != 0:
         raise RuntimeCallError(call, code, backend.describe(code))
+
+
+#: gpu::kStagedNotApplicable / kStagedBadIndex (src/kernels/gpu.h): the staged path's own codes.
+STAGED_NOT_APPLICABLE = -1
+STAGED_BAD_INDEX = -2
+
+
+def check_staged(backend: Backend, code: int) -> None:
+    """Raise the typed error for a non-zero status of the staged copy-engine path
+    (the Python layer checks both conditions first; these are its last line)."""
+    if code == STAGED_BAD_INDEX:
+        raise IndexValidationError("staged transfer: a host slot index is out of range; nothing was copied")
+    if code == STAGED_NOT_APPLICABLE:
+        raise InvalidArgumentError(
+            "staged transfer: the host layout gives no contiguous per-slot blocks, or the staging buffer "
+            "holds no chunk; nothing was copied"
+        )
+    check(backend, "staged copy-engine transfer", code)
 
 
 def registration_error(backend: Backend, code: int, where: str, rolled: str, memlock_hint: str) -> RegistrationError:

@@ -1,0 +1,258 @@
+"""The staged copy-engine path (``backend="staged"``; issue 15 item 2).
+
+For a registered host pool whose per-slot items are one contiguous block (``page_first``:
+all layers of a slot and kv are adjacent), the copy engine moves whole runs of host blocks
+between the host pool and a small device staging ring, while the ordinary transfer kernel,
+at ``max_ctas`` CTAs, scatters (H2D) or gathers (D2H) the items between the ring and the
+device pool at HBM speed; chunk k's copies overlap chunk k-1's kernel
+(``src/kernels/staged_gpu.cu``). On the H200 it gives 0.970-0.978 x bulk at 2 CTAs for
+1 KiB and 1152 B items in both directions (16 MiB ring of 2 slots), above the 0.92-0.93 x
+ceiling of every SM-issued H2D copy (docs/performance.md, "Staged copy-engine path").
+
+It reads the indices on the host (a sync for CUDA indices) and so can never be captured
+in a CUDA graph. The indices are copied to the host once; that copy is range-checked and
+is the one the copy descriptors are built from (no time-of-check/time-of-use gap on the
+host side); the kernel stage skips an out-of-range device slot as the kernel path does.
+
+Where it applies (else an explicit ``backend="staged"`` raises, and ``"auto"`` uses the
+kernel): all layers (:func:`~pointerdomain.transfer_kv_all_layer`), one table over
+registered host memory and the other over device memory of the same device, the host
+layout ``page_first`` or ``page_first_direct`` with a slot's layers contiguous
+(``page_first_direct`` only when ``page_size`` is 1: its layers are ``page_size`` items
+apart), and a staging buffer that holds at least one slot.
+
+The staging buffer is device memory cached per device (:func:`set_staging`; default
+:data:`DEFAULT_STAGING_BYTES` in :data:`DEFAULT_STAGING_RING` ring slots), allocated on the
+first staged transfer. Staged transfers on one device run one at a time, and one on another
+stream than the previous waits for it on the GPU (the ring is shared).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from pointerdomain._platform import backend_for
+from pointerdomain.allocation import memory_device
+from pointerdomain.devices import Device, validate_device
+from pointerdomain.domains import DeviceAlias
+from pointerdomain.errors import IndexValidationError, InvalidArgumentError, LayoutError, PointerDomainError
+from pointerdomain.plan import TransferPlan
+from pointerdomain.tables import PointerTable
+
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "DEFAULT_STAGING_RING",
+    "STAGED_MAX_ITEM_BYTES",
+    "STAGED_MIN_CHUNKS",
+    "STAGED_MIN_CTAS",
+    "StagingConfig",
+    "auto_picks_staged",
+    "chunk_slots",
+    "launch_staged",
+    "set_staging",
+    "staged_refusal",
+    "staging_config",
+]
+
+#: Default staging buffer: 16 MiB in 2 ring slots, the best point measured at 2 CTAs
+#: (docs/performance.md: 0.970-0.978 x bulk at 1 KiB / 1152 B; 64 MiB of 4 slots 0.970).
+DEFAULT_STAGING_BYTES: Final = 16 << 20
+DEFAULT_STAGING_RING: Final = 2
+
+#: ``backend="auto"`` picks the staged path only for items up to 4 KiB (the sizes measured:
+#: 1 KiB, 1152 B, 2 KiB, 4 KiB, all 0.966-0.978 x bulk at 2 CTAs with the default ring).
+STAGED_MAX_ITEM_BYTES: Final = 4 << 10
+#: ... and budgets of at least 2 CTAs (or the whole GPU): at 1 CTA the kernel stage bounds it
+#: (0.73-0.85 x bulk) below the 1-CTA kernel (0.80-0.86 x).
+STAGED_MIN_CTAS: Final = 2
+#: ... and transfers of at least 16 ring chunks: with 8 chunks per transfer (a 256 MiB ring
+#: of 4 for 0.5 GiB) too little overlaps and it gives 0.93 x, the kernel's figure; 16 chunks
+#: (64 MiB of 2) gave 0.955-0.961, 64 chunks (16 MiB of 2) 0.966-0.978.
+STAGED_MIN_CHUNKS: Final = 16
+
+_MAX_RING = 8  # kMaxRing in staged_gpu.cu
+_HEADER = 64 << 10  # kHeader: the ring's tables and the identity slots
+_TABLE = 4 << 10  # kTableBytes
+_HOST_LAYOUTS = ("page_first", "page_first_direct")
+
+
+@dataclass(frozen=True, slots=True)
+class StagingConfig:
+    """A device's staging buffer: ``nbytes`` of device memory in ``ring`` slots."""
+
+    nbytes: int
+    ring: int
+
+
+_lock = threading.Lock()
+_configs: dict[Device, StagingConfig] = {}
+# Kept across backend swaps on purpose: a staged transfer may still be using a buffer, and
+# dropping it would let the caching allocator hand its memory out under the copy.
+_buffers: dict[Device, torch.Tensor] = {}
+
+
+def set_staging(
+    device: Device | str | torch.device, *, nbytes: int = DEFAULT_STAGING_BYTES, ring: int = DEFAULT_STAGING_RING
+) -> None:
+    """Set the staging buffer of ``device``'s staged transfers: ``nbytes`` bytes of device
+    memory (at least 64 KiB of ring tables plus one 4 KiB-rounded chunk per ring slot) in
+    ``ring`` slots (2..8). A buffer already allocated is freed after the device's work is
+    done (a device synchronisation); the new one is allocated by the next staged transfer.
+
+    Raises:
+        InvalidDeviceError: not a device of this machine.
+        InvalidArgumentError: ``nbytes`` or ``ring`` not an int in range.
+    """
+    dev = validate_device(device)
+    if type(ring) is not int or not 2 <= ring <= _MAX_RING:
+        raise InvalidArgumentError(f"ring must be an int in [2, {_MAX_RING}], got {ring!r}")
+    if type(nbytes) is not int or nbytes < _HEADER + ring * 4096:
+        raise InvalidArgumentError(
+            f"nbytes must be an int of at least {_HEADER + ring * 4096} (64 KiB of ring tables and one "
+            f"4 KiB page per ring slot), got {nbytes!r}"
+        )
+    with _lock:
+        _configs[dev] = StagingConfig(nbytes, ring)
+        old = _buffers.pop(dev, None)
+    if old is not None:
+        backend_for(dev).synchronize(dev)  # a staged transfer in flight may still use it
+
+
+def staging_config(device: Device | str | torch.device) -> StagingConfig:
+    """The staging configuration of ``device`` (default 16 MiB, 2 slots).
+
+    Raises:
+        InvalidDeviceError: not a device of this machine.
+    """
+    return _config_of(validate_device(device))
+
+
+_DEFAULT = StagingConfig(DEFAULT_STAGING_BYTES, DEFAULT_STAGING_RING)
+
+
+def _config_of(device: Device) -> StagingConfig:
+    return _configs.get(device, _DEFAULT)  # launch path: the device is checked already
+
+
+def chunk_slots(config: StagingConfig, num_kv: int, block_bytes: int) -> int:
+    """Slots one ring slot holds for blocks of ``block_bytes`` per slot and kv (the
+    C++ rule in ``staged_gpu.cu``: the ring slot's bytes, rounded down to 4 KiB, and at
+    most 7680 slots, the identity list's room in the header); 0: the buffer holds none."""
+    slot_bytes = ((config.nbytes - _HEADER) // config.ring) & ~4095 if config.nbytes > _HEADER else 0
+    return min(slot_bytes // (num_kv * block_bytes), (_HEADER - _TABLE) // 8)
+
+
+def _side_memory(table: PointerTable[DeviceAlias]) -> str:
+    """``"host"``, ``"device"`` or ``"mixed"``: where every buffer of the table lies."""
+    where = {"host" if memory_device(t) is None else "device" for t in table.kept_tensors()}
+    return where.pop() if len(where) == 1 else "mixed"
+
+
+def staged_refusal(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
+    layer_begin: int, layer_count: int,
+) -> bool | PointerDomainError:
+    """``host_is_src`` where the staged path applies to this transfer, else the typed
+    error an explicit ``backend="staged"`` raises (see the module docstring)."""
+    layout = plan.src_layout
+    if layer_begin != 0 or layer_count != layout.num_layers:
+        return InvalidArgumentError(
+            "backend='staged' moves all layers (transfer_kv_all_layer); per-layer transfers use the kernel "
+            "(backend='kernel' or 'auto')"
+        )
+    sides = (_side_memory(src), _side_memory(dst))
+    if sides not in (("host", "device"), ("device", "host")):
+        return InvalidArgumentError(
+            f"backend='staged' moves between a registered host pool and a device pool; src is {sides[0]} "
+            f"memory and dst is {sides[1]} memory"
+        )
+    host_is_src = sides[0] == "host"
+    host_layout, host_geometry = (plan.src_layout, plan.src_geometry) if host_is_src else (plan.dst_layout, plan.dst_geometry)
+    item = layout.item_bytes
+    if host_layout.kind not in _HOST_LAYOUTS or (layout.num_layers > 1 and host_geometry.s_layer != item):
+        return LayoutError(
+            f"backend='staged' needs a host layout whose slot holds its layers contiguously (page_first, or "
+            f"page_first_direct with page_size 1); the host pool is {host_layout.kind} with page_size "
+            f"{host_layout.page_size}"
+        )
+    config = _config_of(plan.device)
+    if chunk_slots(config, layout.num_kv, layout.num_layers * item) < 1:
+        return InvalidArgumentError(
+            f"the staging buffer of {plan.device} ({config.nbytes} bytes, {config.ring} slots) holds no slot of "
+            f"{layout.num_kv * layout.num_layers * item} bytes; enlarge it with pointerdomain.staged.set_staging"
+        )
+    return host_is_src
+
+
+def auto_picks_staged(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], n: int,
+    layer_begin: int, layer_count: int, ctas: int,
+) -> bool:
+    """Whether ``backend="auto"`` takes the staged path (CUDA with the path built, not
+    capturing, items <= :data:`STAGED_MAX_ITEM_BYTES`, a budget of at least
+    :data:`STAGED_MIN_CTAS` CTAs or the whole GPU (``ctas`` 0), at least
+    :data:`STAGED_MIN_CHUNKS` ring chunks of slots, and :func:`staged_refusal` none).
+    The cheap tests first: the kernel launch path pays only for them."""
+    layout, platform = plan.src_layout, plan.platform
+    if layer_count != layout.num_layers or layout.item_bytes > STAGED_MAX_ITEM_BYTES:
+        return False
+    if 0 < ctas < STAGED_MIN_CTAS or platform.runtime != "cuda":
+        return False  # the figures are CUDA's (H200); HIP runs it only when asked
+    block = layout.num_layers * layout.item_bytes
+    if n < STAGED_MIN_CHUNKS * chunk_slots(_config_of(plan.device), layout.num_kv, block):
+        return False
+    if not platform.staged_available() or platform.is_capturing(plan.device):
+        return False
+    return not isinstance(staged_refusal(plan, src, dst, layer_begin, layer_count), PointerDomainError)
+
+
+def _staging_buffer(device: Device, config: StagingConfig, plan: TransferPlan) -> torch.Tensor:
+    with _lock:
+        buf = _buffers.get(device)
+        if buf is None or buf.numel() != config.nbytes:
+            buf = plan.platform.device_alloc(config.nbytes, device)
+            _buffers[device] = buf
+    return buf
+
+
+def launch_staged(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
+    s_idx: torch.Tensor, d_idx: torch.Tensor, layer_begin: int, layer_count: int, stream: int, ctas: int,
+) -> None:
+    """Run the staged transfer of the checked index tensors (``int64``, 1-D, contiguous,
+    on the device, equal length ``n`` > 0) on ``stream``.
+
+    Raises:
+        InvalidArgumentError, LayoutError: the path does not apply (:func:`staged_refusal`),
+            or the stream is being captured.
+        IndexValidationError: a slot out of range (nothing was copied).
+        RuntimeCallError: a runtime call failed.
+    """
+    verdict = staged_refusal(plan, src, dst, layer_begin, layer_count)
+    if isinstance(verdict, PointerDomainError):
+        raise verdict
+    host_is_src = verdict
+    # One host copy of each index set: checked here, and the host side's copy is the one the
+    # copy descriptors are built from.
+    s_host = s_idx.to("cpu", copy=True)
+    d_host = d_idx.to("cpu", copy=True)
+    for name, idx, slots in (("src_indices", s_host, plan.src_layout.num_slots),
+                             ("dst_indices", d_host, plan.dst_layout.num_slots)):
+        lo, hi = (int(v) for v in torch.aminmax(idx))
+        if lo < 0 or hi >= slots:
+            raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
+    if plan.platform.host_readable:  # the kernel reads host memory: give it the checked copies too
+        s_idx, d_idx = s_host, d_host
+    host_idx = s_host if host_is_src else d_host
+    host_table = torch.tensor(plan.src_values if host_is_src else plan.dst_values, dtype=torch.uint64)
+    config = _config_of(plan.device)
+    staging = _staging_buffer(plan.device, config, plan)
+    plan.platform.staged_transfer(
+        plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), s_idx.numel(), layer_begin, layer_count, host_is_src,
+        host_table.data_ptr(), host_idx.data_ptr(), staging.data_ptr(), config.nbytes, config.ring, plan.device,
+        stream, ctas,
+    )
