@@ -28,6 +28,10 @@ __all__ = [
     "ExtensionUnavailableError",
     "AliasOpMissingError",
     "RuntimeCallError",
+    "InvalidTypeError",
+    "OutOfMemoryError",
+    "NotPicklableError",
+    "LayoutFieldError",
 ]
 
 
@@ -112,3 +116,34 @@ class RuntimeCallError(PointerDomainError, RuntimeError):
         super().__init__(f"{call} failed with error {code}: {message}")
         self.call = call
         self.code = code
+
+
+class InvalidTypeError(PointerDomainError, TypeError):
+    """An argument of the wrong Python type (a bare tensor where a list of tensors is
+    required, a string where an int is)."""
+
+
+class OutOfMemoryError(PointerDomainError, MemoryError):
+    """An allocation of ``nbytes`` bytes failed (host or device memory); nothing was
+    allocated. The message gives the size and what to do."""
+
+    def __init__(self, message: str, nbytes: int) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
+
+
+class NotPicklableError(PointerDomainError, TypeError):
+    """``pickle`` / ``copy`` of an object holding process-local addresses or
+    registrations (tables, pools, registered memory): they mean nothing in another
+    process and must not be shared by two owners."""
+
+
+class LayoutFieldError(LayoutError):
+    """A :class:`~pointerdomain.KVLayout` field with an invalid value (the pydantic
+    validation error, wrapped). Attributes: ``field``, ``value``, ``expected``."""
+
+    def __init__(self, message: str, field: str, value: object, expected: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+        self.expected = expected
