@@ -10,7 +10,7 @@ import torch
 
 from pointerdomain._platform import backend_for, device_holding, memory_device
 from pointerdomain.devices import Device, validate_device
-from pointerdomain.errors import InvalidRegistrationError
+from pointerdomain.errors import InvalidArgumentError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
 
 __all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
@@ -36,14 +36,38 @@ def alloc_registered(
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
             positive (a ``ValueError`` too).
         InvalidDeviceError: the device does not exist.
+        OutOfMemoryError: the host memory could not be allocated (a ``MemoryError``; the
+            message gives the size and what to do).
         RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
     """
     if type(nbytes) is not int or nbytes <= 0:
         raise InvalidRegistrationError(f"nbytes must be a positive int: a 0-byte registration is invalid (got {nbytes!r})")
     check_granularity(granularity, max_chunk_bytes)
     dev = validate_device(device)
-    tensor = backend_for(dev).host_alloc(nbytes)
+    try:
+        tensor = backend_for(dev).host_alloc(nbytes)
+    except (MemoryError, RuntimeError) as exc:
+        raise _out_of_memory(exc, "host", nbytes, dev) from None
     return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes)
+
+
+def _out_of_memory(exc: BaseException, what: str, nbytes: int, device: Device) -> BaseException:
+    """``exc`` from an allocator (the extension's ``std::bad_alloc`` arrives as a bare
+    ``MemoryError``; torch's allocators raise ``RuntimeError`` / ``torch.OutOfMemoryError``)
+    as an :class:`OutOfMemoryError` with the size and what to do; other errors unchanged."""
+    if isinstance(exc, PointerDomainError):
+        return exc
+    text = str(exc)
+    if not isinstance(exc, MemoryError) and "alloc" not in text.lower() and "out of memory" not in text.lower():
+        return exc
+    gib = nbytes / (1 << 30)
+    return OutOfMemoryError(
+        f"nbytes: could not allocate {nbytes} bytes ({gib:.2f} GiB) of {what} memory for {device} "
+        f"(found: {type(exc).__name__}: {text[:160]}), expected an allocation that fits the free memory. Fix: "
+        "allocate less (fewer pages or layers per pool), free memory first, or check the process's limits "
+        "(ulimit -v, container memory limit)",
+        nbytes,
+    )
 
 
 def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | torch.device) -> torch.Tensor:
@@ -52,13 +76,19 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
 
     Raises:
         InvalidDeviceError: the device does not exist.
-        ValueError: a negative dimension.
+        InvalidArgumentError: a negative dimension (a ``ValueError``).
+        OutOfMemoryError: the memory could not be allocated (a ``MemoryError``).
     """
     dev = validate_device(device)
     if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in {shape}")
+        raise InvalidArgumentError(
+            f"shape: found a negative dimension in {shape}, expected dimensions >= 0. Fix: pass a valid shape"
+        )
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
+    try:
+        raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
+    except (MemoryError, RuntimeError) as exc:
+        raise _out_of_memory(exc, "device", nbytes, dev) from None
     return raw[:nbytes].view(dtype).view(shape)
 
 

@@ -72,12 +72,13 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from pointerdomain import env
 
 from pointerdomain._platform import backend_for, device_holding, memory_device
 from pointerdomain.devices import Device
@@ -100,7 +101,7 @@ if TYPE_CHECKING:
 
 __all__ = ["checked_mode", "enabled", "set_enabled", "verify_launch"]
 
-_enabled = os.environ.get("POINTERDOMAIN_CHECKED") == "1"
+_enabled = env.flag(env.CHECKED)
 _state_lock = threading.Lock()
 
 _FIX_BUILD = (

@@ -13,7 +13,6 @@ thread.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from dataclasses import dataclass
 from types import TracebackType
@@ -41,13 +40,9 @@ __all__ = [
 DeviceType = Literal["cuda", "emulated"]
 
 def _emulated_device_count() -> int:
-    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES", "2")
-    if not text.isdigit() or int(text) < 1:
-        import warnings
+    from pointerdomain import env
 
-        warnings.warn(f"POINTERDOMAIN_EMULATED_DEVICES={text!r} is not a positive int; using 2", stacklevel=2)
-        return 2
-    return int(text)
+    return env.positive_int(env.EMULATED_DEVICES, 2)
 
 
 #: Number of emulated devices on a machine without a GPU (``POINTERDOMAIN_EMULATED_DEVICES``, default 2).
@@ -107,6 +102,12 @@ def as_device(device: Device | str | torch.device) -> Device:
         if kind == "cuda":
             import torch
 
+            if not torch.cuda.is_available():  # torch would raise AssertionError / RuntimeError
+                raise InvalidDeviceError(
+                    f"device {text!r}: found no CUDA device (torch.cuda.is_available() is False: a CPU build of "
+                    "torch, or no GPU visible), expected one to pick the current CUDA device from. Fix: pass "
+                    "'emulated:0' (or 'cpu') on a machine without a GPU, or an explicit 'cuda:N' where one exists"
+                )
             return Device("cuda", torch.cuda.current_device())
         return Device("emulated", 0)
     if not ordinal.isdigit():

@@ -27,6 +27,7 @@ from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.status import registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     ClosedError,
@@ -156,7 +157,7 @@ def _release(backend: Backend, device: Device, chunks: tuple[Chunk, ...], nbytes
         _registry.pinned_bytes -= nbytes
 
 
-class RegisteredHostMemory:
+class RegisteredHostMemory(ProcessLocal):
     """Owner of one registered host range.
 
     Attributes:

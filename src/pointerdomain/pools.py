@@ -20,6 +20,7 @@ from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import InvalidArgumentError, LayoutError
 from pointerdomain.kernels import DEFAULT_MAX_CTAS, MaxCtas, TransferBackend, transfer_kv_all_layer, transfer_kv_per_layer
 from pointerdomain.layouts import KVLayout
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
@@ -41,7 +42,7 @@ class DevicePool(Protocol):
     def table(self) -> PointerTable[DeviceAlias]: ...
 
 
-class DeviceKVPool:
+class DeviceKVPool(ProcessLocal):
     """A device KV pool: per-layer buffers of shape ``[num_slots, num_heads, head_dim]``
     (K layers then V layers for MHA), ``layout.kind == "layer_first"``.
 
@@ -72,7 +73,7 @@ class DeviceKVPool:
         return self.buffers[kv * self.layout.num_layers + layer]
 
 
-class HostKVPool:
+class HostKVPool(ProcessLocal):
     """A host KV pool in registered host memory.
 
     Args:

@@ -11,14 +11,13 @@ unprivileged container counts them.
 
 from __future__ import annotations
 
-import os
 import resource
 import threading
 from typing import TYPE_CHECKING
 
 import torch
 
-from pointerdomain import _C
+from pointerdomain import _C, env
 from pointerdomain._platform.status import OUT_OF_MEMORY
 
 if TYPE_CHECKING:
@@ -50,7 +49,7 @@ class EmulatedBackend:
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        limited = os.environ.get("POINTERDOMAIN_EMULATE_MEMLOCK") == "1" and soft != resource.RLIM_INFINITY
+        limited = env.flag(env.EMULATE_MEMLOCK) and soft != resource.RLIM_INFINITY
         with self._lock:
             if limited and sum(self._pinned.values()) + nbytes > soft:
                 return OUT_OF_MEMORY

@@ -33,7 +33,14 @@ from typing import Any
 from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
-from pointerdomain.errors import DomainError, ExtensionUnavailableError, NotRegisteredError, PointerDomainError, RuntimeCallError
+from pointerdomain.errors import (
+    DomainError,
+    ExtensionUnavailableError,
+    InvalidArgumentError,
+    NotRegisteredError,
+    PointerDomainError,
+    RuntimeCallError,
+)
 
 __all__ = ["EngineUnavailableError", "HostTransferEngine", "as_host_va"]
 
@@ -146,10 +153,15 @@ class HostTransferEngine:
         va = as_host_va(region, name)
         if nbytes is None:
             if type(region) is not BufferInfo:
-                raise ValueError(f"{name}: a HostVA needs nbytes")
+                raise InvalidArgumentError(
+                    f"{name}: found a bare HostVA with nbytes=None, expected nbytes (a positive int) with a HostVA. "
+                    "Fix: pass nbytes=..., or pass the BufferInfo (it carries its size)"
+                )
             nbytes = region.nbytes
         if type(nbytes) is not int or nbytes <= 0:
-            raise ValueError(f"{name}: nbytes must be a positive int, got {nbytes!r}")
+            raise InvalidArgumentError(
+                f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes). Fix: pass the block's size in bytes"
+            )
         return va, nbytes
 
     def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:
@@ -172,7 +184,7 @@ class HostTransferEngine:
 
         Raises:
             DomainError: not a HostVA / BufferInfo, or the range is device memory.
-            ValueError: ``nbytes`` missing or not positive.
+            InvalidArgumentError: ``nbytes`` missing or not positive (a ``ValueError``).
             RuntimeCallError: the engine refused.
         """
         va, n = self._span(region, nbytes, "region")
@@ -216,7 +228,10 @@ class HostTransferEngine:
         l_va, l_n = self._span(local, nbytes, "local")
         r_va, r_n = self._span(remote, nbytes if nbytes is not None else l_n, "remote")
         if type(remote) is BufferInfo and r_n != l_n:
-            raise ValueError(f"local block is {l_n} bytes but remote block is {r_n}")
+            raise InvalidArgumentError(
+                f"remote: found a {r_n}-byte block for a {l_n}-byte local block, expected equal sizes. "
+                "Fix: pair blocks of the same size (or pass nbytes)"
+            )
         self._check_registered(l_va, l_n, "local")
         self._check(call, getattr(self.engine, call)(peer, l_va.value, r_va.value, l_n))
 
@@ -231,7 +246,7 @@ class HostTransferEngine:
 
         Raises:
             DomainError: an address that is not a HostVA / BufferInfo.
-            ValueError: sizes missing or different.
+            InvalidArgumentError: sizes missing or different (a ``ValueError``).
             NotRegisteredError: ``local`` outside registered memory.
             RuntimeCallError: the engine reported a failure.
         """
@@ -243,7 +258,10 @@ class HostTransferEngine:
 
     def _batch(self, call: str, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:
         if len(local) != len(remote):
-            raise ValueError(f"{len(local)} local blocks but {len(remote)} remote blocks")
+            raise InvalidArgumentError(
+                f"remote: found {len(remote)} remote blocks for {len(local)} local blocks, expected one remote "
+                "block per local block. Fix: pass lists of equal length"
+            )
         l_vals: list[int] = []
         r_vals: list[int] = []
         lengths: list[int] = []
@@ -251,7 +269,10 @@ class HostTransferEngine:
             l_va, l_n = self._span(lb, None, f"local[{i}]")
             r_va, r_n = self._span(rb, None, f"remote[{i}]")
             if l_n != r_n:
-                raise ValueError(f"block {i}: local {l_n} bytes but remote {r_n} bytes")
+                raise InvalidArgumentError(
+                    f"remote[{i}]: found {r_n} bytes for local[{i}] of {l_n} bytes, expected equal sizes. "
+                    "Fix: pair blocks of the same size"
+                )
             self._check_registered(l_va, l_n, f"local[{i}]")
             l_vals.append(l_va.value)
             r_vals.append(r_va.value)
@@ -268,7 +289,7 @@ class HostTransferEngine:
 
         Raises:
             DomainError: a block that is not a BufferInfo (e.g. a DeviceAlias).
-            ValueError: lists or block sizes that differ.
+            InvalidArgumentError: lists or block sizes that differ (a ``ValueError``).
             NotRegisteredError: a local block outside registered memory.
             RuntimeCallError: the engine reported a failure.
         """
