@@ -8,9 +8,10 @@ import mmap
 
 import torch
 
-from pointerdomain._platform import backend_for, device_holding, memory_device
+from pointerdomain._platform import backend_for, device_holding
+from pointerdomain._platform import memory_device as _memory_device
 from pointerdomain.devices import Device, validate_device
-from pointerdomain.errors import InvalidArgumentError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
+from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
 
 __all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
@@ -80,6 +81,15 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
         OutOfMemoryError: the memory could not be allocated (a ``MemoryError``).
     """
     dev = validate_device(device)
+    if not isinstance(shape, tuple) or any(type(d) is not int for d in shape):
+        raise InvalidTypeError(
+            f"shape: found {shape!r} ({type(shape).__name__}), expected a tuple of ints. Fix: pass e.g. (4, 128)"
+        )
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidTypeError(
+            f"dtype: found {dtype!r} ({type(dtype).__name__}), expected a torch.dtype. Fix: pass e.g. torch.bfloat16 "
+            "(KVLayout.torch_dtype gives a layout's)"
+        )
     if any(d < 0 for d in shape):
         raise InvalidArgumentError(
             f"shape: found a negative dimension in {shape}, expected dimensions >= 0. Fix: pass a valid shape"
@@ -92,12 +102,35 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
     return raw[:nbytes].view(dtype).view(shape)
 
 
+def memory_device(tensor: torch.Tensor, *, whole_storage: bool = False) -> Device | None:
+    """The device whose memory holds ``tensor`` (its elements, or with ``whole_storage``
+    its whole storage): a CUDA device, an emulated device for emulated device memory,
+    or None for host memory.
+
+    Raises:
+        InvalidTypeError: ``tensor`` is not a torch.Tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTypeError(
+            f"tensor: found a {type(tensor).__name__}, expected a torch.Tensor. Fix: pass the tensor; for a bare "
+            "address use memory_device_at(address, nbytes)"
+        )
+    return _memory_device(tensor, whole_storage=whole_storage)
+
+
 def memory_device_at(address: int, nbytes: int) -> Device | None:
     """The device whose allocation holds ``[address, address + nbytes)`` when that is
     known from the address alone (emulated device memory), else None. CUDA device
     memory is known by its tensor: use :func:`memory_device`.
 
     Raises:
+        InvalidArgumentError: ``address`` or ``nbytes`` not an int in ``[0, 2**64)``.
         ExtensionUnavailableError: the extension does not import.
     """
+    for name, value in (("address", address), ("nbytes", nbytes)):
+        if type(value) is not int or not 0 <= value < 1 << 64:
+            raise InvalidArgumentError(
+                f"{name}: found {value!r} ({type(value).__name__}), expected an int in [0, 2**64). Fix: pass the "
+                "address and size as plain ints (HostVA.value / DeviceAlias.value)"
+            )
     return device_holding(address, nbytes)

@@ -383,6 +383,17 @@ def _verify_table(
         if region is None:
             raise regions.diagnose(name, table, i, value)
         hit.append(region)
+    # 1. (emulated) the tensor the kernel reads still holds what the table was built with
+    if backend_for(device).host_readable:
+        for i, (value, built) in enumerate(zip(values, table.raw_values())):
+            if value != built:
+                raise DomainError(
+                    f"checked mode: {name} table entry {i} (of {n}): the kernel would read {value:#x} but the "
+                    f"table was built with {built:#x} ({hit[i].describe()}); found: an address written into "
+                    "the table's uint64 tensor after it was built (e.g. an alias that lost its interior offset); "
+                    f"expected: the table's own {_expected(device)}. Fix: {_FIX_BUILD}"
+                )
+    # (before step 3: an overwritten entry is a DomainError, not a page-span error)
     # 3. every touched page: inside the region of the entry the kernel reaches it through.
     # The kernel forms  table[kv*e_kv + layer*e_layer + page*e_page]
     #                   + kv*s_kv + layer*s_layer + page*s_page + tok*s_tok  (+ item_bytes)
@@ -436,16 +447,6 @@ def _verify_table(
             "buffer its entry points at. Fix: size each buffer for the layout (layout.nbytes / table length) "
             "and build the table from those buffers"
         )
-    # 1. (emulated) the tensor the kernel reads still holds what the table was built with
-    if backend_for(device).host_readable:
-        for i, (value, built) in enumerate(zip(values, table.raw_values())):
-            if value != built:
-                raise DomainError(
-                    f"checked mode: {name} table entry {i} (of {n}): the kernel would read {value:#x} but the "
-                    f"table was built with {built:#x} ({hit[i].describe()}); found: an address written into "
-                    "the table's uint64 tensor after it was built (e.g. an alias that lost its interior offset); "
-                    f"expected: the table's own {_expected(device)}. Fix: {_FIX_BUILD}"
-                )
 
 
 def verify_launch(

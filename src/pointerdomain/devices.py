@@ -120,6 +120,18 @@ def external_stream(device: Device, stream: int | None) -> Any:
     CUDA ``device``, for ``Tensor.record_stream`` / ``PointerTable.record_stream``; None
     when there is nothing to order against (no stream given, or an emulated device,
     whose launches are synchronous)."""
+    if not isinstance(device, Device):
+        raise InvalidDeviceError(
+            f"device: found {device!r} ({type(device).__name__}), expected a pointerdomain.Device. "
+            "Fix: parse it first with validate_device(...)"
+        )
+    if stream is not None and (type(stream) is not int or stream < 0):
+        from pointerdomain.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"stream: found {stream!r}, expected a cudaStream_t as a non-negative int or None. "
+            "Fix: pass torch.cuda.current_stream().cuda_stream"
+        )
     if stream is None or device.type != "cuda":
         return None
     import torch

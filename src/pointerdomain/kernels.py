@@ -151,6 +151,15 @@ def _launch(
             raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     s_idx = _check_indices("src_indices", src_indices, device)
     d_idx = _check_indices("dst_indices", dst_indices, device)
+    if device.type == "emulated":  # as CUDA refuses cuda:1 indices for a cuda:0 launch
+        for name, idx in (("src_indices", s_idx), ("dst_indices", d_idx)):
+            ordinal = platform.device_lookup(idx.data_ptr(), max(idx.numel() * 8, 1))
+            if ordinal >= 0 and ordinal != device.ordinal:
+                raise IndexValidationError(
+                    f"{name}: found a tensor in memory of emulated:{ordinal}, expected indices readable by the "
+                    f"launch on {device} (its own memory or host memory). Fix: move the indices to {device} "
+                    "or to host memory first"
+                )
     n = s_idx.numel()
     if n != d_idx.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {d_idx.numel()}")

@@ -108,7 +108,19 @@ _registry = _Registry()
 
 
 def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
-    """The open registration containing ``[va, va + nbytes)``, or None."""
+    """The open registration containing ``[va, va + nbytes)``, or None.
+
+    Raises:
+        DomainError: ``va`` is not a HostVA (registrations are found by host address).
+        InvalidArgumentError: ``nbytes`` is not a non-negative int.
+    """
+    if type(va) is not HostVA:
+        raise DomainError(
+            f"va: found a {type(va).__name__} ({va!r:.40}), expected a HostVA: registrations are found by host "
+            "address. Fix: pass pointerdomain.HostVA(tensor.data_ptr()) for host memory"
+        )
+    if type(nbytes) is not int or nbytes < 0:
+        raise InvalidArgumentError(f"nbytes: found {nbytes!r}, expected an int >= 0. Fix: pass the range's size in bytes")
     with _registry._lock:
         owner = _registry.overlapping(va.value, max(nbytes, 1))
     if owner is not None and owner.contains(va, nbytes):
@@ -191,6 +203,11 @@ class RegisteredHostMemory(ProcessLocal):
                     f"[{self.host_va!r}, +{self.nbytes}) overlaps a registration at {other.host_va!r} "
                     f"(+{other.nbytes} bytes); close that one first or reuse it"
                 )
+            prepare = getattr(backend, "prepare", None)  # emulated only: one memfd for all chunks
+            if prepare is not None and len(chunks) > 1:
+                code = prepare(self.host_va.value, self.nbytes)
+                if code != 0:
+                    raise self._registration_error(backend, code, chunks[0], 0, len(chunks))
             done: list[Chunk] = []
             for chunk in chunks:
                 code = backend.register(chunk.host_va.value, chunk.nbytes, device)
