@@ -70,6 +70,9 @@ def _layout_error(exc: pydantic.ValidationError) -> LayoutFieldError:
     """The first problem of a pydantic validation error as a :class:`LayoutFieldError`
     naming the field, the value found, what is expected and the fix."""
     err = exc.errors()[0]
+    inner = err.get("ctx", {}).get("error")
+    if isinstance(inner, LayoutFieldError):  # raised by our __init__ inside pydantic's validation
+        return inner
     loc = err.get("loc", ())
     field = str(loc[0]) if loc else ("num_heads" if err.get("type") == "mla_heads" else "")
     value = err.get("input")
