@@ -116,8 +116,16 @@ def enabled() -> bool:
 
 
 def set_enabled(on: bool) -> None:
-    """Turn checked mode on or off for this process (all threads)."""
+    """Turn checked mode on or off for this process (all threads).
+
+    Raises:
+        InvalidArgumentError: ``on`` is not a bool.
+    """
     global _enabled
+    if type(on) is not bool:
+        from pointerdomain.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"on: found {on!r}, expected a bool (True or False). Fix: pass True or False")
     with _state_lock:
         _enabled = bool(on)
 

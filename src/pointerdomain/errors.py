@@ -9,6 +9,8 @@ could corrupt memory.
 
 from __future__ import annotations
 
+import pydantic
+
 __all__ = [
     "PointerDomainError",
     "DomainError",
@@ -32,6 +34,7 @@ __all__ = [
     "OutOfMemoryError",
     "NotPicklableError",
     "LayoutFieldError",
+    "MetadataValidationError",
 ]
 
 
@@ -147,3 +150,15 @@ class LayoutFieldError(LayoutError):
         self.field = field
         self.value = value
         self.expected = expected
+
+
+class MetadataValidationError(pydantic.ValidationError, PointerDomainError):
+    """Invalid metadata (:class:`~pointerdomain.BufferInfo`): pydantic's validation
+    error (a ``ValueError``; field, input and expected type in its text) inside the tree,
+    with the fix appended. Built with ``from_exception_data`` from pydantic's own error."""
+
+    def __str__(self) -> str:
+        return (
+            f"{super().__str__()}\nFix: build BufferInfo from a HostVA (never an int or a DeviceAlias) with "
+            "positive nbytes and item_bytes, nbytes a whole number of items; or take it from buffer_infos()"
+        )

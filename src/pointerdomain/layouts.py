@@ -162,6 +162,8 @@ class KVLayout(BaseModel, frozen=True):
             except pydantic.ValidationError as exc:
                 raise _layout_error(exc) from None
 
+        __init__.__pydantic_base_init__ = True  # not a custom __init__ for pydantic's validators
+
         @classmethod
         def model_validate(cls, obj: Any, **kwargs: Any) -> KVLayout:
             try:

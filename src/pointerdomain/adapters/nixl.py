@@ -207,7 +207,9 @@ def vram_desc(tensor: torch.Tensor, device: pd.Device | str | torch.device) -> N
 
 def _fd(fd: object) -> int:
     if type(fd) is not int or fd < 0:
-        raise errors.InvalidArgumentError(f"a file descriptor is an int >= 0, got {fd!r}")
+        raise errors.InvalidArgumentError(
+            f"fd: found {fd!r}, expected a file descriptor (an int >= 0). Fix: pass os.open(...)'s result or file.fileno()"
+        )
     return fd
 
 
