@@ -20,7 +20,7 @@ from pointerdomain.adapters import lmcache, mooncake, nixl, sglang, vllm
 from tests.reference import DEV, model_layout
 
 LAYOUT = model_layout("layer_first", pages=4)
-HOST_LAYOUT = LAYOUT.replace(kind="page_first")
+HOST_LAYOUT = model_layout("page_first", pages=4)
 
 #: Public names that take no input that could be bad (constants, types, modules,
 #: zero-argument queries) or are built only by other public functions.
