@@ -322,12 +322,13 @@ def test_undocumented_emulate_memlock_value_warns(monkeypatch: pytest.MonkeyPatc
     assert env.flag(env.EMULATE_MEMLOCK) is True
 
 
-def test_undocumented_emulated_device_count_warns() -> None:
+def test_undocumented_emulated_device_count_is_a_typed_error() -> None:
     proc = _run("""
-        import warnings
-        warnings.simplefilter("always")
-        from pointerdomain.devices import EMULATED_DEVICE_COUNT
-        print(EMULATED_DEVICE_COUNT)
+        import pointerdomain as pd
+        try:
+            pd.validate_device("emulated:0")
+        except pd.errors.InvalidDeviceError as exc:
+            print(exc)
     """, env={"POINTERDOMAIN_EMULATED_DEVICES": "-1"})
-    assert proc.returncode == 0 and proc.stdout.strip() == "2", proc.stderr
-    assert "POINTERDOMAIN_EMULATED_DEVICES='-1'" in proc.stderr and "positive int" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "POINTERDOMAIN_EMULATED_DEVICES='-1'" in proc.stdout and "positive int" in proc.stdout

@@ -39,6 +39,14 @@
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyDefault hipMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuEvent_t hipEvent_t
+#define gpuErrorInvalidDevice hipErrorInvalidDevice
+#define gpuEventCreateWithFlags hipEventCreateWithFlags
+#define gpuEventDisableTiming hipEventDisableTiming
+#define gpuEventRecord hipEventRecord
+#define gpuStreamWaitEvent hipStreamWaitEvent
+#define gpuStreamCreateWithFlags hipStreamCreateWithFlags
+#define gpuStreamNonBlocking hipStreamNonBlocking
 // hipPointerAttribute_t names the memory type `memoryType` before ROCm 6 and `type`
 // from ROCm 6 on (CUDA: `type`); this view gives callers `attr.type` on every version.
 struct pdHipPointerAttributes {
@@ -86,4 +94,12 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemcpyDefault cudaMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuEvent_t cudaEvent_t
+#define gpuErrorInvalidDevice cudaErrorInvalidDevice
+#define gpuEventCreateWithFlags cudaEventCreateWithFlags
+#define gpuEventDisableTiming cudaEventDisableTiming
+#define gpuEventRecord cudaEventRecord
+#define gpuStreamWaitEvent cudaStreamWaitEvent
+#define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
+#define gpuStreamNonBlocking cudaStreamNonBlocking
 #endif

@@ -7,13 +7,14 @@ variable                                  values                                
                                           import; :mod:`pointerdomain.checked`)
 ``POINTERDOMAIN_EMULATE_MEMLOCK``         ``0`` or ``1`` (the emulated backend counts      ``0``
                                           registered bytes against RLIMIT_MEMLOCK)
-``POINTERDOMAIN_EMULATED_DEVICES``        a positive int (number of emulated devices)     ``2``
+``POINTERDOMAIN_EMULATED_DEVICES``        a positive int (number of emulated devices;     ``2``
+                                          ``devices.emulated_device_count`` raises
+                                          InvalidDeviceError for anything else)
 ========================================  ==============================================  =========
 
-Unset or empty means the default. Any other value (``true``, ``yes``, ``2`` for a
-flag, ``-1`` for a count) is not silently ignored: it gives an
-:class:`EnvironmentValueWarning` naming the variable, the value found, the values
-accepted and the default used instead. (``POINTERDOMAIN_GPU`` is a build-time CMake
+Unset or empty means the default. Any other value of a flag (``true``, ``yes``, ``2``)
+is not silently ignored: it gives an :class:`EnvironmentValueWarning` naming the
+variable, the value found, the values accepted and the default used instead. (``POINTERDOMAIN_GPU`` is a build-time CMake
 option, see the README; it is not read at run time.) docs/design.md lists them too.
 """
 
