@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import mmap
 
+from typing import cast
+
 import torch
 
 from pointerdomain._platform import backend_for, device_holding
@@ -81,7 +83,7 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
         OutOfMemoryError: the memory could not be allocated (a ``MemoryError``).
     """
     dev = validate_device(device)
-    if not isinstance(shape, tuple) or any(type(d) is not int for d in shape):
+    if not isinstance(cast(object, shape), tuple) or any(type(d) is not int for d in shape):
         raise InvalidTypeError(
             f"shape: found {shape!r} ({type(shape).__name__}), expected a tuple of ints. Fix: pass e.g. (4, 128)"
         )

@@ -74,7 +74,7 @@ import bisect
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 
@@ -122,7 +122,7 @@ def set_enabled(on: bool) -> None:
         InvalidArgumentError: ``on`` is not a bool.
     """
     global _enabled
-    if type(on) is not bool:
+    if type(cast(object, on)) is not bool:
         from pointerdomain.errors import InvalidArgumentError
 
         raise InvalidArgumentError(f"on: found {on!r}, expected a bool (True or False). Fix: pass True or False")

@@ -21,6 +21,7 @@ what a host pool registered in several chunks needs).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import pydantic
@@ -203,7 +204,7 @@ class KVLayout(BaseModel, frozen=True):
                 "with layout.replace(...)", name, None, "no deletion (frozen)",
             )
 
-    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> KVLayout:
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> KVLayout:
         """A copy with ``update`` applied, validated (unlike pydantic's ``model_copy``):
         the same as :meth:`replace` ``(**update)``.
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -251,7 +252,7 @@ class CpuGpuBlockOffload:
     def __init__(
         self, gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor], device: Device | str | torch.device
     ) -> None:
-        for name, given in (("gpu_tensors", gpu_tensors), ("cpu_tensors", cpu_tensors)):
+        for name, given in (("gpu_tensors", cast(object, gpu_tensors)), ("cpu_tensors", cast(object, cpu_tensors))):
             if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
                 raise InvalidTypeError(
                     f"{name}: found a {'bare torch.Tensor' if isinstance(given, torch.Tensor) else type(given).__name__}"
