@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import threading
 import time
@@ -45,7 +46,9 @@ GUARD = 4096
 #: The model every pool shares: 2 layers, 2-token pages, 1 head of 4 float32 (16-byte items).
 MODEL = pd.KVLayout(kind="layer_first", num_layers=2, num_pages=2, page_size=2, num_heads=1, head_dim=4,
                     dtype="float32")
-HAS_LEASES = importlib.util.find_spec("pointerdomain.leases") is not None
+#: The race rules run with the safety work's leases, or when forced (``FUZZ_FORCE_RACES=1``,
+#: to reproduce the known crash before that work lands).
+HAS_LEASES = importlib.util.find_spec("pointerdomain.leases") is not None or os.environ.get("FUZZ_FORCE_RACES") == "1"
 
 settings.register_profile(
     "ci", max_examples=2000, stateful_step_count=10, deadline=None, database=None,
