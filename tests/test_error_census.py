@@ -27,8 +27,10 @@ HOST_LAYOUT = model_layout("page_first", pages=4)
 EXEMPT = {
     "pointerdomain": {"DEFAULT_MAX_CTAS", "DevicePool", "MaxCtas", "TransferBackend", "WHOLE_GPU", "WholeGpu",
                       "__version__", "checked", "errors", "fallback_count", "get_include", "reset_resolver_cache",
-                      "AliasPolicy", "PointerTable", "RegisteredHostMemory"},
-    "pointerdomain.adapters.mooncake": {"EngineUnavailableError"},
+                      "AliasPolicy", "PointerTable", "RegisteredHostMemory",
+                      "KVLayoutChanges",  # a TypedDict (static only)
+                      "is_host_table", "is_kernel_table"},  # predicates: False for any other object
+    "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike"},  # + a Protocol
     "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent"},
     "pointerdomain.adapters.sglang": {"ContiguousBufInfos", "PageBufferMeta"},
     "pointerdomain.adapters.vllm": {"BatchCopyFn", "BlockCopyBatch"},

@@ -1,4 +1,4 @@
-"""Command line: ``pointerdomain doctor`` and ``pointerdomain demo``."""
+"""Command line: ``pointerdomain doctor``, ``pointerdomain demo`` and ``pointerdomain audit``."""
 
 from __future__ import annotations
 
@@ -222,7 +222,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--pages", type=int, default=16, help="pages moved each way")
     p_demo.add_argument("--host-layout", choices=list(get_args(LayoutKind)), default="page_first")
     p_demo.add_argument("--seed", type=int, default=0)
+    p_audit = sub.add_parser("audit", help="find raw integer addresses (PD rules); CI gate (docs/audit.md)")
+    try:  # torch-free, but needs the `audit` extra (libcst)
+        from pointerdomain.audit import cli as audit_cli
+    except ImportError as exc:
+        audit_missing: ImportError | None = exc
+        p_audit.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        audit_missing = None
+        audit_cli.add_arguments(p_audit)
     args = parser.parse_args(argv)
+    if args.command == "audit":
+        if audit_missing is not None:
+            print(f"error: pointerdomain audit needs pip install 'pointerdomain[audit]' ({audit_missing})", file=sys.stderr)
+            return 2
+        return audit_cli.run(args)
     try:
         return doctor(args) if args.command == "doctor" else demo(args)
     except PointerDomainError as exc:

@@ -96,13 +96,13 @@ class Device:
         return f"{self.type}:{self.ordinal}"
 
     @property
-    def torch_device(self) -> Any:
+    def torch_device(self) -> torch.device:
         """The torch device whose tensors hold this device's memory (``cpu`` when emulated)."""
         return _torch_device(self.type, self.ordinal)
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_device(kind: str, ordinal: int) -> Any:
+def _torch_device(kind: str, ordinal: int) -> torch.device:
     import torch
 
     return torch.device("cuda", ordinal) if kind == "cuda" else torch.device("cpu")

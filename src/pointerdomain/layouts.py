@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypedDict
 
 import pydantic
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+from typing_extensions import Unpack
 
 from pointerdomain.errors import IndexValidationError, LayoutError, LayoutFieldError
+from pointerdomain.validated import ValidatedModel
 
-__all__ = ["Geometry", "KVLayout"]
+__all__ = ["Geometry", "KVLayout", "KVLayoutChanges"]
 
 LayoutKind = Literal["layer_first", "page_first", "page_first_direct"]
 DType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
@@ -123,13 +125,27 @@ class Geometry(NamedTuple):
         return (self.s_kv, self.s_layer, self.s_page, self.s_tok)
 
 
-class KVLayout(BaseModel, frozen=True):
+class KVLayoutChanges(TypedDict, total=False):
+    """The fields :meth:`KVLayout.replace` may change, with their types (checked by mypy
+    and pyright: a misspelt field or a wrong type is a static error)."""
+
+    kind: LayoutKind
+    attention: Literal["mha", "mla"]
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_heads: int
+    head_dim: int
+    dtype: DType
+
+
+class KVLayout(ValidatedModel, frozen=True):
     """A KV pool's layout: kind, shape and dtype. Frozen, strict, JSON-serialisable.
 
     Every way to make or derive one validates: construction, :meth:`replace`,
-    ``model_copy(update=...)``, ``model_validate`` / ``model_validate_json`` and
-    ``model_construct`` (pydantic's ``model_copy`` and ``model_construct`` skip
-    validation: here they do not).
+    ``model_copy(update=...)`` (pydantic's skips validation: this one does not),
+    ``model_validate`` / ``model_validate_json``; ``model_construct`` is refused
+    (:class:`~pointerdomain.validated.ValidatedModel`).
 
     Raises (on construction and derivation):
         LayoutFieldError: (a :class:`~pointerdomain.errors.LayoutError` and a
@@ -186,11 +202,6 @@ class KVLayout(BaseModel, frozen=True):
             except pydantic.ValidationError as exc:
                 raise _layout_error(exc) from None
 
-        @classmethod
-        def model_construct(cls, _fields_set: Any = None, **values: Any) -> KVLayout:
-            # pydantic's model_construct skips validation; a layout is always validated
-            return cls(**values)
-
         def __setattr__(self, name: str, value: Any) -> None:
             raise LayoutFieldError(
                 f"KVLayout.{name}: found an assignment of {value!r}, expected no assignment: layouts are frozen. "
@@ -211,18 +222,19 @@ class KVLayout(BaseModel, frozen=True):
         Raises:
             LayoutFieldError: an update that makes the layout invalid.
         """
-        return self.replace(**(update or {}))
+        return type(self).model_validate({**self.model_dump(), **(update or {})})
 
-    def replace(self, **changes: Any) -> KVLayout:
-        """A new layout with ``changes`` applied, validated as a new one is:
-        ``gpu_layout.replace(kind="page_first", num_pages=64)``.
+    def replace(self, **changes: Unpack[KVLayoutChanges]) -> KVLayout:
+        """A copy with ``changes`` applied, **validated** like a new layout, with field
+        names and types checked by mypy and pyright (:class:`KVLayoutChanges`);
+        pydantic's ``model_copy(update=...)`` takes an unchecked ``dict[str, Any]``.
 
         Raises:
-            LayoutFieldError: a change that makes the layout invalid (e.g. ``head_dim=-8``,
-                ``kind="pagefirst"``, ``dtype=torch.bfloat16``, ``num_pages=-3``, MLA with
-                4 heads) or an unknown field; the message names the field.
+            LayoutFieldError: a changed value is invalid (e.g. ``head_dim=-8``,
+                ``kind="pagefirst"``, ``dtype=torch.bfloat16``, ``num_pages=0``, MLA with 4
+                heads) or an unknown field; the message names the field.
         """
-        return type(self)(**{**self.model_dump(), **changes})
+        return type(self).model_validate({**self.model_dump(), **changes})
 
     @property
     def num_kv(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -175,7 +175,8 @@ class HostKVPool(ProcessLocal):
 
     def _table_for_pool(self, device_pool: DevicePool) -> PointerTable[DeviceAlias]:
         # one host pool serves device pools on several devices, each through its own table
-        device = device_pool.table.device
+        # a Device for a kernel table (its type); None only for a host table cast to one
+        device = cast("Device | None", device_pool.table.device)
         if device is None or device == self.device:
             return self.kernel_table  # a bad table is reported by the launch's own checks
         return self.kernel_table_for(device)
