@@ -29,7 +29,8 @@ EXEMPT = {
                       "__version__", "checked", "errors", "fallback_count", "get_include", "reset_resolver_cache",
                       "AliasPolicy", "PointerTable", "RegisteredHostMemory",
                       "KVLayoutChanges",  # a TypedDict (static only)
-                      "is_host_table", "is_kernel_table"},  # predicates: False for any other object
+                      "is_host_table", "is_kernel_table",  # predicates: False for any other object
+                      "Rung", "StrictCapability", "strict_alias_enabled"},  # an enum, a result record, a query  # predicates: False for any other object
     "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike"},  # + a Protocol
     "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent"},
     "pointerdomain.adapters.sglang": {"ContiguousBufInfos", "PageBufferMeta"},
@@ -127,6 +128,13 @@ CASES: list[Case] = [
      ("layer_id", "'0'", "int")),
     ("pointerdomain.checked.set_enabled", "str", lambda: pd.checked.set_enabled("yes"), ValueError,  # type: ignore[arg-type]
      ("'yes'", "bool")),
+    ("pointerdomain.check_errors", "device", lambda: pd.check_errors("tpu:0"), ValueError, ("'tpu:0'", "expected")),
+    ("pointerdomain.synchronize", "device", lambda: pd.synchronize("tpu:0"), ValueError, ("'tpu:0'", "expected")),
+    ("pointerdomain.strict_mode_capability", "device", lambda: pd.strict_mode_capability("tpu:0"), ValueError,
+     ("'tpu:0'", "expected")),
+    ("pointerdomain.strict_alias", "str", lambda: pd.strict_alias("yes"), ValueError, ("'yes'", "bool")),  # type: ignore[arg-type]
+    ("pointerdomain.RegistrationPolicy", "on_failure", lambda: pd.RegistrationPolicy(on_failure="x"), ValueError,  # type: ignore[arg-type]
+     ("on_failure", "'x'")),
     # adapters
     ("pointerdomain.adapters.mooncake.as_host_va", "int", lambda: mooncake.as_host_va(4096, "addr"), TypeError,
      ("addr", "int", "HostVA")),

@@ -35,6 +35,9 @@ __all__ = [
     "NotPicklableError",
     "LayoutFieldError",
     "MetadataValidationError",
+    "BusyError",
+    "OverlapError",
+    "UnpinnedMemoryError",
 ]
 
 
@@ -162,3 +165,18 @@ class MetadataValidationError(pydantic.ValidationError, PointerDomainError):
             f"{super().__str__()}\nFix: build BufferInfo from a HostVA (never an int or a DeviceAlias) with "
             "positive nbytes and item_bytes, nbytes a whole number of items; or take it from buffer_infos()"
         )
+class BusyError(PointerDomainError, RuntimeError):
+    """Memory could not be closed because a launch still uses it (a CPU copy running, or
+    GPU work queued that reads it) after the bounded wait; nothing was unregistered.
+    The message names the launch."""
+
+
+class OverlapError(PointerDomainError, ValueError):
+    """Source and destination of one launch intersect in the same memory (a slot that is
+    both read and written, or two tables over shared memory with different geometries):
+    the result would depend on the copy order, so nothing is launched."""
+
+
+class UnpinnedMemoryError(PointerDomainError, ValueError):
+    """A kernel was asked to read host memory that the registration ladder left
+    unpinned (rung ``unpinned``): only the copy engine may read it."""
