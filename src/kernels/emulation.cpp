@@ -1,5 +1,6 @@
 #include "emulation.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -66,14 +67,17 @@ int make_fd(std::uint64_t len) {
 }
 
 // Put existing anonymous pages behind a memfd, in place, keeping their bytes.
-std::map<std::uint64_t, Region>::iterator make_shareable(std::uint64_t va, std::uint64_t len) {
+// On failure *why is kSharedPage (pages another region backs) or kMapFailed.
+std::map<std::uint64_t, Region>::iterator make_shareable(std::uint64_t va, std::uint64_t len, int *why) {
     const std::uint64_t p = page(), lo = va & ~(p - 1), hi = (va + len + p - 1) & ~(p - 1);
     // Remapping pages that another region already backs would split the alias
     // of its registrations from their host VA.
+    *why = kSharedPage;
     auto next = regions.lower_bound(lo);
     if (next != regions.end() && next->first < hi) return regions.end();
     if (next != regions.begin() && std::prev(next)->first + std::prev(next)->second.len > lo)
         return regions.end();
+    *why = kMapFailed;
     const int fd = make_fd(hi - lo);
     if (fd < 0) return regions.end();
     if (pwrite(fd, reinterpret_cast<void *>(lo), hi - lo, 0) != static_cast<ssize_t>(hi - lo)) {
@@ -121,8 +125,9 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
     std::lock_guard<std::mutex> lock(mu);
     if (overlaps_registration(va, nbytes)) return kAlreadyRegistered;
     auto reg = containing(regions, va, nbytes);
-    if (reg == regions.end()) reg = make_shareable(va, nbytes);
-    if (reg == regions.end()) return kMapFailed;
+    int why = kMapFailed;
+    if (reg == regions.end()) reg = make_shareable(va, nbytes, &why);
+    if (reg == regions.end()) return why;
     const std::uint64_t p = page(), lo = va & ~(p - 1), hi = (va + nbytes + p - 1) & ~(p - 1);
     void *m = mmap(nullptr, hi - lo, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
                    static_cast<off_t>(lo - reg->first));
@@ -132,6 +137,40 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
     registrations.emplace(va, Registration{nbytes, *alias, base, hi - lo, reg->first});
     return kOk;
 }
+
+int prepare_range(std::uint64_t va, std::uint64_t nbytes) {
+    if (va == 0 || nbytes == 0) return kInvalidValue;
+    std::lock_guard<std::mutex> lock(mu);
+    if (containing(regions, va, nbytes) != regions.end()) return kOk;
+    int why = kMapFailed;
+    return make_shareable(va, nbytes, &why) == regions.end() ? why : kOk;
+}
+
+namespace {
+// fork(): CUDA pinned memory of a malloc'd range is private to each process after
+// fork (Linux >= 5.9 copies pinned pages into the child early), so a child's writes
+// never reach the parent. Our memfd mappings are MAP_SHARED; in the child, map the
+// same file pages MAP_PRIVATE at the same addresses (copy on write, no copy now).
+void before_fork() { mu.lock(); }
+void after_fork_parent() { mu.unlock(); }
+void after_fork_child() {
+    for (auto &kv : regions)
+        mmap(reinterpret_cast<void *>(kv.first), kv.second.len, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_FIXED, kv.second.fd, 0);
+    for (auto &kv : registrations) {
+        auto r = regions.find(kv.second.region);
+        if (r == regions.end()) continue;
+        const off_t off = static_cast<off_t>((kv.first & ~(page() - 1)) - r->first);
+        mmap(reinterpret_cast<void *>(kv.second.map_base), kv.second.map_len, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
+        for (auto &dev : kv.second.other_devices)  // other emulated devices' aliases
+            mmap(reinterpret_cast<void *>(dev.second), kv.second.map_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
+    }
+    mu.unlock();
+}
+const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}  // namespace
 
 int unregister_range(std::uint64_t va) {
     std::lock_guard<std::mutex> lock(mu);

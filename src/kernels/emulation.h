@@ -12,7 +12,8 @@ namespace pointerdomain::emu {
 enum Status : int {
     kOk = 0,
     kInvalidValue = 1,            // zero length, null pointer
-    kMapFailed = 2,               // out of memory, or pages shared with another region
+    kMapFailed = 2,               // out of memory or address space (mmap / memfd failed)
+    kSharedPage = 3,              // pages shared with memory registered separately
     kAlreadyRegistered = 712,     // same code as cudaErrorHostMemoryAlreadyRegistered
     kNotRegistered = 713,         // same code as cudaErrorHostMemoryNotRegistered
 };
@@ -25,6 +26,9 @@ void host_free(void *ptr);
 // Map [va, va+nbytes) a second time; writes the alias to *alias.
 int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias);
 int unregister_range(std::uint64_t va);
+// Put [va, va+nbytes) behind one memfd before it is registered in several chunks, so
+// chunks that share a page (a range starting mid-page) map the same file. kOk if done.
+int prepare_range(std::uint64_t va, std::uint64_t nbytes);
 // Alias of an address inside a registered range (interior pointers keep their offset).
 int get_device_pointer(std::uint64_t va, std::uint64_t *alias);
 // Alias of `va` as emulated device `ordinal` sees it. Every device has its own

@@ -136,6 +136,8 @@ NB_MODULE(_C, m) {
         },
         nb::arg("va"), nb::arg("nbytes"), "Map a host range a second time: (status, alias).");
     m.def("emu_unregister", &pd::emu::unregister_range, nb::arg("va"), "Drop the alias mapping: status.");
+    m.def("emu_prepare", &pd::emu::prepare_range, nb::arg("va"), nb::arg("nbytes"),
+          "Back a host range by one memfd before a chunked registration: status.");
     m.def(
         "emu_get_device_pointer",
         [](std::uint64_t va) {

@@ -64,6 +64,9 @@ def emu_register(va: int, nbytes: int) -> tuple[int, int]:
 def emu_unregister(va: int) -> int:
     """Drop the alias mapping: status."""
 
+def emu_prepare(va: int, nbytes: int) -> int:
+    """Back a host range by one memfd before a chunked registration: status."""
+
 def emu_get_device_pointer(va: int) -> tuple[int, int]:
     """Alias of a registered host address: (status, alias)."""
 

@@ -7,12 +7,15 @@ import math
 import mmap
 from typing import Literal
 
+from typing import cast
+
 import torch
 
-from pointerdomain._platform import backend_for, device_holding, memory_device
+from pointerdomain._platform import backend_for, device_holding
+from pointerdomain._platform import memory_device as _memory_device
 from pointerdomain._platform.numa import bind_to_node, device_node, node_count
 from pointerdomain.devices import Device, validate_device
-from pointerdomain.errors import InvalidRegistrationError
+from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
 from pointerdomain.ladder import RegistrationPolicy, warn_degraded
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
 from pointerdomain.strict import strict_alias_enabled
@@ -51,6 +54,8 @@ def alloc_registered(
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
             positive (a ``ValueError`` too).
         InvalidDeviceError: the device does not exist.
+        OutOfMemoryError: the host memory could not be allocated (a ``MemoryError``; the
+            message gives the size and what to do).
         RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
     """
     if type(nbytes) is not int or nbytes <= 0:
@@ -66,7 +71,10 @@ def alloc_registered(
 
         tensor, registered = double_map(backend, nbytes)
     else:
-        tensor = backend.host_alloc(nbytes)
+        try:
+            tensor = backend.host_alloc(nbytes)
+        except (MemoryError, RuntimeError) as exc:
+            raise _out_of_memory(exc, "host", nbytes, dev) from None
     if numa == "local":
         _place_local(tensor, dev)
     return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes, policy=policy, registered=registered,
@@ -84,20 +92,70 @@ def _place_local(tensor: torch.Tensor, dev: Device) -> None:
                                      f"for {dev}: {why}; the memory stays where the kernel put it")
 
 
+def _out_of_memory(exc: BaseException, what: str, nbytes: int, device: Device) -> BaseException:
+    """``exc`` from an allocator (the extension's ``std::bad_alloc`` arrives as a bare
+    ``MemoryError``; torch's allocators raise ``RuntimeError`` / ``torch.OutOfMemoryError``)
+    as an :class:`OutOfMemoryError` with the size and what to do; other errors unchanged."""
+    if isinstance(exc, PointerDomainError):
+        return exc
+    text = str(exc)
+    if not isinstance(exc, MemoryError) and "alloc" not in text.lower() and "out of memory" not in text.lower():
+        return exc
+    gib = nbytes / (1 << 30)
+    return OutOfMemoryError(
+        f"nbytes: could not allocate {nbytes} bytes ({gib:.2f} GiB) of {what} memory for {device} "
+        f"(found: {type(exc).__name__}: {text[:160]}), expected an allocation that fits the free memory. Fix: "
+        "allocate less (fewer pages or layers per pool), free memory first, or check the process's limits "
+        "(ulimit -v, container memory limit)",
+        nbytes,
+    )
+
+
 def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | torch.device) -> torch.Tensor:
     """Uninitialised device memory: a CUDA tensor, or emulated device memory (a CPU
     tensor tagged with the emulated ordinal, so CPU-only APIs refuse it).
 
     Raises:
         InvalidDeviceError: the device does not exist.
-        ValueError: a negative dimension.
+        InvalidArgumentError: a negative dimension (a ``ValueError``).
+        OutOfMemoryError: the memory could not be allocated (a ``MemoryError``).
     """
     dev = validate_device(device)
+    if not isinstance(cast(object, shape), tuple) or any(type(d) is not int for d in shape):
+        raise InvalidTypeError(
+            f"shape: found {shape!r} ({type(shape).__name__}), expected a tuple of ints. Fix: pass e.g. (4, 128)"
+        )
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidTypeError(
+            f"dtype: found {dtype!r} ({type(dtype).__name__}), expected a torch.dtype. Fix: pass e.g. torch.bfloat16 "
+            "(KVLayout.torch_dtype gives a layout's)"
+        )
     if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in {shape}")
+        raise InvalidArgumentError(
+            f"shape: found a negative dimension in {shape}, expected dimensions >= 0. Fix: pass a valid shape"
+        )
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
+    try:
+        raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
+    except (MemoryError, RuntimeError) as exc:
+        raise _out_of_memory(exc, "device", nbytes, dev) from None
     return raw[:nbytes].view(dtype).view(shape)
+
+
+def memory_device(tensor: torch.Tensor, *, whole_storage: bool = False) -> Device | None:
+    """The device whose memory holds ``tensor`` (its elements, or with ``whole_storage``
+    its whole storage): a CUDA device, an emulated device for emulated device memory,
+    or None for host memory.
+
+    Raises:
+        InvalidTypeError: ``tensor`` is not a torch.Tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTypeError(
+            f"tensor: found a {type(tensor).__name__}, expected a torch.Tensor. Fix: pass the tensor; for a bare "
+            "address use memory_device_at(address, nbytes)"
+        )
+    return _memory_device(tensor, whole_storage=whole_storage)
 
 
 def memory_device_at(address: int, nbytes: int) -> Device | None:
@@ -106,6 +164,13 @@ def memory_device_at(address: int, nbytes: int) -> Device | None:
     memory is known by its tensor: use :func:`memory_device`.
 
     Raises:
+        InvalidArgumentError: ``address`` or ``nbytes`` not an int in ``[0, 2**64)``.
         ExtensionUnavailableError: the extension does not import.
     """
+    for name, value in (("address", address), ("nbytes", nbytes)):
+        if type(value) is not int or not 0 <= value < 1 << 64:
+            raise InvalidArgumentError(
+                f"{name}: found {value!r} ({type(value).__name__}), expected an int in [0, 2**64). Fix: pass the "
+                "address and size as plain ints (HostVA.value / DeviceAlias.value)"
+            )
     return device_holding(address, nbytes)

@@ -72,12 +72,13 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
+
+from pointerdomain import env
 
 from pointerdomain._platform import backend_for, device_holding, memory_device
 from pointerdomain.devices import Device
@@ -100,7 +101,7 @@ if TYPE_CHECKING:
 
 __all__ = ["checked_mode", "enabled", "set_enabled", "verify_launch"]
 
-_enabled = os.environ.get("POINTERDOMAIN_CHECKED") == "1"
+_enabled = env.flag(env.CHECKED)
 _state_lock = threading.Lock()
 
 _FIX_BUILD = (
@@ -115,8 +116,16 @@ def enabled() -> bool:
 
 
 def set_enabled(on: bool) -> None:
-    """Turn checked mode on or off for this process (all threads)."""
+    """Turn checked mode on or off for this process (all threads).
+
+    Raises:
+        InvalidArgumentError: ``on`` is not a bool.
+    """
     global _enabled
+    if type(cast(object, on)) is not bool:
+        from pointerdomain.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"on: found {on!r}, expected a bool (True or False). Fix: pass True or False")
     with _state_lock:
         _enabled = bool(on)
 
@@ -384,6 +393,17 @@ def _verify_table(
         if region is None:
             raise regions.diagnose(name, table, i, value)
         hit.append(region)
+    # 1. (emulated) the tensor the kernel reads still holds what the table was built with
+    if backend_for(device).host_readable:
+        for i, (value, built) in enumerate(zip(values, table.raw_values())):
+            if value != built:
+                raise DomainError(
+                    f"checked mode: {name} table entry {i} (of {n}): the kernel would read {value:#x} but the "
+                    f"table was built with {built:#x} ({hit[i].describe()}); found: an address written into "
+                    "the table's uint64 tensor after it was built (e.g. an alias that lost its interior offset); "
+                    f"expected: the table's own {_expected(device)}. Fix: {_FIX_BUILD}"
+                )
+    # (before step 3: an overwritten entry is a DomainError, not a page-span error)
     # 3. every touched page: inside the region of the entry the kernel reaches it through.
     # The kernel forms  table[kv*e_kv + layer*e_layer + page*e_page]
     #                   + kv*s_kv + layer*s_layer + page*s_page + tok*s_tok  (+ item_bytes)
@@ -437,16 +457,6 @@ def _verify_table(
             "buffer its entry points at. Fix: size each buffer for the layout (layout.nbytes / table length) "
             "and build the table from those buffers"
         )
-    # 1. (emulated) the tensor the kernel reads still holds what the table was built with
-    if backend_for(device).host_readable:
-        for i, (value, built) in enumerate(zip(values, table.raw_values())):
-            if value != built:
-                raise DomainError(
-                    f"checked mode: {name} table entry {i} (of {n}): the kernel would read {value:#x} but the "
-                    f"table was built with {built:#x} ({hit[i].describe()}); found: an address written into "
-                    "the table's uint64 tensor after it was built (e.g. an alias that lost its interior offset); "
-                    f"expected: the table's own {_expected(device)}. Fix: {_FIX_BUILD}"
-                )
 
 
 def verify_launch(

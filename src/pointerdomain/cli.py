@@ -23,7 +23,7 @@ from pointerdomain._platform import (
     visible_devices,
 )
 from pointerdomain.devices import Device, validate_device
-from pointerdomain.errors import PointerDomainError
+from pointerdomain.errors import LayoutError, PointerDomainError
 from pointerdomain.layouts import DType, KVLayout, LayoutKind
 from pointerdomain.pools import DeviceKVPool, HostKVPool
 from pointerdomain.resolve import alias_policy, can_use_host_pointer
@@ -46,7 +46,7 @@ def self_test(device: Device) -> dict[str, Any]:
     the transfer kernel through the device alias, and compare the bytes."""
     layout = KVLayout(kind="page_first", num_layers=2, num_pages=4, page_size=16, num_heads=1, head_dim=64,
                       attention="mla", dtype="uint8")
-    dev_layout = layout.model_copy(update={"kind": "layer_first"})
+    dev_layout = layout.replace(kind="layer_first")
     pool = DeviceKVPool(dev_layout, device)
     gen = torch.Generator().manual_seed(7)
     with HostKVPool(layout, device) as host:
@@ -143,10 +143,8 @@ def demo(args: argparse.Namespace) -> int:
                               num_pages=args.device_pages, page_size=args.page_size,
                               num_heads=heads,
                               head_dim=args.head_dim, dtype=args.dtype)
-        host_layout = dev_layout.model_validate(
-            dev_layout.model_dump() | {"kind": args.host_layout, "num_pages": args.host_pages}
-        )
-    except pydantic.ValidationError as exc:
+        host_layout = dev_layout.replace(kind=args.host_layout, num_pages=args.host_pages)
+    except (pydantic.ValidationError, LayoutError) as exc:
         print(f"error: invalid pool shape: {exc}", file=sys.stderr)
         return 2
     if not 0 < args.pages <= min(args.device_pages, args.host_pages):

@@ -126,6 +126,12 @@ def as_device(device: Device | str | torch.device) -> Device:
         if kind == "cuda":
             import torch
 
+            if not torch.cuda.is_available():  # torch would raise AssertionError / RuntimeError
+                raise InvalidDeviceError(
+                    f"device {text!r}: found no CUDA device (torch.cuda.is_available() is False: a CPU build of "
+                    "torch, or no GPU visible), expected one to pick the current CUDA device from. Fix: pass "
+                    "'emulated:0' (or 'cpu') on a machine without a GPU, or an explicit 'cuda:N' where one exists"
+                )
             return Device("cuda", torch.cuda.current_device())
         return Device("emulated", 0)
     if not ordinal.isdigit():
@@ -138,6 +144,18 @@ def external_stream(device: Device, stream: int | None) -> Any:
     CUDA ``device``, for ``Tensor.record_stream`` / ``PointerTable.record_stream``; None
     when there is nothing to order against (no stream given, or an emulated device,
     whose launches are synchronous)."""
+    if not isinstance(device, Device):
+        raise InvalidDeviceError(
+            f"device: found {device!r} ({type(device).__name__}), expected a pointerdomain.Device. "
+            "Fix: parse it first with validate_device(...)"
+        )
+    if stream is not None and (type(stream) is not int or stream < 0):
+        from pointerdomain.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(
+            f"stream: found {stream!r}, expected a cudaStream_t as a non-negative int or None. "
+            "Fix: pass torch.cuda.current_stream().cuda_stream"
+        )
     if stream is None or device.type != "cuda":
         return None
     import torch

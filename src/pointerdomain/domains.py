@@ -47,7 +47,7 @@ class Address:
 
     def __post_init__(self) -> None:
         if type(self) is Address:
-            raise TypeError("Address is abstract: use HostVA or DeviceAlias")
+            raise DomainError("Address is abstract: use HostVA or DeviceAlias")
         _check_value(self.value)
 
     def offset(self, nbytes: int) -> Self:

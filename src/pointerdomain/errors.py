@@ -9,6 +9,8 @@ could corrupt memory.
 
 from __future__ import annotations
 
+import pydantic
+
 __all__ = [
     "PointerDomainError",
     "DomainError",
@@ -28,6 +30,11 @@ __all__ = [
     "ExtensionUnavailableError",
     "AliasOpMissingError",
     "RuntimeCallError",
+    "InvalidTypeError",
+    "OutOfMemoryError",
+    "NotPicklableError",
+    "LayoutFieldError",
+    "MetadataValidationError",
     "BusyError",
     "OverlapError",
     "UnpinnedMemoryError",
@@ -117,6 +124,47 @@ class RuntimeCallError(PointerDomainError, RuntimeError):
         self.code = code
 
 
+class InvalidTypeError(PointerDomainError, TypeError):
+    """An argument of the wrong Python type (a bare tensor where a list of tensors is
+    required, a string where an int is)."""
+
+
+class OutOfMemoryError(PointerDomainError, MemoryError):
+    """An allocation of ``nbytes`` bytes failed (host or device memory); nothing was
+    allocated. The message gives the size and what to do."""
+
+    def __init__(self, message: str, nbytes: int) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
+
+
+class NotPicklableError(PointerDomainError, TypeError):
+    """``pickle`` / ``copy`` of an object holding process-local addresses or
+    registrations (tables, pools, registered memory): they mean nothing in another
+    process and must not be shared by two owners."""
+
+
+class LayoutFieldError(LayoutError):
+    """A :class:`~pointerdomain.KVLayout` field with an invalid value (the pydantic
+    validation error, wrapped). Attributes: ``field``, ``value``, ``expected``."""
+
+    def __init__(self, message: str, field: str, value: object, expected: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+        self.expected = expected
+
+
+class MetadataValidationError(pydantic.ValidationError, PointerDomainError):
+    """Invalid metadata (:class:`~pointerdomain.BufferInfo`): pydantic's validation
+    error (a ``ValueError``; field, input and expected type in its text) inside the tree,
+    with the fix appended. Built with ``from_exception_data`` from pydantic's own error."""
+
+    def __str__(self) -> str:
+        return (
+            f"{super().__str__()}\nFix: build BufferInfo from a HostVA (never an int or a DeviceAlias) with "
+            "positive nbytes and item_bytes, nbytes a whole number of items; or take it from buffer_infos()"
+        )
 class BusyError(PointerDomainError, RuntimeError):
     """Memory could not be closed because a launch still uses it (a CPU copy running, or
     GPU work queued that reads it) after the bounded wait; nothing was unregistered.

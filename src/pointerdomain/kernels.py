@@ -90,7 +90,7 @@ def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:
         if where is not None and where != device:
             raise IndexValidationError(
                 f"{name}: device memory of {where}, but the launch runs on {device}: indices must be on the "
-                f"launch device (copy them to {device} first)"
+                f"launch device. Fix: copy them to {device} (or to host memory) first"
             )
     return idx
 

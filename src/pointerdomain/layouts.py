@@ -21,13 +21,16 @@ what a host pool registered in several chunks needs).
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, TypedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypedDict
 
+import pydantic
 import torch
 from pydantic import ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from typing_extensions import Unpack
 
-from pointerdomain.errors import IndexValidationError, LayoutError
+from pointerdomain.errors import IndexValidationError, LayoutError, LayoutFieldError
 from pointerdomain.validated import ValidatedModel
 
 __all__ = ["Geometry", "KVLayout", "KVLayoutChanges"]
@@ -52,6 +55,50 @@ _DTYPES: dict[DType, torch.dtype] = {
     "uint8": torch.uint8,
 }
 _NAMES: dict[torch.dtype, DType] = {dtype: name for name, dtype in _DTYPES.items()}
+
+#: What each field accepts, for error messages (the pydantic constraints below).
+_EXPECTED: dict[str, str] = {
+    "kind": "one of 'layer_first', 'page_first', 'page_first_direct'",
+    "attention": "'mha' or 'mla'",
+    "num_layers": "an int > 0",
+    "num_pages": "an int > 0",
+    "page_size": "an int > 0 (tokens per page)",
+    "num_heads": "an int > 0 (1 for MLA)",
+    "head_dim": "an int > 0",
+    "dtype": f"a dtype name, one of {sorted(_DTYPES)} (a string, not a torch.dtype)",
+}
+
+
+def _layout_error(exc: pydantic.ValidationError) -> LayoutFieldError:
+    """The first problem of a pydantic validation error as a :class:`LayoutFieldError`
+    naming the field, the value found, what is expected and the fix."""
+    err = exc.errors()[0]
+    inner = err.get("ctx", {}).get("error")
+    if isinstance(inner, LayoutFieldError):  # raised by our __init__ inside pydantic's validation
+        return inner
+    loc = err.get("loc", ())
+    field = str(loc[0]) if loc else ("num_heads" if err.get("type") == "mla_heads" else "")
+    value = err.get("input")
+    if err.get("type") == "mla_heads" and isinstance(value, dict):
+        value = value.get("num_heads")
+    if field in _EXPECTED:
+        expected = _EXPECTED[field]
+        if err.get("type") == "mla_heads":
+            expected = "1 (MLA stores one latent vector per token)"
+    else:
+        expected = f"one of the fields {sorted(_EXPECTED)}"
+    if isinstance(value, torch.dtype) and value in _NAMES:
+        fix = f"pass dtype={_NAMES[value]!r} (KVLayout.dtype_name({value}))"
+    elif field in _EXPECTED:
+        fix = f"give {field} {expected}"
+    else:
+        fix = f"remove {field!r}: KVLayout has no such field"
+    more = f" ({exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else ""
+    message = (
+        f"KVLayout.{field or '?'}: found {value!r} ({type(value).__name__}), expected {expected}: "
+        f"{err.get('msg', '')}{more}. Fix: {fix}"
+    )
+    return LayoutFieldError(message, field, value, expected)
 
 class Geometry(NamedTuple):
     """How the kernels address one table over a layout (``pd::Side`` in ``transfer.h``)::
@@ -95,9 +142,16 @@ class KVLayoutChanges(TypedDict, total=False):
 class KVLayout(ValidatedModel, frozen=True):
     """A KV pool's layout: kind, shape and dtype. Frozen, strict, JSON-serialisable.
 
-    Raises (on construction):
-        pydantic.ValidationError: a non-positive size, unknown kind or dtype, or MLA
-            with ``num_heads`` != 1.
+    Every way to make or derive one validates: construction, :meth:`replace`,
+    ``model_copy(update=...)`` (pydantic's skips validation: this one does not),
+    ``model_validate`` / ``model_validate_json``; ``model_construct`` is refused
+    (:class:`~pointerdomain.validated.ValidatedModel`).
+
+    Raises (on construction and derivation):
+        LayoutFieldError: (a :class:`~pointerdomain.errors.LayoutError` and a
+            ``ValueError``) a non-positive size, unknown kind or dtype, a torch dtype
+            instead of its name, an unknown field, or MLA with ``num_heads`` != 1; the
+            message names the field, the value, what is expected and the fix.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid")  # frozen: class keyword, seen by type checkers
@@ -114,8 +168,61 @@ class KVLayout(ValidatedModel, frozen=True):
     @model_validator(mode="after")
     def _check(self) -> KVLayout:
         if self.attention == "mla" and self.num_heads != 1:
-            raise ValueError("MLA stores one latent vector per token: num_heads must be 1")
+            raise PydanticCustomError("mla_heads", "MLA stores one latent vector per token: num_heads must be 1")
         return self
+
+    if not TYPE_CHECKING:  # runtime wrappers; type checkers keep pydantic's signatures
+
+        def __init__(self, **data: Any) -> None:
+            try:
+                super().__init__(**data)
+            except pydantic.ValidationError as exc:
+                raise _layout_error(exc) from None
+
+        __init__.__pydantic_base_init__ = True  # not a custom __init__ for pydantic's validators
+
+        @classmethod
+        def model_validate(cls, obj: Any, **kwargs: Any) -> KVLayout:
+            try:
+                return super().model_validate(obj, **kwargs)
+            except pydantic.ValidationError as exc:
+                raise _layout_error(exc) from None
+
+        @classmethod
+        def model_validate_json(cls, json_data: Any, **kwargs: Any) -> KVLayout:
+            try:
+                return super().model_validate_json(json_data, **kwargs)
+            except pydantic.ValidationError as exc:
+                raise _layout_error(exc) from None
+
+        @classmethod
+        def model_validate_strings(cls, obj: Any, **kwargs: Any) -> KVLayout:
+            try:
+                return super().model_validate_strings(obj, **kwargs)
+            except pydantic.ValidationError as exc:
+                raise _layout_error(exc) from None
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            raise LayoutFieldError(
+                f"KVLayout.{name}: found an assignment of {value!r}, expected no assignment: layouts are frozen. "
+                f"Fix: derive a new layout with layout.replace({name}=...)",
+                name, value, "no assignment (frozen)",
+            )
+
+        def __delattr__(self, name: str) -> None:
+            raise LayoutFieldError(
+                f"KVLayout.{name}: found a deletion, expected none: layouts are frozen. Fix: derive a new layout "
+                "with layout.replace(...)", name, None, "no deletion (frozen)",
+            )
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> KVLayout:
+        """A copy with ``update`` applied, validated (unlike pydantic's ``model_copy``):
+        the same as :meth:`replace` ``(**update)``.
+
+        Raises:
+            LayoutFieldError: an update that makes the layout invalid.
+        """
+        return type(self).model_validate({**self.model_dump(), **(update or {})})
 
     def replace(self, **changes: Unpack[KVLayoutChanges]) -> KVLayout:
         """A copy with ``changes`` applied, **validated** like a new layout, with field
@@ -123,8 +230,9 @@ class KVLayout(ValidatedModel, frozen=True):
         pydantic's ``model_copy(update=...)`` takes an unchecked ``dict[str, Any]``.
 
         Raises:
-            pydantic.ValidationError: a changed value is invalid (e.g. ``num_pages=0``),
-                or an unknown field.
+            LayoutFieldError: a changed value is invalid (e.g. ``head_dim=-8``,
+                ``kind="pagefirst"``, ``dtype=torch.bfloat16``, ``num_pages=0``, MLA with 4
+                heads) or an unknown field; the message names the field.
         """
         return type(self).model_validate({**self.model_dump(), **changes})
 

@@ -31,6 +31,7 @@ from pointerdomain._platform.numa import node_of
 from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
 from pointerdomain.errors import (
     AlreadyRegisteredError,
@@ -125,7 +126,19 @@ _registry = _Registry()
 
 
 def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
-    """The open registration containing ``[va, va + nbytes)``, or None."""
+    """The open registration containing ``[va, va + nbytes)``, or None.
+
+    Raises:
+        DomainError: ``va`` is not a HostVA (registrations are found by host address).
+        InvalidArgumentError: ``nbytes`` is not a non-negative int.
+    """
+    if type(va) is not HostVA:
+        raise DomainError(
+            f"va: found a {type(va).__name__} ({va!r:.40}), expected a HostVA: registrations are found by host "
+            "address. Fix: pass pointerdomain.HostVA(tensor.data_ptr()) for host memory"
+        )
+    if type(nbytes) is not int or nbytes < 0:
+        raise InvalidArgumentError(f"nbytes: found {nbytes!r}, expected an int >= 0. Fix: pass the range's size in bytes")
     with _registry._lock:
         owner = _registry.overlapping(va.value, max(nbytes, 1))
     if owner is not None and owner.contains(va, nbytes):
@@ -215,7 +228,7 @@ def _drop(pin: _Pin, va: int) -> None:
     pin.release()
 
 
-class RegisteredHostMemory:
+class RegisteredHostMemory(ProcessLocal):
     """Owner of one registered host range.
 
     Attributes:
@@ -342,6 +355,11 @@ class RegisteredHostMemory:
     def _register_all(self, backend: Backend, chunks: tuple[Chunk, ...]) -> tuple[int, int]:
         """(0, n) when every chunk registered, else (status, index of the failing chunk) after
         unregistering the chunks before it."""
+        prepare = getattr(backend, "prepare", None)  # emulated only: one memfd for all chunks (mid-page starts)
+        if prepare is not None and len(chunks) > 1:
+            code = prepare(chunks[0].registered_address, sum(c.nbytes for c in chunks))
+            if code != 0:
+                return code, 0
         for k, chunk in enumerate(chunks):
             code = backend.register(chunk.registered_address, chunk.nbytes, self.device)
             if code != 0:

@@ -10,15 +10,22 @@ and the functions accept only ``PointerTable[HostVA]``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import pydantic
 from pydantic import ConfigDict, Field, model_validator
 
 from pointerdomain.domains import HostVA
-from pointerdomain.errors import LayoutError
+from pointerdomain.errors import LayoutError, MetadataValidationError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.tables import PointerTable, require_domain
 from pointerdomain.validated import ValidatedModel
 
 __all__ = ["BufferInfo", "buffer_infos", "page_buffer_meta"]
+
+
+def _metadata_error(exc: pydantic.ValidationError) -> MetadataValidationError:
+    return MetadataValidationError.from_exception_data(exc.title, exc.errors())  # type: ignore[arg-type]
 
 
 class BufferInfo(ValidatedModel, frozen=True):
@@ -31,6 +38,38 @@ class BufferInfo(ValidatedModel, frozen=True):
     address: HostVA
     nbytes: int = Field(gt=0)
     item_bytes: int = Field(gt=0)
+
+    if not TYPE_CHECKING:  # runtime wrappers (inside the error tree); type checkers keep pydantic's signatures
+
+        def __init__(self, **data: Any) -> None:
+            try:
+                super().__init__(**data)
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
+
+        # pydantic then does not treat this as a custom __init__ (which it would call, in
+        # strict Python mode, from model_validate_json: JSON ints would not become HostVAs)
+        __init__.__pydantic_base_init__ = True
+
+        @classmethod
+        def model_validate(cls, obj: Any, **kwargs: Any) -> BufferInfo:
+            try:
+                return super().model_validate(obj, **kwargs)
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
+
+        @classmethod
+        def model_validate_json(cls, json_data: Any, **kwargs: Any) -> BufferInfo:
+            try:
+                return super().model_validate_json(json_data, **kwargs)
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
 
     @model_validator(mode="after")
     def _whole_items(self) -> BufferInfo:

@@ -29,6 +29,7 @@ from pointerdomain.kernels import (
 )
 from pointerdomain.ladder import RegistrationPolicy
 from pointerdomain.layouts import KVLayout
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
@@ -51,7 +52,7 @@ class DevicePool(Protocol):
     def table(self) -> PointerTable[DeviceAlias]: ...
 
 
-class DeviceKVPool:
+class DeviceKVPool(ProcessLocal):
     """A device KV pool: per-layer buffers of shape ``[num_slots, num_heads, head_dim]``
     (K layers then V layers for MHA), ``layout.kind == "layer_first"``.
 
@@ -83,7 +84,7 @@ class DeviceKVPool:
         return self.buffers[kv * self.layout.num_layers + layer]
 
 
-class HostKVPool:
+class HostKVPool(ProcessLocal):
     """A host KV pool in registered host memory.
 
     Args:

@@ -24,6 +24,8 @@ from typing_extensions import Never, TypeIs, final
 from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import (
     ClosedError,
+    InvalidArgumentError,
+    InvalidTypeError,
     DeviceMismatchError,
     DomainError,
     InvalidArgumentError,
@@ -33,6 +35,7 @@ from pointerdomain.errors import (
 )
 from pointerdomain.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.launch_errors import ensure_error_word
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
@@ -80,7 +83,7 @@ class _TableDevice:
 
 
 @final
-class PointerTable(Sequence[D], Generic[D]):  # Generic too: runtime parameters as before
+class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runtime parameters as before
     """An immutable table of buffer start addresses of one domain and device.
 
     Build with :func:`make_kernel_ptr_table` or :func:`host_ptr_table`.
@@ -109,7 +112,7 @@ class PointerTable(Sequence[D], Generic[D]):  # Generic too: runtime parameters 
         layout: KVLayout | None = None,
     ) -> None:
         if token is not _TOKEN:
-            raise TypeError("build tables with make_kernel_ptr_table() or host_ptr_table()")
+            raise InvalidTypeError("build tables with make_kernel_ptr_table() or host_ptr_table()")
         self._domain = domain
         self._device = device
         self._values = values
@@ -275,7 +278,10 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 def _check_tensor(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise InvalidTypeError(
+            f"{name}: found a {type(t).__name__} ({t!r:.60}), expected a torch.Tensor. Fix: pass the buffers "
+            "themselves (contiguous tensors), one per table entry"
+        )
     if not t.is_contiguous():
         raise NonContiguousError(
             f"{name}: tensor of shape {tuple(t.shape)} has strides {t.stride()}, not contiguous: a pointer "
@@ -283,8 +289,27 @@ def _check_tensor(name: str, t: Any) -> torch.Tensor:
             "Pass the contiguous base buffer, or .contiguous() a copy"
         )
     if t.numel() == 0:
-        raise ValueError(f"{name}: empty tensor; a table entry must point at a buffer of at least one byte")
+        raise InvalidArgumentError(
+            f"{name}: found an empty tensor (shape {tuple(t.shape)}), expected a buffer of at least one byte: a "
+            "table entry must point at memory. Fix: drop the empty tensor from the list"
+        )
     return t
+
+
+def _tensor_list(name: str, tensors: object) -> tuple[object, ...]:
+    """``tensors`` as a tuple, refusing a bare tensor (iterating it would make one entry
+    per row: a table of row addresses nobody asked for) and non-sequences."""
+    if isinstance(tensors, torch.Tensor):
+        raise InvalidTypeError(
+            f"{name}: found a bare torch.Tensor of shape {tuple(tensors.shape)}, expected a list of tensors "
+            "(iterating a tensor would make one table entry per row). Fix: pass [tensor] for a one-entry table"
+        )
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+        raise InvalidTypeError(
+            f"{name}: found a {type(tensors).__name__}, expected a list or tuple of torch.Tensor. "
+            "Fix: pass the buffers as a list, one per table entry"
+        )
+    return tuple(tensors)
 
 
 def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, RegisteredHostMemory | None]:
@@ -345,6 +370,9 @@ def make_kernel_ptr_table(
             exactly this layout. Checked here: the table fits it.
 
     Raises:
+        InvalidTypeError: ``tensors`` is a bare tensor or not a sequence, or an item is
+            not a tensor (a ``TypeError`` too).
+        InvalidArgumentError: an empty tensor.
         NonContiguousError: a strided tensor.
         DomainError: unregistered host memory.
         DeviceMismatchError: memory of another device, or registered for another device type.
@@ -359,7 +387,7 @@ def make_kernel_ptr_table(
         raise InvalidArgumentError(f"layout must be a KVLayout or None, got {type(layout).__name__}")
     values: list[int] = []
     owners: list[RegisteredHostMemory] = []
-    checked = tuple(_check_tensor(f"tensors[{i}]", t) for i, t in enumerate(tensors))
+    checked = tuple(_check_tensor(f"tensors[{i}]", t) for i, t in enumerate(_tensor_list("tensors", tensors)))
     for i, t in enumerate(checked):
         value, owner = _kernel_address(f"tensors[{i}]", t, dev)
         values.append(value)
@@ -382,8 +410,10 @@ def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
         DomainError: a CUDA tensor or emulated device memory (a device address
             handed to CPU code).
         NonContiguousError: a strided tensor.
+        InvalidTypeError: ``tensors`` is a bare tensor or not a sequence, or an item is not a tensor.
+        InvalidArgumentError: an empty tensor.
     """
-    checked = tuple(_check_tensor(f"tensors[{i}]", t) for i, t in enumerate(tensors))
+    checked = tuple(_check_tensor(f"tensors[{i}]", t) for i, t in enumerate(_tensor_list("tensors", tensors)))
     owners: list[RegisteredHostMemory] = []
     for i, t in enumerate(checked):
         where = memory_device(t)

@@ -15,15 +15,14 @@ unprivileged container counts them.
 
 from __future__ import annotations
 
-import os
 import resource
 import threading
 from typing import TYPE_CHECKING
 
 import torch
 
-from pointerdomain import _C
-from pointerdomain._platform.status import OUT_OF_MEMORY
+from pointerdomain import _C, env
+from pointerdomain._platform.status import MEMLOCK_EXCEEDED
 from pointerdomain.devices import current_device
 from pointerdomain.errors import RuntimeCallError
 
@@ -34,8 +33,11 @@ __all__ = ["EmulatedBackend"]
 
 _MESSAGES = {
     1: "invalid value",
-    2: "out of memory, or the pages could not be mapped a second time (they share a page with memory "
-    "registered separately: allocate with alloc_registered)",
+    2: "out of memory or address space: the second (alias) mapping could not be made (mmap/memfd failed; "
+    "check ulimit -v and free memory)",
+    3: "the pages could not be mapped a second time: they share a page with memory registered separately "
+    "(allocate with alloc_registered, or register page-aligned tensors)",
+    MEMLOCK_EXCEEDED: "RLIMIT_MEMLOCK exceeded (POINTERDOMAIN_EMULATE_MEMLOCK=1 counts registered bytes)",
     712: "host memory already registered",
     713: "host memory not registered",
 }
@@ -72,14 +74,21 @@ class EmulatedBackend:
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        limited = os.environ.get("POINTERDOMAIN_EMULATE_MEMLOCK") == "1" and soft != resource.RLIM_INFINITY
+        limited = env.flag(env.EMULATE_MEMLOCK) and soft != resource.RLIM_INFINITY
         with self._lock:
             if limited and sum(self._pinned.values()) + nbytes > soft:
-                return OUT_OF_MEMORY
+                return MEMLOCK_EXCEEDED
             status, _alias = _C.emu_register(va, nbytes)
             if status == 0:
                 self._pinned[va] = nbytes
         return status
+
+    def prepare(self, va: int, nbytes: int) -> int:
+        """Back ``[va, va + nbytes)`` by one memfd before it is registered in chunks, so
+        chunks sharing a page (a tensor starting mid-page) can each be mapped, as CUDA
+        registers them: the runtime status (0 = ok, 3 = pages shared with another registration)."""
+        with self._lock:
+            return _C.emu_prepare(va, nbytes)
 
     def unregister(self, va: int, device: Device) -> int:
         with self._lock:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALREADY_REGISTERED",
+    "MEMLOCK_EXCEEDED",
     "NOT_REGISTERED",
     "OUT_OF_MEMORY",
     "STAGED_BAD_INDEX",
@@ -33,6 +34,9 @@ ALREADY_REGISTERED = 712
 NOT_REGISTERED = 713
 #: cudaErrorMemoryAllocation; the emulated backend's "could not map" (kMapFailed).
 OUT_OF_MEMORY = 2
+#: The emulated backend's own "RLIMIT_MEMLOCK exceeded" (it knows the cause exactly; a
+#: real runtime says only OUT_OF_MEMORY, so there the limit is inferred from the sizes).
+MEMLOCK_EXCEEDED = 1000
 
 
 def check(backend: Backend, call: str, code: int) -> None:
@@ -70,6 +74,11 @@ def registration_error(backend: Backend, code: int, where: str, rolled: str, mem
     """
     if code == ALREADY_REGISTERED:
         return AlreadyRegisteredError(f"{where}: already registered (error {code}){rolled}")
-    if memlock_hint and code in (OUT_OF_MEMORY, -OUT_OF_MEMORY):
+    if code == MEMLOCK_EXCEEDED:
+        hint = memlock_hint or " Raise RLIMIT_MEMLOCK (`ulimit -l unlimited`, docker --ulimit memlock=-1) or register less."
+        return MemlockLimitError(f"{where}: {backend.describe(code)} (error {code}){rolled}.{hint}")
+    # Only a real runtime's out-of-memory can be the memlock limit; the emulated backend
+    # reports that one itself (above), so its out-of-memory is address space or memory.
+    if memlock_hint and code in (OUT_OF_MEMORY, -OUT_OF_MEMORY) and backend.runtime != "emulated":
         return MemlockLimitError(f"{where}: {backend.describe(code)} (error {code}){rolled}.{memlock_hint}")
     return RegistrationError(f"{where}: {backend.describe(code)} (error {code}){rolled}")

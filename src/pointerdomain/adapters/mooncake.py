@@ -33,7 +33,14 @@ from typing import Any, Literal, Protocol, overload
 from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
-from pointerdomain.errors import DomainError, ExtensionUnavailableError, NotRegisteredError, PointerDomainError, RuntimeCallError
+from pointerdomain.errors import (
+    DomainError,
+    ExtensionUnavailableError,
+    InvalidArgumentError,
+    NotRegisteredError,
+    PointerDomainError,
+    RuntimeCallError,
+)
 
 __all__ = ["EngineUnavailableError", "HostRegion", "HostTransferEngine", "TransferEngineLike", "as_host_va"]
 
@@ -172,10 +179,15 @@ class HostTransferEngine:
         va = as_host_va(region, name)  # untyped callers: checked at run time
         if nbytes is None:
             if type(region) is not BufferInfo:
-                raise ValueError(f"{name}: a HostVA needs nbytes")
+                raise InvalidArgumentError(
+                    f"{name}: found a bare HostVA with nbytes=None, expected nbytes (a positive int) with a HostVA. "
+                    "Fix: pass nbytes=..., or pass the BufferInfo (it carries its size)"
+                )
             nbytes = region.nbytes
         if type(nbytes) is not int or nbytes <= 0:
-            raise ValueError(f"{name}: nbytes must be a positive int, got {nbytes!r}")
+            raise InvalidArgumentError(
+                f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes). Fix: pass the block's size in bytes"
+            )
         return va, nbytes
 
     def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:
@@ -203,7 +215,7 @@ class HostTransferEngine:
 
         Raises:
             DomainError: not a HostVA / BufferInfo, or the range is device memory.
-            ValueError: ``nbytes`` missing or not positive.
+            InvalidArgumentError: ``nbytes`` missing or not positive (a ``ValueError``).
             RuntimeCallError: the engine refused.
         """
         va, n = self._span(region, nbytes, "region")
@@ -250,7 +262,10 @@ class HostTransferEngine:
         l_va, l_n = self._span(local, nbytes, "local")
         r_va, r_n = self._span(remote, nbytes if nbytes is not None else l_n, "remote")
         if type(remote) is BufferInfo and r_n != l_n:
-            raise ValueError(f"local block is {l_n} bytes but remote block is {r_n}")
+            raise InvalidArgumentError(
+                f"remote: found a {r_n}-byte block for a {l_n}-byte local block, expected equal sizes. "
+                "Fix: pair blocks of the same size (or pass nbytes)"
+            )
         self._check_registered(l_va, l_n, "local")
         fn = self.engine.transfer_sync_read if call == "transfer_sync_read" else self.engine.transfer_sync_write
         self._check(call, fn(peer, l_va.value, r_va.value, l_n))
@@ -271,7 +286,7 @@ class HostTransferEngine:
 
         Raises:
             DomainError: an address that is not a HostVA / BufferInfo.
-            ValueError: sizes missing or different.
+            InvalidArgumentError: sizes missing or different (a ``ValueError``).
             NotRegisteredError: ``local`` outside registered memory.
             RuntimeCallError: the engine reported a failure.
         """
@@ -290,7 +305,10 @@ class HostTransferEngine:
         local: Sequence[BufferInfo], remote: Sequence[BufferInfo],
     ) -> int:
         if len(local) != len(remote):
-            raise ValueError(f"{len(local)} local blocks but {len(remote)} remote blocks")
+            raise InvalidArgumentError(
+                f"remote: found {len(remote)} remote blocks for {len(local)} local blocks, expected one remote "
+                "block per local block. Fix: pass lists of equal length"
+            )
         l_vals: list[int] = []
         r_vals: list[int] = []
         lengths: list[int] = []
@@ -298,7 +316,10 @@ class HostTransferEngine:
             l_va, l_n = self._span(lb, None, f"local[{i}]")
             r_va, r_n = self._span(rb, None, f"remote[{i}]")
             if l_n != r_n:
-                raise ValueError(f"block {i}: local {l_n} bytes but remote {r_n} bytes")
+                raise InvalidArgumentError(
+                    f"remote[{i}]: found {r_n} bytes for local[{i}] of {l_n} bytes, expected equal sizes. "
+                    "Fix: pair blocks of the same size"
+                )
             self._check_registered(l_va, l_n, f"local[{i}]")
             l_vals.append(l_va.value)
             r_vals.append(r_va.value)
@@ -317,7 +338,7 @@ class HostTransferEngine:
 
         Raises:
             DomainError: a block that is not a BufferInfo (e.g. a DeviceAlias).
-            ValueError: lists or block sizes that differ.
+            InvalidArgumentError: lists or block sizes that differ (a ``ValueError``).
             NotRegisteredError: a local block outside registered memory.
             RuntimeCallError: the engine reported a failure.
         """

@@ -92,7 +92,7 @@ class NixlDesc:
 
     def __init__(self, token: object, mem_type: MemType, addr: int, nbytes: int, dev_id: int, meta: str = "") -> None:
         if token is not _TOKEN:
-            raise TypeError("build NIXL descriptors with dram_desc(), vram_desc(), file_desc() or file_region()")
+            raise errors.InvalidTypeError("build NIXL descriptors with dram_desc(), vram_desc(), file_desc() or file_region()")
         self.mem_type: MemType = mem_type
         self.addr = addr
         self.nbytes = nbytes
@@ -207,7 +207,9 @@ def vram_desc(tensor: torch.Tensor, device: pd.Device | str | torch.device) -> N
 
 def _fd(fd: object) -> int:
     if type(fd) is not int or fd < 0:
-        raise errors.InvalidArgumentError(f"a file descriptor is an int >= 0, got {fd!r}")
+        raise errors.InvalidArgumentError(
+            f"fd: found {fd!r}, expected a file descriptor (an int >= 0). Fix: pass os.open(...)'s result or file.fileno()"
+        )
     return fd
 
 
@@ -250,7 +252,7 @@ class NixlRegistration:
 
     def __init__(self, token: object, agent: HostNixlAgent, descs: tuple[NixlDesc, ...], handle: Any) -> None:
         if token is not _TOKEN:
-            raise TypeError("register memory with HostNixlAgent.register() / register_pool()")
+            raise errors.InvalidTypeError("register memory with HostNixlAgent.register() / register_pool()")
         self.descs = descs
         self._agent: weakref.ref[HostNixlAgent] = weakref.ref(agent)
         self._handle = handle

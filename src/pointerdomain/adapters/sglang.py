@@ -55,7 +55,14 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain import make_kernel_ptr_table as _core_kernel_table
-from pointerdomain.errors import DomainError, IndexValidationError, LayoutError, NonContiguousError
+from pointerdomain.errors import (
+    DomainError,
+    IndexValidationError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    LayoutError,
+    NonContiguousError,
+)
 
 __all__ = [
     "ContiguousBufInfos",
@@ -158,9 +165,10 @@ class PageBufferMeta(NamedTuple):
 
 def _check_backend(io_backend: str) -> None:
     if io_backend != "kernel":
-        raise ValueError(
-            f"io_backend {io_backend!r} is not supported by this adapter: only 'kernel' (the typed transfer "
-            "kernels). A 'direct' backend uses runtime copies (cudaMemcpyAsync), which take host VAs"
+        raise InvalidArgumentError(
+            f"io_backend: found {io_backend!r}, expected 'kernel'; {io_backend!r} is not supported by this adapter: only 'kernel' (the typed transfer "
+            "kernels). A 'direct' backend uses runtime copies (cudaMemcpyAsync), which take host VAs. "
+            "Fix: pass io_backend='kernel'"
         )
 
 
@@ -184,7 +192,7 @@ class HostKVCacheAdapter:
         host_table: ``PointerTable[HostVA]``, one entry, for metadata.
 
     Raises:
-        TypeError: ``kv_buffer`` is not a tensor.
+        InvalidTypeError: ``kv_buffer`` is not a tensor (a ``TypeError``).
         LayoutError: its size is not ``layout.nbytes``.
         NonContiguousError: it is strided.
         DomainError: it is device memory, or host memory not registered.
@@ -194,7 +202,9 @@ class HostKVCacheAdapter:
 
     def __init__(self, kv_buffer: torch.Tensor, layout: KVLayout, device: Device | str | torch.device) -> None:
         if not isinstance(cast(object, kv_buffer), torch.Tensor):
-            raise TypeError(f"kv_buffer: expected a torch.Tensor, got {type(kv_buffer).__name__}")
+            raise InvalidTypeError(
+                f"kv_buffer: found a {type(kv_buffer).__name__}, expected a torch.Tensor. Fix: pass the host pool tensor"
+            )
         if kv_buffer.nbytes != layout.nbytes:
             raise LayoutError(
                 f"kv_buffer holds {kv_buffer.nbytes} bytes but the {layout.kind} layout needs {layout.nbytes}"
@@ -311,7 +321,7 @@ class HostKVCacheAdapter:
         Indices are ``int64`` 1-D on the launch device (CPU when emulated).
 
         Raises:
-            ValueError: ``io_backend`` is not ``"kernel"``.
+            InvalidArgumentError: ``io_backend`` is not ``"kernel"`` (a ``ValueError``).
             Everything :func:`pointerdomain.transfer_kv_all_layer` raises.
         """
         _check_backend(io_backend)

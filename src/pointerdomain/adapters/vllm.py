@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
+from typing import cast
 
 import torch
 from typing_extensions import final
 
 from pointerdomain import Device, DeviceAlias, PointerTable, index_tensor, require_domain, validate_device
 from pointerdomain.adapters.sglang import make_kernel_ptr_table
-from pointerdomain.errors import DeviceMismatchError, DomainError, IndexValidationError, LayoutError
+from pointerdomain.errors import DeviceMismatchError, DomainError, IndexValidationError, InvalidTypeError, LayoutError
 
 __all__ = ["BatchCopyFn", "BlockCopyBatch", "CpuGpuBlockOffload", "block_copy_batch", "run_batch_copy"]
 
@@ -236,7 +237,7 @@ def run_batch_copy(batch: BlockCopyBatch, copy_fn: BatchCopyFn) -> int:
     """
     if type(batch) is not BlockCopyBatch:
         raise DomainError(
-            f"run_batch_copy: expected a BlockCopyBatch from block_copy_batch(), got {type(batch).__name__}"
+            f"batch: found a {type(batch).__name__}, expected a BlockCopyBatch. Fix: build it with block_copy_batch()"
         )
     batch.check_live()
     if batch.num_ops:
@@ -278,6 +279,12 @@ class CpuGpuBlockOffload:
     def __init__(
         self, gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor], device: Device | str | torch.device
     ) -> None:
+        for name, given in (("gpu_tensors", cast(object, gpu_tensors)), ("cpu_tensors", cast(object, cpu_tensors))):
+            if isinstance(given, torch.Tensor) or not isinstance(given, Sequence):
+                raise InvalidTypeError(
+                    f"{name}: found a {'bare torch.Tensor' if isinstance(given, torch.Tensor) else type(given).__name__}"
+                    ", expected a list of per-layer tensors. Fix: pass [tensor, ...]"
+                )
         if len(gpu_tensors) != len(cpu_tensors) or not gpu_tensors:
             raise LayoutError(f"{len(gpu_tensors)} GPU tensors but {len(cpu_tensors)} CPU tensors; need a non-empty pair list")
         gpu_bytes = _block_bytes("gpu_tensors", gpu_tensors)
