@@ -19,6 +19,7 @@ from pointerdomain.kernels import (
     transfer_kv_per_layer,
 )
 from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
+from pointerdomain.explain import Explanation, explain
 from pointerdomain.layouts import KVLayout
 from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
@@ -47,6 +48,7 @@ __all__ = [
     "DeviceAlias",
     "DeviceGuard",
     "DeviceKVPool",
+    "Explanation",
     "DevicePool",
     "HostKVPool",
     "HostVA",
@@ -65,6 +67,7 @@ __all__ = [
     "checked",
     "device_empty",
     "errors",
+    "explain",
     "external_stream",
     "fallback_count",
     "find_registration",
