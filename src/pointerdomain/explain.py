@@ -262,7 +262,7 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
         raise InvalidArgumentError(f"explain takes an address (an int in [0, 2**64)), got {address!r}")
     own = pid is None or pid == os.getpid()
     here = os.getpid() if own else int(pid or 0)
-    found: dict[str, object] = {}
+    found: dict[str, object] = {"domain": "unknown"}
     notes: list[str] = []
     if own:
         found = _find(value, notes)
@@ -279,6 +279,8 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
     else:
         nodes = numa_nodes_of_mapping(value, here)
         numa = next(iter(nodes)) if len(nodes) == 1 else None
+    if not os.path.exists(f"/proc/{here}/maps"):
+        notes.append(f"/proc/{here}/maps does not exist (no such process, or not Linux)")
     fields = {k: v for k, v in found.items() if not k.endswith("_obj")}
     return Explanation(address=value, pointer_attributes=attrs, maps_line=maps_line(value, here), pid=here,
                        numa_node=numa, notes=tuple(notes), **fields)  # type: ignore[arg-type]
