@@ -98,7 +98,7 @@ class Explanation:
             "host_va": "a HostVA (CPU address) of registered host memory",
             "device_alias": "a DeviceAlias (the address kernels read) of registered host memory",
             "device_memory": "device memory",
-            "unknown": "in no registration or device allocation pointerdomain knows in this process",
+            "unknown": f"in no registration or device allocation pointerdomain knows in process {self.pid}",
         }[self.domain]
         lines = [f"{self.address:#x}: {what}"]
         if self.owner is not None:
