@@ -332,10 +332,10 @@ def render_text(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(100, shutil.get_terminal_size((120, 24)).columns))
+    console = Console(width=max(120, shutil.get_terminal_size((120, 24)).columns))
     for title, key in (("Versions", "versions"), ("Host", "host"), ("Transfer engines", "transfer_engines")):
         table = Table(title=title, title_justify="left", show_header=False)
-        table.add_column(style="bold")
+        table.add_column(style="bold", no_wrap=True)
         table.add_column()
         table.add_column(style="dim")
         for row in report[key]:
@@ -344,7 +344,7 @@ def render_text(report: dict[str, Any]) -> None:
         console.print(table)
     for dev in report["devices"]:
         table = Table(title=f"{dev['device']}: {dev.get('name', '')}", title_justify="left", show_header=False)
-        table.add_column(style="bold")
+        table.add_column(style="bold", no_wrap=True)
         table.add_column()
         table.add_column(style="dim")
         if "error" in dev:
