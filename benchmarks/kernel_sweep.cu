@@ -1,11 +1,13 @@
-// Kernel tuning sweep (H200): every candidate shape of the specialised transfer
-// kernel, and the shipped choice (gpu::transfer) at every CTA budget, in one process.
+// Kernel tuning sweep (H200), in one process per phase: `candidates` (every candidate shape
+// of the specialised transfer kernel), `shipped` (gpu::transfer's own choice on the other
+// host layouts), `all` (both), `tma` (the TMA bulk-copy experiment, not adopted) and
+// `staged` (gpu::staged_transfer, the staged copy-engine path).
 // A developer tool: it includes the kernel source to reach the templates; the user
 // benchmark (python -m benchmarks.transfer) goes through the public API only.
 //
 // Build and run (scripts/gpu-check sweep does this):
 //   nvcc -arch=sm_90 -O3 -std=c++17 -Isrc/kernels benchmarks/kernel_sweep.cu -o /tmp/sweep
-//   /tmp/sweep OUT_DIR [all|candidates|shipped|tma] [GiB per point]
+//   /tmp/sweep OUT_DIR [all|candidates|shipped|tma|staged] [GiB per point]
 //
 // Pools: a device pool in layer_first layout with one table entry per (kv, layer)
 // buffer (as engines hold them) and a registered host pool (page_first by default,
@@ -16,6 +18,7 @@
 // (an indexing formula written from the layout shapes, independent of item_address).
 #include "../src/kernels/transfer_gpu.cu"
 #include "../src/kernels/transfer_cpu.cpp"
+#include "../src/kernels/staged_gpu.cu"
 
 #include <algorithm>
 #include <chrono>
@@ -290,6 +293,7 @@ struct Case {
     Pool dev, host;
     std::int64_t *d_dev_slots, *d_host_slots;
     std::int64_t n;
+    std::vector<std::int64_t> host_slots;  // host copy (the staged path reads it on the host)
 };
 
 static Case make_case(int item, bool mla, int host_kind, std::int64_t target_bytes, std::mt19937_64 &rng) {
@@ -317,6 +321,7 @@ static Case make_case(int item, bool mla, int host_kind, std::int64_t target_byt
     CK(cudaMalloc(&c.d_host_slots, 8 * c.n));
     CK(cudaMemcpy(c.d_dev_slots, ds.data(), 8 * c.n, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(c.d_host_slots, hs.data(), 8 * c.n, cudaMemcpyHostToDevice));
+    c.host_slots = hs;
     return c;
 }
 
@@ -459,6 +464,34 @@ int main(int argc, char **argv) {
             free_case(c);
             std::printf("-- %.0f s\n", secs());
         }
+    }
+    if (phase == "staged") {
+        // The staged copy-engine path (issue 15 item 2) at 1 and 2 CTAs, all layers, page_first host.
+        void *staging = nullptr;
+        const std::uint64_t staging_max = 256ull << 20;
+        CK(cudaMalloc(&staging, staging_max));
+        for (Item it : {Item{1024, false}, Item{1152, true}, Item{2048, false}, Item{4096, false}}) {
+            Case c = make_case(it.item, it.mla, PAGE_FIRST, target, rng);
+            const std::uint64_t host_entry = c.host.alias;  // the host side's table, in host memory
+            const pd::Side host_side = make_side(PAGE_FIRST, c.shape, 0, &host_entry);
+            for (std::uint64_t mib : {16ull, 64ull, 256ull})
+                for (int ring : {2, 4}) {
+                    if (mib == 256 && ring == 2) continue;
+                    char name[64];
+                    std::snprintf(name, sizeof name, "staged.%lluMiB.r%d", (unsigned long long)mib, ring);
+                    for (int dir = 0; dir < 2; ++dir) {
+                        LaunchFn fn = [&, dir, mib, ring](const pd::Transfer &t, int m, cudaStream_t s) {
+                            return g::staged_transfer(t, dir == 1, host_side, c.host_slots.data(),
+                                                      reinterpret_cast<std::uint64_t>(staging), mib << 20, ring, 0,
+                                                      reinterpret_cast<std::uint64_t>(s), m, 16);
+                        };
+                        for (int b : {1, 2}) point(x, c, dir, false, b, name, fn, seed);
+                    }
+                }
+            free_case(c);
+            std::printf("-- %.0f s\n", secs());
+        }
+        CK(cudaFree(staging));
     }
     if (phase == "all" || phase == "shipped") {
         // The shipped dispatch on the other host layouts (page_first at every budget: python -m benchmarks.transfer).

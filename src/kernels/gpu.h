@@ -32,6 +32,28 @@ int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, 
 int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes, std::size_t count,
               int device, std::uint64_t stream, bool use_batch);
 bool has_batch_copy();
+// Staged copy-engine path (issue 15 item 2; staged_gpu.cu). The host side's moved items of
+// one slot and kv must be one contiguous block (page_first with s_layer == item_bytes, or a
+// single layer): the copy engine then moves whole runs of consecutive host blocks between
+// the host pool and a device staging ring while a kernel of at most max_ctas CTAs scatters
+// (H2D) or gathers (D2H) the items between the ring and the device pool at HBM speed;
+// chunk k's copies overlap chunk k-1's kernel (events on an internal copy stream).
+//   t: the transfer as the kernel path would run it (device tables, device index arrays).
+//   host_is_src: true for H2D (t.src is the host side), false for D2H.
+//   host: the host side again, with its table in HOST memory (the same alias values).
+//   host_idx: host copy of the host side's n slot indices.
+//   staging, staging_bytes: a device buffer (>= 64 KiB plus one chunk per ring slot),
+//   owned by the caller, used by no one else until the stream has passed this call.
+//   ring: 2..8 slots.
+// Ordered on `stream` like transfer(): work before it on the stream is seen, work after
+// it sees the result. Returns 0, a runtime error, kStagedNotApplicable (the layout gives
+// no contiguous blocks, or the staging buffer is too small) or kStagedBadIndex (a host
+// index outside [0, host.num_slots); nothing was launched).
+constexpr int kStagedNotApplicable = -1;
+constexpr int kStagedBadIndex = -2;
+int staged_transfer(const Transfer &t, bool host_is_src, const Side &host, const std::int64_t *host_idx,
+                    std::uint64_t staging, std::uint64_t staging_bytes, int ring, int device, std::uint64_t stream,
+                    int max_ctas, int vec_bytes);
 const char *error_string(int code);
 
 }  // namespace pointerdomain::gpu

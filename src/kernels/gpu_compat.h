@@ -50,6 +50,14 @@
 #define gpuDevAttrPciBusId hipDeviceAttributePciBusId
 #define gpuDevAttrPciDeviceId hipDeviceAttributePciDeviceId
 #define PD_HAS_HOST_REGISTER_ATTRS 0
+#define gpuEvent_t hipEvent_t
+#define gpuErrorInvalidDevice hipErrorInvalidDevice
+#define gpuEventCreateWithFlags hipEventCreateWithFlags
+#define gpuEventDisableTiming hipEventDisableTiming
+#define gpuEventRecord hipEventRecord
+#define gpuStreamWaitEvent hipStreamWaitEvent
+#define gpuStreamCreateWithFlags hipStreamCreateWithFlags
+#define gpuStreamNonBlocking hipStreamNonBlocking
 // hipPointerAttribute_t names the memory type `memoryType` before ROCm 6 and `type`
 // from ROCm 6 on (CUDA: `type`); this view gives callers `attr.type` on every version.
 struct pdHipPointerAttributes {
@@ -109,4 +117,12 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuDevAttrPciBusId cudaDevAttrPciBusId
 #define gpuDevAttrPciDeviceId cudaDevAttrPciDeviceId
 #define PD_HAS_HOST_REGISTER_ATTRS 1
+#define gpuEvent_t cudaEvent_t
+#define gpuErrorInvalidDevice cudaErrorInvalidDevice
+#define gpuEventCreateWithFlags cudaEventCreateWithFlags
+#define gpuEventDisableTiming cudaEventDisableTiming
+#define gpuEventRecord cudaEventRecord
+#define gpuStreamWaitEvent cudaStreamWaitEvent
+#define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
+#define gpuStreamNonBlocking cudaStreamNonBlocking
 #endif
