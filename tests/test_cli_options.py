@@ -81,3 +81,9 @@ def test_demo_says_its_device_and_shows_progress() -> None:
     assert quiet.returncode == 0 and quiet.stderr == ""
     result = json.loads(quiet.stdout)
     assert result["ok"] is True and result["device"] == "emulated:0" and result["device_choice"] == "--device"
+
+
+def test_module_entry_point_uses_the_same_conventions() -> None:
+    out = subprocess.run([sys.executable, "-m", "pointerdomain.cli", "demo", "--device", "cpu"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "--device emulated:0" in out.stderr and "Traceback" not in out.stderr

@@ -112,4 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # `python -m pointerdomain.cli`: run the imported module's main, so the subcommands'
+    # UsageError is the class main catches (this file runs as __main__, a second copy).
+    from pointerdomain.cli import main as _main
+
+    raise SystemExit(_main())
