@@ -24,7 +24,7 @@ def test_cli_demo_small_and_doctor() -> None:
 
 def test_cli_demo_refuses_bad_shapes_with_a_message() -> None:
     for args, needle in ((("--layers", "100000"), "GiB more host memory"), (("--layers", "0"), "--layers"),
-                         (("--pages", "0"), "--pages must be"), (("--attention", "mla", "--heads", "8"), "--heads must be 1")):
+                         (("--pages", "0"), "argument --pages"), (("--attention", "mla", "--heads", "8"), "--heads must be 1")):
         out = _cli("demo", "--device", "emulated:0", *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr
