@@ -43,7 +43,7 @@ from pointerdomain._platform import (
     runtime_devices,
     visible_devices,
 )
-from pointerdomain._platform.base import DEVICE_ATTRIBUTES
+from pointerdomain._platform.base import DEVICE_ATTRIBUTES, DeviceAttributeName
 from pointerdomain.devices import Device
 from pointerdomain.errors import PointerDomainError
 
@@ -180,7 +180,8 @@ def device_attributes(device: Device) -> dict[str, int | None]:
 def pci_bus_id(device: Device) -> str | None:
     """``dddd:bb:dd.0`` of ``device`` from the PCI domain / bus / device attributes, or None."""
     backend = backend_for(device)
-    parts = [backend.device_attribute(name, device) for name in ("PciDomainId", "PciBusId", "PciDeviceId")]
+    pci: tuple[DeviceAttributeName, ...] = ("PciDomainId", "PciBusId", "PciDeviceId")
+    parts = [backend.device_attribute(name, device) for name in pci]
     if any(p is None for p in parts):
         return None
     domain, bus, dev = (int(p or 0) for p in parts)
