@@ -70,7 +70,7 @@ __all__ = [
 NOT_AVAILABLE = "not available in this build"
 
 #: The attributes of the matrix (the PCI ids are shown as one bus id).
-MATRIX = tuple(a for a in DEVICE_ATTRIBUTES if not a.startswith("Pci"))
+MATRIX: tuple[DeviceAttributeName, ...] = tuple(a for a in DEVICE_ATTRIBUTES if not a.startswith("Pci"))
 
 
 @dataclass(frozen=True)
