@@ -69,7 +69,7 @@ PYRIGHT_RULES: dict[str, frozenset[str]] = {
     "misc": frozenset({"reportAttributeAccessIssue"}),  # used here only for writes to frozen attributes
     "operator": frozenset({"reportOperatorIssue"}),
     "return-value": frozenset({"reportReturnType"}),
-    "type-var": frozenset({"reportInvalidTypeArguments"}),
+    "type-var": frozenset({"reportInvalidTypeArguments", "reportArgumentType"}),  # the latter: a call's TypeVar
 }
 #: What pyright adds as a consequence of the expected error on the same line (a
 #: rejected expression's value is Unknown; a bare expression statement is unused).

@@ -22,6 +22,7 @@ struct Registration {
     std::uint64_t map_base;   // start of the alias mapping (page aligned)
     std::uint64_t map_len;
     std::uint64_t region;     // key of the Region it came from
+    std::map<int, std::uint64_t> other_devices;  // ordinal > 0 -> its mapping's base (map_len bytes)
 };
 struct DeviceAlloc {
     std::uint64_t len;
@@ -137,6 +138,7 @@ int unregister_range(std::uint64_t va) {
     auto it = registrations.find(va);
     if (it == registrations.end()) return kNotRegistered;
     munmap(reinterpret_cast<void *>(it->second.map_base), it->second.map_len);
+    for (auto &kv : it->second.other_devices) munmap(reinterpret_cast<void *>(kv.second), it->second.map_len);
     const std::uint64_t region = it->second.region;
     registrations.erase(it);
     // A region made in place for an existing tensor lives while registrations use it;
@@ -159,6 +161,42 @@ int get_device_pointer(std::uint64_t va, std::uint64_t *alias) {
     if (it == registrations.end()) return kNotRegistered;
     *alias = it->second.alias + (va - it->first);
     return kOk;
+}
+
+int get_device_pointer_on(std::uint64_t va, int ordinal, std::uint64_t *alias) {
+    if (ordinal < 0) return kInvalidValue;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = containing(registrations, va, 1);
+    if (it == registrations.end()) return kNotRegistered;
+    Registration &r = it->second;
+    std::uint64_t base = r.map_base;
+    if (ordinal > 0) {
+        auto dev = r.other_devices.find(ordinal);
+        if (dev == r.other_devices.end()) {
+            auto reg = regions.find(r.region);
+            if (reg == regions.end()) return kNotRegistered;
+            const std::uint64_t lo = it->first & ~(page() - 1);
+            void *m = mmap(nullptr, r.map_len, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
+                           static_cast<off_t>(lo - reg->first));
+            if (m == MAP_FAILED) return kMapFailed;
+            dev = r.other_devices.emplace(ordinal, reinterpret_cast<std::uint64_t>(m)).first;
+        }
+        base = dev->second;
+    }
+    *alias = base + (r.alias - r.map_base) + (va - it->first);
+    return kOk;
+}
+
+int alias_lookup(std::uint64_t addr, std::uint64_t nbytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto &kv : registrations) {
+        const Registration &r = kv.second;
+        auto inside = [&](std::uint64_t base) { return addr >= base && addr + nbytes <= base + r.map_len; };
+        if (inside(r.map_base)) return 0;
+        for (auto &dev : r.other_devices)
+            if (inside(dev.second)) return dev.first;
+    }
+    return -1;
 }
 
 void *device_alloc(std::uint64_t nbytes, int ordinal) {

@@ -27,6 +27,14 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
 int unregister_range(std::uint64_t va);
 // Alias of an address inside a registered range (interior pointers keep their offset).
 int get_device_pointer(std::uint64_t va, std::uint64_t *alias);
+// Alias of `va` as emulated device `ordinal` sees it. Every device has its own
+// mapping of a registration's pages (ordinal 0: the one register_range made; the
+// others made on first use, dropped by unregister_range), so one registration has
+// a different alias on each device and an alias of one device is not mapped for
+// another, as a portable registration on several GPUs need not share aliases.
+int get_device_pointer_on(std::uint64_t va, int ordinal, std::uint64_t *alias);
+// Ordinal of the device whose alias mapping holds [addr, addr+nbytes), or -1.
+int alias_lookup(std::uint64_t addr, std::uint64_t nbytes);
 
 // Emulated device memory: anonymous pages tagged with a device ordinal.
 void *device_alloc(std::uint64_t nbytes, int ordinal);

@@ -139,6 +139,17 @@ NB_MODULE(_C, m) {
             return std::make_pair(status, alias);
         },
         nb::arg("va"), "Alias of a registered host address: (status, alias).");
+    m.def(
+        "emu_get_device_pointer_on",
+        [](std::uint64_t va, int ordinal) {
+            std::uint64_t alias = 0;
+            const int status = pd::emu::get_device_pointer_on(va, ordinal, &alias);
+            return std::make_pair(status, alias);
+        },
+        nb::arg("va"), nb::arg("ordinal"),
+        "Alias of a registered host address on one emulated device (each device its own mapping): (status, alias).");
+    m.def("emu_alias_lookup", &pd::emu::alias_lookup, nb::arg("addr"), nb::arg("nbytes"),
+          "Ordinal of the emulated device whose alias mapping holds the range, or -1.");
 
 #ifdef POINTERDOMAIN_WITH_GPU
     namespace g = pd::gpu;

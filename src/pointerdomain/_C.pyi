@@ -64,6 +64,16 @@ def emu_unregister(va: int) -> int:
 def emu_get_device_pointer(va: int) -> tuple[int, int]:
     """Alias of a registered host address: (status, alias)."""
 
+def emu_get_device_pointer_on(va: int, ordinal: int) -> tuple[int, int]:
+    """
+    Alias of a registered host address on one emulated device (each device its own mapping): (status, alias).
+    """
+
+def emu_alias_lookup(addr: int, nbytes: int) -> int:
+    """
+    Ordinal of the emulated device whose alias mapping holds the range, or -1.
+    """
+
 gpu_runtime: str = 'cuda'
 
 def gpu_runtime_version() -> tuple[int, int]: ...

@@ -1,4 +1,4 @@
-"""Command line: ``pointerdomain doctor``, ``pointerdomain demo`` and ``pointerdomain whatis``.
+"""Command line: ``pointerdomain doctor``, ``demo``, ``whatis`` and ``audit``.
 
 Exit codes, for every subcommand: 0 ok; 1 failure (the command ran and something
 failed: a self-test, a verification, a runtime or registration error, a missing
@@ -7,7 +7,8 @@ given: an unknown flag, a bad value, a device that does not exist, a size that d
 not fit; nothing was run).
 
 Subcommands are rows of :data:`COMMANDS`: a module with ``add_arguments(parser)`` and
-``run(args) -> int``, imported when the parser is built.
+``run(args) -> int``, imported when the parser is built. A command whose module needs an
+optional extra (``audit``: libcst) is still listed without it and says what to install.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pointerdomain.devices import Device
@@ -27,11 +28,13 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 class Command(NamedTuple):
-    """One subcommand: its name, one-line help, and the module that implements it."""
+    """One subcommand: its name, one-line help, the module that implements it, and the
+    pip extra its module needs (None: none)."""
 
     name: str
     help: str
     module: str
+    extra: str | None = None
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -39,6 +42,8 @@ COMMANDS: tuple[Command, ...] = (
             "pointerdomain.doctor"),
     Command("demo", "back up random KV pages to registered host memory, clobber, load, verify", "pointerdomain.demo"),
     Command("whatis", "what an address is: registration, alias, device memory, memory-map line", "pointerdomain.whatis"),
+    Command("audit", "find raw integer addresses (PD rules); CI gate (docs/audit.md)", "pointerdomain.audit.cli",
+            extra="audit"),
 )
 
 
@@ -90,11 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        module = importlib.import_module(command.module)
         p = sub.add_parser(command.name, help=command.help, description=command.help, formatter_class=fmt)
+        try:
+            module = importlib.import_module(command.module)
+        except ImportError as exc:
+            if command.extra is None:
+                raise
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=f"needs pip install 'pointerdomain[{command.extra}]'")
+            p.set_defaults(_run=_missing_extra(command, exc))
+            continue
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
+
+
+def _missing_extra(command: Command, exc: ImportError) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        raise UsageError(f"pointerdomain {command.name} needs pip install 'pointerdomain[{command.extra}]' ({exc})")
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

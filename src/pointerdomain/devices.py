@@ -33,6 +33,7 @@ __all__ = [
     "DeviceType",
     "as_device",
     "current_device",
+    "emulated_device_count",
     "external_stream",
     "tensor_on",
     "validate_device",
@@ -40,17 +41,35 @@ __all__ = [
 
 DeviceType = Literal["cuda", "emulated"]
 
-def _emulated_device_count() -> int:
-    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES", "2")
-    if not text.isdigit() or int(text) < 1:
-        import warnings
+def emulated_device_count() -> int:
+    """Number of emulated devices: ``POINTERDOMAIN_EMULATED_DEVICES`` (default 2), read at
+    each call so a test may set it.
 
-        warnings.warn(f"POINTERDOMAIN_EMULATED_DEVICES={text!r} is not a positive int; using 2", stacklevel=2)
+    Raises:
+        InvalidDeviceError: the variable is set but not a positive decimal int (``"0"``,
+            ``"two"``, ``"-1"``, ``" 2"``): a typo must not silently give another count.
+    """
+    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES")
+    if text is None:
         return 2
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise InvalidDeviceError(
+            f"POINTERDOMAIN_EMULATED_DEVICES={text!r} is not a positive int: set it to the number of emulated "
+            "devices (e.g. 2) or unset it (default 2)"
+        )
     return int(text)
 
 
-#: Number of emulated devices on a machine without a GPU (``POINTERDOMAIN_EMULATED_DEVICES``, default 2).
+def _emulated_device_count() -> int:
+    try:
+        return emulated_device_count()
+    except InvalidDeviceError:
+        return 0  # import still works; emulated_device_count() raises at first use
+
+
+#: Number of emulated devices when the package was imported (0 when
+#: ``POINTERDOMAIN_EMULATED_DEVICES`` is invalid); :func:`emulated_device_count` is the
+#: checked, current value that device validation uses.
 EMULATED_DEVICE_COUNT = _emulated_device_count()
 
 
@@ -77,13 +96,13 @@ class Device:
         return f"{self.type}:{self.ordinal}"
 
     @property
-    def torch_device(self) -> Any:
+    def torch_device(self) -> torch.device:
         """The torch device whose tensors hold this device's memory (``cpu`` when emulated)."""
         return _torch_device(self.type, self.ordinal)
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_device(kind: str, ordinal: int) -> Any:
+def _torch_device(kind: str, ordinal: int) -> torch.device:
     import torch
 
     return torch.device("cuda", ordinal) if kind == "cuda" else torch.device("cpu")
@@ -149,10 +168,10 @@ def validate_device(device: Device | str | torch.device) -> Device:
     Raises:
         InvalidDeviceError: unknown type, or ordinal >= the number of devices
             (``torch.cuda.device_count()`` for CUDA, ``POINTERDOMAIN_EMULATED_DEVICES``
-            (default 2) for emulated devices).
+            (default 2) for emulated devices), or an invalid ``POINTERDOMAIN_EMULATED_DEVICES``.
     """
     dev = as_device(device)
-    count = _cuda_device_count() if dev.type == "cuda" else EMULATED_DEVICE_COUNT
+    count = _cuda_device_count() if dev.type == "cuda" else emulated_device_count()
     if dev.ordinal >= count:
         raise InvalidDeviceError(f"device {dev} does not exist: this process sees {count} {dev.type} device(s)")
     return dev
@@ -181,16 +200,28 @@ class DeviceGuard:
         self.device = validate_device(device)
         self._previous: Device | None = None
 
+    @classmethod
+    def for_launch(cls, device: Device) -> DeviceGuard:
+        """A guard for a device already validated (the launch path: no device-count query).
+        Every launch runs under one, so the kernel runs on its tables' device whatever the
+        caller's current device, and the caller's comes back afterwards, also on error."""
+        guard = cls.__new__(cls)
+        guard.device = device
+        guard._previous = None
+        return guard
+
     def __enter__(self) -> Device:
         self._previous = current_device(self.device.type)
-        self._set(self.device)
+        if self._previous != self.device:
+            self._set(self.device)
         return self.device
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         assert self._previous is not None
-        self._set(self._previous)
+        if current_device(self.device.type) != self._previous:
+            self._set(self._previous)
 
     @staticmethod
     def _set(device: Device) -> None:

@@ -16,14 +16,14 @@ arithmetic keeps the domain (``addr + nbytes`` is the same type, ``a - b`` is an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 from typing_extensions import Self, final
 
 from pointerdomain.devices import Device
 from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, InvalidDeviceError
 
-__all__ = ["Address", "DeviceAlias", "HostVA"]
+__all__ = ["Address", "AddressT", "DeviceAlias", "HostVA"]
 
 _ADDR_LIMIT = 1 << 64
 
@@ -68,40 +68,30 @@ class Address:
     def __add__(self, nbytes: int) -> Self:
         return self.offset(nbytes)
 
-    @overload
-    def __sub__(self, other: Self) -> int: ...
-    @overload
-    def __sub__(self, other: int) -> Self: ...
-    def __sub__(self, other: Self | int) -> int | Self:
+    # Distance and ordering are defined on each final domain class, typed with that
+    # class (not Self on the base): widened to Address, ``a - b`` and ``a < b`` are
+    # static errors instead of accepting the other domain (issue 11). Generic
+    # helpers use AddressT. The shared runtime checks are here.
+    def _distance(self, other: object) -> int | Self:
         if type(other) is int:
             return self.offset(-other)
         if type(other) is not type(self):
             raise DomainError(
                 f"{type(self).__name__} - {type(other).__name__}: a distance is only defined inside one domain"
             )
+        assert isinstance(other, type(self))
         self._check_same_device(other)
         return self.value - other.value
 
     def _check_same_device(self, other: Self) -> None:
         pass
 
-    def _ordered(self, other: Self) -> int:
+    def _ordered(self, other: object) -> int:
         if type(other) is not type(self):
             raise DomainError(f"cannot order {type(self).__name__} against {type(other).__name__}")
+        assert isinstance(other, type(self))
         self._check_same_device(other)
         return other.value
-
-    def __lt__(self, other: Self) -> bool:
-        return self.value < self._ordered(other)
-
-    def __le__(self, other: Self) -> bool:
-        return self.value <= self._ordered(other)
-
-    def __gt__(self, other: Self) -> bool:
-        return self.value > self._ordered(other)
-
-    def __ge__(self, other: Self) -> bool:
-        return self.value >= self._ordered(other)
 
 
 @final
@@ -117,6 +107,25 @@ class HostVA(Address):
 
     def _with_value(self, value: int) -> HostVA:
         return HostVA(value)
+
+    @overload
+    def __sub__(self, other: HostVA) -> int: ...
+    @overload
+    def __sub__(self, other: int) -> HostVA: ...
+    def __sub__(self, other: HostVA | int) -> int | HostVA:
+        return self._distance(other)
+
+    def __lt__(self, other: HostVA) -> bool:
+        return self.value < self._ordered(other)
+
+    def __le__(self, other: HostVA) -> bool:
+        return self.value <= self._ordered(other)
+
+    def __gt__(self, other: HostVA) -> bool:
+        return self.value > self._ordered(other)
+
+    def __ge__(self, other: HostVA) -> bool:
+        return self.value >= self._ordered(other)
 
     def __repr__(self) -> str:
         return f"HostVA({self.value:#x})"
@@ -163,9 +172,38 @@ class DeviceAlias(Address):
     def _with_value(self, value: int) -> DeviceAlias:
         return DeviceAlias(value, self.device)
 
+    @overload
+    def __sub__(self, other: DeviceAlias) -> int: ...
+    @overload
+    def __sub__(self, other: int) -> DeviceAlias: ...
+    def __sub__(self, other: DeviceAlias | int) -> int | DeviceAlias:
+        return self._distance(other)
+
+    def __lt__(self, other: DeviceAlias) -> bool:
+        return self.value < self._ordered(other)
+
+    def __le__(self, other: DeviceAlias) -> bool:
+        return self.value <= self._ordered(other)
+
+    def __gt__(self, other: DeviceAlias) -> bool:
+        return self.value > self._ordered(other)
+
+    def __ge__(self, other: DeviceAlias) -> bool:
+        return self.value >= self._ordered(other)
+
     def _check_same_device(self, other: DeviceAlias) -> None:
         if other.device != self.device:
             raise DeviceMismatchError(f"aliases of {self.device} and {other.device} cannot be compared or subtracted")
 
     def __repr__(self) -> str:
         return f"DeviceAlias({self.value:#x}, {self.device})"
+
+
+#: One concrete address domain, for helpers generic over the domain::
+#:
+#:     def span(lo: AddressT, hi: AddressT) -> int:
+#:         return hi - lo          # both HostVA, or both DeviceAlias
+#:
+#: Constrained (not bound to Address), so ``span(va, alias)`` is a static error and
+#: the body is checked once per domain.
+AddressT = TypeVar("AddressT", HostVA, DeviceAlias)

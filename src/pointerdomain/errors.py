@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from pointerdomain.explain import Explanation
+    from pointerdomain.explanation import Explanation
 
 __all__ = [
     "PointerDomainError",
@@ -53,7 +53,7 @@ class PointerDomainError(Exception):
         the registrations at the time of the call), or None for an error without one."""
         if self.address is None:
             return None
-        from pointerdomain.explain import explain
+        from pointerdomain.explanation import explain
 
         return explain(self.address)
 

@@ -25,7 +25,8 @@ from typing import Any, Final, Literal, cast
 import torch
 
 from pointerdomain import checked
-from pointerdomain.devices import Device, tensor_on
+from pointerdomain._platform import memory_device
+from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError
 from pointerdomain.layouts import KVLayout
@@ -80,6 +81,13 @@ def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:
         raise IndexValidationError(
             f"{name}: on {idx.device}, but the launch runs on {device} (indices must be on {device.torch_device})"
         )
+    if device.type == "emulated":  # CPU tensors all; emulated device memory must be this device's
+        where = memory_device(idx)
+        if where is not None and where != device:
+            raise IndexValidationError(
+                f"{name}: device memory of {where}, but the launch runs on {device}: indices must be on the "
+                f"launch device (copy them to {device} first)"
+            )
     return idx
 
 
@@ -166,6 +174,19 @@ def _launch(
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
     if type(validate_indices) is not bool:
         raise InvalidArgumentError(f"validate_indices must be a bool, got {validate_indices!r}")
+    # The rest (capture query, stream, kernel) on the tables' device; the caller's current
+    # device comes back afterwards, also on error.
+    with DeviceGuard.for_launch(device):
+        _launch_on_device(plan, src, dst, s_idx, d_idx, n, layer_begin, layer_count, stream, ctas, backend,
+                          validate_indices)
+
+
+def _launch_on_device(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
+    d_idx: torch.Tensor, n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int,
+    backend: TransferBackend, validate_indices: bool,
+) -> None:
+    device, platform, src_layout, dst_layout = plan.device, plan.platform, plan.src_layout, plan.dst_layout
     if backend == "auto":  # the capture query only where it decides something
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
         long_runs = plan.run_bytes >= threshold

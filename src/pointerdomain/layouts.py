@@ -21,14 +21,16 @@ what a host pool registered in several chunks needs).
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypedDict
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+from typing_extensions import Unpack
 
 from pointerdomain.errors import IndexValidationError, LayoutError
+from pointerdomain.validated import ValidatedModel
 
-__all__ = ["Geometry", "KVLayout"]
+__all__ = ["Geometry", "KVLayout", "KVLayoutChanges"]
 
 LayoutKind = Literal["layer_first", "page_first", "page_first_direct"]
 DType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
@@ -76,7 +78,21 @@ class Geometry(NamedTuple):
         return (self.s_kv, self.s_layer, self.s_page, self.s_tok)
 
 
-class KVLayout(BaseModel, frozen=True):
+class KVLayoutChanges(TypedDict, total=False):
+    """The fields :meth:`KVLayout.replace` may change, with their types (checked by mypy
+    and pyright: a misspelt field or a wrong type is a static error)."""
+
+    kind: LayoutKind
+    attention: Literal["mha", "mla"]
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_heads: int
+    head_dim: int
+    dtype: DType
+
+
+class KVLayout(ValidatedModel, frozen=True):
     """A KV pool's layout: kind, shape and dtype. Frozen, strict, JSON-serialisable.
 
     Raises (on construction):
@@ -100,6 +116,17 @@ class KVLayout(BaseModel, frozen=True):
         if self.attention == "mla" and self.num_heads != 1:
             raise ValueError("MLA stores one latent vector per token: num_heads must be 1")
         return self
+
+    def replace(self, **changes: Unpack[KVLayoutChanges]) -> KVLayout:
+        """A copy with ``changes`` applied, **validated** like a new layout, with field
+        names and types checked by mypy and pyright (:class:`KVLayoutChanges`);
+        pydantic's ``model_copy(update=...)`` takes an unchecked ``dict[str, Any]``.
+
+        Raises:
+            pydantic.ValidationError: a changed value is invalid (e.g. ``num_pages=0``),
+                or an unknown field.
+        """
+        return type(self).model_validate({**self.model_dump(), **changes})
 
     @property
     def num_kv(self) -> int:

@@ -10,19 +10,21 @@ and the functions accept only ``PointerTable[HostVA]``.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import LayoutError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.tables import PointerTable, require_domain
+from pointerdomain.validated import ValidatedModel
 
 __all__ = ["BufferInfo", "buffer_infos", "page_buffer_meta"]
 
 
-class BufferInfo(BaseModel, frozen=True):
+class BufferInfo(ValidatedModel, frozen=True):
     """A contiguous host buffer: ``nbytes`` bytes from host VA ``address``, made of
-    items of ``item_bytes`` bytes. ``model_dump_json()`` gives plain ints."""
+    items of ``item_bytes`` bytes. ``model_dump_json()`` gives plain ints.
+    ``model_construct`` is refused (it would skip validation: see :mod:`pointerdomain.validated`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")  # frozen: class keyword, seen by type checkers
 

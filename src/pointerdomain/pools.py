@@ -8,9 +8,10 @@ registered host memory that backs pages up from it and loads them back.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -104,6 +105,30 @@ class HostKVPool:
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
         self._close_hooks: list[Callable[[], None]] = []
+        self._entries = entries
+        self._tables_lock = threading.Lock()
+        self._tables: dict[Device, PointerTable[DeviceAlias]] = {self.device: self.kernel_table}
+
+    def kernel_table_for(self, device: Device | str | torch.device) -> PointerTable[DeviceAlias]:
+        """The kernel table of this pool for ``device``: the same registration (portable,
+        so every device of the type may map it), its aliases resolved for ``device``
+        (``cudaHostGetDevicePointer`` with ``device`` current; on the emulated backend
+        each device's own mapping). Built on first use, then cached; ``kernel_table`` is
+        the one for ``self.device``. A launch on another device refuses it.
+
+        Raises:
+            InvalidDeviceError: the device does not exist.
+            DeviceMismatchError: a device of another type than the pool's.
+            ClosedError: the pool was closed.
+        """
+        dev = validate_device(device)
+        self.memory.check_open()
+        with self._tables_lock:
+            table = self._tables.get(dev)
+            if table is None:
+                table = make_kernel_ptr_table(self._entries, dev)
+                self._tables[dev] = table
+        return table
 
     def backup(
         self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, *,
@@ -112,10 +137,13 @@ class HostKVPool:
     ) -> None:
         """D2H: copy token slots ``device_indices`` of ``device_pool`` to ``host_indices``, all layers.
 
+        ``device_pool`` may be on any device of the pool's type (one host pool serving
+        several GPUs): the launch uses :meth:`kernel_table_for` its device and runs there.
+
         Keywords and errors as :func:`transfer_kv_all_layer`.
         """
         transfer_kv_all_layer(
-            device_pool.table, self.kernel_table, device_indices, host_indices,
+            device_pool.table, self._table_for_pool(device_pool), device_indices, host_indices,
             src_layout=device_pool.layout, dst_layout=self.layout, stream=stream, max_ctas=max_ctas,
             backend=backend, validate_indices=validate_indices,
         )
@@ -127,7 +155,7 @@ class HostKVPool:
     ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
         transfer_kv_all_layer(
-            self.kernel_table, device_pool.table, host_indices, device_indices,
+            self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
             src_layout=self.layout, dst_layout=device_pool.layout, stream=stream, max_ctas=max_ctas,
             backend=backend, validate_indices=validate_indices,
         )
@@ -139,10 +167,18 @@ class HostKVPool:
     ) -> None:
         """H2D for one layer (overlaps the forward pass layer by layer)."""
         transfer_kv_per_layer(
-            self.kernel_table, device_pool.table, host_indices, device_indices,
+            self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
             layer_id=layer_id, src_layout=self.layout, dst_layout=device_pool.layout, stream=stream,
             max_ctas=max_ctas, backend=backend, validate_indices=validate_indices,
         )
+
+    def _table_for_pool(self, device_pool: DevicePool) -> PointerTable[DeviceAlias]:
+        # one host pool serves device pools on several devices, each through its own table
+        # a Device for a kernel table (its type); None only for a host table cast to one
+        device = cast("Device | None", device_pool.table.device)
+        if device is None or device == self.device:
+            return self.kernel_table  # a bad table is reported by the launch's own checks
+        return self.kernel_table_for(device)
 
     def get_contiguous_buf_infos(self) -> list[BufferInfo]:
         """The pool buffer as host-VA metadata (for a transfer engine's ``register_memory``)."""

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import torch
-from typing_extensions import final
+from typing_extensions import Never, TypeIs, final
 
 from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import with_address
@@ -36,17 +36,48 @@ from pointerdomain.devices import Device, validate_device
 from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
 from pointerdomain.resolve import alias_of
 
-__all__ = ["PointerTable", "host_ptr_table", "make_kernel_ptr_table", "require_domain"]
+__all__ = ["PointerTable", "host_ptr_table", "is_host_table", "is_kernel_table", "make_kernel_ptr_table", "require_domain"]
 
 #: The address domain of a table. Invariant on purpose: a PointerTable[HostVA]
 #: is not a PointerTable[DeviceAlias], nor a table of the base Address.
 D = TypeVar("D", bound=Address)
 
-_TOKEN = object()
 
 
 @final
-class PointerTable(Generic[D]):
+class _Token:
+    """The private type of the constructor's token: only this module holds one, so a
+    hand-built ``PointerTable(...)`` is a static error as well as a runtime one."""
+
+    __slots__ = ()
+
+
+_TOKEN = _Token()
+
+
+class _TableDevice:
+    """``PointerTable.device``, typed by the table's domain: a kernel table's device is a
+    :class:`Device`, a host table's is None (a property cannot be overloaded on self)."""
+
+    @overload
+    def __get__(self, table: None, owner: object) -> _TableDevice: ...
+    @overload
+    def __get__(self, table: PointerTable[DeviceAlias], owner: object) -> Device: ...
+    @overload
+    def __get__(self, table: PointerTable[HostVA], owner: object) -> None: ...
+    @overload
+    def __get__(self, table: PointerTable[Any], owner: object) -> Device | None: ...
+    def __get__(self, table: PointerTable[Any] | None, owner: object) -> Device | None | _TableDevice:
+        if table is None:
+            return self
+        return table._device  # noqa: SLF001 -- the descriptor is part of the table's class
+
+    def __set__(self, table: PointerTable[Any], value: Never) -> None:  # read-only, also statically
+        raise AttributeError("PointerTable is immutable")
+
+
+@final
+class PointerTable(Sequence[D], Generic[D]):  # Generic too: runtime parameters as before
     """An immutable table of buffer start addresses of one domain and device.
 
     Build with :func:`make_kernel_ptr_table` or :func:`host_ptr_table`.
@@ -62,7 +93,7 @@ class PointerTable(Generic[D]):
 
     def __init__(
         self,
-        token: object,
+        token: _Token,
         domain: type[D],
         device: Device | None,
         values: tuple[int, ...],
@@ -90,9 +121,9 @@ class PointerTable(Generic[D]):
     def domain(self) -> type[D]:
         return self._domain
 
-    @property
-    def device(self) -> Device | None:
-        return self._device
+    #: The device whose kernels may read the table: a ``Device`` for a
+    #: ``PointerTable[DeviceAlias]``, None for a ``PointerTable[HostVA]``.
+    device = _TableDevice()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -106,7 +137,13 @@ class PointerTable(Generic[D]):
     def __len__(self) -> int:
         return len(self._values)
 
-    def __getitem__(self, index: int) -> D:
+    @overload
+    def __getitem__(self, index: int) -> D: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[D, ...]: ...
+    def __getitem__(self, index: int | slice) -> D | tuple[D, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(len(self))[index])
         value = self._values[index]
         if self._domain is DeviceAlias:
             assert self._device is not None
@@ -159,6 +196,17 @@ class PointerTable(Generic[D]):
     def __repr__(self) -> str:
         where = "host" if self._device is None else str(self._device)
         return f"PointerTable[{self._domain.__name__}]({len(self)} entries, {where})"
+
+
+def is_kernel_table(table: object) -> TypeIs[PointerTable[DeviceAlias]]:
+    """True if ``table`` is a ``PointerTable[DeviceAlias]`` (narrows a union of tables:
+    pyright does not narrow on ``t.domain is DeviceAlias``, a property)."""
+    return isinstance(table, PointerTable) and table.domain is DeviceAlias
+
+
+def is_host_table(table: object) -> TypeIs[PointerTable[HostVA]]:
+    """True if ``table`` is a ``PointerTable[HostVA]`` (see :func:`is_kernel_table`)."""
+    return isinstance(table, PointerTable) and table.domain is HostVA
 
 
 def require_domain(name: str, table: object, domain: type[D], use: str, why: str) -> PointerTable[D]:

@@ -18,7 +18,7 @@ import argparse
 import json
 
 from pointerdomain.cli import EXIT_OK, UsageError, parse_device
-from pointerdomain.explain import Explanation, explain
+from pointerdomain.explanation import Explanation, explain
 
 __all__ = ["add_arguments", "parse_address", "run"]
 

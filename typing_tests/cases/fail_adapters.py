@@ -25,12 +25,12 @@ def sglang_cache(cache: sglang.HostKVCacheAdapter, device: sglang.DeviceKVBuffer
 
 def transfer_engine(engine: mooncake.HostTransferEngine, alias: DeviceAlias, info: BufferInfo,
                     kernel: PointerTable[DeviceAlias], host: PointerTable[HostVA]) -> None:
-    engine.register_memory(alias, 64)  # type: ignore[arg-type]
-    engine.register_memory(info.address.value, 64)  # type: ignore[arg-type]
-    engine.register_memory(host, 64)  # type: ignore[arg-type]
+    engine.register_memory(alias, 64)  # type: ignore[call-overload]
+    engine.register_memory(info.address.value, 64)  # type: ignore[call-overload]
+    engine.register_memory(host, 64)  # type: ignore[call-overload]
     engine.unregister_memory(kernel[0])  # type: ignore[arg-type]
-    engine.transfer_sync_read("peer:1", alias, info)  # type: ignore[arg-type]
-    engine.transfer_sync_write("peer:1", info, info.address.value, 64)  # type: ignore[arg-type]
+    engine.transfer_sync_read("peer:1", alias, info)  # type: ignore[call-overload]
+    engine.transfer_sync_write("peer:1", info, info.address.value, 64)  # type: ignore[call-overload]
     engine.batch_register_memory([info.address])  # type: ignore[list-item]
     engine.batch_transfer_sync_read("peer:1", [info], [alias])  # type: ignore[list-item]
 

@@ -27,6 +27,21 @@ class FakeEngine:
         self.calls.append(("unregister", addr, 0))
         return 0
 
+    def transfer_sync_read(self, target: str, buffer: int, peer_buffer_address: int, length: int) -> int:
+        return 0
+
+    def transfer_sync_write(self, target: str, buffer: int, peer_buffer_address: int, length: int) -> int:
+        return 0
+
+    def batch_transfer_sync_read(self, target: str, buffers: list[int], peers: list[int], lengths: list[int]) -> int:
+        return 0
+
+    def batch_transfer_sync_write(self, target: str, buffers: list[int], peers: list[int], lengths: list[int]) -> int:
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 4242
+
 
 layout = small_layout("layer_first")
 

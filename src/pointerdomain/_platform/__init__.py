@@ -67,12 +67,12 @@ def _import(name: str) -> object:
 
 
 def _emulated() -> Backend:
-    from pointerdomain.devices import EMULATED_DEVICE_COUNT
+    from pointerdomain.devices import emulated_device_count
 
     _import("pointerdomain._platform.emulated")
     from pointerdomain._platform.emulated import EmulatedBackend
 
-    return EmulatedBackend(EMULATED_DEVICE_COUNT)
+    return EmulatedBackend(emulated_device_count())
 
 
 def _cuda() -> Backend:

@@ -3,8 +3,12 @@ from host VAs (as on MI355X or WSL2).
 
 Registered host memory gets a second virtual mapping of the same pages
 (``src/kernels/emulation.cpp``), emulated device memory is anonymous memory
-tagged with an ordinal, and launches run the CPU reference kernel. The
-mappings are not pinned; with ``POINTERDOMAIN_EMULATE_MEMLOCK=1`` registered
+tagged with an ordinal, and launches run the CPU reference kernel. Each
+emulated device has its own alias mapping of a registration (so one registration
+has a different alias per device, and one device's alias is not mapped for
+another), and a launch runs on the calling thread's current emulated device as a
+kernel runs on the current GPU: it is refused unless the launch path has made the
+tables' device current (``DeviceGuard.for_launch``). The mappings are not pinned; with ``POINTERDOMAIN_EMULATE_MEMLOCK=1`` registered
 bytes are counted against RLIMIT_MEMLOCK as ``cudaHostRegister`` in an
 unprivileged container counts them.
 """
@@ -21,6 +25,8 @@ import torch
 from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName
 from pointerdomain._platform.status import OUT_OF_MEMORY
+from pointerdomain.devices import current_device
+from pointerdomain.errors import RuntimeCallError
 
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
@@ -45,6 +51,22 @@ _MESSAGES = {
     712: "host memory already registered",
     713: "host memory not registered",
 }
+
+
+#: cudaErrorInvalidDevice: the status of emulated work for a device that is not current.
+_WRONG_DEVICE = 101
+
+
+def _require_current(device: Device, what: str) -> None:
+    """The emulated form of "a kernel runs on the current device": work for ``device``
+    while another emulated device is current would use that device's mappings."""
+    current = current_device("emulated")
+    if current != device:
+        raise RuntimeCallError(
+            f"emulated {what}", _WRONG_DEVICE,
+            f"work for {device} while {current} is the calling thread's current device: the launch path must "
+            "make the tables' device current (DeviceGuard.for_launch), as the C++ guard does on CUDA",
+        )
 
 
 class EmulatedBackend:
@@ -87,7 +109,12 @@ class EmulatedBackend:
         return _MESSAGES.get(code, "unknown")
 
     def alias(self, va: int, device: Device) -> tuple[int, int]:
-        return _C.emu_get_device_pointer(va)
+        return _C.emu_get_device_pointer_on(va, device.ordinal)
+
+    def alias_device(self, addr: int, nbytes: int) -> int:
+        """Ordinal of the emulated device whose alias mapping holds ``[addr, addr + nbytes)``,
+        or -1 (a host VA, device memory, or nothing registered): which device an alias is for."""
+        return _C.emu_alias_lookup(addr, max(nbytes, 1))
 
     def pointer_is_host(self, ptr: int) -> bool:
         return False  # no runtime pins memory behind pointerdomain's back here
@@ -126,9 +153,11 @@ class EmulatedBackend:
         self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
         device: Device, stream: int, max_ctas: int,
     ) -> None:
+        _require_current(device, "transfer kernel launch")
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
+        _require_current(device, "copy-engine runs")
         _C.cpu_copy_runs(dsts, srcs, sizes, count)
 
     def synchronize(self, device: Device) -> None:

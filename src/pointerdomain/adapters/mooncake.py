@@ -28,47 +28,73 @@ import importlib
 import threading
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, Protocol, overload
 
 from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
 from pointerdomain.errors import DomainError, ExtensionUnavailableError, NotRegisteredError, PointerDomainError, RuntimeCallError
 
-__all__ = ["EngineUnavailableError", "HostTransferEngine", "as_host_va"]
+__all__ = ["EngineUnavailableError", "HostRegion", "HostTransferEngine", "TransferEngineLike", "as_host_va"]
 
 #: What the wrapper accepts as a buffer: host-VA metadata, or a bare host VA (with ``nbytes``).
 HostRegion: TypeAlias = "BufferInfo | HostVA"
+
+
+class TransferEngineLike(Protocol):
+    """The methods of Mooncake's ``TransferEngine`` that the wrapper calls, with the raw
+    ``int`` addresses (host VAs) and ``int`` return codes (0 = success) of its Python
+    binding (mooncake ``transfer_engine_py``). The wrapper is what is typed by domain; this
+    protocol types :attr:`HostTransferEngine.engine`, so a stand-in engine is checked too."""
+
+    def register_memory(self, addr: int, length: int, /) -> int: ...
+    def unregister_memory(self, addr: int, /) -> int: ...
+    def transfer_sync_read(self, target: str, buffer: int, peer_buffer_address: int, length: int, /) -> int: ...
+    def transfer_sync_write(self, target: str, buffer: int, peer_buffer_address: int, length: int, /) -> int: ...
+    def batch_transfer_sync_read(
+        self, target: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], /
+    ) -> int: ...
+    def batch_transfer_sync_write(
+        self, target: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], /
+    ) -> int: ...
+    def get_rpc_port(self) -> int: ...
 
 
 class EngineUnavailableError(PointerDomainError, ImportError):
     """The transfer engine package is not installed or does not import."""
 
 
-def as_host_va(value: object, name: str = "address") -> HostVA:
-    """The host VA of a :class:`HostVA` or :class:`BufferInfo`; anything else raises.
+def _untyped(value: object) -> object:
+    """``value`` as the checks see it: callers without types can pass anything."""
+    return value
+
+
+def as_host_va(value: HostRegion, name: str = "address") -> HostVA:
+    """The host VA of a :class:`HostVA` or :class:`BufferInfo`; anything else raises
+    (typed ``HostVA | BufferInfo``; untyped callers get the runtime check).
 
     Raises:
         DomainError: a :class:`DeviceAlias`, a ``PointerTable``, a tensor, a plain
             ``int`` (no domain) or any other object.
     """
-    if type(value) is HostVA:
-        return value
-    if type(value) is BufferInfo:
-        return value.address
-    if isinstance(value, DeviceAlias):
+    obj = _untyped(value)  # untyped callers can pass anything: checked here
+    if type(obj) is HostVA:
+        return obj
+    if type(obj) is BufferInfo:
+        return obj.address
+    if isinstance(obj, DeviceAlias):
         raise DomainError(
-            f"{name}: {value!r} is a device alias; a transfer engine reads host memory by CPU address. "
+            f"{name}: {obj!r} is a device alias; a transfer engine reads host memory by CPU address. "
             "Pass the HostVA (BufferInfo from get_contiguous_buf_infos() / get_page_buffer_meta(), or host_ptr_table)"
         )
-    if isinstance(value, PointerTable):
-        raise DomainError(f"{name}: a {value!r} is not an address; pass its entries' HostVA metadata (BufferInfo)")
-    if isinstance(value, int):
+    if isinstance(obj, PointerTable):
+        raise DomainError(f"{name}: a {obj!r} is not an address; pass its entries' HostVA metadata (BufferInfo)")
+    if isinstance(obj, int):
         raise DomainError(
-            f"{name}: a plain int ({value:#x}) has no domain; wrap a CPU address as HostVA(...) explicitly, "
+            f"{name}: a plain int ({obj:#x}) has no domain; wrap a CPU address as HostVA(...) explicitly, "
             "or pass BufferInfo metadata"
         )
-    raise DomainError(f"{name}: expected a HostVA or BufferInfo, got {type(value).__name__}")
+    raise DomainError(f"{name}: expected a HostVA or BufferInfo, got {type(obj).__name__}")
 
 
 def _device_memory_at(va: HostVA, nbytes: int) -> str | None:
@@ -85,7 +111,7 @@ class HostTransferEngine:
 
     Args:
         engine: an initialised engine object with Mooncake's Python methods
-            (``register_memory``, ``transfer_sync_read``, ...); duck-typed.
+            (``register_memory``, ``transfer_sync_read``, ...): a :class:`TransferEngineLike`.
         local_hostname: the hostname it was initialised with (``"127.0.0.1"``).
 
     Local buffers must lie inside memory registered through this wrapper
@@ -94,8 +120,8 @@ class HostTransferEngine:
     Use as a context manager, or call :meth:`close` to unregister everything.
     """
 
-    def __init__(self, engine: Any, local_hostname: str) -> None:
-        self.engine = engine
+    def __init__(self, engine: TransferEngineLike, local_hostname: str) -> None:
+        self.engine: TransferEngineLike = engine
         self.local_hostname = local_hostname
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
@@ -129,7 +155,7 @@ class HostTransferEngine:
                 f"mooncake.engine does not import ({exc}); `pip install mooncake-transfer-engine` (CUDA) or "
                 "`mooncake-transfer-engine-non-cuda`, and `apt-get install libibverbs1 libnuma1`"
             ) from exc
-        engine = transfer_engine()
+        engine: Any = transfer_engine()
         rc = int(engine.initialize(local_hostname, metadata_server, protocol, device_name))
         if rc != 0:
             raise RuntimeCallError("TransferEngine.initialize", rc, f"{local_hostname} / {metadata_server} / {protocol}")
@@ -142,8 +168,8 @@ class HostTransferEngine:
         return f"{host}:{int(self.engine.get_rpc_port())}"
 
     @staticmethod
-    def _span(region: object, nbytes: int | None, name: str) -> tuple[HostVA, int]:
-        va = as_host_va(region, name)
+    def _span(region: HostRegion, nbytes: int | None, name: str) -> tuple[HostVA, int]:
+        va = as_host_va(region, name)  # untyped callers: checked at run time
         if nbytes is None:
             if type(region) is not BufferInfo:
                 raise ValueError(f"{name}: a HostVA needs nbytes")
@@ -162,13 +188,18 @@ class HostTransferEngine:
             )
 
     @staticmethod
-    def _check(call: str, rc: Any) -> None:
-        code = int(rc)
+    def _check(call: str, rc: int) -> None:
+        code = int(rc)  # an untyped engine may return another int-like
         if code != 0:
             raise RuntimeCallError(f"TransferEngine.{call}", code, "the transfer engine reported a failure")
 
+    @overload
+    def register_memory(self, region: BufferInfo, nbytes: int | None = None) -> None: ...
+    @overload
+    def register_memory(self, region: HostVA, nbytes: int) -> None: ...
     def register_memory(self, region: HostRegion, nbytes: int | None = None) -> None:
-        """Register ``[region, region + nbytes)`` (default: a BufferInfo's ``nbytes``).
+        """Register ``[region, region + nbytes)`` (default: a BufferInfo's ``nbytes``;
+        a bare HostVA needs ``nbytes``, also statically: see the overloads).
 
         Raises:
             DomainError: not a HostVA / BufferInfo, or the range is device memory.
@@ -191,7 +222,7 @@ class HostTransferEngine:
         """
         for i, region in enumerate(regions):
             if type(region) is not BufferInfo:
-                as_host_va(region, f"regions[{i}]")
+                as_host_va(region, f"regions[{i}]")  # raises for anything but a HostVA
                 raise DomainError(f"regions[{i}]: a batch takes BufferInfo, got {type(region).__name__}")
         for region in regions:
             self.register_memory(region)
@@ -212,16 +243,25 @@ class HostTransferEngine:
         with self._lock:
             self._registered.pop(va.value, None)
 
-    def _one(self, call: str, peer: str, local: HostRegion, remote: HostRegion, nbytes: int | None) -> None:
+    def _one(
+        self, call: Literal["transfer_sync_read", "transfer_sync_write"], peer: str, local: HostRegion,
+        remote: HostRegion, nbytes: int | None,
+    ) -> None:
         l_va, l_n = self._span(local, nbytes, "local")
         r_va, r_n = self._span(remote, nbytes if nbytes is not None else l_n, "remote")
         if type(remote) is BufferInfo and r_n != l_n:
             raise ValueError(f"local block is {l_n} bytes but remote block is {r_n}")
         self._check_registered(l_va, l_n, "local")
-        self._check(call, getattr(self.engine, call)(peer, l_va.value, r_va.value, l_n))
+        fn = self.engine.transfer_sync_read if call == "transfer_sync_read" else self.engine.transfer_sync_write
+        self._check(call, fn(peer, l_va.value, r_va.value, l_n))
 
+    @overload
+    def transfer_sync_read(self, peer: str, local: BufferInfo, remote: HostRegion, nbytes: int | None = None) -> None: ...
+    @overload
+    def transfer_sync_read(self, peer: str, local: HostVA, remote: HostRegion, nbytes: int) -> None: ...
     def transfer_sync_read(self, peer: str, local: HostRegion, remote: HostRegion, nbytes: int | None = None) -> None:
-        """Copy ``nbytes`` from the peer's ``remote`` into ``local`` (blocking).
+        """Copy ``nbytes`` from the peer's ``remote`` into ``local`` (blocking). A bare
+        HostVA as ``local`` needs ``nbytes``, also statically (the overloads).
 
         Args:
             peer: the peer's session id (``host:rpc_port``).
@@ -237,11 +277,18 @@ class HostTransferEngine:
         """
         self._one("transfer_sync_read", peer, local, remote, nbytes)
 
+    @overload
+    def transfer_sync_write(self, peer: str, local: BufferInfo, remote: HostRegion, nbytes: int | None = None) -> None: ...
+    @overload
+    def transfer_sync_write(self, peer: str, local: HostVA, remote: HostRegion, nbytes: int) -> None: ...
     def transfer_sync_write(self, peer: str, local: HostRegion, remote: HostRegion, nbytes: int | None = None) -> None:
         """Copy ``nbytes`` from ``local`` to the peer's ``remote`` (blocking). As :meth:`transfer_sync_read`."""
         self._one("transfer_sync_write", peer, local, remote, nbytes)
 
-    def _batch(self, call: str, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:
+    def _batch(
+        self, call: Literal["batch_transfer_sync_read", "batch_transfer_sync_write"], peer: str,
+        local: Sequence[BufferInfo], remote: Sequence[BufferInfo],
+    ) -> int:
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local blocks but {len(remote)} remote blocks")
         l_vals: list[int] = []
@@ -257,7 +304,9 @@ class HostTransferEngine:
             r_vals.append(r_va.value)
             lengths.append(l_n)
         if lengths:
-            self._check(call, getattr(self.engine, call)(peer, l_vals, r_vals, lengths))
+            fn = (self.engine.batch_transfer_sync_read if call == "batch_transfer_sync_read"
+                  else self.engine.batch_transfer_sync_write)
+            self._check(call, fn(peer, l_vals, r_vals, lengths))
         return sum(lengths)
 
     def batch_transfer_sync_read(self, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:

@@ -26,9 +26,10 @@ Tensors are *block-major*: dimension 0 is the block, so block ``b`` of entry
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 import torch
+from typing_extensions import final
 
 from pointerdomain import Device, DeviceAlias, PointerTable, index_tensor, require_domain, validate_device
 from pointerdomain.adapters.sglang import make_kernel_ptr_table
@@ -45,6 +46,18 @@ BatchCopyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 _INT64_MAX = (1 << 63) - 1
 
 
+@final
+class _BatchToken:
+    """Private type of :class:`BlockCopyBatch`'s ``token``: only :func:`block_copy_batch`
+    holds one, so a hand-built batch (e.g. of host VAs) is a static and a runtime error."""
+
+    __slots__ = ()
+
+
+_BATCH_TOKEN = _BatchToken()
+
+
+@final
 @dataclass(frozen=True)
 class BlockCopyBatch:
     """The descriptors of one batch copy: ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]``.
@@ -58,6 +71,11 @@ class BlockCopyBatch:
     Order: entry-major (all blocks of table entry 0, then entry 1, ...), as vLLM
     orders its copies per KV tensor. The batch keeps its tables alive, so the
     addresses stay valid while it exists.
+
+    Built only by :func:`block_copy_batch` (and :class:`CpuGpuBlockOffload`): the
+    constructor's keyword ``token`` is of a private type, so a hand-built batch is a
+    static error and :class:`~pointerdomain.errors.DomainError` at run time
+    (``dataclasses.replace`` cannot pass the token either: ``ValueError``).
     """
 
     src_ptrs: torch.Tensor
@@ -65,6 +83,15 @@ class BlockCopyBatch:
     sizes: torch.Tensor
     device: Device
     _tables: tuple[PointerTable[DeviceAlias], ...] = field(repr=False, compare=False)
+    _: KW_ONLY
+    token: InitVar[_BatchToken]
+
+    def __post_init__(self, token: _BatchToken) -> None:
+        if token is not _BATCH_TOKEN:
+            raise DomainError(
+                "BlockCopyBatch: build batches with block_copy_batch() or CpuGpuBlockOffload.store()/load(), "
+                "which compute the descriptors from kernel tables; a hand-built batch could hold host VAs"
+            )
 
     @property
     def num_ops(self) -> int:
@@ -169,7 +196,7 @@ def block_copy_batch(
     src_ptrs = _addresses(s, s_ids, sizes_per_entry, "src")
     dst_ptrs = _addresses(d, d_ids, sizes_per_entry, "dst")
     sizes = torch.tensor(sizes_per_entry, dtype=torch.int64).repeat_interleave(s_ids.numel())
-    return BlockCopyBatch(src_ptrs, dst_ptrs, sizes, device, (s, d))
+    return BlockCopyBatch(src_ptrs, dst_ptrs, sizes, device, (s, d), token=_BATCH_TOKEN)
 
 
 def _kernel_table(name: str, table: object) -> PointerTable[DeviceAlias]:
@@ -204,8 +231,13 @@ def run_batch_copy(batch: BlockCopyBatch, copy_fn: BatchCopyFn) -> int:
         Bytes handed to the copy (``batch.total_bytes``).
 
     Raises:
+        DomainError: ``batch`` is not a :class:`BlockCopyBatch` (e.g. a look-alike object).
         ClosedError: registered memory behind the batch was closed.
     """
+    if type(batch) is not BlockCopyBatch:
+        raise DomainError(
+            f"run_batch_copy: expected a BlockCopyBatch from block_copy_batch(), got {type(batch).__name__}"
+        )
     batch.check_live()
     if batch.num_ops:
         copy_fn(batch.src_ptrs, batch.dst_ptrs, batch.sizes)

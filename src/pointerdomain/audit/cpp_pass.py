@@ -1,0 +1,211 @@
+"""The C++/CUDA pass: rules PD101-PD104 on ``.cpp/.cc/.cu/.cuh/.h/.hpp`` sources.
+
+No C++ parser is involved (libclang would need the project's build flags and headers):
+comments and string literals are blanked position for position, then token-level
+patterns find the sites. Each pattern is narrow on purpose, so a hit is a real integer
+address, not a typed pointer cast:
+
+* PD101 ``data_ptr<uintptr_t|intptr_t>()``, and ``data_ptr<int64_t|uint64_t>()`` bound to
+  or read from a name that says it holds pointers (``*ptr*``, ``*addr*``): a tensor read
+  as a table of integer addresses;
+* PD102 ``reinterpret_cast<T**>(x.data_ptr())`` (a tensor read as a pointer table) or a
+  cast of ``data_ptr()`` to an integer type (``reinterpret_cast<uintptr_t>``,
+  ``(uint64_t)t.data_ptr()``). ``reinterpret_cast<uint8_t*>(t.data_ptr())`` is a typed
+  pointer cast and is not reported;
+* PD103 an address held in an integer declaration: ``uintptr_t x``, or
+  ``uint64_t/int64_t/size_t/unsigned long long`` named ``*_ptr``/``*_addr``/...;
+* PD104 ``reinterpret_cast<T*>(table[i])`` where ``table`` is an integer-pointer
+  variable of the file or is named like one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterator
+
+from pointerdomain.audit.rules import RULES, Finding
+from pointerdomain.audit.suppressions import MARKER, Suppression, parse_comment
+
+__all__ = ["CPP_SUFFIXES", "audit_cpp_source", "cpp_suppressions", "strip_comments_and_strings"]
+
+#: File name endings the pass reads by default.
+CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".cu", ".cuh", ".h", ".hpp", ".hh")
+
+_INT_T = r"(?:std::)?(?:u?int64_t|u?intptr_t|size_t|unsigned\s+long(?:\s+long)?|long\s+long)"
+# `dst_addr`, `multicast_ptr`, `kv_ptrs`: the address word ends the name (`ptrs_needed`,
+# `num_ptrs` are counts).
+_ADDR_NAME_RE = re.compile(r"(?i)^(?!num_|n_)\w*(?:ptr|ptrs|addr|addrs|address|addresses|pointer|pointers)$")
+# A table of addresses is named in the plural (`key_cache_ptrs`); `*_ptr` alone names any typed pointer.
+_TABLE_NAME_RE = re.compile(r"(?i)^\w*(?:ptrs|addrs|pointers|addresses|ptr_table|addr_table)\w*$")
+# Opaque handles held as integers are not memory addresses a kernel dereferences.
+_HANDLE_NAME_RE = re.compile(r"(?i)(?:stream|handle|event|comm|fd\b|_fn\b)")
+
+_DATA_PTR_INT = re.compile(r"\b(?:mutable_|const_)?data_ptr\s*<\s*(?:std::)?(?P<t>u?intptr_t|u?int64_t)\s*>\s*\(\s*\)")
+_REINTERPRET = re.compile(r"\breinterpret_cast\s*<(?P<t>[^<>;]*(?:<[^<>;]*>[^<>;]*)?)>\s*\(")
+_C_CAST_INT = re.compile(rf"\(\s*{_INT_T}\s*\)\s*\(?\s*[\w.\->]+\s*(?:\.|->)\s*data_ptr\s*(?:<[^>]*>)?\s*\(")
+_INT_DECL = re.compile(
+    rf"(?<![\w:<,(*&])(?:(?:const|static|volatile|constexpr|__device__|__host__|inline)\s+)*"
+    rf"(?P<t>{_INT_T})\s+(?P<name>\w+)\s*(?=[;=,)\[{{])"
+)
+_INT_PTR_DECL = re.compile(
+    rf"\b{_INT_T}\s*(?:const\s*)?(?:\*+\s*(?:const\s+|__restrict__\s+)?(?P<name>\w+)|\s+(?P<arr>\w+)\s*\[)"
+    rf"|vector\s*<\s*{_INT_T}\s*>\s*&?\s*(?P<vec>\w+)"
+)
+_PTR_ARRAY_DECL = re.compile(r"\*\s*(?P<name>\w+)\s*\[")
+_TABLE_INDEX = re.compile(r"\s*(?P<name>\w+)\s*\[")
+_INT_TYPE_ONLY = re.compile(rf"^\s*(?:const\s+)?{_INT_T}\s*$")
+
+
+def strip_comments_and_strings(text: str) -> tuple[str, list[tuple[int, str]]]:
+    """``text`` with every comment and string/char literal replaced by spaces (newlines
+    kept, so offsets, lines and columns are unchanged), and the comments found as
+    ``(offset, text)``."""
+    out = list(text)
+    comments: list[tuple[int, str]] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        nxt = text[i + 1] if i + 1 < n else ""
+        if c == "/" and nxt == "/":
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            comments.append((i, text[i:j]))
+            for k in range(i, j):
+                out[k] = " "
+            i = j
+        elif c == "/" and nxt == "*":
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            comments.append((i, text[i:j]))
+            for k in range(i, j):
+                if out[k] != "\n":
+                    out[k] = " "
+            i = j
+        elif c == "R" and nxt == '"' and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+            m = re.match(r'R"([^(\s]{0,16})\(', text[i:])
+            if m is None:
+                i += 1
+                continue
+            end = text.find(")" + m.group(1) + '"', i)
+            j = n if end < 0 else end + len(m.group(1)) + 2
+            for k in range(i + 1, j):
+                if out[k] != "\n":
+                    out[k] = " "
+            i = j
+        elif c in "\"'":
+            if c == "'" and i > 0 and text[i - 1].isalnum() and nxt.isalnum():
+                i += 1  # C++14 digit separator (1'000'000)
+                continue
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            j = min(j + 1, n)
+            for k in range(i + 1, j - 1):
+                out[k] = " "
+            i = j
+        else:
+            i += 1
+    return "".join(out), comments
+
+
+class _Lines:
+    def __init__(self, text: str) -> None:
+        self.starts = [0] + [m.end() for m in re.finditer("\n", text)]
+
+    def pos(self, offset: int) -> tuple[int, int]:
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return i + 1, offset - self.starts[i] + 1
+
+
+def cpp_suppressions(text: str, comments: list[tuple[int, str]] | None = None) -> list[Suppression]:
+    """Suppressions written in ``//`` or ``/* */`` comments."""
+    if MARKER not in text:
+        return []
+    if comments is None:
+        _, comments = strip_comments_and_strings(text)
+    lines = _Lines(text)
+    out = []
+    for offset, body in comments:
+        if MARKER not in body:
+            continue
+        line, col = lines.pos(offset)
+        line_start = lines.starts[line - 1]
+        standalone = not text[line_start:offset].strip()
+        s = parse_comment(body, line, col, standalone)
+        if s is not None:
+            out.append(s)
+    return out
+
+
+def _balanced_arg(code: str, open_paren: int) -> str:
+    """The text inside the parenthesis opened at ``open_paren`` (up to 2 KiB)."""
+    depth = 0
+    for j in range(open_paren, min(len(code), open_paren + 2048)):
+        ch = code[j]
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return code[open_paren + 1: j]
+    return code[open_paren + 1: open_paren + 2048]
+
+
+def _sites(code: str) -> Iterator[tuple[int, str, str]]:
+    """(offset, code, message) for each site in comment-free ``code``."""
+    int_tables = {m.group("name") or m.group("arr") or m.group("vec") for m in _INT_PTR_DECL.finditer(code)}
+    pointer_arrays = {m.group("name") for m in _PTR_ARRAY_DECL.finditer(code)} - int_tables
+    for m in _DATA_PTR_INT.finditer(code):
+        t = m.group("t")
+        # `int64_t* key_ptrs = key_ptrs_t.data_ptr<int64_t>()`: the receiver and the bound name
+        recv = re.search(r"(\w+)\s*(?:\.|->)\s*$", code[max(0, m.start() - 200): m.start()])
+        stmt_start = max(code.rfind(ch, 0, m.start()) for ch in ";{}(,") + 1
+        bound = re.search(r"(\w+)\s*=\s*$", code[stmt_start: recv.start() + max(0, m.start() - 200)]) if recv else None
+        names = [x.group(1) for x in (recv, bound) if x is not None]
+        if "intptr" in t or any(_TABLE_NAME_RE.match(x) for x in names):
+            yield m.start(), "PD101", f"data_ptr<{t}>() reads a tensor as integer addresses"
+    for m in _REINTERPRET.finditer(code):
+        target = m.group("t").strip()
+        arg = _balanced_arg(code, m.end() - 1)
+        if re.search(r"\bdata_ptr\s*(?:<[^>]*>)?\s*\(", arg):
+            rest = code[m.end() - 1 + len(arg) + 2: m.end() + len(arg) + 40].lstrip()
+            bound = re.search(r"(\w+)\s*=\s*$", code[max(0, m.start() - 80): m.start()])
+            alignment = rest.startswith("%") or (rest.startswith("&") and not rest.startswith("&&")) or (
+                bound is not None and re.search(rf"\b{bound.group(1)}\s*(?:%|&(?!&))", code) is not None)
+            if target.replace(" ", "").endswith("**") or (_INT_TYPE_ONLY.match(target) and not alignment):
+                kind = "a pointer table" if target.replace(" ", "").endswith("**") else "an integer"
+                yield m.start(), "PD102", f"reinterpret_cast<{target}> of data_ptr() reads it as {kind}"
+            continue
+        idx = _TABLE_INDEX.match(arg)
+        table = idx.group("name") if idx else ""
+        if idx and target.rstrip().endswith("*") and (table in int_tables or (
+                _TABLE_NAME_RE.match(table) and table not in pointer_arrays)):
+            yield m.start(), "PD104", f"integer {idx.group('name')}[...] cast to {target}: the table must hold " \
+                "device aliases"
+    for m in _C_CAST_INT.finditer(code):
+        yield m.start(), "PD102", "C-style integer cast of data_ptr()"
+    for m in _INT_DECL.finditer(code):
+        t, name = m.group("t"), m.group("name")
+        if ("intptr" in t or _ADDR_NAME_RE.match(name)) and not _HANDLE_NAME_RE.search(name):
+            yield m.start("t"), "PD103", f"address held in integer `{' '.join(t.split())} {name}`"
+
+
+def audit_cpp_source(path: str, text: str, enabled: frozenset[str]) -> list[Finding]:
+    """Run the enabled PD1xx rules on C++/CUDA ``text`` (the content of ``path``).
+    Suppressions are not applied here."""
+    if not any(w in text for w in ("data_ptr", "intptr", "int64", "size_t", "long", "reinterpret_cast")):
+        return []
+    code, _ = strip_comments_and_strings(text)
+    lines = _Lines(code)
+    src_lines = text.splitlines()
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for offset, rule_code, message in _sites(code):
+        if rule_code not in enabled or (offset, rule_code) in seen:
+            continue
+        seen.add((offset, rule_code))
+        line, col = lines.pos(offset)
+        snippet = src_lines[line - 1].strip() if 0 < line <= len(src_lines) else ""
+        out.append(Finding(path, line, col, rule_code, message, RULES[rule_code].fix, snippet))
+    return sorted(out)

@@ -1,0 +1,173 @@
+"""The runner: find the files, audit them in worker processes, apply suppressions,
+per-file ignores and the baseline.
+
+Files are audited in a :mod:`multiprocessing` pool (``fork`` from the CLI; see
+``_results`` for when the forkserver is used instead); trees of fewer than
+``_SERIAL_BELOW`` candidate files run in-process, where a pool costs more than it
+saves. Progress goes to stderr through rich, only when stderr is a terminal (or when
+asked for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pointerdomain.audit.baseline import read_baseline, split_baselined
+from pointerdomain.audit.config import AuditConfig, ConfigError
+from pointerdomain.audit.cpp_pass import CPP_SUFFIXES, audit_cpp_source, cpp_suppressions
+from pointerdomain.audit.python_pass import PythonRules, audit_python_source
+from pointerdomain.audit.rules import RULES, Finding
+from pointerdomain.audit.suppressions import apply_suppressions, python_comments
+
+__all__ = ["AuditRun", "Progress", "audit_file", "audit_paths", "discover"]
+
+Progress = Literal["auto", "bar", "none"]
+_SERIAL_BELOW = 48
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRun:
+    """What one run found. ``new`` fail the gate; ``baselined`` are recorded in the
+    baseline; ``suppressed`` counts findings silenced by a valid inline suppression;
+    ``stale`` counts baseline entries that matched nothing."""
+
+    files: int
+    new: tuple[Finding, ...]
+    baselined: tuple[Finding, ...]
+    suppressed: int
+    stale: int
+    seconds: float
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return tuple(sorted(self.new + self.baselined))
+
+
+def discover(paths: Sequence[Path], config: AuditConfig) -> list[Path]:
+    """The Python (and, with ``config.cpp``, C++/CUDA) files under ``paths``, sorted,
+    excludes applied. A file named explicitly is audited even if its suffix is unusual.
+
+    Raises:
+        ConfigError: a path does not exist.
+    """
+    suffixes = (".py", ".pyi") + (CPP_SUFFIXES if config.cpp else ())
+    out: set[Path] = set()
+    for p in paths:
+        if not p.exists():
+            raise ConfigError(f"{p}: no such file or directory")
+        if p.is_file():
+            out.add(p)
+            continue
+        for dirpath, dirnames, filenames in os.walk(p):
+            d = Path(dirpath)
+            dirnames[:] = sorted(n for n in dirnames if not config.is_excluded(d / n))
+            out.update(d / n for n in filenames if n.endswith(suffixes) and not config.is_excluded(d / n))
+    return sorted(out)
+
+
+def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None) -> tuple[list[Finding], int]:
+    """Audit one file with the enabled rules, suppressions and per-file ignores applied.
+    Returns (findings, number suppressed). A file that cannot be read or decoded gives a
+    PD901 finding."""
+    rel = config.relative(path)
+    enabled = config.enabled()
+    ignored = config.ignored_for(path)
+    if ignored:
+        enabled = frozenset(c for c in enabled if c == "PD900" or not any(c.startswith(p) for p in ignored))
+    if rules is None or rules.enabled != enabled:
+        rules = PythonRules(enabled, frozenset(config.kernel_ops))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return [Finding(rel, 1, 1, "PD901", f"cannot read the file: {exc}", RULES["PD901"].fix)], 0
+    lines = text.splitlines()
+    if path.suffix in (".py", ".pyi") or not path.suffix.endswith(CPP_SUFFIXES):
+        findings = audit_python_source(rel, text, rules)
+        sups = python_comments(text)
+        prefix = "#"
+    else:
+        findings = audit_cpp_source(rel, text, enabled)
+        sups = cpp_suppressions(text)
+        prefix = "//"
+    findings = [f for f in findings if f.code in enabled]
+    kept, suppressed = apply_suppressions(rel, findings, sups, lines, prefix)
+    return sorted(kept), suppressed
+
+
+# -- the pool -------------------------------------------------------------------------------
+
+_worker_config: AuditConfig | None = None
+
+
+def _init_worker(config: AuditConfig) -> None:
+    global _worker_config
+    _worker_config = config
+
+
+def _work(path: Path) -> tuple[list[Finding], int]:
+    assert _worker_config is not None
+    return audit_file(path, _worker_config)
+
+
+def _results(files: Sequence[Path], config: AuditConfig, jobs: int) -> Iterator[tuple[list[Finding], int]]:
+    if jobs <= 1 or len(files) < _SERIAL_BELOW:
+        rules = PythonRules(config.enabled(), frozenset(config.kernel_ops))
+        for f in files:
+            yield audit_file(f, config, rules)
+        return
+    # `fork` starts workers in milliseconds and is what the CLI uses (it imports no torch and
+    # runs no threads). In a process with torch loaded or threads running (pytest, a
+    # notebook) a forked worker was seen to abort inside libcst's native parser: there the
+    # forkserver, preloaded with this module, starts workers from a clean process.
+    methods = multiprocessing.get_all_start_methods()
+    ctx: multiprocessing.context.BaseContext
+    if "fork" in methods and "torch" not in sys.modules and threading.active_count() == 1:
+        ctx = multiprocessing.get_context("fork")
+    else:
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in methods:
+            ctx.set_forkserver_preload([__name__])
+    # Big files first, so the last worker to finish is not the one holding the largest file.
+    order = sorted(files, key=lambda f: -f.stat().st_size)
+    with ctx.Pool(jobs, initializer=_init_worker, initargs=(config,)) as pool:
+        yield from pool.imap_unordered(_work, order, chunksize=4)
+
+
+def _progress(items: Iterable[tuple[list[Finding], int]], total: int, mode: Progress) -> Iterable[tuple[list[Finding], int]]:
+    if mode == "none" or (mode == "auto" and not sys.stderr.isatty()):
+        return items
+    from rich.console import Console  # only when drawn: rich's import is not free
+    from rich.progress import track
+
+    return track(items, total=total, description="pointerdomain audit", console=Console(stderr=True),
+                 transient=True)
+
+
+def audit_paths(paths: Sequence[Path], config: AuditConfig, *, jobs: int | None = None,
+                progress: Progress = "auto", baseline: Path | None = None) -> AuditRun:
+    """Audit ``paths`` and split the findings against ``baseline`` (a file written by
+    :func:`pointerdomain.audit.baseline.write_baseline`; None: no baseline).
+
+    Raises:
+        ConfigError: a path does not exist, or the baseline is unreadable.
+    """
+    t0 = time.perf_counter()
+    known = read_baseline(baseline) if baseline is not None else None
+    files = discover(paths, config)
+    n_jobs = jobs if jobs else (config.jobs or os.cpu_count() or 1)
+    findings: list[Finding] = []
+    suppressed = 0
+    for found, n_sup in _progress(_results(files, config, n_jobs), len(files), progress):
+        findings.extend(found)
+        suppressed += n_sup
+    findings.sort()
+    new, old, stale = split_baselined(findings, known) if known is not None else (findings, [], 0)
+    return AuditRun(len(files), tuple(new), tuple(old), suppressed, stale, time.perf_counter() - t0)

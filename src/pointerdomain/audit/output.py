@@ -1,0 +1,95 @@
+"""Report formats: text (one line per finding, for people and editors), JSON, and
+SARIF 2.1.0 (for GitHub code scanning and other SARIF viewers).
+
+SARIF follows the OASIS SARIF 2.1.0 standard
+(https://docs.oasis-open.org/sarif/sarif/v2.1.0/sarif-v2.1.0.html): one run, the rule
+catalogue in ``tool.driver.rules``, each result with ``ruleId``/``ruleIndex``, a
+``physicalLocation`` (1-based ``startLine``/``startColumn``), the suggested fix in
+``message`` and ``properties.fix``, and ``partialFingerprints`` from the baseline's
+fingerprint so viewers track findings across commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pointerdomain.audit.baseline import fingerprints
+from pointerdomain.audit.rules import RULES, Finding
+
+__all__ = ["FORMATS", "Format", "Summary", "render"]
+
+Format = Literal["text", "json", "sarif"]
+FORMATS: tuple[Format, ...] = ("text", "json", "sarif")
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Counts for a run: files read, new / baselined findings, suppressed findings,
+    stale baseline entries, wall time in seconds."""
+
+    files: int
+    new: int
+    baselined: int
+    suppressed: int
+    stale: int
+    seconds: float
+
+    def line(self) -> str:
+        return (f"pointerdomain audit: {self.new} new finding(s), {self.baselined} baselined, "
+                f"{self.suppressed} suppressed, in {self.files} file(s), {self.seconds:.1f} s"
+                + (f"; {self.stale} baseline entr{'y' if self.stale == 1 else 'ies'} no longer found"
+                   if self.stale else ""))
+
+
+def _text(findings: Sequence[Finding], summary: Summary) -> str:
+    lines = [f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}\n    fix: {f.fix}" for f in findings]
+    return "\n".join([*lines, summary.line()]) + "\n"
+
+
+def _json(findings: Sequence[Finding], summary: Summary, version: str) -> str:
+    items = [{"path": f.path, "line": f.line, "col": f.col, "end_line": f.end_line or f.line,
+              "end_col": f.end_col or f.col, "code": f.code, "rule": f.rule.name, "level": f.rule.level,
+              "message": f.message, "fix": f.fix, "snippet": f.snippet, "fingerprint": fp}
+             for f, fp in zip(findings, fingerprints(findings))]
+    return json.dumps({"tool": "pointerdomain-audit", "version": version, "findings": items,
+                       "summary": dataclasses.asdict(summary)}, indent=1) + "\n"
+
+
+def _sarif(findings: Sequence[Finding], version: str) -> str:
+    codes = list(RULES)
+    rules = [{"id": r.code, "name": r.name, "shortDescription": {"text": r.summary},
+              "fullDescription": {"text": r.summary}, "help": {"text": f"Fix: {r.fix}"},
+              "defaultConfiguration": {"level": r.level}} for r in RULES.values()]
+    results: list[dict[str, Any]] = []
+    for f, fp in zip(findings, fingerprints(findings)):
+        region: dict[str, int] = {"startLine": f.line, "startColumn": f.col}
+        if f.end_line:
+            region |= {"endLine": f.end_line, "endColumn": max(f.end_col, 1)}
+        results.append({
+            "ruleId": f.code, "ruleIndex": codes.index(f.code), "level": f.rule.level,
+            "message": {"text": f"{f.message}. Fix: {f.fix}"},
+            "locations": [{"physicalLocation": {"artifactLocation": {"uri": f.path, "uriBaseId": "%SRCROOT%"},
+                                                "region": region}}],
+            "partialFingerprints": {"pointerdomainAudit/v1": fp},
+            "properties": {"fix": f.fix},
+        })
+    log = {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [{
+        "tool": {"driver": {"name": "pointerdomain-audit", "version": version,
+                            "rules": rules}},
+        "columnKind": "unicodeCodePoints",
+        "results": results,
+    }]}
+    return json.dumps(log, indent=1) + "\n"
+
+
+def render(fmt: Format, findings: Sequence[Finding], summary: Summary, version: str) -> str:
+    """The report of ``findings`` (the new ones) in format ``fmt``."""
+    if fmt == "json":
+        return _json(findings, summary, version)
+    if fmt == "sarif":
+        return _sarif(findings, version)
+    return _text(findings, summary)

@@ -1,0 +1,763 @@
+"""The Python pass: rules PD001-PD007 on one source file, with libcst.
+
+Names are resolved with libcst's scope analysis (:class:`~libcst.metadata.ScopeProvider`
+and its ``get_qualified_names_for``), so ``import torch as t; t.tensor(...)`` is
+``torch.tensor`` and ``self.register_buffer(...)`` in an ``nn.Module`` is not a
+registration call. Values are followed through local assignments (the scope's
+``Assignment`` records) and through ``self.x = ...`` attributes of the same file; no
+cross-file inference.
+
+Speed: a file none of whose text contains a trigger word (:func:`trigger_words`)
+cannot match any rule and is skipped before parsing. Of a file that can, only the
+imports, the module-level statements, and the functions (top level or methods) whose
+text contains a trigger are analysed; the others are blanked line for line, so every
+line and column stays the original's. Scope analysis costs ~10 ms per KiB of source,
+and most of a large file is code no rule looks at.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+
+import libcst as cst
+from libcst.helpers import get_full_name_for_node
+from libcst.metadata import Assignment, CodeRange, MetadataWrapper, PositionProvider, Scope, ScopeProvider
+
+from pointerdomain.audit.rules import RULES, Finding
+
+__all__ = ["PythonRules", "audit_python_source", "slice_source", "trigger_words"]
+
+_BASE_TRIGGERS = (
+    "data_ptr", "HostRegister", "HostUnregister", "hostRegister", "register_memory", "register_buffer",
+    "deregister_memory", "transfer_sync", "transfer_submit", "transfer_async", "transfer_read_on", "transfer_write_on",
+    "xfer_desc", "reg_desc", "xfer_dlist", "pointer_type", "c_void_p", "addressof",
+    # constructors of transfer-engine objects, so `self.engine = TransferEngine()` is analysed
+    "TransferEngine", "nixl_agent", "MooncakeDistributedStore",
+)
+
+# PD001: callables that turn a sequence into a tensor/array.
+_TABLE_BUILDERS = frozenset({
+    "torch.tensor", "torch.as_tensor", "torch.asarray", "torch.Tensor", "torch.LongTensor",
+    "torch.cuda.LongTensor", "numpy.array", "numpy.asarray", "numpy.fromiter",
+})
+# PD003: registration entry points, by the last component of the qualified name.
+_REGISTER_FUNCS = frozenset({
+    "cudaHostRegister", "cudaHostUnregister", "cuMemHostRegister", "cuMemHostRegister_v2", "cuMemHostUnregister",
+    "hipHostRegister", "hipHostUnregister",
+})
+_CUPY_REGISTER = frozenset({"cupy.cuda.runtime.hostRegister", "cupy.cuda.runtime.hostUnregister"})
+_ENGINE_REGISTER_METHODS = frozenset({
+    "register_memory", "batch_register_memory", "unregister_memory", "batch_unregister_memory",
+    "deregister_memory", "register_buffer", "unregister_buffer", "batch_register_buffer",
+})
+# PD004: transfer / descriptor methods of Mooncake's TransferEngine and NIXL's agent.
+_MOONCAKE_TRANSFERS = frozenset({
+    "transfer_sync_read", "transfer_sync_write", "transfer_sync", "batch_transfer_sync_read",
+    "batch_transfer_sync_write", "transfer_submit_write", "transfer_async_read", "transfer_async_write",
+    "batch_transfer_async_read", "batch_transfer_async_write", "transfer_read_on_cuda", "transfer_write_on_cuda",
+})
+_NIXL_DESC_METHODS = frozenset({"get_xfer_descs", "get_reg_descs", "prep_xfer_dlist"})
+# Where a receiver's constructor comes from, for "is this a transfer engine".
+_ENGINE_ROOTS = ("mooncake", "nixl", "_nixl", "rixl")
+_TRITON_JIT = frozenset({"triton.jit", "triton.language.jit", "triton.runtime.jit", "triton.runtime.jit.jit"})
+_POINTERDOMAIN_TABLE_CALLS = frozenset({
+    "pointerdomain.make_kernel_ptr_table", "pointerdomain.host_ptr_table",
+    "pointerdomain.tables.make_kernel_ptr_table", "pointerdomain.tables.host_ptr_table",
+})
+_TABLE_ATTRS = frozenset({"kernel_table", "host_table", "table"})
+_HANDLE_WORDS = re.compile(r"(?i)stream|handle|event|module|func|ctx|context|comm|graph")
+_GPU_ENTRY = re.compile(r"^(cuda[A-Z]|cu[A-Z]|hip[A-Z])")
+_CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
+_MAX_DEPTH = 6
+
+
+def _is_triton_jit(qualname: str) -> bool:
+    """``triton.jit``, also re-exported (vLLM: ``from vllm.triton_utils import triton``)."""
+    return qualname in _TRITON_JIT or qualname.endswith(".triton.jit") or (
+        qualname.endswith(".jit") and "triton" in qualname.split(".")[:-1])
+
+
+def trigger_words(kernel_ops: Iterable[str] = ()) -> tuple[str, ...]:
+    """Words of which at least one occurs in the text of any site a PD0xx rule reports
+    (the receiver-constructor words let ``self.engine = TransferEngine()`` be analysed).
+    ``kernel_ops`` adds the last component of each configured PD007 op."""
+    return _BASE_TRIGGERS + tuple(sorted({op.rsplit(".", 1)[-1] for op in kernel_ops}))
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonRules:
+    """What the pass needs from the configuration: the enabled PD0xx codes and the
+    qualified names of the PD007 kernel ops."""
+
+    enabled: frozenset[str]
+    kernel_ops: frozenset[str] = frozenset()
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        return trigger_words(self.kernel_ops)
+
+
+# ---------------------------------------------------------------------------------------
+# slicing
+
+
+def _has_trigger(text: str, triggers: Sequence[str]) -> bool:
+    return any(t in text for t in triggers)
+
+
+def _stmt_start(node: ast.stmt) -> int:
+    decorators: list[ast.expr] = getattr(node, "decorator_list", None) or []
+    return min([node.lineno] + [int(d.lineno) for d in decorators])
+
+
+_ATTR_BINDING = re.compile(r"\bself\.(\w+)\s*(?::[^=\n]+)?=(?!=)[^\n]*")
+
+
+def _names(node: ast.AST) -> tuple[set[str], set[str]]:
+    """(names and ``obj.attr`` targets a statement binds, names it reads)."""
+    stores: set[str] = set()
+    loads: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            (stores if isinstance(n.ctx, ast.Store) else loads).add(n.id)
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+            if isinstance(n.ctx, ast.Store):
+                stores.add(f"{n.value.id}.{n.attr}")
+            else:
+                loads.add(f"{n.value.id}.{n.attr}")
+    return stores, loads
+
+
+def slice_source(source: str, triggers: Sequence[str]) -> str:
+    """``source`` with the code no rule can report on blanked out, line for line, so every
+    kept line and column is the original's.
+
+    Kept: imports (and module-level ``if``/``try`` blocks holding one), module- and
+    class-level statements containing a trigger word, and in each function containing
+    one, the statements that contain a trigger plus, to a fixed point, those that read a
+    name a kept statement binds or bind a name a kept statement reads (the local data
+    flow the rules follow). A ``pass`` keeps each emptied body valid. Returns ``source``
+    unchanged if :mod:`ast` cannot parse it (libcst then reports the error)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return source
+    # `self.base = t.data_ptr()` in one method, `self.base + off` in another: the attribute
+    # names bound to a trigger expression are triggers too, for this file.
+    attrs = {m.group(1) for m in _ATTR_BINDING.finditer(source) if _has_trigger(m.group(0), triggers)}
+    triggers = tuple(triggers) + tuple(f".{a}" for a in sorted(attrs))
+    lines = source.splitlines(keepends=True)
+    drop: list[ast.stmt] = []
+
+    def segment(node: ast.stmt) -> str:
+        return "".join(lines[_stmt_start(node) - 1: node.end_lineno])
+
+    def has_import(node: ast.stmt) -> bool:
+        return any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(node))
+
+    def visit_function(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        body = fn.body
+        if body[0].lineno == fn.lineno:
+            return  # a one-line def: keep as is
+        info = [(st, _has_trigger(segment(st), triggers), *_names(st)) for st in body]
+        kept = [seed for _, seed, _, _ in info]
+        tainted: set[str] = set()
+        needed: set[str] = set()
+        for (_, seed, stores, loads) in info:
+            if seed:
+                tainted |= stores
+                needed |= loads
+        changed = True
+        while changed:
+            changed = False
+            for i, (_, _, stores, loads) in enumerate(info):
+                if not kept[i] and (loads & tainted or stores & needed):
+                    kept[i] = changed = True
+                    tainted |= stores
+                    needed |= loads
+        if not any(kept):
+            kept[0] = True  # the trigger was in the signature: keep a statement so the body stays valid
+        drop.extend(st for st, keep in zip(body, kept) if not keep)
+
+    def visit_body(body: Sequence[ast.stmt], module_level: bool) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if _has_trigger(segment(node), triggers):
+                    visit_function(node)
+                else:
+                    drop.append(node)
+            elif isinstance(node, ast.ClassDef):
+                visit_body(node.body, False)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            elif module_level and isinstance(node, (ast.If, ast.Try)) and has_import(node):
+                continue
+            elif not _has_trigger(segment(node), triggers):
+                drop.append(node)
+
+    visit_body(tree.body, True)
+    if not drop:
+        return source
+    # A line shared with a kept simple statement (`a = 1; b = 2`) stays whole.
+    dropped = {id(n) for n in drop}
+    shared: set[int] = set()
+    todo: list[ast.stmt] = [n for n in tree.body if id(n) not in dropped]
+    while todo:  # kept statements only, never descending into expressions
+        node = todo.pop()
+        bodies = [getattr(node, f, None) or [] for f in ("body", "orelse", "finalbody")]
+        bodies += [h.body for h in getattr(node, "handlers", [])] + [c.body for c in getattr(node, "cases", [])]
+        if any(bodies):
+            todo.extend(n for b in bodies for n in b if isinstance(n, ast.stmt) and id(n) not in dropped)
+        else:
+            shared.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    for node in drop:
+        first = _stmt_start(node)
+        if first in shared:
+            continue
+        for i in range(first - 1, node.end_lineno or node.lineno):
+            if i + 1 not in shared:
+                lines[i] = "\n" if lines[i].endswith("\n") else ""
+        lines[first - 1] = " " * node.col_offset + "pass\n"
+    return "".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# the analysis
+
+
+class _Collector(cst.CSTVisitor):
+    """First pass: the value bound by each ``name = value`` / ``self.x = value``."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> value
+        self.annotations: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> annotation
+        self.attrs: dict[str, list[cst.BaseExpression]] = {}  # "self.x" -> values
+        self.attr_annotations: dict[str, cst.BaseExpression] = {}
+
+    def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None,
+              annotation: cst.BaseExpression | None = None) -> None:
+        if isinstance(target, cst.Name):
+            if value is not None:
+                self.values[id(target)] = value
+            if annotation is not None:
+                self.annotations[id(target)] = annotation
+        elif isinstance(target, cst.Attribute):
+            name = get_full_name_for_node(target)
+            if name is not None:
+                if value is not None:
+                    self.attrs.setdefault(name, []).append(value)
+                if annotation is not None:
+                    self.attr_annotations[name] = annotation
+        elif isinstance(target, (cst.Tuple, cst.List)) and isinstance(value, (cst.Tuple, cst.List)):
+            if len(target.elements) == len(value.elements):
+                for t, v in zip(target.elements, value.elements):
+                    self._bind(t.value, v.value)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for t in node.targets:
+            self._bind(t.target, node.value)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._bind(node.target, node.value, node.annotation.annotation)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._bind(node.target, node.value)
+
+
+def _call_name(node: cst.Call) -> str | None:
+    """The last component of the called name (``a.b.c(...)`` -> ``c``)."""
+    func = node.func
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    if isinstance(func, cst.Name):
+        return func.value
+    return None
+
+
+def _arg(node: cst.Call, index: int, keyword: str) -> cst.BaseExpression | None:
+    for a in node.args:
+        if a.keyword is not None and a.keyword.value == keyword:
+            return a.value
+    positional = [a for a in node.args if a.keyword is None and not a.star]
+    return positional[index].value if index < len(positional) else None
+
+
+_COLLECTIONS = (cst.List, cst.Set, cst.Tuple, cst.ListComp, cst.SetComp, cst.GeneratorExp, cst.Dict, cst.DictComp)
+
+
+class _Auditor(cst.CSTVisitor):
+    """Second pass: the rules."""
+
+    METADATA_DEPENDENCIES = (ScopeProvider,)
+
+    def __init__(self, path: str, lines: Sequence[str], rules: PythonRules, collected: _Collector) -> None:
+        super().__init__()
+        self.path = path
+        self.lines = lines
+        self.rules = rules
+        self.c = collected
+        self.reported: list[tuple[cst.CSTNode, str, str, str]] = []  # (node, code, message, fix)
+        self._covered: set[int] = set()  # nodes already reported as part of another finding
+        self._device_chain: dict[int, cst.Call] = {}  # id(inner table call) -> `.to(dev)` / `.cuda()` call
+        self._triton_depth = 0
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _qualnames(self, node: cst.CSTNode) -> set[str]:
+        scope = self.get_metadata(ScopeProvider, node, None)
+        if scope is None:
+            return set()
+        try:
+            return {q.name for q in scope.get_qualified_names_for(node)}
+        except Exception:  # libcst raises on a few odd nodes; then the name is unknown
+            return set()
+
+    def _report(self, node: cst.CSTNode, code: str, message: str, fix: str | None = None) -> None:
+        if code in self.rules.enabled:
+            self.reported.append((node, code, message, fix if fix is not None else RULES[code].fix))
+
+    def _bound_values(self, name: cst.Name) -> list[cst.BaseExpression]:
+        """Values assigned to ``name`` in the scope where it is used (any of them)."""
+        scope: Scope | None = self.get_metadata(ScopeProvider, name, None)
+        if scope is None:
+            return []
+        out = []
+        try:
+            assignments = scope[name.value]
+        except Exception:
+            return []
+        for a in assignments:
+            if isinstance(a, Assignment):
+                v = self.c.values.get(id(a.node))
+                if v is not None:
+                    out.append(v)
+        return out
+
+    def _bound_annotations(self, name: cst.Name) -> list[cst.BaseExpression]:
+        scope: Scope | None = self.get_metadata(ScopeProvider, name, None)
+        if scope is None:
+            return []
+        out: list[cst.BaseExpression] = []
+        try:
+            assignments = scope[name.value]
+        except Exception:
+            return []
+        for a in assignments:
+            if isinstance(a, Assignment):
+                if isinstance(a.node, cst.Param) and a.node.annotation is not None:
+                    out.append(a.node.annotation.annotation)
+                ann = self.c.annotations.get(id(a.node))
+                if ann is not None:
+                    out.append(ann)
+        return out
+
+    def _values_of(self, expr: cst.BaseExpression) -> list[cst.BaseExpression]:
+        if isinstance(expr, cst.Name):
+            return self._bound_values(expr)
+        if isinstance(expr, cst.Attribute):
+            name = get_full_name_for_node(expr)
+            return list(self.c.attrs.get(name, [])) if name else []
+        return []
+
+    def is_address(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        """An int that is a raw address: ``x.data_ptr()``, ``ctypes.addressof(x)``,
+        arithmetic on one, ``int(...)`` of one, an element of an address collection, or a
+        name/attribute bound to one."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.Call):
+            name = _call_name(expr)
+            if name == "data_ptr":
+                return True
+            if name == "addressof" and "ctypes.addressof" in self._qualnames(expr.func):
+                return True
+            if name in ("int", "item") and expr.args and isinstance(expr.func, cst.Name):
+                return self.is_address(expr.args[0].value, depth + 1)
+            if name == "item" and isinstance(expr.func, cst.Attribute):
+                return False
+            return False
+        if isinstance(expr, cst.BinaryOperation):
+            return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
+        if isinstance(expr, cst.Subscript):
+            return self.is_address_collection(expr.value, depth + 1)
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            return any(self.is_address(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _element_exprs(self, expr: cst.BaseExpression) -> list[cst.BaseExpression]:
+        if isinstance(expr, (cst.List, cst.Set, cst.Tuple)):
+            return [e.value for e in expr.elements]
+        if isinstance(expr, (cst.ListComp, cst.SetComp, cst.GeneratorExp)):
+            return [expr.elt]
+        if isinstance(expr, cst.Dict):
+            return [e.value for e in expr.elements if isinstance(e, cst.DictElement)]
+        if isinstance(expr, cst.DictComp):
+            return [expr.value]
+        return []
+
+    def _holds_address(self, expr: cst.BaseExpression, depth: int) -> bool:
+        """An element that is an address, or a tuple/list holding one ((addr, len, dev))."""
+        if self.is_address(expr, depth):
+            return True
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            return any(self.is_address(e.value, depth + 1) for e in expr.elements)
+        return False
+
+    def is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        """A list/tuple/set/dict/comprehension of addresses (or of tuples holding one),
+        ``list(...)``/``tuple(...)`` of one, or a name/attribute bound to one."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, _COLLECTIONS):
+            return any(self._holds_address(e, depth + 1) for e in self._element_exprs(expr))
+        if isinstance(expr, cst.Call) and _call_name(expr) in ("list", "tuple", "sorted") and expr.args:
+            return self.is_address_collection(expr.args[0].value, depth + 1)
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
+            return self.is_address_collection(expr.left, depth + 1) or self.is_address_collection(expr.right, depth + 1)
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            return any(self.is_address_collection(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _is_int_descriptor_list(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        """NIXL's ``[(addr, len, dev_id, meta), ...]``: a list of tuples (or a name bound to one)."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, (cst.List, cst.ListComp, cst.GeneratorExp)):
+            elts = self._element_exprs(expr)
+            return bool(elts) and all(isinstance(e, cst.Tuple) and len(e.elements) >= 3 for e in elts)
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            return any(self._is_int_descriptor_list(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _origin_qualnames(self, expr: cst.BaseExpression, depth: int = 0) -> set[str]:
+        """Qualified names of what built ``expr`` (its constructor call, or its annotation)."""
+        if depth > _MAX_DEPTH:
+            return set()
+        if isinstance(expr, cst.Call):
+            return self._qualnames(expr.func)
+        out: set[str] = set()
+        if isinstance(expr, cst.Name):
+            for ann in self._bound_annotations(expr):
+                out |= self._qualnames(ann)
+        elif isinstance(expr, cst.Attribute):
+            name = get_full_name_for_node(expr)
+            attr_ann = self.c.attr_annotations.get(name) if name else None
+            if attr_ann is not None:
+                out |= self._qualnames(attr_ann)
+        for v in self._values_of(expr):
+            out |= self._origin_qualnames(v, depth + 1)
+        return out
+
+    def engine_kind(self, expr: cst.BaseExpression) -> str | None:
+        """"mooncake" / "nixl" for an object built by (or annotated with) a name from those
+        packages, else None."""
+        roots = {q.split(".", 1)[0] for q in self._origin_qualnames(expr)}
+        if "mooncake" in roots:
+            return "mooncake"
+        return "nixl" if roots & set(_ENGINE_ROOTS) else None
+
+    def is_engine(self, expr: cst.BaseExpression) -> bool:
+        return self.engine_kind(expr) is not None
+
+    def _is_pointer_table(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.Call):
+            if _call_name(expr) == "as_uint64_tensor":
+                return True
+            return bool(self._qualnames(expr.func) & _POINTERDOMAIN_TABLE_CALLS)
+        if isinstance(expr, cst.Attribute) and expr.attr.value in _TABLE_ATTRS:
+            return True
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            anns = self._bound_annotations(expr) if isinstance(expr, cst.Name) else []
+            if any("PointerTable" in (get_full_name_for_node(a) or "") or
+                   (isinstance(a, cst.Subscript) and "PointerTable" in (get_full_name_for_node(a.value) or ""))
+                   for a in anns):
+                return True
+            return any(self._is_pointer_table(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _arg_values(self, node: cst.Call) -> list[cst.BaseExpression]:
+        return [a.value for a in node.args]
+
+    # -- rules --------------------------------------------------------------------------
+
+    def visit_Call(self, node: cst.Call) -> None:
+        name = _call_name(node)
+        if name is None:
+            return
+        # `.to(device)` / `.cuda()` after a table build: remember the target for PD001's fix.
+        if name in ("to", "cuda") and isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call):
+            self._device_chain[id(node.func.value)] = node
+        if name in ("tensor", "as_tensor", "asarray", "Tensor", "LongTensor", "array", "fromiter"):
+            self._check_table(node)
+        if name in _REGISTER_FUNCS or name in ("hostRegister", "hostUnregister"):
+            self._check_runtime_registration(node, name)
+        elif name in _ENGINE_REGISTER_METHODS and isinstance(node.func, cst.Attribute):
+            self._check_engine_registration(node, name)
+        if (name in _MOONCAKE_TRANSFERS or name in _NIXL_DESC_METHODS) and isinstance(node.func, cst.Attribute):
+            self._check_transfer(node, name)
+        if _GPU_ENTRY.match(name):
+            self._check_c_void_p(node, name)
+        if self.rules.kernel_ops:
+            self._check_kernel_op(node)
+        if self._triton_depth and name in ("to", "cast"):
+            self._check_triton_cast(node, name)
+
+    def _check_table(self, node: cst.Call) -> None:
+        data = _arg(node, 0, "data")
+        if data is None or not self.is_address_collection(data):
+            return
+        qns = self._qualnames(node.func)
+        if not qns & _TABLE_BUILDERS:
+            return
+        builder = sorted(qns & _TABLE_BUILDERS)[0]
+        device = _arg(node, 99, "device")
+        chain = self._device_chain.get(id(node))
+        target = "host"
+        if device is not None:
+            code = cst.Module([]).code_for_node(device).strip()
+            target = "host" if code in _CPU_DEVICES or code.endswith(("('cpu')", '("cpu")')) else "device"
+        elif chain is not None:
+            target = "device"
+        fix = ("pointerdomain.make_kernel_ptr_table(tensors, device) -> PointerTable[DeviceAlias] (device aliases, "
+               "checked registration)" if target == "device" else
+               "pointerdomain.host_ptr_table(tensors) -> PointerTable[HostVA]")
+        self._covered.add(id(data))
+        self._report(node, "PD001", f"{builder}() of data_ptr() addresses builds an untyped {target} pointer table",
+                     fix + "; `pointerdomain audit --fix` rewrites `[t.data_ptr() for t in X]` forms")
+
+    def _check_runtime_registration(self, node: cst.Call, name: str) -> None:
+        qns = self._qualnames(node.func)
+        if name in ("hostRegister", "hostUnregister") and not qns & _CUPY_REGISTER:
+            return
+        what = "unregistration" if "nregister" in name else "registration"
+        via = next((q for q in sorted(qns) if "<locals>" not in q), None) or get_full_name_for_node(node.func) or name
+        self._covered.update(id(v) for v in self._arg_values(node))
+        self._report(node, "PD003", f"raw host-memory {what} {via}(): its return code and the alias of the "
+                     "range are not checked by the caller's types")
+
+    def _check_engine_registration(self, node: cst.Call, name: str) -> None:
+        assert isinstance(node.func, cst.Attribute)
+        receiver = node.func.value
+        args = self._arg_values(node)
+        if name.startswith(("register", "batch_register")) and args and self._is_int_descriptor_list(args[0]) \
+                and self.is_engine(receiver):
+            self._covered.update(id(v) for v in args)
+            self._report(node, "PD004", f"{name}() fed a list of (addr, len, dev, meta) int tuples",
+                         RULES["PD004"].fix)
+            return
+        # Mooncake's raw engine/store take only int addresses; NIXL also takes tensors (safe).
+        engine = self.engine_kind(receiver) == "mooncake"
+        fed_ints = any(self.is_address(a) or self.is_address_collection(a) for a in args)
+        if not engine and not fed_ints:
+            return  # e.g. nn.Module.register_buffer, NIXL given tensors, a typed wrapper
+        self._covered.update(id(v) for v in args)
+        why = "with data_ptr() ints" if fed_ints else "on a raw Mooncake object (it takes int addresses)"
+        self._report(node, "PD003", f"transfer-engine {name}() {why}: registration metadata must be a HostVA")
+
+    def _check_transfer(self, node: cst.Call, name: str) -> None:
+        assert isinstance(node.func, cst.Attribute)
+        args = self._arg_values(node)
+        fed = [a for a in args if self.is_address(a) or self.is_address_collection(a) or self._is_int_descriptor_list(a)]
+        engine = self.engine_kind(node.func.value) == "mooncake"
+        if not fed and not (engine and name in _MOONCAKE_TRANSFERS):
+            return
+        self._covered.update(id(v) for v in args)
+        why = "with raw int addresses" if fed else "on a raw Mooncake engine (its API takes int addresses)"
+        self._report(node, "PD004", f"{name}() called {why}")
+
+    def _is_c_void_p(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.Call):
+            if _call_name(expr) == "c_void_p":
+                # c_void_p() is an out-parameter for a handle; c_void_p(stream) wraps a handle
+                if not expr.args or _HANDLE_WORDS.search(cst.Module([]).code_for_node(expr.args[0].value)):
+                    return False
+                return "ctypes.c_void_p" in self._qualnames(expr.func)
+            if _call_name(expr) == "cast" and len(expr.args) >= 2:
+                return "ctypes.c_void_p" in self._qualnames(expr.args[1].value)
+            if _call_name(expr) == "byref" and expr.args:
+                return False
+            return False
+        if isinstance(expr, cst.Name):
+            return any(self._is_c_void_p(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _check_c_void_p(self, node: cst.Call, name: str) -> None:
+        if any(self._is_c_void_p(a) for a in self._arg_values(node)):
+            self._report(node, "PD006", f"ctypes.c_void_p address passed to {name}(): the callee cannot tell a "
+                         "host VA from a device alias")
+
+    def _check_kernel_op(self, node: cst.Call) -> None:
+        qns = self._qualnames(node.func)
+        dotted = get_full_name_for_node(node.func)
+        ops = self.rules.kernel_ops
+        hit = sorted(q for q in qns if q in ops) or ([dotted] if dotted in ops else [])
+        if not hit:
+            return
+        if any(self._is_pointer_table(a) for a in self._arg_values(node)):
+            return
+        self._report(node, "PD007", f"kernel op {hit[0]}() called without a PointerTable argument")
+
+    # PD002 -----------------------------------------------------------------------------
+
+    def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
+        if id(node) in self._covered or isinstance(node.operator, cst.Modulo):
+            return True  # `addr % align` is an alignment/offset check, not a new address
+        if self.is_address(node.left) or self.is_address(node.right):
+            self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
+                         "(an alias offset must stay inside one registration)")
+            self._cover_subtree(node)
+        return True
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        if isinstance(node.operator, (cst.AddAssign, cst.SubtractAssign)) and self.is_address(node.target):
+            self._report(node, "PD002", "in-place arithmetic on a data_ptr() address")
+
+    def _cover_subtree(self, node: cst.CSTNode) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            self._covered.add(id(n))
+            stack.extend(n.children)
+
+    def _check_collection(self, node: cst.BaseExpression, kind: str) -> None:
+        if id(node) in self._covered:
+            return
+        if any(self._holds_address(e, 0) for e in self._element_exprs(node)):
+            self._report(node, "PD002", f"data_ptr() addresses collected into a {kind}: an untyped pointer table")
+            self._cover_subtree(node)
+
+    def visit_List(self, node: cst.List) -> None:
+        self._check_collection(node, "list")
+
+    def visit_ListComp(self, node: cst.ListComp) -> None:
+        self._check_collection(node, "list")
+
+    def visit_Set(self, node: cst.Set) -> None:
+        self._check_collection(node, "set")
+
+    def visit_SetComp(self, node: cst.SetComp) -> None:
+        self._check_collection(node, "set")
+
+    def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
+        self._check_collection(node, "generator")
+
+    def visit_Dict(self, node: cst.Dict) -> None:
+        self._check_collection(node, "dict")
+
+    def visit_DictComp(self, node: cst.DictComp) -> None:
+        self._check_collection(node, "dict")
+
+    def visit_Expr(self, node: cst.Expr) -> None:
+        # `ptrs.append(t.data_ptr())` / `.extend(...)` / `.insert(i, ...)`
+        call = node.value
+        if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert", "add"):
+            args = self._arg_values(call)
+            if args and (self._holds_address(args[-1], 0) or self.is_address_collection(args[-1])):
+                self._report(call, "PD002", f"data_ptr() address collected with .{_call_name(call)}()")
+                self._cover_subtree(call)
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        # `table[k] = t.data_ptr()`
+        if any(isinstance(t.target, cst.Subscript) for t in node.targets) and self.is_address(node.value) \
+                and id(node.value) not in self._covered:
+            self._report(node, "PD002", "data_ptr() address stored into a container by subscript")
+            self._cover_subtree(node.value)
+
+    # PD005 -----------------------------------------------------------------------------
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        for d in node.decorators:
+            target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
+            if any(_is_triton_jit(q) for q in self._qualnames(target)):
+                self._triton_depth += 1
+                self._jit_nodes = getattr(self, "_jit_nodes", set()) | {id(node)}
+                return
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        if id(original_node) in getattr(self, "_jit_nodes", set()):
+            self._triton_depth -= 1
+
+    def _is_pointer_type(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.Call) and _call_name(expr) == "pointer_type":
+            return bool({q for q in self._qualnames(expr.func) if q.startswith("triton")}) or \
+                isinstance(expr.func, cst.Attribute)
+        if isinstance(expr, cst.Name):
+            return any(self._is_pointer_type(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _is_loaded(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.Call):
+            name = _call_name(expr)
+            if name == "load":
+                return any(q.startswith("triton") for q in self._qualnames(expr.func)) or \
+                    isinstance(expr.func, cst.Attribute)
+            if name in ("to", "cast") and isinstance(expr.func, cst.Attribute):
+                return self._is_loaded(expr.func.value, depth + 1)
+            return False
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, (cst.Add, cst.Subtract)):
+            # `loaded + off`: the loaded value is the base; `ptr + loaded_idx * stride` is a real
+            # pointer offset by a loaded index (vLLM indexer_k_store.py was a false positive)
+            return self._is_loaded(expr.left, depth + 1)
+        if isinstance(expr, cst.Name):
+            return any(self._is_loaded(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _check_triton_cast(self, node: cst.Call, name: str) -> None:
+        if name == "to" and isinstance(node.func, cst.Attribute):
+            value: cst.BaseExpression | None = node.func.value
+            dtype = _arg(node, 0, "dtype")
+        else:
+            if not any(q.startswith("triton") for q in self._qualnames(node.func)):
+                return
+            value, dtype = _arg(node, 0, "input"), _arg(node, 1, "dtype")
+        if value is None or dtype is None or not self._is_pointer_type(dtype) or not self._is_loaded(value):
+            return
+        self._report(node, "PD005", "Triton kernel casts an integer loaded from a table to a pointer: the table "
+                     "must hold device aliases, never host VAs")
+
+
+def audit_python_source(path: str, source: str, rules: PythonRules) -> list[Finding]:
+    """Run the enabled PD0xx rules on ``source`` (the text of ``path``). Suppressions are
+    not applied here (see :mod:`pointerdomain.audit.suppressions`). A file that does not
+    parse gives one PD901 finding."""
+    triggers = rules.triggers
+    if not _has_trigger(source, triggers):
+        return []
+    lines = source.splitlines()
+    sliced = slice_source(source, triggers)
+    try:
+        module = cst.parse_module(sliced)
+    except cst.ParserSyntaxError as exc:
+        if sliced is source:
+            return [Finding(path, exc.raw_line, exc.raw_column + 1, "PD901", f"libcst cannot parse this file: "
+                            f"{exc.message}", RULES["PD901"].fix,
+                            lines[exc.raw_line - 1].strip() if 0 < exc.raw_line <= len(lines) else "")]
+        module = cst.parse_module(source)  # the slicing broke an odd line: analyse it all
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    collector = _Collector()
+    wrapper.module.visit(collector)
+    auditor = _Auditor(path, lines, rules, collector)
+    wrapper.visit(auditor)
+    if not auditor.reported:
+        return []
+    # Positions cost a code-generation pass over the module: only for files with findings.
+    positions = wrapper.resolve(PositionProvider)
+    findings = []
+    for node, code, message, fix in auditor.reported:
+        pos: CodeRange = positions[node]
+        line = pos.start.line
+        snippet = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+        findings.append(Finding(path, line, pos.start.column + 1, code, message, fix, snippet,
+                                pos.end.line, pos.end.column + 1))
+    return sorted(findings)

@@ -1,0 +1,26 @@
+// Cases for PD101-PD104. A comment with data_ptr<uintptr_t>() is not code.
+#include <torch/extension.h>
+
+struct Desc {
+  uintptr_t src;  // expect[PD103]
+  uint64_t dst_addr;  // expect[PD103]
+  uint64_t num_bytes;
+  size_t ptrs_needed;
+  int64_t num_ptrs;
+  uintptr_t stream;
+};
+
+void f(torch::Tensor ptrs_t, torch::Tensor x) {
+  auto* tbl = ptrs_t.data_ptr<uintptr_t>();  // expect[PD101]
+  int64_t* key_ptrs = ptrs_t.data_ptr<int64_t>();  // expect[PD101]
+  int64_t* slots = x.data_ptr<int64_t>();
+  int64_t* slot_ptr = x.data_ptr<int64_t>();
+  auto** p = reinterpret_cast<float**>(ptrs_t.data_ptr());  // expect[PD102]
+  auto a = reinterpret_cast<uintptr_t>(x.data_ptr());  // expect[PD102]
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(x.data_ptr());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0);
+  float* k = reinterpret_cast<float*>(key_ptrs[3]);  // expect[PD104]
+  const char* s = "reinterpret_cast<float**>(t.data_ptr())";
+  uint64_t v = (uint64_t)x.data_ptr();  // expect[PD102]
+  /* uintptr_t hidden; */
+}
