@@ -23,3 +23,24 @@ def _checked_mode() -> Iterator[None]:
     checked.set_enabled(True)
     yield
     checked.set_enabled(previous)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--strict-alias", action="store_true", default=False,
+        help="run every test in strict alias mode (pointerdomain.strict_alias): host memory the library "
+        "allocates is mapped twice, so a host VA handed to a GPU kernel faults",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _strict_alias_mode(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``--strict-alias`` switches strict alias mode on for every test (tests that set it
+    themselves, such as tests/test_strict_alias.py, do so inside)."""
+    import pointerdomain as pd
+
+    if not request.config.getoption("--strict-alias"):
+        yield
+        return
+    with pd.strict_alias(True):
+        yield

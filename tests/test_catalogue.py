@@ -317,7 +317,7 @@ def test_range_unregistered_behind_the_owner_is_refused(rig: Rig) -> None:
     (without it the kernel would read an unmapped alias)."""
     mem = rig.host.memory
     table = rig.host.kernel_table
-    assert EMU.unregister(mem.host_va.value, pd.as_device(DEV)) == 0
+    assert EMU.unregister(mem.registered_address_of(mem.host_va), pd.as_device(DEV)) == 0
     try:
         with pytest.raises(errors.NotRegisteredError) as info:
             pd.make_kernel_ptr_table([rig.host.buffer], DEV)
@@ -793,16 +793,19 @@ def test_layouts_of_different_models(rig: Rig) -> None:
 
 
 def test_checked_entry_past_the_end_of_its_device_allocation(rig: Rig) -> None:
-    """checked: a device-memory entry moved so the last touched page runs past its allocation."""
+    """checked: a device-memory entry moved so the last touched page runs past its allocation
+    (the device pool's buffers are views of one allocation: its last entry)."""
     raw = table_storage(rig.dev.table)
-    raw[0] = int(raw[0]) + 2
+    last = len(rig.dev.table) - 1
+    raw[last] = int(raw[last]) + 2
     before = snap(rig.host.buffer)
     with pytest.raises(errors.LayoutError) as info:
         rig.host.backup(rig.dev, torch.tensor([15]), torch.tensor([0]))
-    expect(info, errors.LayoutError, "checked mode", "src table entry 0", "page 3 (kv 0, layer 0)",
+    kv, layer = divmod(last, rig.dev.layout.num_layers)
+    expect(info, errors.LayoutError, "checked mode", f"src table entry {last}", f"page 3 (kv {kv}, layer {layer})",
            "not inside device memory of emulated:0", "found: a page past the end of its allocation", "fix:")
     assert unchanged(rig.host.buffer, before)
-    raw[0] = rig.dev.table[0].value
+    raw[last] = rig.dev.table[last].value
     assert rig.backup_ok()
     still_usable()
 

@@ -130,8 +130,8 @@ def test_device_restored_when_a_launch_on_device1_fails() -> None:
     with host:
         before = as_bytes(host.buffer).clone()
         i1 = torch.arange(4, device="cuda:1")
-        with pytest.raises(errors.IndexValidationError):  # the range check runs under the guard
-            host.backup(p1, i1, torch.tensor([0, 1, 2, 10_000], device="cuda:1"))
+        with pytest.raises(errors.IndexValidationError):  # the host range check runs under the guard
+            host.backup(p1, i1, torch.tensor([0, 1, 2, 10_000], device="cuda:1"), validate_indices="host")
         assert torch.cuda.current_device() == 0
         with install_backend(FaultyBackend(backend_for(C0), fail={"launch": {1: 700}}), "cuda"):
             with pytest.raises(errors.RuntimeCallError, match="700"):

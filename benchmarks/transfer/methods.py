@@ -272,7 +272,7 @@ def build(bench: "Bench") -> list[Method]:
                          prep_ours("kernel", "default", per_layer=True), ctas=None, mode="per_layer"))
 
     # (f)
-    default = getattr(getattr(pd, "kernels", None), "DEFAULT_MAX_CTAS", None)
+    default = pd.DEFAULT_MAX_CTAS
     ms.append(Method("f", "(f) auto", f"our auto path, transfer_kv_all_layer(backend='auto') at the default max_ctas "
                      f"({default})", prep_ours("auto", "default"), ctas=default if cuda else None))
 

@@ -4,17 +4,21 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 #include "emulation.h"
+#include "strict_alloc.h"
 #include "transfer.h"
 #ifdef POINTERDOMAIN_WITH_GPU
 #include "attributes_gpu.h"
 #include "gpu.h"
+#include "pinned_gpu.h"
 #endif
 
 namespace nb = nanobind;
@@ -30,13 +34,14 @@ struct KernelPlan {
     pd::Side src{}, dst{};
     std::int64_t page_size = 0, num_kv = 0, item_bytes = 0;
     int vec_bytes = 1;
+    std::uint64_t oob = 0;  // address of the uint32 error word the kernels set (0: none)
 
     pd::Transfer transfer(std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n, std::int64_t layer_begin,
                           std::int64_t layer_count) const {
         return pd::Transfer{src,       dst,         reinterpret_cast<const std::int64_t *>(src_idx),
                             reinterpret_cast<const std::int64_t *>(dst_idx),
                             n,         page_size,   num_kv,
-                            layer_begin, layer_count, item_bytes, nullptr};
+                            layer_begin, layer_count, item_bytes, reinterpret_cast<std::uint32_t *>(oob)};
     }
 };
 
@@ -68,12 +73,12 @@ NB_MODULE(_C, m) {
             "__init__",
             [](KernelPlan *p, std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,
                const Geometry &dst_geometry, std::int64_t page_size, std::int64_t num_kv, std::int64_t item_bytes,
-               int vec_bytes) {
+               int vec_bytes, std::uint64_t oob) {
                 new (p) KernelPlan{side(src_table, src_geometry), side(dst_table, dst_geometry), page_size, num_kv,
-                                   item_bytes, vec_bytes};
+                                   item_bytes, vec_bytes, oob};
             },
             nb::arg("src_table"), nb::arg("src_geometry"), nb::arg("dst_table"), nb::arg("dst_geometry"),
-            nb::arg("page_size"), nb::arg("num_kv"), nb::arg("item_bytes"), nb::arg("vec_bytes"))
+            nb::arg("page_size"), nb::arg("num_kv"), nb::arg("item_bytes"), nb::arg("vec_bytes"), nb::arg("oob") = 0)
         .def_prop_ro("src_table", [](const KernelPlan &p) { return table_address(p.src); })
         .def_prop_ro("dst_table", [](const KernelPlan &p) { return table_address(p.dst); })
         .def_prop_ro("src_geometry", [](const KernelPlan &p) { return geometry(p.src); })
@@ -81,7 +86,8 @@ NB_MODULE(_C, m) {
         .def_ro("page_size", &KernelPlan::page_size)
         .def_ro("num_kv", &KernelPlan::num_kv)
         .def_ro("item_bytes", &KernelPlan::item_bytes)
-        .def_ro("vec_bytes", &KernelPlan::vec_bytes);
+        .def_ro("vec_bytes", &KernelPlan::vec_bytes)
+        .def_ro("oob", &KernelPlan::oob, "Address of the uint32 out-of-range error word (0: none).");
 
     m.def(
         "cpu_transfer",
@@ -139,6 +145,22 @@ NB_MODULE(_C, m) {
             return std::make_pair(status, alias);
         },
         nb::arg("va"), "Alias of a registered host address: (status, alias).");
+    m.def(
+        "strict_shared_alloc",
+        [](std::uint64_t nbytes) {
+            void *p = pd::strict::shared_alloc(nbytes);
+            if (!p) throw std::bad_alloc();
+            return wrap(p, nbytes, [](void *q) noexcept { pd::strict::unmap(q); });
+        },
+        nb::arg("nbytes"), "Page-aligned memfd-backed MAP_SHARED host memory (strict alias mode), a uint8 tensor.");
+    m.def(
+        "strict_mirror",
+        [](std::uint64_t va, std::uint64_t nbytes) {
+            void *p = pd::strict::mirror(va, nbytes);
+            if (!p) throw std::bad_alloc();
+            return wrap(p, nbytes, [](void *q) noexcept { pd::strict::unmap(q); });
+        },
+        nb::arg("va"), nb::arg("nbytes"), "A second mapping of the shared pages at va (strict alias mode).");
     m.def(
         "emu_get_device_pointer_on",
         [](std::uint64_t va, int ordinal) {
@@ -202,6 +224,17 @@ NB_MODULE(_C, m) {
         },
         nb::arg("attribute"), nb::arg("device"), "cudaDeviceGetAttribute / hipDeviceGetAttribute: (status, value).");
     m.def("gpu_error_string", &g::error_string, nb::arg("code"));
+    m.def(
+        "gpu_pinned_alloc",
+        [](std::uint64_t nbytes, int device) {
+            void *p = nullptr;
+            const int status = g::pinned_alloc(nbytes, device, &p);
+            std::optional<HostBytes> out;
+            if (status == 0) out = wrap(p, nbytes, &g::pinned_free);
+            return std::make_pair(status, out);
+        },
+        nb::arg("nbytes"), nb::arg("device"),
+        "cudaHostAlloc(portable | mapped): (status, uint8 tensor or None), freed with the tensor.");
     m.def(
         "gpu_transfer",
         [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,

@@ -14,7 +14,7 @@ gpu_built: bool = True
 class KernelPlan:
     """Tables and geometry of one launch plan (see pointerdomain.plan)."""
 
-    def __init__(self, src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], page_size: int, num_kv: int, item_bytes: int, vec_bytes: int) -> None: ...
+    def __init__(self, src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], page_size: int, num_kv: int, item_bytes: int, vec_bytes: int, oob: int = 0) -> None: ...
 
     @property
     def src_table(self) -> int: ...
@@ -40,6 +40,10 @@ class KernelPlan:
     @property
     def vec_bytes(self) -> int: ...
 
+    @property
+    def oob(self) -> int:
+        """Address of the uint32 out-of-range error word (0: none)."""
+
 def cpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, num_threads: int) -> None:
     """Copy KV items between two tables of CPU addresses."""
 
@@ -63,6 +67,14 @@ def emu_unregister(va: int) -> int:
 
 def emu_get_device_pointer(va: int) -> tuple[int, int]:
     """Alias of a registered host address: (status, alias)."""
+
+def strict_shared_alloc(nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
+    """
+    Page-aligned memfd-backed MAP_SHARED host memory (strict alias mode), a uint8 tensor.
+    """
+
+def strict_mirror(va: int, nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
+    """A second mapping of the shared pages at va (strict alias mode)."""
 
 def emu_get_device_pointer_on(va: int, ordinal: int) -> tuple[int, int]:
     """
@@ -124,6 +136,11 @@ def gpu_device_attribute(attribute: DeviceAttribute, device: int) -> tuple[int, 
     """cudaDeviceGetAttribute / hipDeviceGetAttribute: (status, value)."""
 
 def gpu_error_string(code: int) -> str: ...
+
+def gpu_pinned_alloc(nbytes: int, device: int) -> tuple[int, Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')] | None]:
+    """
+    cudaHostAlloc(portable | mapped): (status, uint8 tensor or None), freed with the tensor.
+    """
 
 def gpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int) -> int:
     """

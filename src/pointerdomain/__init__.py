@@ -8,7 +8,7 @@ See docs/design.md for the two address domains and the rules.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pointerdomain import checked, errors
+    from pointerdomain import checked, errors, ladder
     from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
     from pointerdomain.domains import Address, AddressT, DeviceAlias, HostVA
     from pointerdomain.kernels import (
@@ -23,10 +23,13 @@ if TYPE_CHECKING:
     )
     from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
     from pointerdomain.explanation import Explanation, explain
+    from pointerdomain.launch_errors import check_errors, synchronize
+    from pointerdomain.ladder import RegistrationPolicy, Rung
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
     from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
     from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
     from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
+    from pointerdomain.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
     from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
     from pointerdomain.tables import (
         PointerTable,
@@ -43,6 +46,13 @@ if TYPE_CHECKING:
 _LAZY = {
     "checked": "pointerdomain.checked",
     "errors": "pointerdomain.errors",
+    "ladder": "pointerdomain.ladder",
+    "RegistrationPolicy": "pointerdomain.ladder",
+    "Rung": "pointerdomain.ladder",
+    "StrictCapability": "pointerdomain.strict",
+    "strict_alias": "pointerdomain.strict",
+    "strict_alias_enabled": "pointerdomain.strict",
+    "strict_mode_capability": "pointerdomain.strict",
     "Device": "pointerdomain.devices",
     "DeviceGuard": "pointerdomain.devices",
     "as_device": "pointerdomain.devices",
@@ -66,6 +76,8 @@ _LAZY = {
     "memory_device_at": "pointerdomain.allocation",
     "Explanation": "pointerdomain.explanation",
     "explain": "pointerdomain.explanation",
+    "check_errors": "pointerdomain.launch_errors",
+    "synchronize": "pointerdomain.launch_errors",
     "KVLayout": "pointerdomain.layouts",
     "KVLayoutChanges": "pointerdomain.layouts",
     "RegisteredHostMemory": "pointerdomain.memory",
@@ -140,6 +152,9 @@ __all__ = [
     "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
+    "RegistrationPolicy",
+    "Rung",
+    "StrictCapability",
     "TransferBackend",
     "WHOLE_GPU",
     "WholeGpu",
@@ -148,6 +163,7 @@ __all__ = [
     "alloc_registered",
     "as_device",
     "buffer_infos",
+    "check_errors",
     "checked",
     "device_empty",
     "errors",
@@ -160,6 +176,7 @@ __all__ = [
     "index_tensor",
     "is_host_table",
     "is_kernel_table",
+    "ladder",
     "make_kernel_ptr_table",
     "memory_device",
     "memory_device_at",
@@ -168,6 +185,10 @@ __all__ = [
     "require_domain",
     "reset_resolver_cache",
     "resolve_alias",
+    "synchronize",
+    "strict_alias",
+    "strict_alias_enabled",
+    "strict_mode_capability",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
     "validate_device",

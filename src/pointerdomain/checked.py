@@ -189,7 +189,8 @@ class _Regions:
             chunks, odev = owner.chunks, owner.device
             lookup = _alias_lookup(device)
             for k, chunk in enumerate(chunks):
-                alias = lookup(chunk.host_va.value)
+                # unpinned memory is read by the copy engine at its host VA; strict: the registered mapping
+                alias = chunk.host_va.value if not owner.kernel_readable else lookup(chunk.registered_address)
                 if alias is None:
                     raise NotRegisteredError(
                         f"checked mode: the {name} table uses host memory registered at {owner.host_va!r} "
@@ -290,7 +291,8 @@ def _registry_alias_regions(device: Device) -> list[_Region]:
         if owner.device.type != device.type:
             continue
         for k, chunk in enumerate(owner.chunks):
-            alias = lookup(chunk.host_va.value)
+            # unpinned memory is read by the copy engine at its host VA; strict: the registered mapping
+            alias = chunk.host_va.value if not owner.kernel_readable else lookup(chunk.registered_address)
             if alias is not None:
                 regions.append(_Region(alias, alias + chunk.nbytes, "registered", owner.device, owner, k, len(owner.chunks)))
     return regions

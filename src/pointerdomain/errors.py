@@ -34,6 +34,9 @@ __all__ = [
     "AliasOpMissingError",
     "RuntimeCallError",
     "with_address",
+    "BusyError",
+    "OverlapError",
+    "UnpinnedMemoryError",
 ]
 
 
@@ -147,3 +150,20 @@ class RuntimeCallError(PointerDomainError, RuntimeError):
         super().__init__(f"{call} failed with error {code}: {message}")
         self.call = call
         self.code = code
+
+
+class BusyError(PointerDomainError, RuntimeError):
+    """Memory could not be closed because a launch still uses it (a CPU copy running, or
+    GPU work queued that reads it) after the bounded wait; nothing was unregistered.
+    The message names the launch."""
+
+
+class OverlapError(PointerDomainError, ValueError):
+    """Source and destination of one launch intersect in the same memory (a slot that is
+    both read and written, or two tables over shared memory with different geometries):
+    the result would depend on the copy order, so nothing is launched."""
+
+
+class UnpinnedMemoryError(PointerDomainError, ValueError):
+    """A kernel was asked to read host memory that the registration ladder left
+    unpinned (rung ``unpinned``): only the copy engine may read it."""

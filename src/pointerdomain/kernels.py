@@ -2,13 +2,14 @@
 
 Launch functions accept only ``PointerTable[DeviceAlias]`` (mypy) and check, at
 runtime and before anything is launched: the tables' domain and device, that
-their registrations are still open, that each table fits its layout (so every
-address the kernel forms lies inside a table entry's buffer), and the index
-tensors (``int64``, 1-D, contiguous, on the launch device, equal length, every
-slot in range). A kernel therefore never reads or writes outside the tables it
-was given; the kernels also skip out-of-range slots themselves, which covers a
-CUDA graph replayed with new indices (host-side range checks cannot run during
-capture).
+their registrations are still open and their storage unchanged, that each table
+fits its layout exactly (so every address the kernel forms lies inside a table
+entry's buffer), the index tensors (``int64``, 1-D, contiguous, on the launch
+device, equal length) and the overlap rule (:mod:`pointerdomain.overlap`). The
+kernels skip out-of-range slots themselves and record them in the device's error
+word (:mod:`pointerdomain.launch_errors`), so a kernel never reads or writes outside
+the tables it was given, CUDA graph replays with new indices included. A launch
+leases the registrations it uses (:mod:`pointerdomain.leases`).
 
 Ordering (CUDA): the launch is enqueued on ``stream`` (default: the current
 stream of the tables' device) and is asynchronous. The caller orders it after
@@ -19,17 +20,19 @@ tables and index tensors alive until the stream reaches it.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Sequence
 from typing import Any, Final, Literal, cast
 
 import torch
 
-from pointerdomain import checked
+from pointerdomain import checked, launch_errors, overlap
 from pointerdomain._platform import memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError
+from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError, UnpinnedMemoryError
 from pointerdomain.layouts import KVLayout
+from pointerdomain.leases import record_gpu_launch
 from pointerdomain.plan import TransferPlan, plan_for
 from pointerdomain.tables import PointerTable
 
@@ -40,6 +43,7 @@ __all__ = [
     "WHOLE_GPU",
     "MaxCtas",
     "TransferBackend",
+    "ValidateIndices",
     "WholeGpu",
     "index_tensor",
     "transfer_kv_all_layer",
@@ -135,6 +139,9 @@ CE_MIN_RUN_BYTES_WHOLE_GPU: Final = 1 << 20
 #: How a launch moves bytes (the ``backend`` argument): see :func:`transfer_kv_all_layer`.
 TransferBackend = Literal["auto", "kernel", "copy_engine"]
 
+#: The ``validate_indices`` argument: see :func:`transfer_kv_all_layer`.
+ValidateIndices = bool | Literal["host"]
+
 
 def _launch(
     src: PointerTable[DeviceAlias],
@@ -148,7 +155,7 @@ def _launch(
     stream: int | None,
     max_ctas: MaxCtas,
     backend: TransferBackend,
-    validate_indices: bool,
+    validate_indices: ValidateIndices,
 ) -> None:
     plan = plan_for(src, src_layout, dst, dst_layout)
     device, platform = plan.device, plan.platform
@@ -172,8 +179,17 @@ def _launch(
         raise InvalidArgumentError(f"backend must be 'auto', 'kernel' or 'copy_engine', got {backend!r}")
     if stream is not None and (type(stream) is not int or stream < 0):
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
-    if type(validate_indices) is not bool:
-        raise InvalidArgumentError(f"validate_indices must be a bool, got {validate_indices!r}")
+    if type(validate_indices) is not bool and validate_indices != "host":
+        raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {validate_indices!r}")
+    unpinned = [o for o in plan.owners if not o.kernel_readable]  # the registrations of both tables
+    if unpinned and backend == "auto":
+        backend = "copy_engine"
+    if unpinned and backend != "copy_engine":
+        raise UnpinnedMemoryError(
+            f"host memory at {unpinned[0].host_va!r} (+{unpinned[0].nbytes} bytes) is not pinned (registration "
+            f"ladder rung 'unpinned': {'; '.join(unpinned[0].ladder_record) or 'allowed by the policy'}): kernels "
+            "cannot read it. Fix: backend='copy_engine' (or 'auto'), or register the memory pinned"
+        )
     # The rest (capture query, stream, kernel) on the tables' device; the caller's current
     # device comes back afterwards, also on error.
     with DeviceGuard.for_launch(device):
@@ -184,7 +200,7 @@ def _launch(
 def _launch_on_device(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
     d_idx: torch.Tensor, n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int,
-    backend: TransferBackend, validate_indices: bool,
+    backend: TransferBackend, validate_indices: ValidateIndices,
 ) -> None:
     device, platform, src_layout, dst_layout = plan.device, plan.platform, plan.src_layout, plan.dst_layout
     if backend == "auto":  # the capture query only where it decides something
@@ -195,20 +211,48 @@ def _launch_on_device(
         raise InvalidArgumentError(
             "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
         )
-    if validate_indices or backend == "copy_engine":  # the copy engine reads the indices on the host anyway
+    if backend == "copy_engine":
+        # Read the indices once: the copy validated is the copy the descriptors are built from,
+        # so another thread changing an index meanwhile cannot move a copy outside the tables.
+        s_idx = s_idx.to("cpu", copy=True)
+        d_idx = d_idx.to("cpu", copy=True)
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
+    elif validate_indices == "host" or (validate_indices is True and platform.host_readable):
+        # host-readable indices (emulated device): no sync, so check before launching
+        _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
+    if plan.same_memory:
+        overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
     if n == 0:
         return
     if checked.enabled():
         checked.verify_launch(plan, src, dst, s_idx, d_idx, layer_begin, layer_count)
     if stream is None:
         stream = platform.current_stream(device)
-    if backend == "copy_engine":
-        dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
-        platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
-        return
-    platform.launch(plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, device, stream,
-                    ctas)
+    kernel = plan.kernel if validate_indices is not False or plan.unchecked is None else plan.unchecked
+    info = ("transfer", n, device, threading.get_ident())
+    owners = plan.owners
+    tokens = [owner.leases.acquire(info) for owner in owners]
+    try:
+        if -1 in tokens:
+            for owner in owners:
+                owner.check_open()  # the closed one raises ClosedError
+            raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
+        if backend == "copy_engine":
+            dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
+            platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
+        else:
+            platform.launch(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, device, stream,
+                            ctas)
+        if owners and device.type == "cuda" and not platform.is_capturing(device):
+            record_gpu_launch(owners, device.ordinal, stream, info)
+    finally:
+        for owner, token in zip(owners, tokens):
+            if token != -1:
+                owner.leases.release(token)
+    if backend != "copy_engine" and validate_indices is not False and platform.host_readable:
+        word = launch_errors.host_word(device)  # synchronous launch: a slot the kernel skipped (indices changed)
+        if word is not None and word.value:
+            launch_errors.raise_now(device)
 
 
 def transfer_kv_all_layer(
@@ -222,7 +266,7 @@ def transfer_kv_all_layer(
     stream: int | None = None,
     max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
     backend: TransferBackend = "auto",
-    validate_indices: bool = True,
+    validate_indices: ValidateIndices = True,
 ) -> None:
     """Copy token slots ``src_indices[i] -> dst_indices[i]`` for every layer and K/V.
 
@@ -246,22 +290,39 @@ def transfer_kv_all_layer(
             both layouts give runs of at least 512 KiB (1 MiB with the whole GPU) and
             not capturing, else the kernel (faster than the engine up to 64 KiB runs
             even at 2 CTAs, measured on the H200).
-        validate_indices: check every slot is in range on the host before launching
-            (a device sync for CUDA indices; skipped during graph capture). When False
-            the kernel still skips out-of-range slots, so nothing outside the tables is
-            touched, but no error is raised.
+        validate_indices: how a slot outside ``[0, num_slots)`` is reported (the kernel
+            always skips such a pair, so nothing outside the tables is touched):
+            ``True`` (default): on the emulated device checked on the host before the
+            launch (no sync: the indices are host memory), and the kernel's error word
+            read right after it; on CUDA no host work at all: the kernel records the
+            skip in the device's error word and :func:`pointerdomain.check_errors` /
+            :func:`pointerdomain.synchronize` raise ``IndexValidationError`` later
+            (graph replays included; see :mod:`pointerdomain.launch_errors`).
+            ``"host"``: check on the host before launching (a device sync for CUDA
+            indices; skipped during capture, the error word still covers it), so the
+            launch raises before anything is copied. ``False``: skipped slots are not
+            reported. The copy engine always checks on the host (it reads the indices
+            there anyway, once: the checked copy is the one it uses).
 
     Moves ``n * num_kv * num_layers * item_bytes`` bytes.
 
     Raises:
         DomainError: a table is not a PointerTable[DeviceAlias].
         DeviceMismatchError: the tables are for different devices.
-        ClosedError: a table's registered memory was closed.
-        LayoutError: layouts disagree, or a table does not fit its layout.
-        IndexValidationError: bad dtype, shape, device, lengths, or a slot out of range.
+        ClosedError: a table's registered memory was closed or is being closed, or a
+            table entry's storage was released or reallocated under the table.
+        LayoutError: layouts disagree, a table does not fit its layout exactly, or a
+            layout differs from the one a pool table was built for.
+        IndexValidationError: bad dtype, shape, device, lengths; a slot out of range
+            (when: see ``validate_indices``).
+        OverlapError: src and dst share memory and a slot is both read and written
+            (rules in :mod:`pointerdomain.overlap`).
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
             ``max_ctas``, ``backend`` or ``validate_indices``.
         RuntimeCallError: the launch failed.
+
+    While the copy can run (the CPU call; on CUDA until the stream reaches it) the
+    registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.leases`).
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
     num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
@@ -281,7 +342,7 @@ def transfer_kv_per_layer(
     stream: int | None = None,
     max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
     backend: TransferBackend = "auto",
-    validate_indices: bool = True,
+    validate_indices: ValidateIndices = True,
 ) -> None:
     """As :func:`transfer_kv_all_layer`, for one layer (layer-by-layer loading that
     overlaps the forward pass). Moves ``n * num_kv * item_bytes`` bytes.

@@ -214,8 +214,9 @@ class KVLayout(ValidatedModel, frozen=True):
         """Kernel geometry for a table of ``table_len`` entries over this layout.
 
         Raises:
-            LayoutError: the table length matches no split, or an entry is smaller
-                than the block it must hold (the kernel would read past it).
+            LayoutError: the table length matches no split, or an entry's size is not
+                exactly the block it must hold (smaller: the kernel would read past it;
+                larger: the layout does not describe the buffer, e.g. too few pages).
         """
         splits = self.table_splits()
         if table_len not in splits:
@@ -226,10 +227,13 @@ class KVLayout(ValidatedModel, frozen=True):
         k = splits.index(table_len)
         entry_bytes = self.nbytes // table_len
         for i, size in enumerate(entry_sizes):
-            if size < entry_bytes:
+            if size != entry_bytes:
+                why = ("the kernel would read or write past the buffer" if size < entry_bytes else
+                       "the layout does not describe this buffer (fewer pages, or another kind with the same "
+                       "item size), so data would land in the wrong place")
                 raise LayoutError(
-                    f"{name}: entry {i} holds {size} bytes but the layout needs {entry_bytes} per entry; "
-                    "the kernel would read or write past the buffer"
+                    f"{name}: entry {i} holds {size} bytes but the layout describes exactly {entry_bytes} per "
+                    f"entry; {why}. Fix: pass the layout the buffers were allocated for"
                 )
         e = {"kv": 0, "layer": 0, "page": 0}
         s = {"kv": 0, "layer": 0, "page": 0, "tok": 0}

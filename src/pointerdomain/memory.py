@@ -14,21 +14,27 @@ in alias space, as on MI355X.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import resource
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 
 from pointerdomain._platform import Backend, backend_for, memory_device
-from pointerdomain._platform.status import registration_error
+from pointerdomain._platform.base import PinnedAllocator
+from pointerdomain._platform.numa import node_of
+from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
+from pointerdomain.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
 from pointerdomain.errors import (
     AlreadyRegisteredError,
+    BusyError,
     ClosedError,
     DomainError,
     InvalidArgumentError,
@@ -38,6 +44,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
+from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -61,9 +68,20 @@ class Chunk:
 
     host_va: HostVA
     nbytes: int
+    #: Where the registration call was made, when not at ``host_va`` (strict alias mode:
+    #: the second, registered mapping of the same pages).
+    register_va: int | None = None
+    #: This library made the registration call and undoes it (False: pinned_copy memory,
+    #: a foreign registration, unpinned memory).
+    owned: bool = True
 
     def contains(self, va: HostVA, nbytes: int) -> bool:
         return self.host_va.value <= va.value and va.value + nbytes <= self.host_va.value + self.nbytes
+
+    @property
+    def registered_address(self) -> int:
+        """The address the backend knows this chunk by (``host_va`` unless strict)."""
+        return self.host_va.value if self.register_va is None else self.register_va
 
 
 class _Registry:
@@ -148,13 +166,54 @@ def _memlock_hint(nbytes: int) -> str:
     )
 
 
-def _release(backend: Backend, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
+def _release(
+    backend: Backend, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object, leases: LeaseSet | None = None
+) -> None:
+    if leases is not None and not leases.closing:  # collected or at exit, not close(): still never under a copy
+        try:
+            leases.drain(f"registered memory at {chunks[0].host_va!r}" if chunks else "registered memory",
+                         DEFAULT_CLOSE_TIMEOUT_S)
+        except BusyError:
+            return  # left registered (a leak) rather than unmapped under a running copy
     for chunk in chunks:
-        backend.unregister(chunk.host_va.value, device)
+        if chunk.owned:  # never a foreign registration (someone else's pin)
+            backend.unregister(chunk.registered_address, device)
     with _registry._lock:
         if chunks:
             _registry.remove(chunks[0].host_va.value)
         _registry.pinned_bytes -= nbytes
+
+
+def _release_pinned(backend: PinnedAllocator, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
+    backend.pinned_release(chunks[0].host_va.value, device)  # the memory itself goes with its tensor
+    with _registry._lock:
+        _registry.remove(chunks[0].host_va.value)
+
+
+class _Pin:
+    """What handles on one registration share (:meth:`RegisteredHostMemory.acquire`):
+    the registration is undone (``release``, once) when the last handle closes."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self.refs = 1
+        self._release: Callable[[], None] | None = release
+        self.handles: list[weakref.ref[RegisteredHostMemory]] = []
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+def _drop(pin: _Pin, va: int) -> None:
+    with _registry._lock:
+        pin.refs -= 1
+        if pin.refs > 0:  # point the registry at a handle that is still open
+            live = [h for h in (r() for r in pin.handles) if h is not None and not h.closed]
+            if live:
+                _registry._active[va] = weakref.ref(live[0])
+            return
+    pin.release()
 
 
 class RegisteredHostMemory:
@@ -166,43 +225,167 @@ class RegisteredHostMemory:
         nbytes: length in bytes.
         device: the device the registration was made for.
         chunks: the registration calls, in address order.
+        rung: how it was registered (:class:`pointerdomain.ladder.Rung`: single, chunked,
+            pinned_copy, unpinned, foreign).
+        ladder_record: why each rung above ``rung`` failed (empty when none did).
+        owner: ``"pointerdomain"``, or ``"foreign"`` (another owner registered the range;
+            pointerdomain never unregisters it). ``foreign`` is the same as a bool.
+        kernel_readable: False on the ``unpinned`` rung (only the copy engine may read it).
+        strict: the host VA is a never-registered second mapping (strict alias mode).
+        numa_node: NUMA node of the first page (None if unknown).
+
+        leases: the launches using it now (:class:`pointerdomain.leases.LeaseSet`).
 
     Use as a context manager or call :meth:`close`; closing twice is a no-op.
-    Tables built on this memory keep it alive and refuse to launch once it is closed.
+    Tables built on this memory keep it alive and refuse to launch once it is closed;
+    :meth:`close` waits for launches that use it (see :mod:`pointerdomain.leases`).
     """
 
-    def __init__(self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int) -> None:
-        self.tensor = tensor
+    def __init__(
+        self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int, *,
+        policy: RegistrationPolicy | None = None, registered: torch.Tensor | None = None,
+        library_owned: bool = False,
+    ) -> None:
         self.device = device
-        self.host_va = HostVA(tensor.data_ptr())
-        self.nbytes = tensor.numel() * tensor.element_size()
         self._lock = threading.Lock()
         self._closed = False
+        self.leases = LeaseSet()
         backend = backend_for(device)
-        chunk_bytes = max(granularity, (max_chunk_bytes // granularity) * granularity)
-        chunks = tuple(
-            Chunk(self.host_va + start, min(chunk_bytes, self.nbytes - start))
-            for start in range(0, self.nbytes, chunk_bytes)
-        )
+        policy = default_policy() if policy is None else policy
+        nbytes = tensor.numel() * tensor.element_size()
         with _registry._lock:
-            other = _registry.overlapping(self.host_va.value, self.nbytes)
+            other = _registry.overlapping(tensor.data_ptr(), nbytes)
             if other is not None:
                 raise AlreadyRegisteredError(
-                    f"[{self.host_va!r}, +{self.nbytes}) overlaps a registration at {other.host_va!r} "
+                    f"[{HostVA(tensor.data_ptr())!r}, +{nbytes}) overlaps a registration at {other.host_va!r} "
                     f"(+{other.nbytes} bytes); close that one first or reuse it"
                 )
-            done: list[Chunk] = []
-            for chunk in chunks:
-                code = backend.register(chunk.host_va.value, chunk.nbytes, device)
-                if code != 0:
-                    for d in reversed(done):
-                        backend.unregister(d.host_va.value, device)
-                    raise self._registration_error(backend, code, chunk, len(done), len(chunks))
-                done.append(chunk)
+            self.tensor: torch.Tensor = tensor
+            self.host_va: HostVA = HostVA(tensor.data_ptr())
+            self.nbytes: int = nbytes
+            record: list[str] = []
+            rung, chunks, self._registered = self._climb(
+                backend, registered, granularity, max_chunk_bytes, policy, library_owned, record)
             self.chunks = chunks
+            self.rung: Rung = rung
+            self.ladder_record: tuple[str, ...] = tuple(record)
+            self.foreign = rung is Rung.FOREIGN
+            self.owner = "foreign" if self.foreign else "pointerdomain"
+            self.kernel_readable = rung is not Rung.UNPINNED
+            self.strict = self._registered is not None
+            counted = self.nbytes if rung in (Rung.SINGLE, Rung.CHUNKED) else 0
             _registry.add(self)
-            _registry.pinned_bytes += self.nbytes
-        self._finalizer = weakref.finalize(self, _release, backend, device, chunks, self.nbytes, tensor)
+            _registry.pinned_bytes += counted
+        note_rung(rung)
+        self.numa_node: int | None = node_of(self.host_va.value)
+        keep = (self.tensor, self._registered)  # unregister before the mappings can go
+        if rung is Rung.PINNED_COPY and isinstance(backend, PinnedAllocator):
+            release = functools.partial(_release_pinned, backend, device, chunks, counted, keep)
+        else:
+            release = functools.partial(_release, backend, device, chunks, counted, keep, self.leases)
+        self._pin = _Pin(release)
+        self._pin.handles.append(weakref.ref(self))
+        self._finalizer = weakref.finalize(self, _drop, self._pin, self.host_va.value)
+
+    def _climb(
+        self, backend: Backend, registered: torch.Tensor | None, granularity: int, max_chunk_bytes: int,
+        policy: RegistrationPolicy, library_owned: bool, record: list[str],
+    ) -> tuple[Rung, tuple[Chunk, ...], torch.Tensor | None]:
+        """Register down the ladder (pointerdomain.ladder); called with the registry lock held."""
+        base = self.host_va.value if registered is None else registered.data_ptr()
+        reg_va = None if registered is None else base
+        if backend.pointer_is_host(base) and backend.pointer_is_host(base + self.nbytes - 1):
+            record.append("already registered by another owner (pointer attributes): used, never unregistered")
+            return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
+        cut = max(granularity, (max_chunk_bytes // granularity) * granularity)
+        plans: list[tuple[Rung, int]] = [(Rung.SINGLE, cut)]
+        small = max(granularity, (min(policy.chunk_bytes, cut) // granularity) * granularity)
+        if policy.on_failure == "degrade" and small < cut and small < self.nbytes:
+            plans.append((Rung.CHUNKED, small))
+        error: Exception | None = None
+        for rung, size in plans:
+            chunks = self._cuts(size, reg_va)
+            code, k = self._register_all(backend, chunks)
+            if code == 0:
+                if rung is Rung.CHUNKED:
+                    self._degraded(record, rung, "chunked")
+                return rung, chunks, registered
+            if code == ALREADY_REGISTERED and backend.pointer_is_host(base) and backend.pointer_is_host(
+                    base + self.nbytes - 1):
+                record.append(f"already registered by another owner (error {code}): used, never unregistered")
+                return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
+            error = self._registration_error(backend, code, chunks[k], k, len(chunks))
+            record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
+            if policy.on_failure == "fail" or code == ALREADY_REGISTERED:
+                raise error
+        assert error is not None
+        if library_owned and policy.allow_pinned_copy and isinstance(backend, PinnedAllocator):
+            status, pinned = backend.pinned_alloc(self.nbytes, self.device)
+            if status == 0 and pinned is not None:
+                pinned.copy_(self.tensor)
+                self.tensor = pinned[: self.nbytes]
+                self.host_va = HostVA(pinned.data_ptr())
+                self._degraded(record, Rung.PINNED_COPY, "pinned_copy")
+                return Rung.PINNED_COPY, (Chunk(self.host_va, self.nbytes, owned=False),), None
+            record.append(f"pinned_copy: the runtime's pinned allocation failed: {backend.describe(status)} "
+                          f"(error {status})")
+        if policy.allow_unpinned:
+            self._degraded(record, Rung.UNPINNED, "unpinned")
+            return Rung.UNPINNED, (Chunk(self.host_va, self.nbytes, owned=False),), None
+        raise type(error)(f"{error}; registration ladder exhausted: " + " | ".join(record))
+
+    def _cuts(self, size: int, reg_va: int | None) -> tuple[Chunk, ...]:
+        return tuple(
+            Chunk(self.host_va + start, min(size, self.nbytes - start), None if reg_va is None else reg_va + start)
+            for start in range(0, self.nbytes, size)
+        )
+
+    def _register_all(self, backend: Backend, chunks: tuple[Chunk, ...]) -> tuple[int, int]:
+        """(0, n) when every chunk registered, else (status, index of the failing chunk) after
+        unregistering the chunks before it."""
+        for k, chunk in enumerate(chunks):
+            code = backend.register(chunk.registered_address, chunk.nbytes, self.device)
+            if code != 0:
+                for d in reversed(chunks[:k]):
+                    backend.unregister(d.registered_address, self.device)
+                return code, k
+        return 0, len(chunks)
+
+    def _degraded(self, record: list[str], rung: Rung, cause: str) -> None:
+        why = record[-1] if record else ""
+        warn_degraded(f"{self.device.type}:{cause}",
+                      f"pointerdomain: registration for {self.device} took the {rung.value!r} rung of the "
+                      f"registration ladder ({why}); counted in pointerdomain.ladder.rung_counts(), warned once")
+
+    def registered_address_of(self, va: HostVA) -> int:
+        """The address the backend knows ``va`` by: ``va`` itself, or in strict alias mode the
+        same offset in the registered mapping (ask the alias of this, never of ``va``)."""
+        if self._registered is None:
+            return va.value
+        return self._registered.data_ptr() + (va.value - self.host_va.value)
+
+    def acquire(self) -> RegisteredHostMemory:
+        """Another handle on this registration (reference-counted): the range is unregistered
+        when the last handle closes.
+
+        Raises:
+            ClosedError: this handle is closed.
+        """
+        with _registry._lock:
+            self.check_open()
+            other = object.__new__(RegisteredHostMemory)
+            other.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_lock", "_closed", "_finalizer")})
+            other._lock = threading.Lock()
+            other._closed = False
+            self._pin.refs += 1
+            self._pin.handles.append(weakref.ref(other))
+            other._finalizer = weakref.finalize(other, _drop, self._pin, self.host_va.value)
+        return other
+
+    @property
+    def refcount(self) -> int:
+        """Open handles on this registration (:meth:`acquire`)."""
+        return self._pin.refs
 
     def _registration_error(self, backend: Backend, code: int, chunk: Chunk, done: int, total: int) -> Exception:
         where = f"registering chunk {done + 1}/{total} ({chunk.nbytes} bytes at {chunk.host_va!r}) for {self.device}"
@@ -245,11 +428,22 @@ class RegisteredHostMemory:
             "(KVLayout.page_block_bytes(), as HostKVPool does), or split the table per page block"
         ), va.value)
 
-    def close(self) -> None:
-        """Unregister (once). The tensor stays valid as ordinary host memory."""
+    def close(self, *, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """Unregister (once). The tensor stays valid as ordinary host memory.
+
+        First waits, up to ``timeout`` seconds, for every launch that uses this memory:
+        CPU copies still running and, on CUDA, GPU work already queued that reads or
+        writes it (an event per launch stream). Launches started meanwhile get
+        ``ClosedError``.
+
+        Raises:
+            BusyError: a launch still used the memory after ``timeout``; it stays
+                registered and open.
+        """
         with self._lock:
             if self._closed:
                 return
+            self.leases.drain(f"registered memory at {self.host_va!r} (+{self.nbytes} bytes)", timeout)
             self._closed = True
         self._finalizer()
 
@@ -279,12 +473,24 @@ def register_host_tensor(
     *,
     granularity: int = mmap.PAGESIZE,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    policy: RegistrationPolicy | None = None,
+    shared: bool = False,
 ) -> RegisteredHostMemory:
     """Register an existing contiguous CPU tensor's memory for ``device``.
 
     The owner's ``tensor`` is a flat ``uint8`` view of ``tensor``. On the emulated
     backend the tensor's pages are moved behind a memfd in place (bytes kept);
     a tensor sharing a 4 KiB page with separately registered memory is refused.
+
+    A range another owner registered already (the runtime's pointer attributes, or
+    error 712) is used without taking ownership: ``rung == "foreign"``, never
+    unregistered by pointerdomain. With ``shared=True`` a range this library registered
+    already, exactly (same start, length and device), gets another handle
+    (:meth:`RegisteredHostMemory.acquire`; unregistered when the last closes); without it
+    any overlap is :class:`AlreadyRegisteredError`. The ladder's ``pinned_copy`` rung is
+    never used here (the caller's memory cannot be replaced). In strict alias mode the
+    caller's memory cannot be mapped twice in place: it is registered as usual and the
+    registration records ``strict=False`` (pointerdomain.strict).
 
     Raises:
         DomainError: ``tensor`` is not in CPU memory (a CUDA tensor, or emulated device memory).
@@ -313,4 +519,12 @@ def register_host_tensor(
     check_granularity(granularity, max_chunk_bytes)
     dev = validate_device(device)
     flat = tensor.reshape(-1).view(torch.uint8)
-    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes)
+    if shared is True:
+        with _registry._lock:
+            other = _registry.overlapping(flat.data_ptr(), flat.numel())
+            if (other is not None and not other.foreign and other.host_va.value == flat.data_ptr()
+                    and other.nbytes == flat.numel() and other.device == dev):
+                return other.acquire()
+    elif shared is not False:
+        raise InvalidArgumentError(f"shared must be a bool, got {shared!r}")
+    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy)

@@ -23,7 +23,10 @@ from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backen
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import DeviceMismatchError, InvalidArgumentError, LayoutError
+from pointerdomain.launch_errors import error_word_address
 from pointerdomain.layouts import Geometry, KVLayout
+from pointerdomain.memory import RegisteredHostMemory
+from pointerdomain.overlap import shared_memory
 from pointerdomain.tables import PointerTable, require_domain
 
 if TYPE_CHECKING:
@@ -48,7 +51,12 @@ class TransferPlan:
         vec_bytes: copy word width in {16, 8, 4, 1} that every address and stride allows.
         run_bytes: longest contiguous run a page gives on both sides (``page_size *
             item_bytes`` when both token strides equal the item, else ``item_bytes``).
-        kernel: the bound struct passed to C++ (tables, geometries, sizes, word width).
+        kernel: the bound struct passed to C++ (tables, geometries, sizes, word width),
+            with the device's error word (:mod:`pointerdomain.launch_errors`).
+        unchecked: the same without the error word (``validate_indices=False``).
+        owners: the registrations both tables point into (leased by every launch).
+        same_memory: src and dst are the same memory with the same geometry, so a
+            launch must not read and write one slot (see :mod:`pointerdomain.overlap`).
     """
 
     device: Device
@@ -63,6 +71,9 @@ class TransferPlan:
     run_bytes: int
     kernel: KernelPlan
     dst_ref: weakref.ref[PointerTable[DeviceAlias]]
+    unchecked: KernelPlan | None = None
+    owners: tuple[RegisteredHostMemory, ...] = ()
+    same_memory: bool = False
 
     def copy_runs(
         self, s_idx: torch.Tensor, d_idx: torch.Tensor, layer_begin: int, layer_count: int
@@ -98,6 +109,24 @@ class TransferPlan:
         return da[starts], sa[starts], lengths
 
 
+def check_table_layout(name: str, table: PointerTable[DeviceAlias], layout: KVLayout) -> None:
+    """A table built for a layout (pool tables) launches with exactly that layout.
+
+    Raises:
+        LayoutError: ``layout`` differs from the table's own in any field (kind, model
+            shape, page count, dtype: so also in byte size).
+    """
+    own = table.layout
+    if own is not None and own != layout:
+        diff = [f"{f}: {getattr(layout, f)!r} (table: {getattr(own, f)!r})"
+                for f in type(own).model_fields if getattr(layout, f) != getattr(own, f)]
+        raise LayoutError(
+            f"{name}_layout does not match the layout the {name} table was built for ({'; '.join(diff)}): the "
+            "kernel would address the buffer with the wrong strides. Fix: pass the pool's own layout "
+            "(pool.layout)"
+        )
+
+
 def _check_table(name: str, table: object) -> Device:
     kernel_table = require_domain(
         name, table, DeviceAlias, "a kernel launch",
@@ -124,15 +153,20 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
                 f"src and dst layouts differ in {field}: "
                 f"{getattr(src_layout, field)!r} vs {getattr(dst_layout, field)!r}"
             )
+    check_table_layout("src", src, src_layout)
+    check_table_layout("dst", dst, dst_layout)
     src_geo = src_layout.geometry(len(src), src.sizes, "src")
     dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
+    same_memory = shared_memory(src, src_geo, dst, dst_geo)
     vec = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo.byte_strides, *dst_geo.byte_strides)
     item = src_layout.item_bytes
     run = src_layout.page_size * item if src_geo.s_tok == item and dst_geo.s_tok == item else item
-    kernel = kernel_plan(src.kernel_table_address(), src_geo, dst.kernel_table_address(), dst_geo,
-                         src_layout.page_size, src_layout.num_kv, item, vec)
+    args = (src.kernel_table_address(), src_geo, dst.kernel_table_address(), dst_geo,
+            src_layout.page_size, src_layout.num_kv, item, vec)
+    kernel = kernel_plan(*args, error_word_address(device))
+    owners = tuple({id(o): o for o in (*src.registrations(), *dst.registrations())}.values())
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, src_geo, dst_geo, src.raw_values(),
-                        dst.raw_values(), vec, run, kernel, weakref.ref(dst))
+                        dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args), owners, same_memory)
 
 
 _plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], TransferPlan]] = (

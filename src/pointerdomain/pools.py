@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 
@@ -19,8 +19,17 @@ from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import InvalidArgumentError, LayoutError
-from pointerdomain.kernels import DEFAULT_MAX_CTAS, MaxCtas, TransferBackend, transfer_kv_all_layer, transfer_kv_per_layer
+from pointerdomain.kernels import (
+    DEFAULT_MAX_CTAS,
+    MaxCtas,
+    TransferBackend,
+    ValidateIndices,
+    transfer_kv_all_layer,
+    transfer_kv_per_layer,
+)
+from pointerdomain.ladder import RegistrationPolicy
 from pointerdomain.layouts import KVLayout
+from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S
 from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
 from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
@@ -63,10 +72,11 @@ class DeviceKVPool:
         self.layout = layout
         self.device = validate_device(device)
         shape = (layout.num_slots, layout.num_heads, layout.head_dim)
-        self.buffers = [
-            device_empty(shape, layout.torch_dtype, self.device) for _ in range(layout.num_kv * layout.num_layers)
-        ]
-        self.table: PointerTable[DeviceAlias] = make_kernel_ptr_table(self.buffers, self.device)
+        # One allocation viewed per buffer: the launch's storage check (PointerTable.check_live)
+        # then costs one storage, not num_kv * num_layers.
+        whole = device_empty((layout.num_kv * layout.num_layers, *shape), layout.torch_dtype, self.device)
+        self.buffers = list(whole.unbind(0))
+        self.table: PointerTable[DeviceAlias] = make_kernel_ptr_table(self.buffers, self.device, layout=layout)
 
     def buffer(self, kv: int, layer: int) -> torch.Tensor:
         """The ``[num_slots, num_heads, head_dim]`` buffer of K (kv=0) or V (kv=1) of ``layer``."""
@@ -83,6 +93,9 @@ class HostKVPool:
         max_chunk_bytes: largest registration call; pools larger than this are
             registered in chunks cut on page blocks, and the kernel table then has
             one entry per page block so alias arithmetic never crosses a chunk.
+        policy: the registration ladder's policy (see :func:`pointerdomain.alloc_registered`;
+            chunks of the ``chunked`` rung are cut on page blocks too).
+        numa: ``"local"``: place the pool on the device's NUMA node.
 
     Attributes:
         buffer: the pool as a tensor of ``layout.buffer_shape`` (host VA side).
@@ -91,18 +104,20 @@ class HostKVPool:
     """
 
     def __init__(
-        self, layout: KVLayout, device: Device | str | torch.device, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+        self, layout: KVLayout, device: Device | str | torch.device, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        policy: RegistrationPolicy | None = None, numa: Literal["local"] | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self.device = validate_device(device)
         self.memory: RegisteredHostMemory = alloc_registered(
-            layout.nbytes, self.device, granularity=layout.page_block_bytes(), max_chunk_bytes=max_chunk_bytes
+            layout.nbytes, self.device, granularity=layout.page_block_bytes(), max_chunk_bytes=max_chunk_bytes,
+            policy=policy, numa=numa,
         )
         self.buffer = self.memory.tensor[: layout.nbytes].view(layout.torch_dtype).view(layout.buffer_shape)
         entries = [self.buffer] if len(self.memory.chunks) == 1 else layout.page_block_views(self.buffer)
-        self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device)
+        self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device, layout=layout)
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
         self._close_hooks: list[Callable[[], None]] = []
         self._entries = entries
@@ -126,14 +141,14 @@ class HostKVPool:
         with self._tables_lock:
             table = self._tables.get(dev)
             if table is None:
-                table = make_kernel_ptr_table(self._entries, dev)
+                table = make_kernel_ptr_table(self._entries, dev, layout=self.layout)
                 self._tables[dev] = table
         return table
 
     def backup(
         self, device_pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor, *,
         stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
-        validate_indices: bool = True,
+        validate_indices: ValidateIndices = True,
     ) -> None:
         """D2H: copy token slots ``device_indices`` of ``device_pool`` to ``host_indices``, all layers.
 
@@ -151,7 +166,7 @@ class HostKVPool:
     def load(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
         stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
-        validate_indices: bool = True,
+        validate_indices: ValidateIndices = True,
     ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
         transfer_kv_all_layer(
@@ -163,7 +178,7 @@ class HostKVPool:
     def load_layer(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, *,
         stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
-        validate_indices: bool = True,
+        validate_indices: ValidateIndices = True,
     ) -> None:
         """H2D for one layer (overlaps the forward pass layer by layer)."""
         transfer_kv_per_layer(
@@ -194,13 +209,20 @@ class HostKVPool:
         engine's (``pointerdomain.adapters.nixl``)."""
         self._close_hooks.append(hook)
 
-    def close(self) -> None:
-        """Run the close hooks, then unregister the pool's memory; launches with its tables
-        raise ClosedError after this."""
+    def close(self, *, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """Wait for launches using the pool (up to ``timeout`` s, see
+        :meth:`RegisteredHostMemory.close`), run the close hooks, then unregister the
+        pool's memory; launches with its tables raise ClosedError after this.
+
+        Raises:
+            BusyError: a launch still used the pool after ``timeout``; nothing was closed
+                and no hook ran.
+        """
+        self.memory.leases.drain(f"host KV pool {self.layout.kind} at {self.memory.host_va!r}", timeout)
         hooks, self._close_hooks = self._close_hooks, []
         for hook in reversed(hooks):
             hook()
-        self.memory.close()
+        self.memory.close(timeout=timeout)
 
     def __enter__(self) -> HostKVPool:
         return self

@@ -172,8 +172,12 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
             "(pointerdomain.alloc_registered / register_host_tensor)"
         ), va.value)
     backend = backend_for(dev)
+    if owner is not None and not owner.kernel_readable:
+        return DeviceAlias(va.value, dev)  # unpinned rung: the copy engine stages the host VA itself
+    # strict alias mode: the alias of the registered mapping, never of the host VA itself
+    where = va.value if owner is None else owner.registered_address_of(va)
     if policy is AliasPolicy.EMULATED:
-        status, alias = backend.alias(va.value, dev)
+        status, alias = backend.alias(where, dev)
         if status != 0:
             raise with_address(NotRegisteredError(f"{va!r} has no emulated alias (status {status})"), va.value)
         return DeviceAlias(alias, dev)
@@ -189,7 +193,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
                 FallbackWarning,
                 stacklevel=2,
             )
-        return DeviceAlias(va.value, dev)
-    status, alias = backend.alias(va.value, dev)
+        return DeviceAlias(where, dev)
+    status, alias = backend.alias(where, dev)
     check(backend, "cudaHostGetDevicePointer", status)
     return DeviceAlias(alias, dev)

@@ -77,9 +77,10 @@ def _emulated() -> Backend:
 
 def _cuda() -> Backend:
     _import("pointerdomain._platform.cuda")
-    from pointerdomain._platform.cuda import CudaBackend, TorchCudartBackend
+    from pointerdomain._platform.cuda import TorchCudartBackend
+    from pointerdomain._platform.cuda_driver import cuda_backend
 
-    return CudaBackend() if gpu_ops_built() else TorchCudartBackend()
+    return cuda_backend() if gpu_ops_built() else TorchCudartBackend()
 
 
 def register_backend(device_type: str, factory: Callable[[], Backend]) -> None:
@@ -207,13 +208,14 @@ def extension_ops() -> list[str]:
 
 def kernel_plan(
     src_table: int, src_geometry: tuple[int, ...], dst_table: int, dst_geometry: tuple[int, ...],
-    page_size: int, num_kv: int, item_bytes: int, vec_bytes: int,
+    page_size: int, num_kv: int, item_bytes: int, vec_bytes: int, oob: int = 0,
 ) -> KernelPlan:
-    """The bound launch struct (``_C.KernelPlan``) every backend's :meth:`~Backend.launch` takes."""
+    """The bound launch struct (``_C.KernelPlan``) every backend's :meth:`~Backend.launch` takes;
+    ``oob``: address of the device's error word the kernels set on a skipped slot (0: none)."""
     _import("pointerdomain._platform.native")
     from pointerdomain._platform.native import KernelPlan
 
-    return KernelPlan(src_table, src_geometry, dst_table, dst_geometry, page_size, num_kv, item_bytes, vec_bytes)
+    return KernelPlan(src_table, src_geometry, dst_table, dst_geometry, page_size, num_kv, item_bytes, vec_bytes, oob)
 
 
 def memory_device(tensor: torch.Tensor, *, whole_storage: bool = False) -> Device | None:

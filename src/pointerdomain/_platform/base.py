@@ -10,7 +10,7 @@ rolls back before it raises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pointerdomain._C import KernelPlan
     from pointerdomain.devices import Device
 
-__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName"]
+__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator"]
 
 #: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
 #: runtime's ``cudaDevAttr<Name>`` (HIP: ``hipDeviceAttribute<Name>``; HIP has no
@@ -151,4 +151,20 @@ class Backend(Protocol):
 
     def synchronize(self, device: Device) -> None:
         """Wait for the device's work (a no-op where launches are synchronous)."""
+        ...
+
+
+@runtime_checkable
+class PinnedAllocator(Protocol):
+    """A backend that can allocate pinned host memory itself (``cudaHostAlloc`` /
+    ``hipHostMalloc``): the third rung of the registration ladder
+    (:mod:`pointerdomain.ladder`). Optional: a backend without it skips that rung."""
+
+    def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
+        """(status, a uint8 tensor of ``nbytes`` pinned, device-mapped bytes or None); the
+        memory is freed with the tensor (after :meth:`pinned_release`)."""
+        ...
+
+    def pinned_release(self, va: int, device: Device) -> None:
+        """Called once when the registration over :meth:`pinned_alloc` memory closes."""
         ...

@@ -134,6 +134,12 @@ class CudaBackend(_TorchDevice):
     def alias(self, va: int, device: Device) -> tuple[int, int]:
         return _C.gpu_host_get_device_pointer(va, device.ordinal)
 
+    def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
+        return _C.gpu_pinned_alloc(nbytes, device.ordinal)
+
+    def pinned_release(self, va: int, device: Device) -> None:
+        return None  # cudaFreeHost runs when the tensor goes (cudaHostUnregister would be invalid)
+
     def pointer_is_host(self, ptr: int) -> bool:
         status, is_host = _C.gpu_pointer_is_host(ptr)
         return status == 0 and bool(is_host)

@@ -140,6 +140,15 @@ class EmulatedBackend:
     def host_alloc(self, nbytes: int) -> torch.Tensor:
         return _C.emu_host_alloc(nbytes)
 
+    def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
+        """The emulated cudaHostAlloc: memfd memory registered (aliased) at once."""
+        tensor = _C.emu_host_alloc(nbytes)
+        status = self.register(tensor.data_ptr(), nbytes, device)
+        return (status, tensor) if status == 0 else (status, None)
+
+    def pinned_release(self, va: int, device: Device) -> None:
+        self.unregister(va, device)
+
     def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
         return _C.emu_device_alloc(nbytes, device.ordinal)
 

@@ -1,0 +1,146 @@
+"""Launch leases: memory a launch uses cannot be unregistered under the copy.
+
+Each :class:`~pointerdomain.RegisteredHostMemory` owns a :class:`LeaseSet`. A launch
+acquires a lease on every registration its two tables point into before the copy
+starts and releases it when the copy can no longer run:
+
+* on a synchronous backend (the emulated CPU device) when the GIL-released C++ call
+  returns;
+* on CUDA when the launch is enqueued, after recording one event on the launch
+  stream that every leased registration keeps (one event per stream, re-recorded by
+  each launch on it: waiting on the latest record waits for every earlier launch on
+  that stream, so one event per owner and stream is enough and no launch allocates).
+
+``close()`` marks the set closing (new launches then get ``ClosedError``), waits up
+to a bound for the running leases and then for the recorded events, and only then
+unregisters. When the bound passes it raises :class:`~pointerdomain.errors.BusyError`
+naming the launch still in flight and leaves the memory registered and usable.
+
+Device memory (torch tensors, emulated device memory) has no ``close()``: a table
+keeps its tensors alive, and storage released under a table is refused at the next
+launch (``PointerTable.check_live``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Final
+
+from pointerdomain.errors import BusyError
+
+__all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "LaunchInfo", "LeaseSet", "record_gpu_launch"]
+
+#: How long ``close()`` waits for launches using the memory, seconds: far longer than
+#: any single copy of a KV pool (a 64 GiB pool at 50 GB/s is 1.3 s), short enough that
+#: a stuck launch is reported rather than hanging shutdown.
+DEFAULT_CLOSE_TIMEOUT_S: Final = 30.0
+
+#: (what, slots, device, thread id) of one launch, formatted only for a BusyError.
+LaunchInfo = tuple[str, int, object, int]
+
+
+def _describe(info: LaunchInfo) -> str:
+    what, n, device, thread = info
+    name = next((t.name for t in threading.enumerate() if t.ident == thread), str(thread))
+    return f"{what} of {n} slot pair(s) on {device} from thread {name!r}"
+
+
+class LeaseSet:
+    """The leases on one registration (see the module docstring). Thread-safe."""
+
+    __slots__ = ("_cond", "_active", "_next", "_closing", "_events")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active: dict[int, LaunchInfo] = {}
+        self._next = itertools.count(1)
+        self._closing = False
+        self._events: dict[int, tuple[Any, LaunchInfo]] = {}  # stream -> (torch.cuda.Event, last launch on it)
+
+    # acquire/release take no lock (a lock pair cost more than the rest of a launch's
+    # checks): each step is one GIL-atomic operation, and acquire publishes the lease
+    # before it reads _closing while drain sets _closing before it reads _active, so
+    # one of the two always sees the other.
+    def acquire(self, info: LaunchInfo) -> int:
+        """A lease token, or -1 when the memory is closing or closed (the caller raises
+        ``ClosedError``)."""
+        token = next(self._next)
+        self._active[token] = info
+        if self._closing:
+            self.release(token)
+            return -1
+        return token
+
+    def release(self, token: int) -> None:
+        del self._active[token]
+        if self._closing:
+            with self._cond:
+                self._cond.notify_all()
+
+    def add_event(self, stream: int, event: Any, info: LaunchInfo) -> None:
+        """Keep ``event`` (recorded on ``stream`` after a launch that reads this memory)
+        for :meth:`drain` to wait on."""
+        with self._cond:
+            self._events[stream] = (event, info)
+
+    def drain(self, what: str, timeout: float) -> None:
+        """Refuse new leases, then wait up to ``timeout`` seconds for the running ones
+        and for the GPU work recorded with :meth:`add_event`.
+
+        Raises:
+            BusyError: the time passed; the set accepts leases again (nothing closed).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closing = True
+            while self._active and time.monotonic() < deadline:  # short waits: a release may not notify
+                self._cond.wait(min(0.01, max(0.0, deadline - time.monotonic())))
+            if self._active:
+                self._closing = False
+                info = list(self._active.values())[0]
+                raise BusyError(
+                    f"cannot close {what}: {len(self._active)} launch(es) still copy from or to it after "
+                    f"{timeout:g} s, e.g. {_describe(info)}; nothing was unregistered. Fix: wait for the "
+                    "launch (join the thread that launches) before close(), or pass a longer timeout"
+                )
+            events = list(self._events.values())
+        for event, info in events:
+            while not event.query():
+                if time.monotonic() >= deadline:
+                    with self._cond:
+                        self._closing = False
+                    raise BusyError(
+                        f"cannot close {what}: GPU work queued by {_describe(info)} still reads or writes it "
+                        f"after {timeout:g} s; nothing was unregistered. Fix: synchronize the stream first "
+                        "(pointerdomain.synchronize(device)), or pass a longer timeout"
+                    )
+                time.sleep(0.0005)
+        with self._cond:
+            self._events.clear()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+
+_stream_events: dict[tuple[int, int], tuple[Any, Any]] = {}  # (ordinal, stream) -> (Event, ExternalStream)
+
+
+def record_gpu_launch(owners: tuple[Any, ...], ordinal: int, stream: int, info: LaunchInfo) -> None:
+    """After a CUDA launch on ``stream`` that uses ``owners`` (registrations): record
+    the stream's one event and hand it to each owner's lease set. Not during graph
+    capture (the caller checks): a captured launch runs at replay, which the caller
+    orders (docs/reliability.md)."""
+    import torch
+
+    entry = _stream_events.get((ordinal, stream))
+    if entry is None:
+        cuda: Any = torch.cuda  # Event / ExternalStream are untyped in torch's stubs
+        entry = (cuda.Event(), cuda.ExternalStream(stream, device=torch.device("cuda", ordinal)))
+        _stream_events[(ordinal, stream)] = entry
+    event, ext = entry
+    event.record(ext)
+    for owner in owners:
+        owner.leases.add_event(stream, event, info)

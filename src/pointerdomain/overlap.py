@@ -1,0 +1,95 @@
+"""The overlap rule: a launch never reads and writes the same bytes.
+
+Slot pairs are copied in no defined order and in parallel on the GPU, so a launch
+whose source and destination share memory (a shift or a swap inside one pool)
+would depend on that order: on the CPU it loses data silently, on the GPU it races.
+The rule, checked before anything is launched:
+
+1. Tables whose buffers do not intersect in memory: nothing to check (the common
+   device <-> host case; found once per plan, no per-launch cost).
+2. Tables over the same memory with the same geometry (one table, or two tables of
+   the same buffers and layout): the source slot set and the destination slot set
+   must be disjoint, else :class:`~pointerdomain.errors.OverlapError` naming a slot.
+   For CPU (emulated) indices this is a host check on every launch. For CUDA indices
+   it reads the indices on the host, a device synchronisation: it only runs for
+   launches of this kind (never on the default device <-> host path), and such a
+   launch cannot be captured in a CUDA graph (``OverlapError`` during capture).
+3. Tables whose memory intersects with different geometries (two views of one
+   buffer): refused for every launch (``OverlapError`` when the plan is built), since
+   which bytes a slot touches on each side no longer compares slot by slot.
+
+To move slots inside one pool, copy through a second buffer (two launches).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pointerdomain.errors import OverlapError
+
+if TYPE_CHECKING:
+    from pointerdomain.domains import DeviceAlias
+    from pointerdomain.layouts import Geometry
+    from pointerdomain.tables import PointerTable
+
+__all__ = ["check_slots", "shared_memory"]
+
+
+def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    a.sort()
+    b.sort()
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][1] <= b[j][0]:
+            i += 1
+        elif b[j][1] <= a[i][0]:
+            j += 1
+        else:
+            return True
+    return False
+
+
+def shared_memory(
+    src: PointerTable[DeviceAlias], src_geo: Geometry, dst: PointerTable[DeviceAlias], dst_geo: Geometry
+) -> bool:
+    """True when ``src`` and ``dst`` are the same memory with the same geometry (rule 2).
+
+    Raises:
+        OverlapError: their memory intersects with different geometries (rule 3).
+    """
+    a = [(v, v + n) for v, n in zip(src.raw_values(), src.sizes)]
+    b = [(v, v + n) for v, n in zip(dst.raw_values(), dst.sizes)]
+    if not _intersect(a, b):
+        return False
+    if src.raw_values() == dst.raw_values() and src.sizes == dst.sizes and src_geo == dst_geo:
+        return True
+    raise OverlapError(
+        f"src table {src!r} and dst table {dst!r} intersect in memory but address it differently (another "
+        "layout or entry split): a launch would read bytes it also writes, in no defined order. Fix: copy "
+        "through a separate buffer, or use one table with one layout for moves inside a pool"
+    )
+
+
+def check_slots(src_idx: torch.Tensor, dst_idx: torch.Tensor, capturing: bool) -> None:
+    """Rule 2 for one launch: no slot is both a source and a destination.
+
+    Raises:
+        OverlapError: a slot is in both sets, or the check cannot run (graph capture).
+    """
+    if src_idx.numel() == 0:
+        return
+    if capturing:
+        raise OverlapError(
+            "src and dst are the same memory: the slot sets must be checked for overlap on the host, which "
+            "cannot happen during CUDA graph capture. Fix: capture copies between different pools only"
+        )
+    hit = torch.isin(src_idx, dst_idx)
+    if bool(hit.any()):
+        slot = int(src_idx[hit][0])
+        raise OverlapError(
+            f"slot {slot} is both read (src_indices) and written (dst_indices) in one launch over the same "
+            "memory: slot pairs run in no defined order, so the result would depend on it. Fix: split the "
+            "launch so no slot is read and written in one call, or copy through a second buffer"
+        )
