@@ -11,9 +11,9 @@ Confidential Computing, ``ulimit -l``; transfer engines importable; versions.
 On a machine without a GPU the emulated device's rows are shown (its attributes are
 what the emulation does, see ``_platform/emulated.py``).
 
-Each row comes from one small function below; where this build lacks the feature the
-row says :data:`NOT_AVAILABLE` (the strict alias mode and the registration ladder's
-pinned-copy and unpinned rungs fill in :func:`strict_mode_row` and :func:`ladder_rows`).
+Each row comes from one small function below (strict-mode capability and the rung
+self-tests from :mod:`pointerdomain.strict` and :mod:`pointerdomain.ladder`); a row this
+build cannot answer says :data:`NOT_AVAILABLE`.
 """
 
 from __future__ import annotations
@@ -205,20 +205,13 @@ def gpu_numa_node(device: Device) -> Row:
 
 
 def strict_mode_row(device: Device, attributes: dict[str, int | None]) -> Row:
-    """Strict alias mode capability of ``device``. Hook for the strict alias mode: this
-    build has none; the detail says whether a never-registered host VA would fault here
-    (PageableMemoryAccess 0: it faults, as on MI355X; 1: HMM/ATS reads it and nothing faults)."""
-    pageable = attributes.get("PageableMemoryAccess")
-    if device.type == "emulated":
-        return Row("strict alias mode", NOT_AVAILABLE,
-                   "not needed here: emulated aliases are always distinct mappings, checked mode refuses host VAs")
-    if pageable is None:
-        why = "PageableMemoryAccess unknown"
-    elif pageable:
-        why = "PageableMemoryAccess = 1: an unregistered host VA is GPU-readable here, strict mode cannot fault"
-    else:
-        why = "PageableMemoryAccess = 0: a kernel given an unregistered host VA faults (error 700)"
-    return Row("strict alias mode", NOT_AVAILABLE, why)
+    """Strict alias mode capability of ``device`` (:func:`pointerdomain.strict.strict_mode_capability`:
+    PageableMemoryAccess 0 -> a never-registered host VA faults, 1 -> HMM/ATS reads it)."""
+    from pointerdomain.strict import strict_mode_capability
+
+    cap = strict_mode_capability(device)
+    value = {True: "can fault", False: "cannot fault", None: "unknown"}[cap.can_fault]
+    return Row("strict alias mode", value, cap.reason)
 
 
 def _rung_test(device: Device, nbytes: int, max_chunk_bytes: int) -> tuple[bool, str]:
@@ -243,19 +236,21 @@ def _rung_test(device: Device, nbytes: int, max_chunk_bytes: int) -> tuple[bool,
 
 
 def ladder_rows(device: Device) -> list[Row]:
-    """A self-test per registration-ladder rung. Hook for the registration ladder: this
-    build has two rungs (one call; page-aligned chunks); the pinned-copy and unpinned
-    rungs are :data:`NOT_AVAILABLE` until the ladder lands."""
-    rows = []
+    """A self-test per registration-ladder rung (:func:`pointerdomain.ladder.probe_rungs`:
+    single, chunked, pinned_copy, unpinned), plus this module's check of the bytes through
+    every chunk's alias for the single and chunked rungs."""
+    from pointerdomain.ladder import probe_rungs
+
+    rows = [Row(f"rung: {rung}", "works" if result == "ok" else "FAILS" if rung in ("single", "chunked") else result,
+                "" if result == "ok" else result)
+            for rung, result in probe_rungs(device).items()]
     page = mmap.PAGESIZE
-    for rung, nbytes, chunk in (("one call", 64 * page, 64 * page), ("page-aligned chunks", 4 * page, page)):
+    for rung, nbytes, chunk in (("single", 64 * page, 64 * page), ("chunked", 4 * page, page)):
         try:
             ok, detail = _rung_test(device, nbytes, chunk)
-            rows.append(Row(f"rung: {rung}", "works" if ok else "FAILS", detail))
+            rows.append(Row(f"alias check: {rung}", "works" if ok else "FAILS", detail))
         except PointerDomainError as exc:
-            rows.append(Row(f"rung: {rung}", "FAILS", f"{type(exc).__name__}: {exc}"))
-    rows.append(Row("rung: pinned allocation + copy", NOT_AVAILABLE))
-    rows.append(Row("rung: unpinned (copy engine only)", NOT_AVAILABLE))
+            rows.append(Row(f"alias check: {rung}", "FAILS", f"{type(exc).__name__}: {exc}"))
     return rows
 
 

@@ -135,7 +135,7 @@ def registration_rung(owner: RegisteredHostMemory) -> str:
     """
     recorded = getattr(owner, "rung", None)  # set by the ladder where the build has one
     if recorded is not None:
-        return str(recorded)
+        return str(getattr(recorded, "value", recorded))  # ladder.Rung is a str enum: its value
     chunks = getattr(owner, "chunks", ())
     return "one call" if len(chunks) <= 1 else f"page-aligned chunks ({len(chunks)} calls)"
 
