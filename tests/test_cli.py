@@ -15,7 +15,7 @@ def test_cli_demo_small_and_doctor() -> None:
     out = _cli("demo", "--layers", "4", "--device-pages", "8", "--host-pages", "12", "--pages", "5", "--device", "emulated:0")
     assert out.returncode == 0, out.stderr
     assert "distinct" in out.stdout and "verified byte-for-byte" in out.stdout
-    doc = _cli("doctor", "--device", "emulated:0")
+    doc = _cli("doctor", "--json", "--device", "emulated:0")
     assert doc.returncode == 0, doc.stderr
     report = json.loads(doc.stdout)
     assert report["devices"][0]["self_test"]["ok"] is True
@@ -23,8 +23,8 @@ def test_cli_demo_small_and_doctor() -> None:
 
 
 def test_cli_demo_refuses_bad_shapes_with_a_message() -> None:
-    for args, needle in ((("--layers", "100000"), "GiB of host memory"), (("--layers", "0"), "invalid pool shape"),
-                         (("--pages", "0"), "--pages must be"), (("--attention", "mla", "--heads", "8"), "--heads must be 1")):
+    for args, needle in ((("--layers", "100000"), "GiB more host memory"), (("--layers", "0"), "--layers"),
+                         (("--pages", "0"), "argument --pages"), (("--attention", "mla", "--heads", "8"), "--heads must be 1")):
         out = _cli("demo", "--device", "emulated:0", *args)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -146,12 +146,18 @@ def test_gpu_stream_ordering_compute_then_offload() -> None:
 
 
 def test_gpu_doctor_and_demo() -> None:
-    doc = subprocess.run([sys.executable, "-m", "pointerdomain", "doctor"], capture_output=True, text=True, timeout=300)
+    doc = subprocess.run([sys.executable, "-m", "pointerdomain", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=300)
     assert doc.returncode == 0, doc.stderr
     report = json.loads(doc.stdout)
     entry = report["devices"][0]
     assert entry["device"] == "cuda:0" and entry["self_test"]["ok"]
-    assert entry["can_use_host_pointer_for_registered_mem"] in (0, 1)
+    attrs = entry["attributes"]
+    assert attrs["CanUseHostPointerForRegisteredMem"] in (0, 1) and attrs["HostRegisterSupported"] == 1
+    assert attrs["PageableMemoryAccess"] in (0, 1) and attrs["PageableMemoryAccessUsesHostPageTables"] in (0, 1)
+    assert entry["pci_bus_id"] is not None and isinstance(entry["numa_node"]["value"], int)
+    assert all(row["value"] == "works" for row in entry["ladder"] if row["name"] in ("rung: one call",
+                                                                                    "rung: page-aligned chunks"))
     demo = subprocess.run([sys.executable, "-m", "pointerdomain", "demo"], capture_output=True, text=True, timeout=300)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "cuda:0" in demo.stdout and "verified byte-for-byte" in demo.stdout

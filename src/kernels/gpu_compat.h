@@ -39,6 +39,17 @@
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyDefault hipMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+// Device attributes for attributes_gpu.cu. HIP defines no HostRegister(ReadOnly)Supported
+// attribute: the query answers hipErrorNotSupported for them.
+#define gpuDeviceAttr_t hipDeviceAttribute_t
+#define gpuErrorNotSupported hipErrorNotSupported
+#define gpuErrorInvalidValue hipErrorInvalidValue
+#define gpuDevAttrPageableMemoryAccess hipDeviceAttributePageableMemoryAccess
+#define gpuDevAttrPageableMemoryAccessUsesHostPageTables hipDeviceAttributePageableMemoryAccessUsesHostPageTables
+#define gpuDevAttrPciDomainId hipDeviceAttributePciDomainID
+#define gpuDevAttrPciBusId hipDeviceAttributePciBusId
+#define gpuDevAttrPciDeviceId hipDeviceAttributePciDeviceId
+#define PD_HAS_HOST_REGISTER_ATTRS 0
 #define gpuEvent_t hipEvent_t
 #define gpuErrorInvalidDevice hipErrorInvalidDevice
 #define gpuEventCreateWithFlags hipEventCreateWithFlags
@@ -94,6 +105,18 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemcpyDefault cudaMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
+// Device attributes for attributes_gpu.cu.
+#define gpuDeviceAttr_t cudaDeviceAttr
+#define gpuErrorNotSupported cudaErrorNotSupported
+#define gpuErrorInvalidValue cudaErrorInvalidValue
+#define gpuDevAttrPageableMemoryAccess cudaDevAttrPageableMemoryAccess
+#define gpuDevAttrPageableMemoryAccessUsesHostPageTables cudaDevAttrPageableMemoryAccessUsesHostPageTables
+#define gpuDevAttrHostRegisterSupported cudaDevAttrHostRegisterSupported
+#define gpuDevAttrHostRegisterReadOnlySupported cudaDevAttrHostRegisterReadOnlySupported
+#define gpuDevAttrPciDomainId cudaDevAttrPciDomainId
+#define gpuDevAttrPciBusId cudaDevAttrPciBusId
+#define gpuDevAttrPciDeviceId cudaDevAttrPciDeviceId
+#define PD_HAS_HOST_REGISTER_ATTRS 1
 #define gpuEvent_t cudaEvent_t
 #define gpuErrorInvalidDevice cudaErrorInvalidDevice
 #define gpuEventCreateWithFlags cudaEventCreateWithFlags

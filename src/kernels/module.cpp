@@ -16,6 +16,7 @@
 #include "strict_alloc.h"
 #include "transfer.h"
 #ifdef POINTERDOMAIN_WITH_GPU
+#include "attributes_gpu.h"
 #include "gpu.h"
 #include "pinned_gpu.h"
 #endif
@@ -206,6 +207,24 @@ NB_MODULE(_C, m) {
           nb::arg("ptr"), "(status, 1 if the runtime reports registered/pinned host memory)");
     m.def("gpu_multiprocessor_count", [out_int](int device) { return out_int(&g::multiprocessor_count)(device); },
           nb::arg("device"), "(status, number of SMs)");
+    nb::enum_<g::DeviceAttribute>(m, "DeviceAttribute",
+                                  "Portable device attribute ids for gpu_device_attribute (mapped to the runtime's).")
+        .value("CanUseHostPointerForRegisteredMem", g::DeviceAttribute::CanUseHostPointerForRegisteredMem)
+        .value("PageableMemoryAccess", g::DeviceAttribute::PageableMemoryAccess)
+        .value("PageableMemoryAccessUsesHostPageTables", g::DeviceAttribute::PageableMemoryAccessUsesHostPageTables)
+        .value("HostRegisterSupported", g::DeviceAttribute::HostRegisterSupported)
+        .value("HostRegisterReadOnlySupported", g::DeviceAttribute::HostRegisterReadOnlySupported)
+        .value("PciDomainId", g::DeviceAttribute::PciDomainId)
+        .value("PciBusId", g::DeviceAttribute::PciBusId)
+        .value("PciDeviceId", g::DeviceAttribute::PciDeviceId);
+    m.def(
+        "gpu_device_attribute",
+        [](g::DeviceAttribute attribute, int device) {
+            int value = 0;
+            const int status = g::device_attribute(static_cast<int>(attribute), device, &value);
+            return std::make_pair(status, value);
+        },
+        nb::arg("attribute"), nb::arg("device"), "cudaDeviceGetAttribute / hipDeviceGetAttribute: (status, value).");
     m.def("gpu_error_string", &g::error_string, nb::arg("code"));
     m.def(
         "gpu_pinned_alloc",

@@ -3,6 +3,7 @@ pointerdomain kernels and runtime calls (private; use the pointerdomain package)
 """
 
 from collections.abc import Sequence
+import enum
 from typing import Annotated
 
 import torch
@@ -112,6 +113,30 @@ def gpu_pointer_is_host(ptr: int) -> tuple[int, int]:
 
 def gpu_multiprocessor_count(device: int) -> tuple[int, int]:
     """(status, number of SMs)"""
+
+class DeviceAttribute(enum.Enum):
+    """
+    Portable device attribute ids for gpu_device_attribute (mapped to the runtime's).
+    """
+
+    CanUseHostPointerForRegisteredMem = 0
+
+    PageableMemoryAccess = 1
+
+    PageableMemoryAccessUsesHostPageTables = 2
+
+    HostRegisterSupported = 3
+
+    HostRegisterReadOnlySupported = 4
+
+    PciDomainId = 5
+
+    PciBusId = 6
+
+    PciDeviceId = 7
+
+def gpu_device_attribute(attribute: DeviceAttribute, device: int) -> tuple[int, int]:
+    """cudaDeviceGetAttribute / hipDeviceGetAttribute: (status, value)."""
 
 def gpu_error_string(code: int) -> str: ...
 

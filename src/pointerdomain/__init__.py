@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         transfer_kv_per_layer,
     )
     from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
+    from pointerdomain.explanation import Explanation, explain
     from pointerdomain.launch_errors import check_errors, synchronize
     from pointerdomain.ladder import RegistrationPolicy, Rung
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
@@ -74,6 +75,8 @@ _LAZY = {
     "device_empty": "pointerdomain.allocation",
     "memory_device": "pointerdomain.allocation",
     "memory_device_at": "pointerdomain.allocation",
+    "Explanation": "pointerdomain.explanation",
+    "explain": "pointerdomain.explanation",
     "check_errors": "pointerdomain.launch_errors",
     "synchronize": "pointerdomain.launch_errors",
     "KVLayout": "pointerdomain.layouts",
@@ -141,6 +144,7 @@ __all__ = [
     "DeviceAlias",
     "DeviceGuard",
     "DeviceKVPool",
+    "Explanation",
     "DevicePool",
     "HostKVPool",
     "HostVA",
@@ -164,6 +168,7 @@ __all__ = [
     "checked",
     "device_empty",
     "errors",
+    "explain",
     "external_stream",
     "fallback_count",
     "find_registration",

@@ -91,6 +91,7 @@ from pointerdomain.errors import (
     PointerDomainError,
     RegistrationSpanError,
 )
+from pointerdomain.errors import with_address
 from pointerdomain.memory import RegisteredHostMemory, find_registration, open_registrations
 from pointerdomain.resolve import AliasPolicy, cached_policy
 
@@ -391,7 +392,7 @@ def _verify_table(
     for i, value in enumerate(values):
         region = regions.find(value)
         if region is None:
-            raise regions.diagnose(name, table, i, value)
+            raise with_address(regions.diagnose(name, table, i, value), value)
         hit.append(region)
     # 1. (emulated) the tensor the kernel reads still holds what the table was built with
     if backend_for(device).host_readable:
@@ -446,12 +447,12 @@ def _verify_table(
             f"{region.describe()}"
         )
         if region.kind == "registered":
-            raise RegistrationSpanError(
+            raise with_address(RegistrationSpanError(
                 f"{what}. Found: a page crossing the end of its registration chunk (aliases of separate chunks "
                 "are not contiguous); expected: every touched page inside one chunk. Fix: register with a "
                 "granularity that is a multiple of layout.page_block_bytes() (HostKVPool does) and give the "
                 "table one entry per chunk-aligned block"
-            )
+            ), a)
         raise LayoutError(
             f"{what}. Found: a page past the end of its allocation; expected: every touched page inside the "
             "buffer its entry points at. Fix: size each buffer for the layout (layout.nbytes / table length) "

@@ -10,6 +10,10 @@ could corrupt memory.
 from __future__ import annotations
 
 import pydantic
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from pointerdomain.explanation import Explanation
 
 __all__ = [
     "PointerDomainError",
@@ -35,6 +39,7 @@ __all__ = [
     "NotPicklableError",
     "LayoutFieldError",
     "MetadataValidationError",
+    "with_address",
     "BusyError",
     "OverlapError",
     "UnpinnedMemoryError",
@@ -42,7 +47,36 @@ __all__ = [
 
 
 class PointerDomainError(Exception):
-    """Base class of every error raised by pointerdomain."""
+    """Base class of every error raised by pointerdomain.
+
+    Attributes:
+        address: the address the error is about, where one was at hand when it was
+            raised (checked mode's DomainError, NotRegisteredError, RegistrationSpanError),
+            else None. :meth:`explain` says where it lies.
+    """
+
+    address: int | None = None
+
+    def explain(self) -> Explanation | None:
+        """:func:`pointerdomain.explain` of :attr:`address` (computed now, so it reflects
+        the registrations at the time of the call), or None for an error without one."""
+        if self.address is None:
+            return None
+        from pointerdomain.explanation import explain
+
+        return explain(self.address)
+
+
+E = TypeVar("E", bound=PointerDomainError)
+
+
+def with_address(exc: E, address: int) -> E:
+    """``exc`` with :attr:`~PointerDomainError.address` set and a note saying how to
+    explain it (``raise with_address(NotRegisteredError(...), va.value)``)."""
+    exc.address = address
+    exc.add_note(f"explain the address: exc.explain(), pointerdomain.explain({address:#x}), "
+                 f"or `pointerdomain whatis {address:#x}` for its memory-map line")
+    return exc
 
 
 class DomainError(PointerDomainError, TypeError):

@@ -43,6 +43,7 @@ from pointerdomain.errors import (
     NonContiguousError,
     NotRegisteredError,
     RegistrationSpanError,
+    with_address,
 )
 from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
@@ -434,15 +435,16 @@ class RegisteredHostMemory(ProcessLocal):
             RegistrationSpanError: it straddles two chunks (their aliases are not contiguous).
         """
         if not self.contains(va, nbytes):
-            raise NotRegisteredError(f"[{va!r}, +{nbytes}) is not inside registration {self.host_va!r} (+{self.nbytes})")
+            raise with_address(NotRegisteredError(
+                f"[{va!r}, +{nbytes}) is not inside registration {self.host_va!r} (+{self.nbytes})"), va.value)
         for chunk in self.chunks:
             if chunk.contains(va, max(nbytes, 1)):
                 return chunk
-        raise RegistrationSpanError(
+        raise with_address(RegistrationSpanError(
             f"[{va!r}, +{nbytes}) spans two registration chunks; their device aliases are not contiguous. "
             "Register with a granularity that is a multiple of the buffer's page block "
             "(KVLayout.page_block_bytes(), as HostKVPool does), or split the table per page block"
-        )
+        ), va.value)
 
     def close(self, *, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Unregister (once). The tensor stays valid as ordinary host memory.

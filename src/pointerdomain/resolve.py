@@ -26,6 +26,7 @@ from pointerdomain._platform.status import check
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import AliasOpMissingError, DomainError, NotRegisteredError
+from pointerdomain.errors import with_address
 from pointerdomain.memory import find_closed_registration, find_registration
 
 if TYPE_CHECKING:
@@ -166,10 +167,10 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
     elif (closed := find_closed_registration(va)) is not None:
         closed.check_open()  # raises ClosedError
     elif policy is AliasPolicy.EMULATED or not backend_for(dev).pointer_is_host(va.value):
-        raise NotRegisteredError(
+        raise with_address(NotRegisteredError(
             f"{va!r} is not inside registered host memory; register it first "
             "(pointerdomain.alloc_registered / register_host_tensor)"
-        )
+        ), va.value)
     backend = backend_for(dev)
     if owner is not None and not owner.kernel_readable:
         return DeviceAlias(va.value, dev)  # unpinned rung: the copy engine stages the host VA itself
@@ -178,7 +179,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
     if policy is AliasPolicy.EMULATED:
         status, alias = backend.alias(where, dev)
         if status != 0:
-            raise NotRegisteredError(f"{va!r} has no emulated alias (status {status})")
+            raise with_address(NotRegisteredError(f"{va!r} has no emulated alias (status {status})"), va.value)
         return DeviceAlias(alias, dev)
     if policy is AliasPolicy.HOST_POINTER_FALLBACK:
         global _fallbacks

@@ -22,6 +22,7 @@ import torch
 from typing_extensions import Never, TypeIs, final
 
 from pointerdomain.domains import Address, DeviceAlias, HostVA
+from pointerdomain.errors import with_address
 from pointerdomain.errors import (
     ClosedError,
     InvalidArgumentError,
@@ -326,9 +327,9 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
     if owner is None:
         partial = find_registration(va, 1) or find_registration(va + (nbytes - 1), 1)
         if partial is not None:
-            raise RegistrationSpanError(
+            raise with_address(RegistrationSpanError(
                 f"{name}: [{va!r}, +{nbytes}) runs past registration {partial.host_va!r} (+{partial.nbytes})"
-            )
+            ), va.value)
         closed = find_closed_registration(va, nbytes)
         if closed is not None:
             raise ClosedError(
@@ -350,7 +351,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
     try:
         owner.chunk_of(va, nbytes)
     except RegistrationSpanError as exc:
-        raise RegistrationSpanError(f"{name}: {exc}") from None
+        raise with_address(RegistrationSpanError(f"{name}: {exc}"), va.value) from None
     return alias_of(va, device).value, owner
 
 

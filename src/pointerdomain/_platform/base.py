@@ -10,7 +10,7 @@ rolls back before it raises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +18,31 @@ if TYPE_CHECKING:
     from pointerdomain._C import KernelPlan
     from pointerdomain.devices import Device
 
-__all__ = ["Backend", "PinnedAllocator"]
+__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator"]
+
+#: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
+#: runtime's ``cudaDevAttr<Name>`` (HIP: ``hipDeviceAttribute<Name>``; HIP has no
+#: HostRegister*Supported). Read by ``pointerdomain doctor`` and the NUMA lookup.
+DeviceAttributeName = Literal[
+    "CanUseHostPointerForRegisteredMem",
+    "PageableMemoryAccess",
+    "PageableMemoryAccessUsesHostPageTables",
+    "HostRegisterSupported",
+    "HostRegisterReadOnlySupported",
+    "PciDomainId",
+    "PciBusId",
+    "PciDeviceId",
+]
+DEVICE_ATTRIBUTES: tuple[DeviceAttributeName, ...] = (
+    "CanUseHostPointerForRegisteredMem",
+    "PageableMemoryAccess",
+    "PageableMemoryAccessUsesHostPageTables",
+    "HostRegisterSupported",
+    "HostRegisterReadOnlySupported",
+    "PciDomainId",
+    "PciBusId",
+    "PciDeviceId",
+)
 
 
 class Backend(Protocol):
@@ -75,6 +99,11 @@ class Backend(Protocol):
 
     def device_name(self, device: Device) -> str:
         """The device's product name (for ``pointerdomain doctor``)."""
+        ...
+
+    def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
+        """The runtime's device attribute ``name`` of ``device``, or None where the
+        runtime does not define it or the query fails (``pointerdomain doctor``)."""
         ...
 
     def free_device_memory(self, device: Device) -> int | None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pointerdomain import _C
+from pointerdomain._platform.base import DeviceAttributeName
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.status import check, check_staged
 from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
@@ -28,8 +29,18 @@ if TYPE_CHECKING:
 
 __all__ = ["BUILD_HINT", "CudaBackend", "TorchCudartBackend", "load_cudart"]
 
-#: cudaDevAttrCanUseHostPointerForRegisteredMem (CUDA Runtime API, cudaDeviceAttr).
-_ATTR_CAN_USE_HOST_POINTER = 91
+#: cudaDeviceAttr values (CUDA runtime's driver_types.h) for the torch-cudart stand-in,
+#: which calls libcudart directly; the extension maps names itself (attributes_gpu.cu).
+_CUDA_ATTRIBUTE_IDS = {
+    "CanUseHostPointerForRegisteredMem": 91,
+    "PageableMemoryAccess": 88,
+    "PageableMemoryAccessUsesHostPageTables": 100,
+    "HostRegisterSupported": 99,
+    "HostRegisterReadOnlySupported": 113,
+    "PciDomainId": 50,
+    "PciBusId": 33,
+    "PciDeviceId": 34,
+}
 
 
 def load_cudart() -> Any:
@@ -142,6 +153,10 @@ class CudaBackend(_TorchDevice):
         status, value = _C.gpu_can_use_host_pointer_for_registered_mem(device.ordinal)
         return value if status == 0 else None
 
+    def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
+        status, value = _C.gpu_device_attribute(_C.DeviceAttribute[name], device.ordinal)
+        return value if status == 0 else None
+
     def launch(
         self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
         device: Device, stream: int, max_ctas: int,
@@ -218,10 +233,13 @@ class TorchCudartBackend(_TorchDevice):
         return False  # no cudaPointerGetAttributes without the GPU ops
 
     def can_use_host_pointer(self, device: Device) -> int | None:
+        return self.device_attribute("CanUseHostPointerForRegisteredMem", device)
+
+    def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
         try:
             lib = load_cudart()
             value = ctypes.c_int(0)
-            if lib.cudaDeviceGetAttribute(ctypes.byref(value), _ATTR_CAN_USE_HOST_POINTER, device.ordinal) != 0:
+            if lib.cudaDeviceGetAttribute(ctypes.byref(value), _CUDA_ATTRIBUTE_IDS[name], device.ordinal) != 0:
                 return None
             return int(value.value)
         except (OSError, AttributeError):

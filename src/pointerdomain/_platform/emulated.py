@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain import _C, env
-from pointerdomain._platform.status import MEMLOCK_EXCEEDED
+from pointerdomain._platform.base import DeviceAttributeName
+from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain.devices import current_device
 from pointerdomain.errors import RuntimeCallError
 
@@ -30,6 +31,17 @@ if TYPE_CHECKING:
     from pointerdomain.devices import Device
 
 __all__ = ["EmulatedBackend"]
+
+# What the emulation does: registration works (a second mapping), the alias is never the
+# host VA, an unregistered VA is not "device-readable" (the CPU kernels read whatever
+# address they get, but checked mode refuses it), no read-only registration flag, no PCI.
+_ATTRIBUTES: dict[str, int | None] = {
+    "CanUseHostPointerForRegisteredMem": 0,
+    "PageableMemoryAccess": 0,
+    "PageableMemoryAccessUsesHostPageTables": 0,
+    "HostRegisterSupported": 1,
+    "HostRegisterReadOnlySupported": 0,
+}
 
 _MESSAGES = {
     1: "invalid value",
@@ -124,6 +136,9 @@ class EmulatedBackend:
 
     def can_use_host_pointer(self, device: Device) -> int | None:
         return 0  # aliases are distinct mappings by construction
+
+    def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
+        return _ATTRIBUTES.get(name)
 
     def device_name(self, device: Device) -> str:
         return f"emulated device {device.ordinal} (CPU memory, distinct alias mappings)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend
+from pointerdomain._platform.base import Backend, DeviceAttributeName
 from pointerdomain._platform.status import check, check_staged
 
 if TYPE_CHECKING:
@@ -76,6 +76,9 @@ class FaultyBackend:
 
     def device_name(self, device: Device) -> str:
         return self.inner.device_name(device)
+
+    def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
+        return self.inner.device_attribute(name, device)
 
     def free_device_memory(self, device: Device) -> int | None:
         return self.inner.free_device_memory(device)

@@ -1,0 +1,339 @@
+"""What an address is: :func:`explain` (and ``pointerdomain whatis ADDRESS``).
+
+Every ROCm crash report starts with a bare fault address; this maps it back to the
+buffer. An address is looked up, in order, as
+
+1. the host VA of a registration pointerdomain holds (open, or closed with its owner alive);
+2. the device alias of an open registration (each chunk's alias range);
+3. emulated device memory (by address), or CUDA device memory in torch's caching
+   allocator (only when CUDA is already initialised: explaining never starts a context);
+
+and the answer carries the driver's view (the platform pointer query) and the process
+memory-map line (``/proc/<pid>/maps``), plus the NUMA placement of the mapping
+(``/proc/<pid>/numa_maps``) when the kernel exposes it.
+
+The registry is per process: only the process that registered the memory can name its
+owner. Another process (``pointerdomain whatis --pid PID``) sees the memory map only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pointerdomain.devices import Device
+from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.memory import (
+    RegisteredHostMemory,
+    find_closed_registration,
+    find_registration,
+    open_registrations,
+)
+
+__all__ = ["Domain", "Explanation", "explain", "maps_line", "numa_nodes_of_mapping", "registration_rung"]
+
+Domain = Literal["host_va", "device_alias", "device_memory", "unknown"]
+
+_NOT_RECORDED = "not available in this build"
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Where one address lies. Fields that do not apply are None.
+
+    Attributes:
+        address: the address asked about (an int in [0, 2**64)).
+        domain: ``"host_va"`` (a CPU address of registered memory), ``"device_alias"``
+            (what kernels read for it), ``"device_memory"`` or ``"unknown"``.
+        kind: ``"registration"`` or ``"device allocation"``.
+        owner: the owner object's repr (``RegisteredHostMemory(...)``).
+        base: start of the registration (host VA) or of the alias range the address is in.
+        nbytes: length of that registration / allocation in bytes.
+        offset: ``address - base`` in bytes.
+        device: the device the memory belongs to or is registered for.
+        other_domain_address: the same byte in the other domain (the alias of a host VA,
+            the host VA of an alias); equal to ``address`` where the device's alias is the VA.
+        state: ``"open"`` or ``"closed"`` (unregistered, owner still alive).
+        chunk: ``(k, n)``: the address is in registration call k (1-based) of n.
+        rung: how the registration was made (registration ladder rung).
+        numa_node: the NUMA node of the mapping's pages when all are on one node.
+        pointer_attributes: the platform's answers for the address (backend name ->
+            facts such as ``registered_host`` and ``alias_status``).
+        maps_line: the ``/proc/<pid>/maps`` line of the mapping holding the address.
+        pid: the process whose memory map was read.
+        notes: short remarks (why a lookup was not possible, alias == VA, ...).
+    """
+
+    address: int
+    domain: Domain
+    kind: str | None = None
+    owner: str | None = None
+    base: int | None = None
+    nbytes: int | None = None
+    offset: int | None = None
+    device: str | None = None
+    other_domain_address: int | None = None
+    state: Literal["open", "closed"] | None = None
+    chunk: tuple[int, int] | None = None
+    rung: str | None = None
+    numa_node: int | None = None
+    pointer_attributes: dict[str, dict[str, object]] = field(default_factory=dict)
+    maps_line: str | None = None
+    pid: int = 0
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict (addresses as hex strings too, under ``*_hex``)."""
+        out = asdict(self)
+        for key in ("address", "base", "other_domain_address"):
+            value = out[key]
+            out[f"{key}_hex"] = None if value is None else f"{value:#x}"
+        return out
+
+    def text(self) -> str:
+        """Several lines for a human (what ``pointerdomain whatis`` prints)."""
+        what = {
+            "host_va": "a HostVA (CPU address) of registered host memory",
+            "device_alias": "a DeviceAlias (the address kernels read) of registered host memory",
+            "device_memory": "device memory",
+            "unknown": f"in no registration or device allocation pointerdomain knows in process {self.pid}",
+        }[self.domain]
+        lines = [f"{self.address:#x}: {what}"]
+        if self.owner is not None:
+            lines.append(f"  owner: {self.owner}")
+        if self.base is not None:
+            size = f" of {self.nbytes} bytes" if self.nbytes is not None else ""
+            lines.append(f"  offset: {self.offset} bytes from {self.base:#x}{size}")
+        if self.chunk is not None:
+            lines.append(f"  chunk: {self.chunk[0]} of {self.chunk[1]} registration call(s)")
+        for label, value in (("device", self.device), ("state", self.state), ("rung", self.rung)):
+            if value is not None:
+                lines.append(f"  {label}: {value}")
+        if self.other_domain_address is not None:
+            other = "device alias" if self.domain == "host_va" else "host VA"
+            lines.append(f"  {other}: {self.other_domain_address:#x}")
+        if self.numa_node is not None:
+            lines.append(f"  NUMA node: {self.numa_node}")
+        for backend, facts in self.pointer_attributes.items():
+            lines.append(f"  driver ({backend}): " + ", ".join(f"{k}={v}" for k, v in facts.items()))
+        lines.append(f"  /proc/{self.pid}/maps: {self.maps_line or 'no mapping holds this address'}")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def registration_rung(owner: RegisteredHostMemory) -> str:
+    """How ``owner`` was registered (the registration ladder's rung).
+
+    Hook for the registration ladder: where the owner records its rung, that record is
+    returned; otherwise the rung is read off the chunks (one call or page-aligned chunks,
+    the two rungs this build has).
+    """
+    recorded = getattr(owner, "rung", None)  # set by the ladder where the build has one
+    if recorded is not None:
+        return str(getattr(recorded, "value", recorded))  # ladder.Rung is a str enum: its value
+    chunks = getattr(owner, "chunks", ())
+    return "one call" if len(chunks) <= 1 else f"page-aligned chunks ({len(chunks)} calls)"
+
+
+def registration_numa_node(owner: RegisteredHostMemory, pid: int) -> int | None:
+    """The NUMA node of ``owner``'s pages: the owner's record where the build keeps one,
+    else the single node ``/proc/<pid>/numa_maps`` shows for its mapping (None if mixed
+    or unknown)."""
+    recorded = getattr(owner, "numa_node", None)  # set by NUMA-aware allocation where the build has it
+    if isinstance(recorded, int):
+        return recorded
+    nodes = numa_nodes_of_mapping(owner.host_va.value, pid)
+    return next(iter(nodes)) if len(nodes) == 1 else None
+
+
+def maps_line(address: int, pid: int | None = None) -> str | None:
+    """The ``/proc/<pid>/maps`` line (stripped) of the mapping holding ``address``, or
+    None (no mapping, or the file cannot be read: another user's process, not Linux)."""
+    try:
+        with open(f"/proc/{pid or 'self'}/maps") as f:
+            for line in f:
+                lo, _, hi = line.split(" ", 1)[0].partition("-")
+                if int(lo, 16) <= address < int(hi, 16):
+                    return " ".join(line.split())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+_NODE = re.compile(r"\bN(\d+)=(\d+)")
+
+
+def numa_nodes_of_mapping(address: int, pid: int | None = None) -> dict[int, int]:
+    """{NUMA node: resident pages} of the mapping holding ``address``, from
+    ``/proc/<pid>/numa_maps`` (empty where it is missing or the mapping has no pages yet)."""
+    line = maps_line(address, pid)
+    if line is None:
+        return {}
+    start = line.split("-", 1)[0].lstrip("0") or "0"
+    try:
+        with open(f"/proc/{pid or 'self'}/numa_maps") as f:
+            for entry in f:
+                if entry.split(" ", 1)[0].lstrip("0") == start:
+                    return {int(n): int(pages) for n, pages in _NODE.findall(entry)}
+    except OSError:
+        return {}
+    return {}
+
+
+def _alias_range(owner: RegisteredHostMemory, k: int) -> tuple[int, int] | None:
+    """(alias of chunk k, its length) or None where the backend has no alias for it."""
+    from pointerdomain._platform import backend_for
+
+    chunk = owner.chunks[k]
+    try:
+        status, alias = backend_for(owner.device).alias(chunk.host_va.value, owner.device)
+    except Exception:  # noqa: BLE001 - diagnosis must not raise (a build without the alias op)
+        return None
+    return (alias, chunk.nbytes) if status == 0 else None
+
+
+def _pointer_attributes(address: int, device: Device | None) -> tuple[dict[str, dict[str, object]], list[str]]:
+    """The platform pointer query for ``address`` on the backends that can answer."""
+    import torch
+
+    from pointerdomain._platform import backend_for, gpu_ops_built
+
+    out: dict[str, dict[str, object]] = {}
+    notes: list[str] = []
+    devices = [device] if device is not None else [Device("emulated", 0)]
+    if device is None and torch.cuda.is_available():
+        devices.append(Device("cuda", 0))
+    for dev in devices:
+        try:
+            backend = backend_for(dev)
+            facts: dict[str, object] = {"registered_host": backend.pointer_is_host(address)}
+            if dev.type == "emulated":
+                facts["emulated_device"] = backend.device_lookup(address, 1)
+            if dev.type == "emulated" or gpu_ops_built():
+                status, alias = backend.alias(address, dev)
+                facts["alias_status"] = status
+                if status == 0:
+                    facts["alias"] = f"{alias:#x}"
+            out[backend.name] = facts
+        except Exception as exc:  # noqa: BLE001 - diagnosis must not raise
+            notes.append(f"no pointer query on {dev}: {type(exc).__name__}: {exc}")
+    return out, notes
+
+
+def _cuda_allocation(address: int) -> tuple[int, int, int] | None:
+    """(device, segment start, size) of torch's CUDA caching-allocator segment holding
+    ``address``; None when CUDA is not initialised (never initialised from here)."""
+    import torch
+
+    cuda: Any = torch.cuda  # is_initialized / memory_snapshot are untyped in torch's stubs
+    if not (cuda.is_available() and cuda.is_initialized()):
+        return None
+    for segment in cuda.memory_snapshot():
+        start, size = int(segment["address"]), int(segment["total_size"])
+        if start <= address < start + size:
+            return int(segment["device"]), start, size
+    return None
+
+
+def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> Explanation:
+    """Explain ``address`` in this process (see the module docstring for the lookup order).
+
+    Args:
+        address: an int in [0, 2**64), or a HostVA / DeviceAlias (its ``.value``).
+        pid: read another process's memory map instead of this one's (the registry
+            lookup is skipped: pointerdomain's registrations live in their process).
+
+    Returns:
+        An :class:`Explanation` (``print(explain(a))`` gives the text form). Never raises
+        for an address nothing knows: that is ``domain="unknown"``.
+
+    Raises:
+        InvalidArgumentError: ``address`` is not an int in [0, 2**64).
+    """
+    from pointerdomain.errors import InvalidArgumentError
+
+    value = address.value if isinstance(address, (HostVA, DeviceAlias)) else address
+    if type(value) is not int or not 0 <= value < 2**64:
+        raise InvalidArgumentError(f"explain takes an address (an int in [0, 2**64)), got {address!r}")
+    own = pid is None or pid == os.getpid()
+    here = os.getpid() if own else int(pid or 0)
+    found: dict[str, object] = {"domain": "unknown"}
+    notes: list[str] = []
+    if own:
+        found = _find(value, notes)
+    else:
+        notes.append(f"process {here}: its registrations are in its own registry; only its memory map is read "
+                     "(call pointerdomain.explain() inside that process for the owner)")
+    device = found.get("device_obj")
+    attrs, more = _pointer_attributes(value, device if isinstance(device, Device) else None) if own else ({}, [])
+    notes.extend(more)
+    owner = found.get("owner_obj")
+    numa: int | None = None
+    if isinstance(owner, RegisteredHostMemory):
+        numa = registration_numa_node(owner, here)
+    else:
+        nodes = numa_nodes_of_mapping(value, here)
+        numa = next(iter(nodes)) if len(nodes) == 1 else None
+    if not os.path.exists(f"/proc/{here}/maps"):
+        notes.append(f"/proc/{here}/maps does not exist (no such process, or not Linux)")
+    fields = {k: v for k, v in found.items() if not k.endswith("_obj")}
+    return Explanation(address=value, pointer_attributes=attrs, maps_line=maps_line(value, here), pid=here,
+                       numa_node=numa, notes=tuple(notes), **fields)  # type: ignore[arg-type]
+
+
+def _describe(owner: RegisteredHostMemory, state: Literal["open", "closed"]) -> dict[str, object]:
+    return {"kind": "registration", "owner": repr(owner), "device": str(owner.device), "state": state,
+            "rung": registration_rung(owner), "owner_obj": owner, "device_obj": owner.device}
+
+
+def _find(value: int, notes: list[str]) -> dict[str, object]:
+    """The registry / allocation lookup for :func:`explain` (this process only)."""
+    va = HostVA(value)
+    for owner, state in ((find_registration(va), "open"), (find_closed_registration(va), "closed")):
+        if owner is None:
+            continue
+        out = _describe(owner, state)  # type: ignore[arg-type]
+        out |= {"domain": "host_va", "base": owner.host_va.value, "nbytes": owner.nbytes,
+                "offset": value - owner.host_va.value}
+        for k, chunk in enumerate(owner.chunks):
+            if chunk.contains(va, 1):
+                out["chunk"] = (k + 1, len(owner.chunks))
+                alias = _alias_range(owner, k) if state == "open" else None
+                if alias is not None:
+                    out["other_domain_address"] = alias[0] + (value - chunk.host_va.value)
+                    if alias[0] == chunk.host_va.value:
+                        notes.append(f"on {owner.device} the device alias equals the host VA "
+                                     "(CanUseHostPointerForRegisteredMem = 1): the same number is both")
+        if state == "closed":
+            notes.append("the registration was closed: the memory is ordinary host memory now and has no alias")
+        return out
+    for owner in open_registrations():
+        for k, chunk in enumerate(owner.chunks):
+            alias = _alias_range(owner, k)
+            if alias is not None and alias[0] <= value < alias[0] + alias[1]:
+                out = _describe(owner, "open")
+                out |= {"domain": "device_alias", "base": alias[0], "nbytes": alias[1], "offset": value - alias[0],
+                        "chunk": (k + 1, len(owner.chunks)),
+                        "other_domain_address": chunk.host_va.value + (value - alias[0])}
+                return out
+    try:
+        from pointerdomain.allocation import memory_device_at
+
+        where = memory_device_at(value, 1)
+    except Exception as exc:  # noqa: BLE001 - no extension: say so, keep going
+        notes.append(f"no emulated device lookup: {type(exc).__name__}: {exc}")
+        where = None
+    if where is not None:
+        return {"domain": "device_memory", "kind": "device allocation", "device": str(where), "device_obj": where}
+    segment = _cuda_allocation(value)
+    if segment is not None:
+        ordinal, start, size = segment
+        return {"domain": "device_memory", "kind": "device allocation (torch caching allocator segment)",
+                "device": f"cuda:{ordinal}", "base": start, "nbytes": size, "offset": value - start,
+                "device_obj": Device("cuda", ordinal)}
+    return {"domain": "unknown"}

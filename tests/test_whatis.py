@@ -1,0 +1,120 @@
+"""pointerdomain.explain / `pointerdomain whatis`, and the explanation typed errors carry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pointerdomain as pd
+from pointerdomain import errors
+from tests.reference import fill_pool, model_layout, table_storage
+
+PAGE = 4096
+EMU = "emulated:0"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pointerdomain", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_explain_host_va_alias_and_closed() -> None:
+    mem = pd.alloc_registered(3 * PAGE, EMU, max_chunk_bytes=PAGE)
+    va = mem.host_va + (PAGE + 904)
+    alias = pd.resolve_alias(va, EMU)
+    got = pd.explain(va)
+    assert (got.domain, got.kind, got.state, got.device) == ("host_va", "registration", "open", "emulated:0")
+    assert (got.base, got.nbytes, got.offset, got.chunk) == (mem.host_va.value, 3 * PAGE, PAGE + 904, (2, 3))
+    assert got.other_domain_address == alias.value != va.value
+    assert got.rung == mem.rung.value  # the ladder's record
+    assert got.maps_line is not None and got.maps_line.startswith(f"{mem.host_va.value:x}-")
+    assert got.pid == os.getpid()
+    back = pd.explain(alias)  # the alias side names the same byte in the host domain
+    assert (back.domain, back.other_domain_address, back.offset, back.chunk) == ("device_alias", va.value, 904, (2, 3))
+    assert back.base == pd.resolve_alias(mem.host_va + PAGE, EMU).value
+    assert "DeviceAlias" in back.text() and f"host VA: {va.value:#x}" in back.text()
+    mem.close()
+    closed = pd.explain(va)
+    assert (closed.domain, closed.state, closed.other_domain_address) == ("host_va", "closed", None)
+    assert pd.explain(alias).domain != "device_alias"  # its alias mapping is gone
+
+
+def test_explain_device_memory_and_unknown() -> None:
+    dev = pd.device_empty((PAGE,), torch.uint8, "emulated:1")
+    got = pd.explain(dev.data_ptr() + 17)
+    assert (got.domain, got.device) == ("device_memory", "emulated:1")
+    plain = torch.empty(PAGE, dtype=torch.uint8)
+    unknown = pd.explain(plain.data_ptr())
+    assert unknown.domain == "unknown" and unknown.owner is None and unknown.maps_line is not None
+    assert pd.explain(8).maps_line is None
+    with pytest.raises(errors.InvalidArgumentError):
+        pd.explain(-1)
+    with pytest.raises(errors.InvalidArgumentError):
+        pd.explain(2**64)
+    json.dumps(got.to_json())  # JSON-ready
+
+
+def test_errors_with_an_address_explain_it() -> None:
+    with pd.alloc_registered(2 * PAGE, EMU, max_chunk_bytes=PAGE) as mem:
+        with pytest.raises(errors.RegistrationSpanError) as span:
+            mem.chunk_of(mem.host_va + (PAGE - 8), 16)
+        assert span.value.address == mem.host_va.value + PAGE - 8
+        info = span.value.explain()
+        assert info is not None and info.domain == "host_va" and info.chunk == (1, 2)
+        assert any("pointerdomain.explain(" in note for note in span.value.__notes__)
+    plain = torch.empty(PAGE, dtype=torch.uint8)
+    with pytest.raises(errors.NotRegisteredError) as missing:
+        pd.resolve_alias(pd.HostVA(plain.data_ptr()), EMU)
+    assert missing.value.address == plain.data_ptr()
+    explained = missing.value.explain()
+    assert explained is not None and explained.domain == "unknown"
+    assert errors.InvalidArgumentError("no address").explain() is None
+
+
+def test_checked_mode_domain_error_explains_the_host_va() -> None:
+    layout = model_layout("page_first", pages=4)
+    dev = pd.DeviceKVPool(model_layout("layer_first", pages=4), EMU)
+    fill_pool(dev, 1)
+    with pd.HostKVPool(layout, EMU) as host:
+        raw = table_storage(host.kernel_table)
+        raw[0] = host.memory.host_va.value  # the core fault: a host VA reaching a kernel
+        slots = torch.arange(layout.page_size)
+        with pytest.raises(errors.DomainError) as info:
+            host.load(dev, slots, slots)
+        raw[0] = host.kernel_table[0].value
+        assert info.value.address == host.memory.host_va.value
+        explained = info.value.explain()
+        assert explained is not None and explained.domain == "host_va" and explained.offset == 0
+        assert explained.other_domain_address == host.kernel_table[0].value
+
+
+def test_whatis_cli_demo_pid_and_bad_address() -> None:
+    demo = _cli("whatis", "--demo", "--json")
+    assert demo.returncode == 0, demo.stderr
+    shown = json.loads(demo.stdout)
+    assert [e["domain"] for e in shown] == ["host_va", "host_va", "device_alias"]
+    assert shown[1]["other_domain_address"] == shown[2]["address"] and shown[2]["other_domain_address"] == shown[1]["address"]
+    text = _cli("whatis", "--demo")
+    assert text.returncode == 0 and "a DeviceAlias" in text.stdout and "/maps:" in text.stdout
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with open(f"/proc/{child.pid}/maps") as f:
+            first = f.readline().split()
+        start = int(first[0].split("-")[0], 16)
+        other = _cli("whatis", hex(start + 1), "--pid", str(child.pid), "--json")
+        assert other.returncode == 0, other.stderr
+        (got,) = json.loads(other.stdout)
+        assert got["pid"] == child.pid and got["maps_line"].split()[0] == first[0] and got["domain"] == "unknown"
+        decimal = _cli("whatis", str(start + 1), "--pid", str(child.pid))
+        assert decimal.returncode == 0 and f"{start + 1:#x}:" in decimal.stdout
+    finally:
+        child.kill()
+        child.wait()
+    for bad in (("whatis", "zz"), ("whatis",), ("whatis", str(2**64)), ("whatis", "--demo", "--pid", "1")):
+        out = _cli(*bad)
+        assert out.returncode == 2, (bad, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr
