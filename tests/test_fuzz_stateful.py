@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from tests import childenv
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIMUM = {"ci": 2000, "dev": 200, "long": 20000}
@@ -20,7 +21,7 @@ MINIMUM = {"ci": 2000, "dev": 200, "long": 20000}
 def test_stateful_fuzzer_in_a_child_process(tmp_path: Path) -> None:
     profile = os.environ.get("FUZZ_PROFILE", "ci")
     summary = tmp_path / "summary.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    env = dict(os.environ, PYTHONPATH=childenv.pythonpath())
     proc = subprocess.run(
         [sys.executable, "-m", "tests.fuzz_machine", "--profile", profile, "--summary", str(summary)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,

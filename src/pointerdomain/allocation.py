@@ -68,13 +68,13 @@ def alloc_registered(
     registered = None
     if strict_alias_enabled():
         from pointerdomain._platform.strict_alloc import double_map  # imports _C: on first use only
-
-        tensor, registered = double_map(backend, nbytes)
-    else:
-        try:
+    try:
+        if strict_alias_enabled():
+            tensor, registered = double_map(backend, nbytes)
+        else:
             tensor = backend.host_alloc(nbytes)
-        except (MemoryError, RuntimeError) as exc:
-            raise _out_of_memory(exc, "host", nbytes, dev) from None
+    except (MemoryError, RuntimeError) as exc:  # strict mode's double mapping too
+        raise _out_of_memory(exc, "host", nbytes, dev) from None
     if numa == "local":
         _place_local(tensor, dev)
     return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes, policy=policy, registered=registered,

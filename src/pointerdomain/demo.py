@@ -148,11 +148,14 @@ def _layouts(args: argparse.Namespace) -> tuple[KVLayout, KVLayout]:
     if not args.pages <= min(args.device_pages, args.host_pages):
         raise UsageError(f"--pages must be in [1, {min(args.device_pages, args.host_pages)}] (the smaller pool), "
                          f"got {args.pages}")
+    fields = dict(kind="layer_first", attention=args.attention, num_layers=args.layers, num_pages=args.device_pages,
+                  page_size=args.page_size, num_heads=heads, head_dim=args.head_dim, dtype=args.dtype)
     try:
-        dev = KVLayout(kind="layer_first", attention=args.attention, num_layers=args.layers,
-                       num_pages=args.device_pages, page_size=args.page_size, num_heads=heads,
-                       head_dim=args.head_dim, dtype=args.dtype)
-        host = dev.model_validate(dev.model_dump() | {"kind": args.host_layout, "num_pages": args.host_pages})
+        # pydantic's own validator first: it lists every bad field (KVLayout's errors name the first only)
+        for data in (fields, fields | {"kind": args.host_layout, "num_pages": args.host_pages}):
+            KVLayout.__pydantic_validator__.validate_python(data)
+        dev = KVLayout(**fields)
+        host = dev.replace(kind=args.host_layout, num_pages=args.host_pages)
     except pydantic.ValidationError as exc:
         raise UsageError("invalid pool shape: " + "; ".join(_flag_error(e, args) for e in exc.errors())) from None
     return dev, host
@@ -194,6 +197,9 @@ class _Steps:
 
 def _fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
     """Random bytes in place (never a constant: a copy that does nothing must show); no scratch."""
+    if t.device != gen.device:  # a CUDA tensor needs a CUDA generator: seed one from the CPU one
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+        gen = torch.Generator(device=t.device).manual_seed(seed)
     t.view(torch.uint8).view(-1).random_(0, 256, generator=gen)
 
 
