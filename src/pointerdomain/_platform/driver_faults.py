@@ -29,12 +29,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pointerdomain._platform.base import Backend, PinnedAllocator
+from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.status import ALREADY_REGISTERED, NOT_REGISTERED, OUT_OF_MEMORY
 
 if TYPE_CHECKING:
     import torch
 
-    from pointerdomain._C import KernelPlan
     from pointerdomain.devices import Device
 
 __all__ = ["NOT_SUPPORTED", "DriverFaults"]
@@ -43,7 +43,7 @@ __all__ = ["NOT_SUPPORTED", "DriverFaults"]
 NOT_SUPPORTED = 801
 
 
-class DriverFaults:
+class DriverFaults(DelegatingBackend):
     """``inner`` with driver-like registration failures (see the module docstring).
 
     Attributes:
@@ -63,17 +63,13 @@ class DriverFaults:
         fail_at: Mapping[int, int] | None = None,
         refuse_pinned_alloc: int | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner, "driver-faults")
         self.refuse_all = refuse_all
         self.per_call_cap = per_call_cap
         self.total_cap = total_cap
         self.memlock = memlock
         self.fail_at = dict(fail_at or {})
         self.refuse_pinned_alloc = refuse_pinned_alloc
-        self.name = f"driver-faults({inner.name})"
-        self.runtime = inner.runtime
-        self.has_alias_op = inner.has_alias_op
-        self.host_readable = inner.host_readable
         self.register_calls: list[tuple[int, int, int]] = []
         self.foreign_unregisters = 0
         self.pinned_calls = 0
@@ -160,59 +156,6 @@ class DriverFaults:
         if isinstance(self.inner, PinnedAllocator):
             self.inner.pinned_release(va, device)
 
-    # everything else: the inner backend's ----------------------------------------
-    def alias(self, va: int, device: Device) -> tuple[int, int]:
-        return self.inner.alias(va, device)
-
+    # everything else: the inner backend's (DelegatingBackend) ------------------------
     def pointer_is_host(self, ptr: int) -> bool:
         return self._foreign_overlap(ptr, 1) or self.inner.pointer_is_host(ptr)
-
-    def device_lookup(self, addr: int, nbytes: int) -> int:
-        return self.inner.device_lookup(addr, nbytes)
-
-    def device_count(self) -> int:
-        return self.inner.device_count()
-
-    def can_use_host_pointer(self, device: Device) -> int | None:
-        return self.inner.can_use_host_pointer(device)
-
-    def device_name(self, device: Device) -> str:
-        return self.inner.device_name(device)
-
-    def free_device_memory(self, device: Device) -> int | None:
-        return self.inner.free_device_memory(device)
-
-    def host_alloc(self, nbytes: int) -> torch.Tensor:
-        return self.inner.host_alloc(nbytes)
-
-    def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
-        return self.inner.device_alloc(nbytes, device)
-
-    def current_stream(self, device: Device) -> int:
-        return self.inner.current_stream(device)
-
-    def is_capturing(self, device: Device) -> bool:
-        return self.inner.is_capturing(device)
-
-    def launch(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
-        self.inner.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
-
-    def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
-        self.inner.copy_runs(dsts, srcs, sizes, count, device, stream)
-
-    def staged_available(self) -> bool:
-        return self.inner.staged_available()
-
-    def staged_transfer(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
-        self.inner.staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
-                                   host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
-
-    def synchronize(self, device: Device) -> None:
-        self.inner.synchronize(device)

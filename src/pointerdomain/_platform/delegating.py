@@ -1,0 +1,97 @@
+"""A backend that forwards every call to another one: the base of the wrapping test
+backends (:mod:`~pointerdomain._platform.faulty`, :mod:`~pointerdomain._platform.driver_faults`),
+which override only the calls they fault, so a new :class:`~pointerdomain._platform.base.Backend`
+method is forwarded in one place."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pointerdomain._platform.base import Backend, DeviceAttributeName
+
+if TYPE_CHECKING:
+    import torch
+
+    from pointerdomain._C import KernelPlan
+    from pointerdomain.devices import Device
+
+__all__ = ["DelegatingBackend"]
+
+
+class DelegatingBackend:
+    """``inner``'s behaviour, call for call, under the name ``f"{label}({inner.name})"``."""
+
+    def __init__(self, inner: Backend, label: str) -> None:
+        self.inner = inner
+        self.name = f"{label}({inner.name})"
+        self.runtime = inner.runtime
+        self.has_alias_op = inner.has_alias_op
+        self.host_readable = inner.host_readable
+
+    def register(self, va: int, nbytes: int, device: Device) -> int:
+        return self.inner.register(va, nbytes, device)
+
+    def unregister(self, va: int, device: Device) -> int:
+        return self.inner.unregister(va, device)
+
+    def describe(self, code: int) -> str:
+        return self.inner.describe(code)
+
+    def alias(self, va: int, device: Device) -> tuple[int, int]:
+        return self.inner.alias(va, device)
+
+    def pointer_is_host(self, ptr: int) -> bool:
+        return self.inner.pointer_is_host(ptr)
+
+    def device_lookup(self, addr: int, nbytes: int) -> int:
+        return self.inner.device_lookup(addr, nbytes)
+
+    def device_count(self) -> int:
+        return self.inner.device_count()
+
+    def can_use_host_pointer(self, device: Device) -> int | None:
+        return self.inner.can_use_host_pointer(device)
+
+    def device_name(self, device: Device) -> str:
+        return self.inner.device_name(device)
+
+    def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
+        return self.inner.device_attribute(name, device)
+
+    def free_device_memory(self, device: Device) -> int | None:
+        return self.inner.free_device_memory(device)
+
+    def host_alloc(self, nbytes: int) -> torch.Tensor:
+        return self.inner.host_alloc(nbytes)
+
+    def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
+        return self.inner.device_alloc(nbytes, device)
+
+    def current_stream(self, device: Device) -> int:
+        return self.inner.current_stream(device)
+
+    def is_capturing(self, device: Device) -> bool:
+        return self.inner.is_capturing(device)
+
+    def launch(
+        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        self.inner.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+
+    def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
+        self.inner.copy_runs(dsts, srcs, sizes, count, device, stream)
+
+    def staged_available(self) -> bool:
+        return self.inner.staged_available()
+
+    def staged_transfer(
+        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        self.inner.staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
+                                   host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
+
+    def synchronize(self, device: Device) -> None:
+        self.inner.synchronize(device)
