@@ -10,7 +10,7 @@ rolls back before it raises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -33,16 +33,7 @@ DeviceAttributeName = Literal[
     "PciBusId",
     "PciDeviceId",
 ]
-DEVICE_ATTRIBUTES: tuple[DeviceAttributeName, ...] = (
-    "CanUseHostPointerForRegisteredMem",
-    "PageableMemoryAccess",
-    "PageableMemoryAccessUsesHostPageTables",
-    "HostRegisterSupported",
-    "HostRegisterReadOnlySupported",
-    "PciDomainId",
-    "PciBusId",
-    "PciDeviceId",
-)
+DEVICE_ATTRIBUTES: tuple[DeviceAttributeName, ...] = get_args(DeviceAttributeName)
 
 
 class Backend(Protocol):
