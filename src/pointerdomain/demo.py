@@ -89,15 +89,20 @@ class Estimate:
     device_bytes: int
 
 
-def _rss_bytes() -> int:
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file, in bytes (None where it is missing)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def _rss_bytes() -> int:
+    return _proc_bytes("/proc/self/status", "VmRSS") or 0
 
 
 def estimate(device: Device, dev_layout: KVLayout, host_layout: KVLayout, pages: int) -> Estimate:
@@ -116,14 +121,7 @@ def estimate(device: Device, dev_layout: KVLayout, host_layout: KVLayout, pages:
 
 
 def _available_host_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def _check_fits(device: Device, est: Estimate) -> None:
