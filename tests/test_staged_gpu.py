@@ -82,6 +82,52 @@ def test_staged_d2h_and_h2d_match_the_reference(host_kind: str, page_size: int, 
         assert torch.equal(pool_bytes(pool), expected), "H2D: not the reference"
 
 
+@pytest.mark.parametrize("where", [("cpu", "cpu"), ("cpu", "cuda"), ("cuda", "cpu")])
+def test_staged_takes_cpu_indices_without_a_sync_and_moves_the_reference(where: tuple[str, str]) -> None:
+    """Either index set may be a CPU tensor (host side, device side): same bytes as with
+    CUDA indices; the device pool's CPU indices are uploaded on the launch stream."""
+    dev = _dev()
+    staged.set_staging(dev, nbytes=SMALL_STAGING)
+    host_at, dev_at = where
+    dev_layout, host_layout = layout("layer_first", 512, "mha", 16), layout("page_first", 768, "mha", 16)
+    with filled_pools(dev_layout, host_layout, dev, chunk_blocks=8, seed=6) as (pool, host):
+        d = _slots(dev_layout.num_slots, 16, 300, 11, "tokens")
+        h = _slots(host_layout.num_slots, 16, 300, 12, "pages")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        expected = reference_transfer(pool_bytes(pool), dev_layout, host.buffer, host_layout, d, h)
+        host.backup(pool, d.to(dev_at), h.to(host_at), backend="staged", max_ctas=2, stream=side.cuda_stream)
+        side.synchronize()
+        assert torch.equal(as_bytes(host.buffer).reshape(-1), expected), "D2H: not the reference"
+        fill_pool(pool, 78)
+        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, h, d)
+        host.load(pool, h.to(host_at), d.to(dev_at), backend="staged", max_ctas=2, stream=side.cuda_stream)
+        side.synchronize()
+        assert torch.equal(pool_bytes(pool), expected), "H2D: not the reference"
+        with pytest.raises(errors.IndexValidationError, match="on cpu"):  # the kernel needs device indices
+            host.load(pool, h, d, backend="kernel")
+        bad = d.clone()
+        bad[299] = dev_layout.num_slots
+        before = _snapshot(pool, host)
+        with pytest.raises(errors.IndexValidationError, match="nothing was copied"):
+            host.load(pool, h.to(host_at), bad.to(dev_at), backend="staged", max_ctas=2)
+        after = _snapshot(pool, host)
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_copy_engine_takes_cpu_indices() -> None:
+    dev = _dev()
+    dev_layout, host_layout = layout("layer_first", 512, "mha", 16), layout("page_first", 768, "mha", 16)
+    with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=7) as (pool, host):
+        d = _slots(dev_layout.num_slots, 16, 256, 13, "pages")
+        h = _slots(host_layout.num_slots, 16, 256, 14, "pages")
+        fill_pool(pool, 79)
+        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, h, d)
+        host.load(pool, h, d, backend="copy_engine")
+        torch.cuda.synchronize()
+        assert torch.equal(pool_bytes(pool), expected)
+
+
 def _snapshot(pool: pd.DeviceKVPool, host: pd.HostKVPool) -> tuple[torch.Tensor, torch.Tensor]:
     torch.cuda.synchronize()
     return pool_bytes(pool).clone(), as_bytes(host.buffer).reshape(-1).clone()

@@ -580,7 +580,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Method keys for --methods: a (bulk, always run), b (memcpy per item), c (library copy engine), "
                "d (torch indexing), e1 e2 e4 e8 eall (our kernel, all layers, at that CTA budget / whole GPU), "
-               "p1 p2 p4 p8 pall (the same, one launch per layer), f (auto), g (warp-per-item kernel), "
+               "p1 p2 p4 p8 pall (the same, one launch per layer), f (auto), s / sh (staged path at 2 CTAs, CUDA / "
+               "CPU index tensors), g (warp-per-item kernel), "
                "h (imitation of a common 2-CTA design); on CPU: e (our CPU kernel), p (per layer).")
     ap.add_argument("--out", default=default_out(), help="output directory for transfer.json / transfer.png "
                     "(default: %(default)s, outside the checkout)")

@@ -10,7 +10,8 @@
 (e) our kernel, ``transfer_kv_all_layer(backend="kernel", max_ctas=N, validate_indices=False)``
     at N = 1, 2, 4, 8 and the whole GPU; (p) the same one ``transfer_kv_per_layer`` call
     per layer; (f) ``backend="auto"`` at the library's default budget;
-(s) the staged copy-engine path, ``transfer_kv_all_layer(backend="staged", max_ctas=2)``;
+(s) the staged copy-engine path, ``transfer_kv_all_layer(backend="staged", max_ctas=2)``
+    with CUDA index tensors, (sh) the same with CPU index tensors (no device sync);
 (g) a simple warp-per-item 16-byte kernel on the whole GPU and (h) an imitation of a
     common 2-CTA design (8-byte words, each warp a contiguous share of the slots), both
     compiled here with ``cupy.RawKernel`` and fed per-item address lists. (h) is a
@@ -194,10 +195,10 @@ def build(bench: "Bench") -> list[Method]:
                      cap_items=a.memcpy_items, skip=cupy_skip if cuda else None))
 
     # (c)
-    def prep_ours(backend: str, max_ctas: Any, per_layer: bool = False) -> Prep:
+    def prep_ours(backend: str, max_ctas: Any, per_layer: bool = False, cpu_indices: bool = False) -> Prep:
         def prep(case: "Case", direction: str, s: torch.Tensor, d: torch.Tensor) -> Fn:
             src, dst = case.ends(direction)
-            si, di = s.to(bench.tdev), d.to(bench.tdev)
+            si, di = (s.cpu(), d.cpu()) if cpu_indices else (s.to(bench.tdev), d.to(bench.tdev))
             st, dt, sl, dl = src.table, dst.table, src.layout, dst.layout
             kw: dict[str, Any] = dict(backend=backend, validate_indices=False)
             if max_ctas != "default":
@@ -279,18 +280,24 @@ def build(bench: "Bench") -> list[Method]:
 
     # (s): the staged copy-engine path through the public API
     if cuda:
-        ours_staged = prep_ours("staged", 2)
+        def staged_prep(cpu_indices: bool) -> Prep:
+            ours_staged = prep_ours("staged", 2, cpu_indices=cpu_indices)
 
-        def prep_staged(case: "Case", direction: str, s: torch.Tensor, d: torch.Tensor) -> Fn:
-            src, dst = case.ends(direction)
-            if (src if direction == "H2D" else dst).layout.kind != "page_first":
-                raise Skip("the staged path needs a host pool whose slot holds its layers in one block (page_first)")
-            return ours_staged(case, direction, s, d)
+            def prep_staged(case: "Case", direction: str, s: torch.Tensor, d: torch.Tensor) -> Fn:
+                src, dst = case.ends(direction)
+                if (src if direction == "H2D" else dst).layout.kind != "page_first":
+                    raise Skip("the staged path needs a host pool whose slot holds its layers in one block "
+                               "(page_first)")
+                return ours_staged(case, direction, s, d)
+
+            return prep_staged
 
         ms.append(Method("s", "(s) staged@2", "our staged copy-engine path: transfer_kv_all_layer(backend='staged', "
                          "max_ctas=2) (the copy engine moves whole host runs through a 16 MiB device ring of 2 "
-                         "slots, the kernel at 2 CTAs scatters/gathers the items; reads the indices on the host)",
-                         prep_staged, ctas=2))
+                         "slots, the kernel at 2 CTAs scatters/gathers the items) with CUDA index tensors, which "
+                         "it reads on the host (a sync per call)", staged_prep(False), ctas=2))
+        ms.append(Method("sh", "(sh) staged@2, CPU indices", "the same with CPU index tensors (no sync: the host "
+                         "prepares the next call while the GPU copies)", staged_prep(True), ctas=2))
 
     # (g), (h)
     def prep_cupy(which: str) -> Prep:

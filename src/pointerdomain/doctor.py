@@ -224,7 +224,8 @@ def _rung_test(device: Device, nbytes: int, max_chunk_bytes: int) -> tuple[bool,
         data = torch.randint(1, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
         mem.tensor.copy_(data)
         for chunk in mem.chunks:
-            status, alias = backend.alias(chunk.host_va.value, device)
+            # strict alias mode: the alias is of the registered second mapping, not the host VA
+            status, alias = backend.alias(chunk.registered_address, device)
             if status != 0:
                 return False, f"no alias for chunk at {chunk.host_va!r}: status {status} ({backend.describe(status)})"
             if backend.host_readable:

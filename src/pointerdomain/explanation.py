@@ -190,8 +190,11 @@ def _alias_range(owner: RegisteredHostMemory, k: int) -> tuple[int, int] | None:
     from pointerdomain._platform import backend_for
 
     chunk = owner.chunks[k]
+    if not owner.kernel_readable:
+        return None  # unpinned rung: no alias exists (the copy engine stages the host VA)
     try:
-        status, alias = backend_for(owner.device).alias(chunk.host_va.value, owner.device)
+        # strict alias mode: the alias belongs to the registered second mapping, not the host VA
+        status, alias = backend_for(owner.device).alias(chunk.registered_address, owner.device)
     except Exception:  # noqa: BLE001 - diagnosis must not raise (a build without the alias op)
         return None
     return (alias, chunk.nbytes) if status == 0 else None
@@ -309,6 +312,9 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
                     if alias[0] == chunk.host_va.value:
                         notes.append(f"on {owner.device} the device alias equals the host VA "
                                      "(CanUseHostPointerForRegisteredMem = 1): the same number is both")
+                    elif chunk.register_va is not None:
+                        notes.append("strict alias mode: the host VA is a never-registered mapping; kernels read "
+                                     "the alias of the second, registered mapping of the same pages")
         if state == "closed":
             notes.append("the registration was closed: the memory is ordinary host memory now and has no alias")
         return out

@@ -72,7 +72,10 @@ def index_tensor(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return out
 
 
-def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:
+def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False) -> torch.Tensor:
+    """``idx`` checked for a launch on ``device``; ``host_read``: the backend reads these
+    indices on the host only (the copy engine; the staged path's host side, which
+    :func:`~pointerdomain.staged.launch_staged` tells apart), so a CPU tensor is fine too."""
     if not isinstance(idx, torch.Tensor):
         raise IndexValidationError(f"{name}: expected an int64 tensor, got {type(idx).__name__}")
     if idx.dtype != torch.int64:
@@ -81,7 +84,7 @@ def _check_indices(name: str, idx: Any, device: Device) -> torch.Tensor:
         raise IndexValidationError(f"{name}: shape {tuple(idx.shape)}, expected 1-D")
     if not idx.is_contiguous():
         raise IndexValidationError(f"{name}: not contiguous (stride {idx.stride()})")
-    if not tensor_on(idx, device):
+    if not tensor_on(idx, device) and not (host_read and idx.device.type == "cpu"):
         raise IndexValidationError(
             f"{name}: on {idx.device}, but the launch runs on {device} (indices must be on {device.torch_device})"
         )
@@ -164,8 +167,9 @@ def _launch(
             table.check_live()
         except ClosedError as exc:
             raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
-    s_idx = _check_indices("src_indices", src_indices, device)
-    d_idx = _check_indices("dst_indices", dst_indices, device)
+    host_read = backend == "staged" or backend == "copy_engine"
+    s_idx = _check_indices("src_indices", src_indices, device, host_read)
+    d_idx = _check_indices("dst_indices", dst_indices, device, host_read)
     n = s_idx.numel()
     if n != d_idx.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {d_idx.numel()}")
@@ -228,7 +232,7 @@ def _launch_on_device(
         validate_indices == "host" or (validate_indices is True and platform.host_readable)
     ):
         # host-readable indices (emulated device): no sync, so check before launching
-        # (staged: launch_staged checks its own host copy of the indices)
+        # (staged: launch_staged checks its host side itself, the device side by the same rule)
         _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
@@ -289,7 +293,11 @@ def transfer_kv_all_layer(
         src, dst: kernel tables (see :func:`make_kernel_ptr_table`) over buffers of
             ``src_layout`` / ``dst_layout``; same device.
         src_indices, dst_indices: ``int64`` 1-D token slots of equal length ``n``,
-            on the launch device (CPU for an emulated device).
+            on the launch device (CPU for an emulated device). With
+            ``backend="copy_engine"`` or ``"staged"``, which read the indices on the
+            host, they may be CPU tensors instead, which saves the device sync of
+            reading them (the staged path copies a device pool's checked indices to
+            the device itself).
         src_layout, dst_layout: must agree on everything but ``kind`` and ``num_pages``.
         stream: a ``cudaStream_t`` as an int; default the device's current stream.
         max_ctas: SM budget: at most this many CTAs (thread blocks) for the kernel

@@ -9,10 +9,16 @@ device pool at HBM speed; chunk k's copies overlap chunk k-1's kernel
 1 KiB and 1152 B items in both directions (16 MiB ring of 2 slots), above the 0.92-0.93 x
 ceiling of every SM-issued H2D copy (docs/performance.md, "Staged copy-engine path").
 
-It reads the indices on the host (a sync for CUDA indices) and so can never be captured
-in a CUDA graph. The indices are copied to the host once; that copy is range-checked and
-is the one the copy descriptors are built from (no time-of-check/time-of-use gap on the
-host side); the kernel stage skips an out-of-range device slot as the kernel path does.
+It reads the host pool's indices on the host and so can never be captured in a CUDA
+graph. Both index sets are copied to the host once and range-checked there, whatever
+``validate_indices`` (so a bad slot leaves everything as it was); the host side's copy is
+the one the copy descriptors are built from (no time-of-check/time-of-use gap on the host
+side), and the kernel stage skips an out-of-range device slot as the kernel path does.
+Either index set may be a CPU tensor (a device pool's CPU indices are checked, then copied
+to the device on the launch stream through pinned memory): CPU indices cost no device
+sync, while reading CUDA indices waits for the stream's earlier work, which back to back
+leaves the GPU idle while the host prepares the next call (docs/performance.md has both
+on the H200).
 
 Where it applies (else an explicit ``backend="staged"`` raises, and ``"auto"`` uses the
 kernel): all layers (:func:`~pointerdomain.transfer_kv_all_layer`), one table over
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -219,12 +225,23 @@ def _staging_buffer(device: Device, config: StagingConfig, plan: TransferPlan) -
     return buf
 
 
+def _on_device(checked: torch.Tensor, device: Device, stream: int) -> torch.Tensor:
+    """``checked`` (a CPU tensor) copied to ``device`` on ``stream``, through pinned memory
+    (torch keeps the pinned block until the copy is done; the device copy is allocated on
+    ``stream``, so the caching allocator reuses it only after the stream's work)."""
+    cuda: Any = torch.cuda  # ExternalStream is untyped in torch's stubs
+    ext = cuda.ExternalStream(stream, device=device.torch_device)
+    pinned = checked.pin_memory()
+    with cuda.stream(ext):
+        return pinned.to(device.torch_device, non_blocking=True)
+
+
 def launch_staged(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
     s_idx: torch.Tensor, d_idx: torch.Tensor, layer_begin: int, layer_count: int, stream: int, ctas: int,
 ) -> None:
     """Run the staged transfer of the checked index tensors (``int64``, 1-D, contiguous,
-    on the device, equal length ``n`` > 0) on ``stream``.
+    equal length ``n`` > 0, each on the device or the CPU) on ``stream``.
 
     Raises:
         InvalidArgumentError, LayoutError: the path does not apply (:func:`staged_refusal`),
@@ -236,8 +253,9 @@ def launch_staged(
     if isinstance(verdict, PointerDomainError):
         raise verdict
     host_is_src = verdict
-    # One host copy of each index set: checked here, and the host side's copy is the one the
-    # copy descriptors are built from.
+    # One host copy of each side, range-checked here, so a bad slot leaves everything as it
+    # was; the host side's copy is the one the copy descriptors are built from (a CPU tensor
+    # is copied too: another thread may change it meanwhile). CUDA indices cost a sync here.
     s_host = s_idx.to("cpu", copy=True)
     d_host = d_idx.to("cpu", copy=True)
     for name, idx, slots in (("src_indices", s_host, plan.src_layout.num_slots),
@@ -245,9 +263,13 @@ def launch_staged(
         lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < 0 or hi >= slots:
             raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
+    host_idx = s_host if host_is_src else d_host
     if plan.platform.host_readable:  # the kernel reads host memory: give it the checked copies too
         s_idx, d_idx = s_host, d_host
-    host_idx = s_host if host_is_src else d_host
+    elif host_is_src and not d_idx.is_cuda:  # the kernel reads the device pool's side: upload it
+        d_idx = _on_device(d_host, plan.device, stream)
+    elif not host_is_src and not s_idx.is_cuda:
+        s_idx = _on_device(s_host, plan.device, stream)
     host_table = torch.tensor(plan.src_values if host_is_src else plan.dst_values, dtype=torch.uint64)
     config = _config_of(plan.device)
     staging = _staging_buffer(plan.device, config, plan)

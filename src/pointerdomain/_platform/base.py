@@ -107,6 +107,11 @@ class Backend(Protocol):
         """``nbytes`` of page-aligned host memory that :meth:`register` accepts (a uint8 tensor)."""
         ...
 
+    def shareable_host_alloc(self, nbytes: int) -> torch.Tensor:
+        """As :meth:`host_alloc`, backed by a memfd that ``_C.strict_mirror`` can map a second
+        time (strict alias mode's registered mapping, :mod:`._platform.strict_alloc`)."""
+        ...
+
     def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
         """``nbytes`` of device memory of ``device`` (a flat uint8 tensor)."""
         ...

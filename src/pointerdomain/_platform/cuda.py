@@ -98,6 +98,9 @@ class _TorchDevice:
         skip = -raw.data_ptr() % mmap.PAGESIZE
         return raw[skip : skip + nbytes]
 
+    def shareable_host_alloc(self, nbytes: int) -> torch.Tensor:
+        return _C.strict_shared_alloc(nbytes)
+
     def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device)
 

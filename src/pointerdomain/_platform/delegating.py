@@ -64,6 +64,9 @@ class DelegatingBackend:
     def host_alloc(self, nbytes: int) -> torch.Tensor:
         return self.inner.host_alloc(nbytes)
 
+    def shareable_host_alloc(self, nbytes: int) -> torch.Tensor:
+        return self.inner.shareable_host_alloc(nbytes)
+
     def device_alloc(self, nbytes: int, device: Device) -> torch.Tensor:
         return self.inner.device_alloc(nbytes, device)
 

@@ -149,6 +149,9 @@ class EmulatedBackend:
     def host_alloc(self, nbytes: int) -> torch.Tensor:
         return _C.emu_host_alloc(nbytes)
 
+    def shareable_host_alloc(self, nbytes: int) -> torch.Tensor:
+        return _C.emu_host_alloc(nbytes)  # already a memfd, and the emulated registration needs its own
+
     def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
         """The emulated cudaHostAlloc: memfd memory registered (aliased) at once."""
         tensor = _C.emu_host_alloc(nbytes)

@@ -25,6 +25,6 @@ def double_map(backend: Backend, nbytes: int) -> tuple[torch.Tensor, torch.Tenso
     Raises:
         MemoryError: the memfd or a mapping could not be made.
     """
-    registered = backend.host_alloc(nbytes) if backend.runtime == "emulated" else _C.strict_shared_alloc(nbytes)
+    registered = backend.shareable_host_alloc(nbytes)
     host = _C.strict_mirror(registered.data_ptr(), nbytes)
     return host[:nbytes], registered[:nbytes]
