@@ -62,6 +62,32 @@ __global__ void write_header(std::uint64_t *tables, Bases bases, int ring, std::
     for (std::int64_t j = i; j < chunk; j += static_cast<std::int64_t>(gridDim.x) * blockDim.x) iota[j] = j;
 }
 
+// The chunk schedule: (first slot, slots) per chunk. Full chunks in the middle, and ramps of
+// chunk/8, chunk/4, chunk/2 at both ends: the pipeline's fill (D2H: the first kernel before
+// any copy) and drain (H2D: the last kernel after the last copy) leave the copy engine
+// idle for one chunk's kernel time, so short end chunks shorten that (and back to back,
+// the next call's start waits on the previous call's end).
+std::vector<std::array<std::int64_t, 2>> chunk_schedule(std::int64_t n, std::int64_t chunk) {
+    std::vector<std::array<std::int64_t, 2>> out;
+    std::array<std::int64_t, 3> ramp{std::max<std::int64_t>(1, chunk / 8), std::max<std::int64_t>(1, chunk / 4),
+                                     std::max<std::int64_t>(1, chunk / 2)};
+    const std::int64_t ends = 2 * (ramp[0] + ramp[1] + ramp[2]);
+    std::int64_t c0 = 0;
+    auto add = [&](std::int64_t m) {
+        out.push_back({c0, m});
+        c0 += m;
+    };
+    if (chunk < 8 || n < ends + 2 * chunk) {  // too short to gain: equal full chunks
+        while (c0 < n) add(std::min(chunk, n - c0));
+        return out;
+    }
+    for (std::int64_t m : ramp) add(m);
+    const std::int64_t middle_end = n - (ends / 2);
+    while (c0 < middle_end) add(std::min(chunk, middle_end - c0));
+    for (auto it = ramp.rbegin(); it != ramp.rend(); ++it) add(*it);
+    return out;
+}
+
 }  // namespace
 
 int staged_transfer(const Transfer &t, bool host_is_src, const Side &host, const std::int64_t *host_idx,
@@ -107,10 +133,11 @@ int staged_transfer(const Transfer &t, bool host_is_src, const Side &host, const
     if (gpuError_t e = gpuStreamWaitEvent(cs, res->start, 0)) return fail(e);
 
     std::vector<std::uint64_t> dsts, srcs, sizes;
-    const std::int64_t chunks = (t.n + chunk - 1) / chunk;
+    const auto schedule = chunk_schedule(t.n, chunk);
+    const std::int64_t chunks = static_cast<std::int64_t>(schedule.size());
     for (std::int64_t k = 0; k < chunks; ++k) {
         const int r = static_cast<int>(k % ring);
-        const std::int64_t c0 = k * chunk, m = std::min(chunk, t.n - c0);
+        const std::int64_t c0 = schedule[k][0], m = schedule[k][1];
         const std::uint64_t ring_base = staging + kHeader + static_cast<std::uint64_t>(r) * slot_bytes;
         // The chunk's contiguous runs: consecutive host blocks merge.
         dsts.clear();

@@ -36,6 +36,7 @@ stream than the previous waits for it on the GPU (the ring is shared).
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -152,10 +153,19 @@ def chunk_slots(config: StagingConfig, num_kv: int, block_bytes: int) -> int:
     return min(slot_bytes // (num_kv * block_bytes), (_HEADER - _TABLE) // 8)
 
 
+# A table's buffers never change, so where they lie is computed once per table (a device
+# pool's table holds one buffer per layer and kv: 64 lookups cost ~0.5 ms per call).
+_sides: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], str] = weakref.WeakKeyDictionary()
+
+
 def _side_memory(table: PointerTable[DeviceAlias]) -> str:
     """``"host"``, ``"device"`` or ``"mixed"``: where every buffer of the table lies."""
-    where = {"host" if memory_device(t) is None else "device" for t in table.kept_tensors()}
-    return where.pop() if len(where) == 1 else "mixed"
+    side = _sides.get(table)
+    if side is None:
+        where = {"host" if memory_device(t) is None else "device" for t in table.kept_tensors()}
+        side = where.pop() if len(where) == 1 else "mixed"
+        _sides[table] = side
+    return side
 
 
 def staged_refusal(
@@ -256,8 +266,13 @@ def launch_staged(
     # One host copy of each side, range-checked here, so a bad slot leaves everything as it
     # was; the host side's copy is the one the copy descriptors are built from (a CPU tensor
     # is copied too: another thread may change it meanwhile). CUDA indices cost a sync here.
-    s_host = s_idx.to("cpu", copy=True)
-    d_host = d_idx.to("cpu", copy=True)
+    n = s_idx.numel()
+    if s_idx.is_cuda and d_idx.is_cuda:  # one device-to-host copy (one sync), not two
+        both = torch.cat((s_idx, d_idx)).cpu()
+        s_host, d_host = both[:n], both[n:]
+    else:
+        s_host = s_idx.to("cpu", copy=True)
+        d_host = d_idx.to("cpu", copy=True)
     for name, idx, slots in (("src_indices", s_host, plan.src_layout.num_slots),
                              ("dst_indices", d_host, plan.dst_layout.num_slots)):
         lo, hi = (int(v) for v in torch.aminmax(idx))
@@ -274,7 +289,7 @@ def launch_staged(
     config = _config_of(plan.device)
     staging = _staging_buffer(plan.device, config, plan)
     plan.platform.staged_transfer(
-        plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), s_idx.numel(), layer_begin, layer_count, host_is_src,
+        plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, host_is_src,
         host_table.data_ptr(), host_idx.data_ptr(), staging.data_ptr(), config.nbytes, config.ring, plan.device,
         stream, ctas,
     )
