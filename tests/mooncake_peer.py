@@ -26,6 +26,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.adapters.mooncake import HostTransferEngine
+from tests.reference import page_items, page_slots  # the checkout is on the child's PYTHONPATH (tests/childenv.py)
 
 DEV = "emulated:0"
 
@@ -37,20 +38,6 @@ def layouts() -> tuple[pd.KVLayout, pd.KVLayout]:
         pd.KVLayout(kind="layer_first", num_pages=10, **common),  # type: ignore[arg-type]
         pd.KVLayout(kind="page_first", num_pages=8, **common),  # type: ignore[arg-type]
     )
-
-
-def slots(pages: list[int], page_size: int) -> torch.Tensor:
-    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])
-
-
-def page_items(pool: pd.DeviceKVPool, pages: list[int]) -> dict[str, torch.Tensor]:
-    """Raw bytes of every (kv, layer) item of ``pages``, in page order."""
-    idx = slots(pages, pool.layout.page_size)
-    return {
-        f"{kv}/{layer}": pool.buffer(kv, layer)[idx].contiguous().view(torch.uint8).clone()
-        for kv in range(pool.layout.num_kv)
-        for layer in range(pool.layout.num_layers)
-    }
 
 
 def engine() -> HostTransferEngine:
@@ -83,7 +70,7 @@ def serve(args: argparse.Namespace) -> None:
     src_pages = [int(p) for p in args.device_pages.split(",")]
     host_pages = [int(p) for p in args.host_pages.split(",")]
     ps = dev_layout.page_size
-    host.backup(device, slots(src_pages, ps), slots(host_pages, ps))
+    host.backup(device, page_slots(src_pages, ps), page_slots(host_pages, ps))
     torch.save(page_items(device, src_pages), args.expected)
 
     eng = engine()
@@ -126,7 +113,7 @@ def pull(args: argparse.Namespace) -> None:
     moved = eng.batch_transfer_sync_read(info["session"], local, remote)
     t1 = time.perf_counter()
     ps = dev_layout.page_size
-    host.load(device, slots(local_pages, ps), slots(dst_pages, ps))
+    host.load(device, page_slots(local_pages, ps), page_slots(dst_pages, ps))
     torch.save(page_items(device, dst_pages), args.result)
     eng.close()
     host.close()

@@ -21,6 +21,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain.adapters.nixl import HostNixlAgent
+from tests.reference import page_items, page_slots  # the checkout is on the child's PYTHONPATH (tests/childenv.py)
 
 DEV = "emulated:0"
 #: Prefix of this script's own stdout lines (NIXL logs to stdout too).
@@ -31,21 +32,6 @@ def layouts() -> tuple[pd.KVLayout, pd.KVLayout]:
     """(device layout, host layout): MHA, 3 layers, 4-token pages, 2 heads x 32, bf16."""
     dev = pd.KVLayout(kind="layer_first", num_layers=3, num_pages=10, page_size=4, num_heads=2, head_dim=32)
     return dev, dev.model_copy(update={"kind": "page_first", "num_pages": 8})
-
-
-def slots(pages: list[int], page_size: int) -> torch.Tensor:
-    """Token slots of whole pages, int64, in page order."""
-    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])
-
-
-def page_items(pool: pd.DeviceKVPool, pages: list[int]) -> dict[str, torch.Tensor]:
-    """Raw bytes of every (kv, layer) item of ``pages``, in page order."""
-    idx = slots(pages, pool.layout.page_size)
-    return {
-        f"{kv}/{layer}": pool.buffer(kv, layer)[idx].contiguous().view(torch.uint8).clone()
-        for kv in range(pool.layout.num_kv)
-        for layer in range(pool.layout.num_layers)
-    }
 
 
 def main() -> None:
@@ -63,8 +49,8 @@ def main() -> None:
         t.view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8,
                                                 generator=g).view(t.view(torch.uint8).shape))
     host_pool = pd.HostKVPool(host_layout, DEV)
-    host_pool.backup(device_pool, slots(args.dev_pages, dev_layout.page_size),
-                     slots(args.host_pages, host_layout.page_size))
+    host_pool.backup(device_pool, page_slots(args.dev_pages, dev_layout.page_size),
+                     page_slots(args.host_pages, host_layout.page_size))
     torch.save(page_items(device_pool, args.dev_pages), args.expected)
 
     agent = HostNixlAgent(args.name, ["UCX"])

@@ -149,3 +149,19 @@ def table_storage(table: pd.PointerTable[pd.DeviceAlias]) -> torch.Tensor:
     returns a copy, so only a stray write from native code (a buggy kernel, memory
     corruption) can change what a launch reads; this stands in for that write."""
     return table._tensor
+
+
+def page_slots(pages: list[int], page_size: int) -> torch.Tensor:
+    """Token slots of whole pages, int64, in page order."""
+    return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])
+
+
+def page_items(pool: DeviceKVPool, pages: list[int]) -> dict[str, torch.Tensor]:
+    """Raw bytes of every (kv, layer) item of ``pages``, in page order (the transfer-engine
+    peers in child processes save these for the test to compare)."""
+    idx = page_slots(pages, pool.layout.page_size)
+    return {
+        f"{kv}/{layer}": pool.buffer(kv, layer)[idx].contiguous().view(torch.uint8).clone()
+        for kv in range(pool.layout.num_kv)
+        for layer in range(pool.layout.num_layers)
+    }

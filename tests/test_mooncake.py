@@ -19,6 +19,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.adapters.mooncake import HostTransferEngine, as_host_va
+from tests.childenv import pythonpath
 
 PEER = Path(__file__).with_name("mooncake_peer.py")
 DEV = "emulated:0"
@@ -123,7 +124,7 @@ def test_two_process_pull_over_tcp(tmp_path: Path) -> None:
     reason = engine_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOG_minloglevel="1", PYTHONPATH=pythonpath())
     ready, expected, result = tmp_path / "ready.json", tmp_path / "expected.pt", tmp_path / "result.pt"
     serve_log, pull_log = tmp_path / "serve.log", tmp_path / "pull.log"
     # A: device pages 1, 4, 6 backed up into host pages 5, 2, 7; B pulls those host pages into

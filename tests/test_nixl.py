@@ -32,7 +32,9 @@ import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.adapters import nixl as pdnixl
 from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc, file_desc, file_region, vram_desc
-from tests.nixl_peer import MARK, layouts, page_items, slots
+from tests.nixl_peer import MARK, layouts
+from tests.childenv import pythonpath
+from tests.reference import page_items, page_slots
 
 # UCX's InfiniBand module, loaded whenever libibverbs is installed (CI installs it for
 # Mooncake), segfaults at process exit on a machine with no RDMA device (seen here: node A
@@ -191,7 +193,7 @@ def _load_and_compare(device_pool: pd.DeviceKVPool, expected: dict[str, torch.Te
     assert got.keys() == expected.keys()
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
-    idx = slots(dev_pages, device_pool.layout.page_size)
+    idx = page_slots(dev_pages, device_pool.layout.page_size)
     for key, before in poison.items():                            # nothing else was written
         kv, layer = map(int, key.split("/"))
         after = device_pool.buffer(kv, layer).view(torch.uint8).clone()
@@ -214,9 +216,7 @@ def test_two_processes_pull_pages_over_ucx(tmp_path: Path) -> None:
     a_dev_pages, a_host_pages = [2, 7, 4], [5, 0, 3]
     b_host_pages, b_dev_pages = [1, 6, 2], [9, 0, 3]
     expected_path = tmp_path / "expected.pt"
-    env = dict(os.environ)
-    root = str(Path(pd.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath())  # this pointerdomain, and the checkout for tests.*
     proc = subprocess.Popen(
         [sys.executable, str(PEER), "--name", f"A-{os.getpid()}", "--dev-pages", *map(str, a_dev_pages),
          "--host-pages", *map(str, a_host_pages), "--expected", str(expected_path)],
@@ -240,8 +240,8 @@ def test_two_processes_pull_pages_over_ucx(tmp_path: Path) -> None:
             assert all(isinstance(b.address, pd.HostVA) for b in remote)
             local = host_pool.get_page_buffer_meta(b_host_pages)
             agent.read(peer, local, remote)
-            host_pool.load(device_pool, slots(b_host_pages, host_layout.page_size),
-                           slots(b_dev_pages, host_layout.page_size))
+            host_pool.load(device_pool, page_slots(b_host_pages, host_layout.page_size),
+                           page_slots(b_dev_pages, host_layout.page_size))
         assert reg.closed
         proc.stdin.write("done\n")
         proc.stdin.flush()
@@ -267,7 +267,7 @@ def test_posix_backend_writes_pages_to_a_file_and_reads_them_back(tmp_path: Path
     pages_out, pages_back, dev_back = [3, 0, 6], [7, 1, 4], [8, 2, 5]
     path = tmp_path / "kv_pages.bin"
     with pd.HostKVPool(host_layout, DEV) as host_pool, HostNixlAgent(f"P-{os.getpid()}", ["POSIX"]) as agent:
-        host_pool.backup(src_dev, slots([1, 5, 9], dev_layout.page_size), slots(pages_out, host_layout.page_size))
+        host_pool.backup(src_dev, page_slots([1, 5, 9], dev_layout.page_size), page_slots(pages_out, host_layout.page_size))
         agent.register_pool(host_pool)
         blocks = host_pool.get_page_buffer_meta(pages_out)
         total = sum(b.nbytes for b in blocks)
@@ -291,5 +291,5 @@ def test_posix_backend_writes_pages_to_a_file_and_reads_them_back(tmp_path: Path
         finally:
             os.close(fd)
         device_pool, poison = _poisoned_device_pool()
-        host_pool.load(device_pool, slots(pages_back, host_layout.page_size), slots(dev_back, host_layout.page_size))
+        host_pool.load(device_pool, page_slots(pages_back, host_layout.page_size), page_slots(dev_back, host_layout.page_size))
     _load_and_compare(device_pool, page_items(src_dev, [1, 5, 9]), dev_back, poison)
