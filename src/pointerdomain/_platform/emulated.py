@@ -174,6 +174,19 @@ class EmulatedBackend:
         _require_current(device, "transfer kernel launch")
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
 
+    def launch_recorded(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> int:
+        self.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+        return 0  # synchronous: the copy is done when the call returns
+
+    def record_event(self, device: Device, stream: int) -> int:
+        return 0  # synchronous launches: nothing left to wait for
+
+    def event_done(self, event: int) -> bool:
+        return True
+
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         _require_current(device, "copy-engine runs")
         _C.cpu_copy_runs(dsts, srcs, sizes, count)
