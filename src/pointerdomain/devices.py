@@ -33,6 +33,7 @@ __all__ = [
     "DeviceType",
     "as_device",
     "current_device",
+    "current_ordinal",
     "emulated_device_count",
     "external_stream",
     "tensor_on",
@@ -232,7 +233,7 @@ class DeviceGuard:
 
     def __enter__(self) -> Device:
         device = self.device
-        self._previous = previous = _current_ordinal(device.type)  # ordinals: no Device built per launch
+        self._previous = previous = current_ordinal(device.type)  # ordinals: no Device built per launch
         if previous != device.ordinal:
             self._set(device.type, device.ordinal)
         return device
@@ -242,7 +243,7 @@ class DeviceGuard:
     ) -> None:
         previous = self._previous
         assert previous is not None
-        if _current_ordinal(self.device.type) != previous:
+        if current_ordinal(self.device.type) != previous:
             self._set(self.device.type, previous)
 
     @staticmethod
@@ -255,8 +256,8 @@ class DeviceGuard:
             _emulated.ordinal = ordinal
 
 
-def _current_ordinal(kind: str) -> int:
-    """The ordinal of :func:`current_device` (``kind``), without building a Device."""
+def current_ordinal(kind: str = "cuda") -> int:
+    """``current_device(kind).ordinal`` without building a Device (the launch path)."""
     if kind == "cuda":
         import torch
 

@@ -83,10 +83,10 @@ class DelegatingBackend:
         self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
         device: Device, stream: int, max_ctas: int,
     ) -> int:
-        # Two calls, not the inner one: a wrapper that overrides launch (faults, blocking
-        # test backends) sees every kernel launch.
+        # Two calls, not the inner one: a wrapper that overrides launch or record_event
+        # (faults, blocking test backends) sees every kernel launch and record.
         self.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
-        return self.inner.record_event(device, stream)
+        return self.record_event(device, stream)
 
     def record_event(self, device: Device, stream: int) -> int:
         return self.inner.record_event(device, stream)

@@ -24,7 +24,7 @@ import torch
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
-from pointerdomain.devices import current_device
+from pointerdomain.devices import current_device, current_ordinal
 from pointerdomain.errors import RuntimeCallError
 
 if TYPE_CHECKING:
@@ -62,8 +62,8 @@ _WRONG_DEVICE = 101
 def _require_current(device: Device, what: str) -> None:
     """The emulated form of "a kernel runs on the current device": work for ``device``
     while another emulated device is current would use that device's mappings."""
-    current = current_device("emulated")
-    if current != device:
+    if current_ordinal("emulated") != device.ordinal:
+        current = current_device("emulated")
         raise RuntimeCallError(
             f"emulated {what}", _WRONG_DEVICE,
             f"work for {device} while {current} is the calling thread's current device: the launch path must "
