@@ -24,7 +24,7 @@ from pointerdomain._platform import backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.devices import Device
-from tests.reference import DEV, filled_pools, model_layout, pool_bytes, reference_transfer, same
+from tests.reference import DEV, fill_pool, filled_pools, model_layout, pool_bytes, reference_transfer, same
 from tests import childenv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,3 +209,160 @@ def test_gpu_close_waits_for_queued_gpu_work() -> None:
     for kv in range(layout.num_kv):
         for layer in range(layout.num_layers):
             assert same(got[kv, :, layer], expected[kv * layout.num_layers + layer].reshape(layout.num_slots, -1))
+
+
+# -- the lease events (Backend.launch_recorded / record_event / event_done) -------------------
+
+
+class EventBackend(FaultyBackend):
+    """The emulated backend as if its launches were asynchronous: every launch "records"
+    event ``100 + ordinal`` (one per device, as the CUDA backend has one per device and
+    stream), which stays pending until ``done`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(backend_for(DEV), {})
+        self.done = threading.Event()
+        self.recorded: list[tuple[Device, int]] = []
+        self.queries = 0
+
+    def record_event(self, device: Device, stream: int) -> int:
+        self.recorded.append((device, stream))
+        return 100 + device.ordinal
+
+    def event_done(self, event: int) -> bool:
+        assert event in (100, 101)
+        self.queries += 1
+        return self.done.is_set()
+
+
+@pytest.fixture
+def evented() -> Iterator[EventBackend]:
+    backend = EventBackend()
+    with install_backend(backend, "emulated"):
+        yield backend
+
+
+@pytest.mark.parametrize("checked_mode", [True, False])
+def test_emulated_launch_leases_and_releases_with_no_event(checked_mode: bool) -> None:
+    """The emulated launch is synchronous: the lease ends with the call and keeps no event
+    (launch_recorded returns 0), in checked mode and on the unchecked fast path alike."""
+    pd.checked.set_enabled(checked_mode)
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=4) as (pool, host):
+        slots = torch.tensor([0, 5, 9])
+        expected = reference_transfer(pool_bytes(pool), pool.layout, host.buffer, host.layout, slots, slots)
+        for backend in ("auto", "kernel", "copy_engine"):
+            host.backup(pool, slots, slots, backend=backend)  # type: ignore[arg-type]
+            leases = host.memory.leases
+            assert not leases._active and not leases._events  # noqa: SLF001 -- the test reads the lease state
+            assert same(host.buffer.reshape(-1).view(torch.uint8), expected)
+    assert host.memory.closed
+
+
+@pytest.mark.parametrize("backend", ["kernel", "copy_engine"])
+def test_close_waits_for_the_event_a_launch_recorded(evented: EventBackend, backend: str) -> None:
+    """The event a launch hands to the lease set is what close() waits on: pending, close
+    is a BusyError naming the launch and unregisters nothing; done, close goes through."""
+    pd.checked.set_enabled(False)
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=5) as (pool, host):
+        slots = torch.tensor([1, 2])
+        host.backup(pool, slots, slots, backend=backend)  # type: ignore[arg-type]
+        assert evented.recorded == [(DEV, 0)] and evented.calls["launch" if backend == "kernel" else "copy_runs"] == 1
+        leases = host.memory.leases
+        assert not leases._active and list(leases._events) == [100]  # noqa: SLF001
+        try:
+            with pytest.raises(errors.BusyError, match=r"GPU work queued by transfer of 2 slot pair\(s\) on emulated:0"):
+                host.close(timeout=0.05)
+            assert not host.memory.closed and evented.calls["unregister"] == 0 and evented.queries > 0
+            host.backup(pool, slots, slots, backend=backend)  # type: ignore[arg-type]  # still usable
+        finally:
+            evented.done.set()
+        host.close(timeout=5)
+        assert host.memory.closed and not leases._events  # noqa: SLF001
+
+
+def test_lease_events_of_two_devices_are_kept_apart(evented: EventBackend) -> None:
+    """Launches on two devices' stream 0 leave two events (keyed by event, not by stream)."""
+    pd.checked.set_enabled(False)
+    e1 = pd.Device("emulated", 1)
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=6) as (pool, host):
+        pool1 = pd.DeviceKVPool(model_layout(), e1)
+        slots = torch.tensor([3])
+        try:
+            host.backup(pool, slots, slots)
+            pd.transfer_kv_all_layer(pool1.table, host.kernel_table_for(e1), slots, slots, src_layout=pool1.layout,
+                                     dst_layout=host.layout)
+            assert evented.recorded == [(DEV, 0), (e1, 0)]
+            assert sorted(host.memory.leases._events) == [100, 101]  # noqa: SLF001
+        finally:
+            evented.done.set()
+
+
+@pytest.mark.gpu
+def test_gpu_native_lease_events() -> None:
+    """_C.gpu_event_create / gpu_event_record / gpu_event_query / gpu_transfer_recorded /
+    gpu_stream_capturing, and the CUDA backend's methods over them: pending while the stream
+    is late, done after it; not recorded while the stream is being captured."""
+    from pointerdomain import _C
+
+    dev = pd.Device("cuda", 0)
+    backend = backend_for(dev)
+    stream = torch.cuda.Stream()
+    raw = int(stream.cuda_stream)
+    status, event = _C.gpu_event_create(0)
+    assert status == 0 and event != 0
+    assert _C.gpu_event_query(event) == 0  # never recorded: done
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)
+    assert _C.gpu_event_record(event, 0, raw) == 0
+    assert _C.gpu_event_query(event) == _C.gpu_not_ready
+    assert _C.gpu_stream_capturing(0, raw) == (0, 0)
+    recorded = backend.record_event(dev, raw)
+    assert recorded != 0 and backend.record_event(dev, raw) == recorded  # one event per (device, stream)
+    assert not backend.event_done(recorded)
+    stream.synchronize()
+    assert _C.gpu_event_query(event) == 0 and backend.event_done(recorded)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        assert _C.gpu_stream_capturing(0, raw) == (0, 1) and backend.is_capturing(dev)
+        assert _C.gpu_event_record(event, 0, raw) == _C.gpu_not_recorded
+        assert backend.record_event(dev, raw) == 0
+    assert not backend.is_capturing(dev)
+    del graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checked_mode", [True, False])
+def test_gpu_launch_records_outside_capture_only(checked_mode: bool) -> None:
+    """CUDA: an eager launch leaves the launch stream's event with the lease set (the
+    unchecked launch runs without a Python device switch, checked mode under one); a launch
+    captured into a graph records nothing, and its replays copy."""
+    pd.checked.set_enabled(checked_mode)
+    dev = pd.Device("cuda", 0)
+    with filled_pools(model_layout(), model_layout("page_first"), dev, chunk_blocks=None, seed=7) as (pool, host):
+        leases = host.memory.leases
+        slots = torch.tensor([1, 4, 6], device="cuda")
+        stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            host.backup(pool, slots, slots)
+        assert not leases._active and len(leases._events) == 1  # noqa: SLF001
+        (event,) = leases._events  # noqa: SLF001
+        assert event == backend_for(dev).record_event(dev, int(stream.cuda_stream))
+        stream.synchronize()
+        leases._events.clear()  # noqa: SLF001
+        src = torch.zeros(3, dtype=torch.int64, device="cuda")
+        dst = torch.zeros(3, dtype=torch.int64, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            host.load(pool, src, dst, backend="kernel")
+        assert not leases._events and torch.cuda.current_device() == 0  # noqa: SLF001
+        host.buffer.zero_()
+        fill_pool(pool, 70)
+        src.copy_(torch.tensor([2, 3, 5]))
+        dst.copy_(torch.tensor([7, 8, 9]))
+        expected = reference_transfer(host.buffer.clone(), host.layout, pool_bytes(pool), pool.layout,
+                                      src.cpu(), dst.cpu())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(pool_bytes(pool), expected)
+        del graph

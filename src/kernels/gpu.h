@@ -26,6 +26,29 @@ int multiprocessor_count(int device, int *count);
 // (the CTAs resident at once). The kernel's own shape (threads, items in flight)
 // is chosen here, from the item size.
 int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes);
+// Launch leases (pointerdomain.leases): one event per (device, stream) that every launch
+// on the stream re-records, so close() of registered memory can wait for the GPU work.
+// Events cross as integers (the gpuEvent_t), are made with timing disabled and live
+// for the process (one per stream a launch used).
+//   event_create: a new event of `device`.
+//   event_record: record `event` on `stream` of `device` unless the stream is being
+//     captured into a graph (a captured launch runs at replay, which the caller orders):
+//     0 (recorded), kNotRecorded (capturing: nothing recorded) or a runtime error.
+//   event_query: 0 once the work before the event's last record is done (also for an
+//     event never recorded), gpuErrorNotReady before, or another runtime error.
+//   transfer_recorded: transfer() and then event_record() of the same stream in one
+//     call (one crossing from Python per launch): 0 (launched, recorded), kNotRecorded
+//     (launched into a capture, or nothing to launch: n == 0) or a runtime error
+//     (nothing recorded). The capture state is read before the launch.
+//   stream_capturing: *capturing = 1 while `stream` of `device` is being captured.
+constexpr int kNotRecorded = -3;
+int event_create(int device, std::uint64_t *event);
+int event_record(std::uint64_t event, int device, std::uint64_t stream);
+int event_query(std::uint64_t event);
+int not_ready_status();
+int transfer_recorded(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
+                      std::uint64_t event);
+int stream_capturing(int device, std::uint64_t stream, int *capturing);
 // Copy-engine path: count copies dsts[i] <- srcs[i] of sizes[i] bytes (host arrays of
 // device addresses / aliases) with cudaMemcpyBatchAsync (CUDA >= 12.8) or a
 // cudaMemcpyAsync loop.

@@ -58,6 +58,11 @@
 #define gpuStreamWaitEvent hipStreamWaitEvent
 #define gpuStreamCreateWithFlags hipStreamCreateWithFlags
 #define gpuStreamNonBlocking hipStreamNonBlocking
+#define gpuEventQuery hipEventQuery
+#define gpuErrorNotReady hipErrorNotReady
+#define gpuStreamIsCapturing hipStreamIsCapturing
+#define gpuStreamCaptureStatus hipStreamCaptureStatus
+#define gpuStreamCaptureStatusNone hipStreamCaptureStatusNone
 // hipPointerAttribute_t names the memory type `memoryType` before ROCm 6 and `type`
 // from ROCm 6 on (CUDA: `type`); this view gives callers `attr.type` on every version.
 struct pdHipPointerAttributes {
@@ -125,4 +130,9 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuStreamWaitEvent cudaStreamWaitEvent
 #define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
 #define gpuStreamNonBlocking cudaStreamNonBlocking
+#define gpuEventQuery cudaEventQuery
+#define gpuErrorNotReady cudaErrorNotReady
+#define gpuStreamIsCapturing cudaStreamIsCapturing
+#define gpuStreamCaptureStatus cudaStreamCaptureStatus
+#define gpuStreamCaptureStatusNone cudaStreamCaptureStatusNone
 #endif

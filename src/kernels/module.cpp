@@ -250,6 +250,37 @@ NB_MODULE(_C, m) {
         "Launch the KV transfer kernel on a stream: status (tables and indices in device memory; "
         "max_ctas <= 0: the whole GPU).");
     m.def(
+        "gpu_transfer_recorded",
+        [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t layer_begin, std::int64_t layer_count, int device, std::uint64_t stream, int max_ctas,
+           std::uint64_t event) {
+            return g::transfer_recorded(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), device, stream,
+                                        max_ctas, plan.vec_bytes, event);
+        },
+        nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
+        nb::arg("layer_count"), nb::arg("device"), nb::arg("stream"), nb::arg("max_ctas"), nb::arg("event"),
+        nb::call_guard<nb::gil_scoped_release>(),
+        "gpu_transfer, then record event (from gpu_event_create) on the stream unless it is being captured: "
+        "0 (recorded), gpu_not_recorded (capturing, or nothing launched) or a runtime error.");
+    m.def(
+        "gpu_event_create",
+        [](int device) {
+            std::uint64_t event = 0;
+            const int status = g::event_create(device, &event);
+            return std::make_pair(status, event);
+        },
+        nb::arg("device"), "cudaEventCreateWithFlags(DisableTiming) on a device: (status, event), never destroyed.");
+    m.def("gpu_event_record", &g::event_record, nb::arg("event"), nb::arg("device"), nb::arg("stream"),
+          "Record the event on the stream unless it is being captured: 0, gpu_not_recorded or a runtime error.");
+    m.def("gpu_event_query", &g::event_query, nb::arg("event"), nb::call_guard<nb::gil_scoped_release>(),
+          "cudaEventQuery: 0 (done, or never recorded), gpu_not_ready, or a runtime error.");
+    m.def(
+        "gpu_stream_capturing",
+        [out_int](int device, std::uint64_t stream) { return out_int(&g::stream_capturing)(device, stream); },
+        nb::arg("device"), nb::arg("stream"), "(status, 1 while the stream of the device is being captured)");
+    m.attr("gpu_not_recorded") = g::kNotRecorded;
+    m.attr("gpu_not_ready") = g::not_ready_status();
+    m.def(
         "gpu_copy_runs",
         [](std::uint64_t dsts, std::uint64_t srcs, std::uint64_t sizes, std::size_t count, int device,
            std::uint64_t stream, bool use_batch) {

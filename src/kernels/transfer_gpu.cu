@@ -384,6 +384,70 @@ int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, 
     return launch_best(t, device, max_ctas, vec_bytes, reinterpret_cast<gpuStream_t>(stream));
 }
 
+namespace {
+// The capture state of `s` (the device current already): 1 capturing, 0 not, <0 -error.
+int capturing_of(gpuStream_t s, gpuError_t *error) {
+    gpuStreamCaptureStatus status = gpuStreamCaptureStatusNone;
+    *error = gpuStreamIsCapturing(s, &status);
+    return status != gpuStreamCaptureStatusNone ? 1 : 0;
+}
+}  // namespace
+
+int event_create(int device, std::uint64_t *event) {
+    *event = 0;
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    gpuEvent_t e = nullptr;
+    if (const gpuError_t err = gpuEventCreateWithFlags(&e, gpuEventDisableTiming)) return finish(err);
+    *event = reinterpret_cast<std::uint64_t>(e);
+    return 0;
+}
+
+int event_record(std::uint64_t event, int device, std::uint64_t stream) {
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    auto s = reinterpret_cast<gpuStream_t>(stream);
+    gpuError_t e = gpuSuccess;
+    const int capturing = capturing_of(s, &e);
+    if (e != gpuSuccess) return finish(e);
+    if (capturing) return kNotRecorded;
+    return finish(gpuEventRecord(reinterpret_cast<gpuEvent_t>(event), s));
+}
+
+int event_query(std::uint64_t event) {
+    const gpuError_t e = gpuEventQuery(reinterpret_cast<gpuEvent_t>(event));
+    if (e == gpuErrorNotReady) {
+        gpuGetLastError();  // not an error: leave nothing for the next call to report
+        return static_cast<int>(e);
+    }
+    return finish(e);
+}
+
+int not_ready_status() { return static_cast<int>(gpuErrorNotReady); }
+
+int transfer_recorded(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
+                      std::uint64_t event) {
+    if (t.n <= 0 || t.num_kv <= 0 || t.layer_count <= 0 || t.item_bytes <= 0) return kNotRecorded;
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    auto s = reinterpret_cast<gpuStream_t>(stream);
+    gpuError_t e = gpuSuccess;
+    const int capturing = capturing_of(s, &e);
+    if (e != gpuSuccess) return finish(e);
+    if (const int status = launch_best(t, device, max_ctas, vec_bytes, s)) return status;
+    if (capturing || event == 0) return kNotRecorded;
+    return finish(gpuEventRecord(reinterpret_cast<gpuEvent_t>(event), s));
+}
+
+int stream_capturing(int device, std::uint64_t stream, int *capturing) {
+    *capturing = 0;
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    gpuError_t e = gpuSuccess;
+    *capturing = capturing_of(reinterpret_cast<gpuStream_t>(stream), &e);
+    return finish(e);
+}
+
 int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes, std::size_t count,
               int device, std::uint64_t stream, bool use_batch) {
     if (count == 0) return 0;

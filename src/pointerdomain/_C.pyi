@@ -150,6 +150,33 @@ def gpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_beg
     Launch the KV transfer kernel on a stream: status (tables and indices in device memory; max_ctas <= 0: the whole GPU).
     """
 
+def gpu_transfer_recorded(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int, event: int) -> int:
+    """
+    gpu_transfer, then record event (from gpu_event_create) on the stream unless it is being captured: 0 (recorded), gpu_not_recorded (capturing, or nothing launched) or a runtime error.
+    """
+
+def gpu_event_create(device: int) -> tuple[int, int]:
+    """
+    cudaEventCreateWithFlags(DisableTiming) on a device: (status, event), never destroyed.
+    """
+
+def gpu_event_record(event: int, device: int, stream: int) -> int:
+    """
+    Record the event on the stream unless it is being captured: 0, gpu_not_recorded or a runtime error.
+    """
+
+def gpu_event_query(event: int) -> int:
+    """
+    cudaEventQuery: 0 (done, or never recorded), gpu_not_ready, or a runtime error.
+    """
+
+def gpu_stream_capturing(device: int, stream: int) -> tuple[int, int]:
+    """(status, 1 while the stream of the device is being captured)"""
+
+gpu_not_recorded: int = -3
+
+gpu_not_ready: int = 600
+
 def gpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int, device: int, stream: int, use_batch: bool) -> int:
     """
     Copy-engine copies: addresses of host uint64/int64 arrays of dst, src, bytes; status. use_batch: cudaMemcpyBatchAsync (CUDA >= 12.8), else a cudaMemcpyAsync loop.

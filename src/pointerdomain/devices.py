@@ -33,6 +33,7 @@ __all__ = [
     "DeviceType",
     "as_device",
     "current_device",
+    "current_ordinal",
     "emulated_device_count",
     "external_stream",
     "tensor_on",
@@ -216,36 +217,49 @@ class DeviceGuard:
 
     def __init__(self, device: Device | str | torch.device) -> None:
         self.device = validate_device(device)
-        self._previous: Device | None = None
+        self._previous: int | None = None  # the previous ordinal of the device's type
 
     @classmethod
     def for_launch(cls, device: Device) -> DeviceGuard:
         """A guard for a device already validated (the launch path: no device-count query).
-        Every launch runs under one, so the kernel runs on its tables' device whatever the
-        caller's current device, and the caller's comes back afterwards, also on error."""
+        Launches on emulated devices, copy-engine and staged launches and checked-mode
+        launches run under one, so the work runs on its tables' device whatever the
+        caller's current device, and the caller's comes back afterwards, also on error
+        (CUDA kernel launches need none: the C++ call sets and restores the device itself)."""
         guard = cls.__new__(cls)
         guard.device = device
         guard._previous = None
         return guard
 
     def __enter__(self) -> Device:
-        self._previous = current_device(self.device.type)
-        if self._previous != self.device:
-            self._set(self.device)
-        return self.device
+        device = self.device
+        self._previous = previous = current_ordinal(device.type)  # ordinals: no Device built per launch
+        if previous != device.ordinal:
+            self._set(device.type, device.ordinal)
+        return device
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        assert self._previous is not None
-        if current_device(self.device.type) != self._previous:
-            self._set(self._previous)
+        previous = self._previous
+        assert previous is not None
+        if current_ordinal(self.device.type) != previous:
+            self._set(self.device.type, previous)
 
     @staticmethod
-    def _set(device: Device) -> None:
-        if device.type == "cuda":
+    def _set(kind: str, ordinal: int) -> None:
+        if kind == "cuda":
             import torch
 
-            torch.cuda.set_device(device.ordinal)
+            torch.cuda.set_device(ordinal)
         else:
-            _emulated.ordinal = device.ordinal
+            _emulated.ordinal = ordinal
+
+
+def current_ordinal(kind: str = "cuda") -> int:
+    """``current_device(kind).ordinal`` without building a Device (the launch path)."""
+    if kind == "cuda":
+        import torch
+
+        return int(torch.cuda.current_device())
+    return int(getattr(_emulated, "ordinal", 0))

@@ -32,7 +32,6 @@ from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError, UnpinnedMemoryError
 from pointerdomain.layouts import KVLayout
-from pointerdomain.leases import record_gpu_launch
 from pointerdomain.plan import TransferPlan, plan_for
 from pointerdomain.tables import PointerTable
 
@@ -146,6 +145,33 @@ TransferBackend = Literal["auto", "kernel", "copy_engine", "staged"]
 ValidateIndices = bool | Literal["host"]
 
 
+_INT64: Final = torch.int64
+_Tensor: Final = torch.Tensor
+
+
+def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
+    """Every check of :func:`_check_indices` for both index tensors at once, without
+    messages: True when both pass (the common case; the caller runs the per-tensor checks
+    for the error otherwise)."""
+    if not (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor)):
+        return False
+    if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.dim() == 1 and d_idx.dim() == 1
+            and s_idx.is_contiguous() and d_idx.is_contiguous()):
+        return False
+    device = plan.device
+    if device.type == "cuda":
+        return s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal
+    if s_idx.is_cuda or s_idx.is_meta or d_idx.is_cuda or d_idx.is_meta:
+        return False
+    # emulated: CPU tensors, in host memory or this emulated device's (memory_device, by address)
+    lookup, ordinal = plan.platform.device_lookup, device.ordinal
+    where = lookup(s_idx.data_ptr(), max(s_idx.numel() * 8, 1))
+    if where >= 0 and where != ordinal:
+        return False
+    where = lookup(d_idx.data_ptr(), max(d_idx.numel() * 8, 1))
+    return where < 0 or where == ordinal
+
+
 def _launch(
     src: PointerTable[DeviceAlias],
     src_layout: KVLayout,
@@ -160,59 +186,57 @@ def _launch(
     backend: TransferBackend,
     validate_indices: ValidateIndices,
 ) -> None:
+    # Every check below runs on every launch; the common case takes one combined test per
+    # group (plan.live, _indices_ok) and only a failure runs the per-item checks that word
+    # the error.
     plan = plan_for(src, src_layout, dst, dst_layout)
+    if not plan.live(src, dst):
+        for name, table in (("src", src), ("dst", dst)):
+            try:
+                table.check_live()
+            except ClosedError as exc:
+                raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     device, platform = plan.device, plan.platform
-    for name, table in (("src", src), ("dst", dst)):
-        try:
-            table.check_live()
-        except ClosedError as exc:
-            raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
-    host_read = backend == "staged" or backend == "copy_engine"
-    s_idx = _check_indices("src_indices", src_indices, device, host_read)
-    d_idx = _check_indices("dst_indices", dst_indices, device, host_read)
-    n = s_idx.numel()
-    if n != d_idx.numel():
-        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {d_idx.numel()}")
+    if not _indices_ok(src_indices, dst_indices, plan):  # not both on the device: the worded checks
+        host_read = backend == "staged" or backend == "copy_engine"  # these may take CPU indices
+        _check_indices("src_indices", src_indices, device, host_read)
+        _check_indices("dst_indices", dst_indices, device, host_read)
+    n = src_indices.numel()
+    if n != dst_indices.numel():
+        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
     if max_ctas is WHOLE_GPU:
         ctas = 0  # the C++ side: the whole GPU
     elif type(max_ctas) is int and max_ctas > 0:
         ctas = max_ctas
     else:
         raise InvalidArgumentError(f"max_ctas must be a positive int or pointerdomain.WHOLE_GPU, got {max_ctas!r}")
-    if backend != "kernel" and backend != "auto" and backend != "copy_engine" and backend != "staged":
+    if backend != "auto" and backend != "kernel" and backend != "copy_engine" and backend != "staged":
         raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {backend!r}")
     if stream is not None and (type(stream) is not int or stream < 0):
         raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
     if type(validate_indices) is not bool and validate_indices != "host":
         raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {validate_indices!r}")
-    unpinned = [o for o in plan.owners if not o.kernel_readable]  # the registrations of both tables
-    if unpinned and backend == "auto":
-        backend = "copy_engine"
-    if unpinned and backend != "copy_engine":
-        raise UnpinnedMemoryError(
-            f"host memory at {unpinned[0].host_va!r} (+{unpinned[0].nbytes} bytes) is not pinned (registration "
-            f"ladder rung 'unpinned': {'; '.join(unpinned[0].ladder_record) or 'allowed by the policy'}): kernels "
-            "cannot read it. Fix: backend='copy_engine' (or 'auto'), or register the memory pinned"
-        )
-    # The rest (capture query, stream, kernel) on the tables' device; the caller's current
-    # device comes back afterwards, also on error.
-    with DeviceGuard.for_launch(device):
-        _launch_on_device(plan, src, dst, s_idx, d_idx, n, layer_begin, layer_count, stream, ctas, backend,
-                          validate_indices)
-
-
-def _launch_on_device(
-    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int,
-    backend: TransferBackend, validate_indices: ValidateIndices,
-) -> None:
-    device, platform, src_layout, dst_layout = plan.device, plan.platform, plan.src_layout, plan.dst_layout
+    unpinned = plan.unpinned  # a registration of either table that kernels cannot read
+    if unpinned is not None:
+        if backend == "auto":
+            backend = "copy_engine"
+        elif backend != "copy_engine":
+            raise UnpinnedMemoryError(
+                f"host memory at {unpinned.host_va!r} (+{unpinned.nbytes} bytes) is not pinned (registration "
+                f"ladder rung 'unpinned': {'; '.join(unpinned.ladder_record) or 'allowed by the policy'}): kernels "
+                "cannot read it. Fix: backend='copy_engine' (or 'auto'), or register the memory pinned"
+            )
+    # The capture queries ask the tables' device's current stream (Backend.is_capturing),
+    # so they run before any device switch.
     if backend == "auto":  # the capture query only where it decides something
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
-        long_runs = plan.run_bytes >= threshold
-        backend = "copy_engine" if long_runs and not platform.is_capturing(device) else "kernel"
-        if backend == "kernel" and staged.auto_picks_staged(plan, src, dst, n, layer_begin, layer_count, ctas):
+        if plan.run_bytes >= threshold and not platform.is_capturing(device):
+            backend = "copy_engine"
+        elif n >= staged.STAGED_MIN_CHUNKS and staged.auto_picks_staged(plan, src, dst, n, layer_begin,
+                                                                        layer_count, ctas):
             backend = "staged"
+        else:
+            backend = "kernel"
     elif backend == "staged" and platform.is_capturing(device):
         raise InvalidArgumentError(
             "backend='staged' reads the indices on the host and cannot be captured in a CUDA graph; "
@@ -222,18 +246,39 @@ def _launch_on_device(
         raise InvalidArgumentError(
             "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
         )
+    if backend == "kernel" and device.type == "cuda" and not checked.enabled():
+        # The native launch sets and restores the device itself (and reads the capture
+        # state of the launch stream there): no Python device switch on the hot path.
+        _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
+                          backend, validate_indices)
+        return
+    # The rest (host copies of the indices, checked mode, the staged path's streams and
+    # events, the emulated kernels) on the tables' device; the caller's current device
+    # comes back afterwards, also on error.
+    with DeviceGuard.for_launch(device):
+        _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
+                          backend, validate_indices)
+
+
+def _launch_on_device(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
+    d_idx: torch.Tensor, n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int,
+    backend: TransferBackend, validate_indices: ValidateIndices,
+) -> None:
+    """The launch of ``backend`` (resolved: never ``"auto"``) with checked arguments."""
+    device, platform = plan.device, plan.platform
     if backend == "copy_engine":
         # Read the indices once: the copy validated is the copy the descriptors are built from,
         # so another thread changing an index meanwhile cannot move a copy outside the tables.
         s_idx = s_idx.to("cpu", copy=True)
         d_idx = d_idx.to("cpu", copy=True)
-        _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
+        _check_range(s_idx, d_idx, plan.src_layout.num_slots, plan.dst_layout.num_slots, plan)
     elif backend != "staged" and (
         validate_indices == "host" or (validate_indices is True and platform.host_readable)
     ):
         # host-readable indices (emulated device): no sync, so check before launching
-        # (staged: launch_staged checks its host side itself, the device side by the same rule)
-        _check_range(s_idx, d_idx, src_layout.num_slots, dst_layout.num_slots, plan)
+        # (staged: launch_staged checks its own host copies of the indices)
+        _check_range(s_idx, d_idx, plan.src_layout.num_slots, plan.dst_layout.num_slots, plan)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
     if n == 0:
@@ -243,14 +288,8 @@ def _launch_on_device(
     if stream is None:
         stream = platform.current_stream(device)
     kernel = plan.kernel if validate_indices is not False or plan.unchecked is None else plan.unchecked
-    info = ("transfer", n, device, threading.get_ident())
     owners = plan.owners
-    tokens = [owner.leases.acquire(info) for owner in owners]
-    try:
-        if -1 in tokens:
-            for owner in owners:
-                owner.check_open()  # the closed one raises ClosedError
-            raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
+    if not owners:  # device memory only: nothing to lease (a table keeps its tensors alive)
         if backend == "staged":
             staged.launch_staged(plan, src, dst, s_idx, d_idx, layer_begin, layer_count, stream, ctas)
         elif backend == "copy_engine":
@@ -259,12 +298,29 @@ def _launch_on_device(
         else:
             platform.launch(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, device, stream,
                             ctas)
-        if owners and device.type == "cuda" and not platform.is_capturing(device):
-            record_gpu_launch(owners, device.ordinal, stream, info)
-    finally:
-        for owner, token in zip(owners, tokens):
-            if token != -1:
-                owner.leases.release(token)
+    else:
+        info = ("transfer", n, device, threading.get_ident())
+        tokens = [owner.leases.acquire(info) for owner in owners]
+        event = 0  # the backend's event recorded after the launch (0: none, e.g. synchronous or captured)
+        try:
+            if -1 in tokens:
+                for owner in owners:
+                    owner.check_open()  # the closed one raises ClosedError
+                raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
+            if backend == "staged":
+                staged.launch_staged(plan, src, dst, s_idx, d_idx, layer_begin, layer_count, stream, ctas)
+                event = platform.record_event(device, stream)
+            elif backend == "copy_engine":
+                dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
+                platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
+                event = platform.record_event(device, stream)
+            else:  # launch and record in one native call on CUDA
+                event = platform.launch_recorded(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin,
+                                                 layer_count, device, stream, ctas)
+        finally:
+            for owner, token in zip(owners, tokens):
+                if token != -1:
+                    owner.leases.release(token, event, platform)
     if backend != "copy_engine" and validate_indices is not False and platform.host_readable:
         word = launch_errors.host_word(device)  # synchronous launch: a slot the kernel skipped (indices changed)
         if word is not None and word.value:

@@ -7,9 +7,15 @@ starts and releases it when the copy can no longer run:
 * on a synchronous backend (the emulated CPU device) when the GIL-released C++ call
   returns;
 * on CUDA when the launch is enqueued, after recording one event on the launch
-  stream that every leased registration keeps (one event per stream, re-recorded by
-  each launch on it: waiting on the latest record waits for every earlier launch on
-  that stream, so one event per owner and stream is enough and no launch allocates).
+  stream that every leased registration keeps (one event per device and stream,
+  re-recorded by each launch on it: waiting on the latest record waits for every
+  earlier launch on that stream, so one event per owner and stream is enough and no
+  launch allocates). The backend owns the events and records them in the same native
+  call as the kernel launch (``Backend.launch_recorded``; copy-engine and staged
+  launches through ``Backend.record_event``); :meth:`LeaseSet.release` hands the event
+  to the lease set, and ``close()`` polls it with ``Backend.event_done``. Nothing is
+  recorded for a launch captured into a CUDA graph: it runs at replay, which the
+  caller orders (docs/reliability.md).
 
 ``close()`` marks the set closing (new launches then get ``ClosedError``), waits up
 to a bound for the running leases and then for the recorded events, and only then
@@ -26,11 +32,11 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Final
+from typing import Final, Protocol
 
 from pointerdomain.errors import BusyError
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "LaunchInfo", "LeaseSet", "record_gpu_launch"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "EventBackend", "LaunchInfo", "LeaseSet"]
 
 #: How long ``close()`` waits for launches using the memory, seconds: far longer than
 #: any single copy of a KV pool (a 64 GiB pool at 50 GB/s is 1.3 s), short enough that
@@ -39,6 +45,12 @@ DEFAULT_CLOSE_TIMEOUT_S: Final = 30.0
 
 #: (what, slots, device, thread id) of one launch, formatted only for a BusyError.
 LaunchInfo = tuple[str, int, object, int]
+
+
+class EventBackend(Protocol):
+    """What a lease set asks of the backend that recorded an event (``Backend.event_done``)."""
+
+    def event_done(self, event: int) -> bool: ...
 
 
 def _describe(info: LaunchInfo) -> str:
@@ -57,7 +69,8 @@ class LeaseSet:
         self._active: dict[int, LaunchInfo] = {}
         self._next = itertools.count(1)
         self._closing = False
-        self._events: dict[int, tuple[Any, LaunchInfo]] = {}  # stream -> (torch.cuda.Event, last launch on it)
+        # event (one per device and stream) -> (its backend, the last launch that recorded it)
+        self._events: dict[int, tuple[EventBackend, LaunchInfo]] = {}
 
     # acquire/release take no lock (a lock pair cost more than the rest of a launch's
     # checks): each step is one GIL-atomic operation, and acquire publishes the lease
@@ -73,21 +86,21 @@ class LeaseSet:
             return -1
         return token
 
-    def release(self, token: int) -> None:
+    def release(self, token: int, event: int = 0, backend: EventBackend | None = None) -> None:
+        """End lease ``token``. ``event``: nonzero when the copy may still run on the GPU
+        (an event ``backend`` recorded after it, see ``Backend.launch_recorded``), kept for
+        :meth:`drain` to wait on; recorded before the lease ends, so a drain that has
+        seen every lease end sees the event too (no lock, as for acquire)."""
+        if event and backend is not None:
+            self._events[event] = (backend, self._active[token])
         del self._active[token]
         if self._closing:
             with self._cond:
                 self._cond.notify_all()
 
-    def add_event(self, stream: int, event: Any, info: LaunchInfo) -> None:
-        """Keep ``event`` (recorded on ``stream`` after a launch that reads this memory)
-        for :meth:`drain` to wait on."""
-        with self._cond:
-            self._events[stream] = (event, info)
-
     def drain(self, what: str, timeout: float) -> None:
         """Refuse new leases, then wait up to ``timeout`` seconds for the running ones
-        and for the GPU work recorded with :meth:`add_event`.
+        and for the GPU work whose events :meth:`release` kept.
 
         Raises:
             BusyError: the time passed; the set accepts leases again (nothing closed).
@@ -105,9 +118,9 @@ class LeaseSet:
                     f"{timeout:g} s, e.g. {_describe(info)}; nothing was unregistered. Fix: wait for the "
                     "launch (join the thread that launches) before close(), or pass a longer timeout"
                 )
-            events = list(self._events.values())
-        for event, info in events:
-            while not event.query():
+            events = list(self._events.items())
+        for event, (backend, info) in events:
+            while not backend.event_done(event):
                 if time.monotonic() >= deadline:
                     with self._cond:
                         self._closing = False
@@ -123,24 +136,3 @@ class LeaseSet:
     @property
     def closing(self) -> bool:
         return self._closing
-
-
-_stream_events: dict[tuple[int, int], tuple[Any, Any]] = {}  # (ordinal, stream) -> (Event, ExternalStream)
-
-
-def record_gpu_launch(owners: tuple[Any, ...], ordinal: int, stream: int, info: LaunchInfo) -> None:
-    """After a CUDA launch on ``stream`` that uses ``owners`` (registrations): record
-    the stream's one event and hand it to each owner's lease set. Not during graph
-    capture (the caller checks): a captured launch runs at replay, which the caller
-    orders (docs/reliability.md)."""
-    import torch
-
-    entry = _stream_events.get((ordinal, stream))
-    if entry is None:
-        cuda: Any = torch.cuda  # Event / ExternalStream are untyped in torch's stubs
-        entry = (cuda.Event(), cuda.ExternalStream(stream, device=torch.device("cuda", ordinal)))
-        _stream_events[(ordinal, stream)] = entry
-    event, ext = entry
-    event.record(ext)
-    for owner in owners:
-        owner.leases.add_event(stream, event, info)

@@ -57,6 +57,7 @@ class TransferPlan:
         owners: the registrations both tables point into (leased by every launch).
         same_memory: src and dst are the same memory with the same geometry, so a
             launch must not read and write one slot (see :mod:`pointerdomain.overlap`).
+        unpinned: the first owner kernels cannot read (the ``unpinned`` rung), or None.
     """
 
     device: Device
@@ -74,6 +75,17 @@ class TransferPlan:
     unchecked: KernelPlan | None = None
     owners: tuple[RegisteredHostMemory, ...] = ()
     same_memory: bool = False
+    unpinned: RegisteredHostMemory | None = None
+
+    def live(self, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias]) -> bool:
+        """Both tables' ``check_live`` in one pass over the owners, without raising: False
+        when a registration was closed or a storage released or reallocated (the caller
+        then runs each table's ``check_live`` for the error). The plan keeps no storage
+        itself: dst's memory must not outlive dst through src's cached plan."""
+        for owner in self.owners:
+            if owner.closed:
+                return False
+        return src.storages_intact() and dst.storages_intact()
 
     def copy_runs(
         self, s_idx: torch.Tensor, d_idx: torch.Tensor, layer_begin: int, layer_count: int
@@ -165,8 +177,10 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
             src_layout.page_size, src_layout.num_kv, item, vec)
     kernel = kernel_plan(*args, error_word_address(device))
     owners = tuple({id(o): o for o in (*src.registrations(), *dst.registrations())}.values())
+    unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, src_geo, dst_geo, src.raw_values(),
-                        dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args), owners, same_memory)
+                        dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args), owners, same_memory,
+                        unpinned)
 
 
 _plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], TransferPlan]] = (

@@ -213,6 +213,14 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         """The tensors this table keeps alive (the buffers it was built from)."""
         return self._keepalive
 
+    def storages_intact(self) -> bool:
+        """False when the storage of an entry was released or reallocated since the table
+        was built (:meth:`check_live` raises for it; a launch plan calls this directly)."""
+        state = self._storage_state
+        if len(state) == 1:  # pool tables: one allocation
+            return bool(_nbytes(self._storages[0]) == state[0])
+        return tuple(map(_nbytes, self._storages)) == state
+
     def check_live(self) -> None:
         """Every launch calls this (about 0.1-0.2 us per distinct storage the table points
         into, measured on CPU; docs/reliability.md).
@@ -222,7 +230,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
                 of an entry was released or reallocated (``untyped_storage().resize_()``)."""
         for owner in self._owners:
             owner.check_open()
-        if tuple(map(_nbytes, self._storages)) != self._storage_state:
+        if not self.storages_intact():
             self._storage_error()
 
     def _storage_error(self) -> None:

@@ -122,7 +122,8 @@ class Backend(Protocol):
         ...
 
     def is_capturing(self, device: Device) -> bool:
-        """True while the current stream is being captured into a graph."""
+        """True while the current stream of ``device`` is being captured into a graph
+        (whatever the calling thread's current device)."""
         ...
 
     def launch(
@@ -134,6 +135,42 @@ class Backend(Protocol):
 
         Raises:
             RuntimeCallError: the launch failed.
+        """
+        ...
+
+    def launch_recorded(
+        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> int:
+        """:meth:`launch`, then :meth:`record_event` on the same stream (CUDA: one native
+        call). The launch leases use it (:mod:`pointerdomain.leases`).
+
+        Returns:
+            The event to wait on with :meth:`event_done`, or 0 where there is nothing to
+            wait for (a synchronous backend, or the stream is being captured into a graph).
+
+        Raises:
+            RuntimeCallError: the launch (or the record after it) failed.
+        """
+        ...
+
+    def record_event(self, device: Device, stream: int) -> int:
+        """Record the backend's one event of (``device``, ``stream``) on the stream, so
+        waiting on it waits for the work enqueued there so far; not while the stream is
+        being captured. Returns the event (an opaque nonzero int, the same for every
+        record on that stream), or 0 (nothing recorded: synchronous backend, capture).
+
+        Raises:
+            RuntimeCallError: the record failed.
+        """
+        ...
+
+    def event_done(self, event: int) -> bool:
+        """True once the work before the last record of ``event`` (from :meth:`record_event`
+        or :meth:`launch_recorded`) is done.
+
+        Raises:
+            RuntimeCallError: the query failed (e.g. a kernel fault left the context unusable).
         """
         ...
 

@@ -73,6 +73,10 @@ def runtime_report() -> dict[str, object]:
     return {"gpu_runtime_version": version, "gpu_device_count": count, "gpu_devices": devices}
 
 
+#: torch's current raw stream of a device, where torch has it (no Stream object: ~10x cheaper).
+_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 class _TorchDevice:
     """What both CUDA backends take from torch: device memory, streams, capture state."""
 
@@ -105,13 +109,15 @@ class _TorchDevice:
         return torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device)
 
     def current_stream(self, device: Device) -> int:
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x cheaper
-        if raw is not None:
-            return int(raw(device.ordinal))
+        if _raw_stream is not None:
+            return int(_raw_stream(device.ordinal))
         return int(torch.cuda.current_stream(device.torch_device).cuda_stream)
 
     def is_capturing(self, device: Device) -> bool:
-        return bool(torch.cuda.is_current_stream_capturing())
+        if torch.cuda.current_device() == device.ordinal:
+            return bool(torch.cuda.is_current_stream_capturing())
+        with torch.cuda.device(device.ordinal):  # torch asks the current device's current stream
+            return bool(torch.cuda.is_current_stream_capturing())
 
     def synchronize(self, device: Device) -> None:
         torch.cuda.synchronize(device.ordinal)
@@ -129,6 +135,21 @@ class CudaBackend(_TorchDevice):
         # at a time, and a call on another stream waits for the previous one (see staged_transfer).
         self._staged_lock = threading.Lock()
         self._staged_last: dict[int, tuple[int, Any]] = {}
+        # The launch leases' events (pointerdomain.leases): one per (ordinal, stream), made on
+        # first use and kept for the process (a few bytes of driver state per stream used).
+        self._events: dict[tuple[int, int], int] = {}
+
+    def _event(self, device: Device, stream: int) -> int:
+        status, event = _C.gpu_event_create(device.ordinal)
+        check(self, "cudaEventCreateWithFlags", status)
+        return self._events.setdefault((device.ordinal, stream), event)  # a racing thread's twin stays unused
+
+    def is_capturing(self, device: Device) -> bool:
+        # The runtime's query of the device's current stream (the one torch's query reads
+        # with the device current), without making the device current.
+        status, capturing = _C.gpu_stream_capturing(device.ordinal, self.current_stream(device))
+        check(self, "cudaStreamIsCapturing", status)
+        return bool(capturing)
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         return _C.gpu_host_register(va, nbytes, device.ordinal)
@@ -167,6 +188,37 @@ class CudaBackend(_TorchDevice):
         status = _C.gpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream, max_ctas)
         if status != 0:
             check(self, "transfer kernel launch", status)
+
+    def launch_recorded(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> int:
+        event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
+        status = _C.gpu_transfer_recorded(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
+                                          max_ctas, event)
+        if status == 0:
+            return event
+        if status == _C.gpu_not_recorded:  # launched into a graph capture (or nothing to launch)
+            return 0
+        check(self, "transfer kernel launch", status)
+        return 0  # not reached: check raised
+
+    def record_event(self, device: Device, stream: int) -> int:
+        event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
+        status = _C.gpu_event_record(event, device.ordinal, stream)
+        if status == 0:
+            return event
+        if status == _C.gpu_not_recorded:
+            return 0
+        check(self, "cudaEventRecord", status)
+        return 0  # not reached
+
+    def event_done(self, event: int) -> bool:
+        status = _C.gpu_event_query(event)
+        if status == _C.gpu_not_ready:
+            return False
+        check(self, "cudaEventQuery", status)
+        return True
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         status = _C.gpu_copy_runs(dsts, srcs, sizes, count, device.ordinal, stream, _C.gpu_has_batch_copy)
@@ -253,6 +305,18 @@ class TorchCudartBackend(_TorchDevice):
         device: Device, stream: int, max_ctas: int,
     ) -> None:
         raise ExtensionUnavailableError(f"this pointerdomain build has no GPU kernels; {BUILD_HINT}")
+
+    def launch_recorded(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> int:
+        raise ExtensionUnavailableError(f"this pointerdomain build has no GPU kernels; {BUILD_HINT}")
+
+    def record_event(self, device: Device, stream: int) -> int:
+        return 0  # this backend enqueues no GPU work (its launches and copies raise)
+
+    def event_done(self, event: int) -> bool:
+        return True
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         raise ExtensionUnavailableError(f"this pointerdomain build has no GPU copy ops; {BUILD_HINT}")

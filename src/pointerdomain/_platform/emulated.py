@@ -24,7 +24,7 @@ import torch
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
-from pointerdomain.devices import current_device
+from pointerdomain.devices import current_device, current_ordinal
 from pointerdomain.errors import RuntimeCallError
 
 if TYPE_CHECKING:
@@ -62,8 +62,8 @@ _WRONG_DEVICE = 101
 def _require_current(device: Device, what: str) -> None:
     """The emulated form of "a kernel runs on the current device": work for ``device``
     while another emulated device is current would use that device's mappings."""
-    current = current_device("emulated")
-    if current != device:
+    if current_ordinal("emulated") != device.ordinal:
+        current = current_device("emulated")
         raise RuntimeCallError(
             f"emulated {what}", _WRONG_DEVICE,
             f"work for {device} while {current} is the calling thread's current device: the launch path must "
@@ -176,6 +176,19 @@ class EmulatedBackend:
     ) -> None:
         _require_current(device, "transfer kernel launch")
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
+
+    def launch_recorded(
+        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> int:
+        self.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+        return 0  # synchronous: the copy is done when the call returns
+
+    def record_event(self, device: Device, stream: int) -> int:
+        return 0  # synchronous launches: nothing left to wait for
+
+    def event_done(self, event: int) -> bool:
+        return True
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         _require_current(device, "copy-engine runs")
