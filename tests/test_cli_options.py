@@ -73,7 +73,11 @@ def test_shape_errors_name_flags_not_model_fields() -> None:
 def test_demo_says_its_device_and_shows_progress() -> None:
     out = _cli("demo", "--layers", "2", "--device-pages", "4", "--host-pages", "6", "--pages", "3", "--progress", "always")
     assert out.returncode == 0, out.stderr
-    assert "demo on emulated:0 (default: no GPU" in out.stdout
+    # the default device: the GPU where one with the GPU ops is present, else the emulated one
+    from pointerdomain._platform import default_device
+
+    gpu = default_device().type == "cuda"
+    assert ("demo on cuda:0 (default: a GPU" if gpu else "demo on emulated:0 (default: no GPU") in out.stdout
     for step in ("allocate device pool", "fill", "copy D2H", "copy H2D", "verify"):
         assert step in out.stderr, step
     quiet = _cli("demo", "--layers", "2", "--device-pages", "4", "--host-pages", "6", "--pages", "3", "--json",
