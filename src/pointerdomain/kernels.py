@@ -149,14 +149,18 @@ _INT64: Final = torch.int64
 _Tensor: Final = torch.Tensor
 
 
+_UNIT = (1,)
+
+
 def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
     """Every check of :func:`_check_indices` for both index tensors at once, without
     messages: True when both pass (the common case; the caller runs the per-tensor checks
     for the error otherwise)."""
     if not (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor)):
         return False
-    if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.dim() == 1 and d_idx.dim() == 1
-            and s_idx.is_contiguous() and d_idx.is_contiguous()):
+    # stride (1,): 1-D and contiguous in one query (a 1-D tensor contiguous with another
+    # stride, possible at one element, takes the worded checks, which pass it)
+    if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
         return False
     device = plan.device
     if device.type == "cuda":
@@ -204,10 +208,10 @@ def _launch(
     n = src_indices.numel()
     if n != dst_indices.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
-    if max_ctas is WHOLE_GPU:
-        ctas = 0  # the C++ side: the whole GPU
-    elif type(max_ctas) is int and max_ctas > 0:
+    if type(max_ctas) is int and max_ctas > 0:
         ctas = max_ctas
+    elif max_ctas is WHOLE_GPU:
+        ctas = 0  # the C++ side: the whole GPU
     else:
         raise InvalidArgumentError(f"max_ctas must be a positive int or pointerdomain.WHOLE_GPU, got {max_ctas!r}")
     if backend != "auto" and backend != "kernel" and backend != "copy_engine" and backend != "staged":
@@ -249,8 +253,12 @@ def _launch(
     if backend == "kernel" and device.type == "cuda" and not checked.enabled():
         # The native launch sets and restores the device itself (and reads the capture
         # state of the launch stream there): no Python device switch on the hot path.
-        _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
-                          backend, validate_indices)
+        if validate_indices != "host" and not plan.same_memory and n > 0:
+            _launch_cuda_kernel(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
+                                validate_indices is True)
+        else:
+            _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
+                              backend, validate_indices)
         return
     # The rest (host copies of the indices, checked mode, the staged path's streams and
     # events, the emulated kernels) on the tables' device; the caller's current device
@@ -258,6 +266,51 @@ def _launch(
     with DeviceGuard.for_launch(device):
         _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
                           backend, validate_indices)
+
+
+def _launch_cuda_kernel(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
+    d_idx: torch.Tensor, n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int,
+    validate: bool,
+) -> None:
+    """The hot path: :func:`_launch_on_device` for a CUDA kernel launch with checked mode
+    off, ``validate_indices`` True or False (the device checks, no host work), tables
+    that share no memory and ``n`` > 0; the same steps, nothing else."""
+    platform, device = plan.platform, plan.device
+    if stream is None:
+        stream = platform.current_stream(device)
+    kernel = plan.kernel if validate or plan.unchecked is None else plan.unchecked
+    owners = plan.owners
+    if not owners:  # device memory only: nothing to lease (a table keeps its tensors alive)
+        platform.launch(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, device, stream, ctas)
+        return
+    info = ("transfer", n, device, threading.get_ident())
+    if len(owners) == 1:  # one registration (a host pool against a device pool): no lists
+        leases = owners[0].leases
+        token = leases.acquire(info)
+        if token == -1:
+            owners[0].check_open()
+            raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
+        event = 0
+        try:
+            event = platform.launch_recorded(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count,
+                                             device, stream, ctas)
+        finally:
+            leases.release(token, event, platform)
+        return
+    tokens = [owner.leases.acquire(info) for owner in owners]
+    event = 0
+    try:
+        if -1 in tokens:
+            for owner in owners:
+                owner.check_open()  # the closed one raises ClosedError
+            raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
+        event = platform.launch_recorded(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count,
+                                         device, stream, ctas)
+    finally:
+        for owner, token in zip(owners, tokens):
+            if token != -1:
+                owner.leases.release(token, event, platform)
 
 
 def _launch_on_device(
@@ -414,7 +467,7 @@ def transfer_kv_all_layer(
     registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.leases`).
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
-    num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
+    num_layers = src_layout.num_layers if type(src_layout) is KVLayout or isinstance(cast(object, src_layout), KVLayout) else 0
     _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers, stream, max_ctas,
             backend, validate_indices)
 
