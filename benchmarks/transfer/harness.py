@@ -613,6 +613,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--overhead-budget-s", type=float, default=None,
                     help="stop a launch-cost measurement after this many seconds (default 2; 0.5 with --quick)")
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--staging", default=None, metavar="MIB:RING",
+                    help="staging buffer of the staged path (pointerdomain.staged.set_staging), e.g. 64:4; "
+                         "default the library's (16 MiB in 2 ring slots)")
     ap.add_argument("--progress", choices=("auto", "tqdm", "plain", "none"), default="auto",
                     help="auto: tqdm on a terminal, plain lines otherwise")
     ap.add_argument("--threads", type=int, default=None,

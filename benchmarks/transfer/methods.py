@@ -280,6 +280,14 @@ def build(bench: "Bench") -> list[Method]:
 
     # (s): the staged copy-engine path through the public API
     if cuda:
+        from pointerdomain import staged
+
+        if a.staging:
+            mib, ring = (int(v) for v in a.staging.split(":"))
+            staged.set_staging(bench.device, nbytes=mib << 20, ring=ring)
+        staging = staged.staging_config(bench.device)
+        ring_text = f"{staging.nbytes >> 20} MiB device ring of {staging.ring} slots"
+
         def staged_prep(cpu_indices: bool) -> Prep:
             ours_staged = prep_ours("staged", 2, cpu_indices=cpu_indices)
 
@@ -293,8 +301,8 @@ def build(bench: "Bench") -> list[Method]:
             return prep_staged
 
         ms.append(Method("s", "(s) staged@2", "our staged copy-engine path: transfer_kv_all_layer(backend='staged', "
-                         "max_ctas=2) (the copy engine moves whole host runs through a 16 MiB device ring of 2 "
-                         "slots, the kernel at 2 CTAs scatters/gathers the items) with CUDA index tensors, which "
+                         f"max_ctas=2) (the copy engine moves whole host runs through a {ring_text}, the kernel at "
+                         "2 CTAs scatters/gathers the items) with CUDA index tensors, which "
                          "it reads on the host (a sync per call)", staged_prep(False), ctas=2))
         ms.append(Method("sh", "(sh) staged@2, CPU indices", "the same with CPU index tensors (no sync: the host "
                          "prepares the next call while the GPU copies)", staged_prep(True), ctas=2))
