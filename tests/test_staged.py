@@ -140,11 +140,11 @@ def test_bad_index_is_refused_before_anything_moves(side: str, bad: int, validat
 def test_staging_too_small_for_one_slot_is_refused() -> None:
     pool, host = _pools(head_dim=1024)  # 3 layers x 2 kv x 4 KiB = 24 KiB per slot > a 4 KiB ring slot
     with host:
-        staged.set_staging(DEV, nbytes=SMALL_STAGING)
+        staged.set_staging(DEV, nbytes=SMALL_STAGING, ring=2)
         idx = torch.arange(4)
         with pytest.raises(errors.InvalidArgumentError, match="holds no slot"):
             host.load(pool, idx, idx, backend="staged")
-        staged.set_staging(DEV, nbytes=(64 << 10) + 2 * (24 << 10))
+        staged.set_staging(DEV, nbytes=(64 << 10) + 2 * (24 << 10), ring=2)
         host.load(pool, idx, idx, backend="staged")  # now it fits
 
 
@@ -189,7 +189,7 @@ def _auto_load(cuda_like: CudaLike, pool: pd.DeviceKVPool, host: pd.HostKVPool, 
 
 
 def test_auto_picks_staged_where_it_wins_and_the_kernel_elsewhere(cuda_like: CudaLike) -> None:
-    staged.set_staging(DEV, nbytes=SMALL_STAGING)
+    staged.set_staging(DEV, nbytes=SMALL_STAGING, ring=2)
     pool, host = _pools(pages=64)  # 256 slots
     with host:
         need = staged.STAGED_MIN_CHUNKS * CHUNK
@@ -208,7 +208,7 @@ def test_auto_picks_staged_where_it_wins_and_the_kernel_elsewhere(cuda_like: Cud
 
 
 def test_auto_keeps_the_kernel_for_other_host_layouts_and_large_items(cuda_like: CudaLike) -> None:
-    staged.set_staging(DEV, nbytes=(64 << 10) + 2 * (32 << 10))
+    staged.set_staging(DEV, nbytes=(64 << 10) + 2 * (32 << 10), ring=2)
     pool, host = _pools("page_first_direct", pages=64)  # 4-token pages: not one block per slot
     with host:
         assert _auto_load(cuda_like, pool, host, 200) == "launch"
@@ -219,7 +219,7 @@ def test_auto_keeps_the_kernel_for_other_host_layouts_and_large_items(cuda_like:
 
 
 def test_auto_never_stages_without_a_native_path() -> None:
-    staged.set_staging(DEV, nbytes=SMALL_STAGING)
+    staged.set_staging(DEV, nbytes=SMALL_STAGING, ring=2)
     pool, host = _pools(pages=64)
     with host, install_backend(FaultyBackend(backend_for(DEV), {}), "emulated") as emulated:
         h, d = torch.arange(200), torch.arange(200)

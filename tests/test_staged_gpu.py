@@ -63,7 +63,7 @@ def test_staged_d2h_and_h2d_match_the_reference(host_kind: str, page_size: int, 
                                                 order: str, staging: str) -> None:
     dev = _dev()
     if staging == "small":
-        staged.set_staging(dev, nbytes=SMALL_STAGING)
+        staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
     dev_layout = layout("layer_first", 512, attention, page_size)
     host_layout = layout(host_kind, 768, attention, page_size)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=8 if chunked else None, seed=0) as (pool, host):
@@ -87,7 +87,7 @@ def test_staged_takes_cpu_indices_without_a_sync_and_moves_the_reference(where: 
     """Either index set may be a CPU tensor (host side, device side): same bytes as with
     CUDA indices; the device pool's CPU indices are uploaded on the launch stream."""
     dev = _dev()
-    staged.set_staging(dev, nbytes=SMALL_STAGING)
+    staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
     host_at, dev_at = where
     dev_layout, host_layout = layout("layer_first", 512, "mha", 16), layout("page_first", 768, "mha", 16)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=8, seed=6) as (pool, host):
@@ -137,7 +137,7 @@ def _snapshot(pool: pd.DeviceKVPool, host: pd.HostKVPool) -> tuple[torch.Tensor,
 @pytest.mark.parametrize("side", ["host", "device"])
 def test_staged_bad_index_is_refused_with_nothing_written(direction: str, side: str) -> None:
     dev = _dev()
-    staged.set_staging(dev, nbytes=SMALL_STAGING)
+    staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
     dev_layout, host_layout = layout("layer_first", 256, "mha", 16), layout("page_first", 256, "mha", 16)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=4) as (pool, host):
         before = _snapshot(pool, host)
@@ -155,7 +155,7 @@ def test_staged_bad_index_is_refused_with_nothing_written(direction: str, side: 
 def test_native_staged_check_refuses_a_bad_host_index_with_nothing_written() -> None:
     """The C++ side's own range check of the host indices (the Python layer's is bypassed)."""
     dev = _dev()
-    staged.set_staging(dev, nbytes=SMALL_STAGING)
+    staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
     dev_layout, host_layout = layout("layer_first", 256, "mha", 16), layout("page_first", 256, "mha", 16)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=5) as (pool, host):
         before = _snapshot(pool, host)
@@ -176,7 +176,7 @@ def test_native_staged_check_refuses_a_bad_host_index_with_nothing_written() -> 
 
 def test_staged_transfers_on_two_streams_share_the_ring_safely() -> None:
     dev = _dev()
-    staged.set_staging(dev, nbytes=SMALL_STAGING)
+    staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
     dev_layout, host_layout = layout("layer_first", 1024, "mha", 16), layout("page_first", 1024, "mha", 16)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=6) as (pool, host):
         torch.cuda.synchronize()
@@ -194,7 +194,7 @@ def test_staged_transfers_on_two_streams_share_the_ring_safely() -> None:
 
 def test_auto_stages_outside_capture_and_uses_the_kernel_in_graph_capture_and_replay() -> None:
     dev = _dev()
-    staged.set_staging(dev, nbytes=SMALL_STAGING)
+    staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
     dev_layout, host_layout = layout("layer_first", 1024, "mha", 16), layout("page_first", 1024, "mha", 16)
     n = 256
     assert n >= staged.STAGED_MIN_CHUNKS * staged.chunk_slots(staged.staging_config(dev), 2, 4 * 1024)

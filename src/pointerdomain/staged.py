@@ -5,9 +5,11 @@ all layers of a slot and kv are adjacent), the copy engine moves whole runs of h
 between the host pool and a small device staging ring, while the ordinary transfer kernel,
 at ``max_ctas`` CTAs, scatters (H2D) or gathers (D2H) the items between the ring and the
 device pool at HBM speed; chunk k's copies overlap chunk k-1's kernel
-(``src/kernels/staged_gpu.cu``). On the H200 it gives 0.970-0.978 x bulk at 2 CTAs for
-1 KiB and 1152 B items in both directions (16 MiB ring of 2 slots), above the 0.92-0.93 x
-ceiling of every SM-issued H2D copy (docs/performance.md, "Staged copy-engine path").
+(``src/kernels/staged_gpu.cu``); the chunks ramp up and down at both ends (1/8, 1/4, 1/2 of
+a ring slot) so the pipeline's fill and drain are short. Through the public API on the H200
+with CPU index tensors it gives 0.971-0.980 x bulk at 2 CTAs for 1 KiB and 1152 B MLA items
+in both directions (the default 64 MiB ring of 4 slots), above the 0.92-0.93 x ceiling of
+every SM-issued H2D copy (docs/performance.md, "Staged copy-engine path").
 
 It reads the host pool's indices on the host and so can never be captured in a CUDA
 graph. Both index sets are copied to the host once and range-checked there, whatever
@@ -65,10 +67,12 @@ __all__ = [
     "staging_config",
 ]
 
-#: Default staging buffer: 16 MiB in 2 ring slots, the best point measured at 2 CTAs
-#: (docs/performance.md: 0.970-0.978 x bulk at 1 KiB / 1152 B; 64 MiB of 4 slots 0.970).
-DEFAULT_STAGING_BYTES: Final = 16 << 20
-DEFAULT_STAGING_RING: Final = 2
+#: Default staging buffer: 64 MiB in 4 ring slots (16 MiB chunks), the best point measured
+#: through the public API at 2 CTAs (docs/performance.md, 2026-12-01: 0.971-0.980 x bulk at
+#: 1 KiB and 1152 B MLA both ways, where 16 MiB in 2 slots gave H2D 0.967-0.969). 64 MiB is
+#: 0.05 % of an H200's memory; set_staging makes it smaller or larger.
+DEFAULT_STAGING_BYTES: Final = 64 << 20
+DEFAULT_STAGING_RING: Final = 4
 
 #: ``backend="auto"`` picks the staged path only for items up to 4 KiB (the sizes measured:
 #: 1 KiB, 1152 B, 2 KiB, 4 KiB, all 0.966-0.978 x bulk at 2 CTAs with the default ring).
@@ -76,9 +80,10 @@ STAGED_MAX_ITEM_BYTES: Final = 4 << 10
 #: ... and budgets of at least 2 CTAs (or the whole GPU): at 1 CTA the kernel stage bounds it
 #: (0.73-0.85 x bulk) below the 1-CTA kernel (0.80-0.86 x).
 STAGED_MIN_CTAS: Final = 2
-#: ... and transfers of at least 16 ring chunks: with 8 chunks per transfer (a 256 MiB ring
-#: of 4 for 0.5 GiB) too little overlaps and it gives 0.93 x, the kernel's figure; 16 chunks
-#: (64 MiB of 2) gave 0.955-0.961, 64 chunks (16 MiB of 2) 0.966-0.978.
+#: ... and transfers of at least 16 ring chunks (256 MiB with the default ring): with 8
+#: chunks per transfer (a 256 MiB ring of 4 for 0.5 GiB) too little overlaps and it gave
+#: 0.93 x, the kernel's figure; 16 chunks (64 MiB of 2) 0.955-0.961, 32-64 chunks 0.966-0.978
+#: (measured before the ramped chunk schedule, which shortens the ends further).
 STAGED_MIN_CHUNKS: Final = 16
 
 _MAX_RING = 8  # kMaxRing in staged_gpu.cu
@@ -130,7 +135,7 @@ def set_staging(
 
 
 def staging_config(device: Device | str | torch.device) -> StagingConfig:
-    """The staging configuration of ``device`` (default 16 MiB, 2 slots).
+    """The staging configuration of ``device`` (default 64 MiB, 4 slots).
 
     Raises:
         InvalidDeviceError: not a device of this machine.
