@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
 import torch
 
@@ -46,10 +47,21 @@ def ensure_error_word(device: Device) -> int:
             word = _words.get(device)
             if word is None:
                 platform = backend_for(device)
-                word = device_empty((1,), torch.int32, device)
-                word.zero_()
-                if not platform.is_capturing(device):
-                    platform.synchronize(device)  # zeroed before any launch on another stream can set it
+                if device.type == "cuda" and not platform.is_capturing(device):
+                    # Zeroed on a private stream and waited for there: the caller's streams may
+                    # hold queued work (a first launch queued behind compute must not wait
+                    # for it), and the word is zero before any launch on any stream sets it.
+                    cuda: Any = torch.cuda  # Stream is untyped in torch's stubs
+                    side = cuda.Stream(device=device.torch_device)
+                    with cuda.stream(side):
+                        word = device_empty((1,), torch.int32, device)
+                        word.zero_()
+                    side.synchronize()
+                else:
+                    word = device_empty((1,), torch.int32, device)
+                    word.zero_()
+                    if not platform.is_capturing(device):
+                        platform.synchronize(device)  # zeroed before any launch on another stream can set it
                 if platform.host_readable:
                     _host_views[device] = ctypes.c_uint32.from_address(word.data_ptr())
                 _words[device] = word
