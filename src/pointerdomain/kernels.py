@@ -5,7 +5,8 @@ runtime and before anything is launched: the tables' domain and device, that
 their registrations are still open and their storage unchanged, that each table
 fits its layout exactly (so every address the kernel forms lies inside a table
 entry's buffer), the index tensors (``int64``, 1-D, contiguous, on the launch
-device, equal length) and the overlap rule (:mod:`pointerdomain.overlap`). The
+device or, for the paths that read them on the host, the CPU; equal length) and the
+overlap rule (:mod:`pointerdomain.overlap`). The
 kernels skip out-of-range slots themselves and record them in the device's error
 word (:mod:`pointerdomain.launch_errors`), so a kernel never reads or writes outside
 the tables it was given, CUDA graph replays with new indices included. A launch
