@@ -136,8 +136,8 @@ def test_bad_arguments_get_typed_errors_before_launch() -> None:
         fill_random(host.buffer, 4)
         before = [as_bytes(b).clone() for b in pool.buffers]
         idx = torch.arange(4)
-        for kwargs in ({"stream": "abc"}, {"stream": -1}, {"max_ctas": 0}, {"backend": "cuda"},
-                       {"validate_indices": "no"}):
+        for kwargs in ({"stream": "abc"}, {"stream": -1}, {"stream": 2**64}, {"max_ctas": 0}, {"max_ctas": 2**31},
+                       {"max_ctas": 10**30}, {"max_ctas": True}, {"backend": "cuda"}, {"validate_indices": "no"}):
             with pytest.raises(errors.InvalidArgumentError):
                 host.load(pool, idx, idx, **kwargs)  # type: ignore[arg-type]
         with pytest.raises(errors.InvalidArgumentError, match="KVLayout"):

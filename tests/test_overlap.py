@@ -92,3 +92,50 @@ def test_gpu_overlap_in_one_device_pool() -> None:
     pd.transfer_kv_all_layer(pool.table, pool.table, s, d, src_layout=pool.layout, dst_layout=pool.layout)
     torch.cuda.synchronize()
     assert same(pool_bytes(pool), reference_transfer(before, pool.layout, before, pool.layout, s, d))
+
+
+def _int64_view(t: torch.Tensor, n: int, offset: int = 0) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)[offset * 8:(offset + n) * 8].view(torch.int64)
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engine", "staged"])
+@pytest.mark.parametrize("which", ["src", "dst"])
+def test_indices_stored_in_the_destination_are_refused(backend: str, which: str) -> None:
+    """Index tensors carved out of the destination's memory would be overwritten by the
+    copy reading them (later pairs then land in the wrong place): OverlapError, nothing
+    moves, both directions."""
+    pool = pd.DeviceKVPool(model_layout("layer_first"), DEV)
+    fill_pool(pool, 5)
+    with pd.HostKVPool(model_layout("page_first"), DEV) as host:
+        fill_random(host.buffer, 6)
+        # D2H: indices inside the host pool (the destination)
+        inside = _int64_view(host.buffer, 3, offset=40)
+        inside.copy_(torch.tensor([0, 1, 2]))
+        before_host, before_dev = host.buffer.clone(), pool_bytes(pool).clone()
+        s, d = (inside, torch.tensor([4, 5, 6])) if which == "src" else (torch.tensor([4, 5, 6]), inside)
+        with pytest.raises(errors.OverlapError, match="destination table"):
+            host.backup(pool, s, d, backend=backend)  # type: ignore[arg-type]
+        assert same(host.buffer, before_host) and same(pool_bytes(pool), before_dev)
+        # H2D: indices inside a device pool buffer (the destination)
+        inside = _int64_view(pool.buffers[-1], 3, offset=8)
+        inside.copy_(torch.tensor([0, 1, 2]))
+        before_dev = pool_bytes(pool).clone()
+        s, d = (inside, torch.tensor([4, 5, 6])) if which == "src" else (torch.tensor([4, 5, 6]), inside)
+        with pytest.raises(errors.OverlapError, match="destination table"):
+            host.load(pool, s, d, backend=backend)  # type: ignore[arg-type]
+        assert same(pool_bytes(pool), before_dev) and same(host.buffer, before_host)
+
+
+def test_indices_stored_in_the_source_are_fine() -> None:
+    """The copy never writes its source: indices kept there move the reference bytes."""
+    pool = pd.DeviceKVPool(model_layout("layer_first"), DEV)
+    fill_pool(pool, 7)
+    with pd.HostKVPool(model_layout("page_first"), DEV) as host:
+        fill_random(host.buffer, 8)
+        src_idx = _int64_view(host.buffer, 3, offset=16)
+        src_idx.copy_(torch.tensor([2, 0, 1]))
+        d = torch.tensor([7, 3, 5])
+        source = host.buffer.clone()
+        expected = reference_transfer(source, host.layout, pool_bytes(pool), pool.layout, src_idx.clone(), d)
+        host.load(pool, src_idx, d, backend="kernel")
+        assert same(pool_bytes(pool), expected)

@@ -253,3 +253,26 @@ def _plan_kernel(pool: pd.DeviceKVPool) -> KernelPlan:
     from pointerdomain.plan import plan_for
 
     return plan_for(pool.table, pool.layout, pool.table, pool.layout).kernel
+
+
+def test_staging_size_is_bounded_and_an_allocation_failure_is_typed() -> None:
+    with pytest.raises(errors.InvalidArgumentError, match="at most"):
+        staged.set_staging(DEV, nbytes=staged.MAX_STAGING_BYTES + 4096)
+    with pytest.raises(errors.InvalidArgumentError):
+        staged.set_staging(DEV, nbytes=2**64)
+
+    class NoDeviceMemory(FaultyBackend):
+        def device_alloc(self, nbytes: int, device: pd.Device) -> torch.Tensor:
+            if nbytes >= (1 << 30):
+                raise MemoryError("std::bad_alloc")
+            return self.inner.device_alloc(nbytes, device)
+
+    pool, host = _pools()
+    with host, install_backend(NoDeviceMemory(backend_for(DEV), {}), "emulated"):
+        staged.set_staging(DEV, nbytes=1 << 30, ring=2)
+        before = _unchanged(pool, host)
+        idx = torch.arange(8)
+        with pytest.raises(errors.OutOfMemoryError):
+            host.load(pool, idx, idx, backend="staged")
+        assert all(torch.equal(a, b) for a, b in zip(before, _unchanged(pool, host)))
+        staged.set_staging(DEV)

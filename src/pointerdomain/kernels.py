@@ -31,7 +31,13 @@ from pointerdomain import checked, launch_errors, overlap, staged
 from pointerdomain._platform import memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import ClosedError, IndexValidationError, InvalidArgumentError, UnpinnedMemoryError
+from pointerdomain.errors import (
+    ClosedError,
+    IndexValidationError,
+    InvalidArgumentError,
+    OverlapError,
+    UnpinnedMemoryError,
+)
 from pointerdomain.layouts import KVLayout
 from pointerdomain.plan import TransferPlan, plan_for
 from pointerdomain.tables import PointerTable
@@ -151,6 +157,7 @@ _Tensor: Final = torch.Tensor
 
 
 _UNIT = (1,)
+_MAX_CTAS = 2**31 - 1  # a CUDA grid's x dimension (and the C++ int the budget travels in)
 
 
 def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
@@ -209,16 +216,25 @@ def _launch(
     n = src_indices.numel()
     if n != dst_indices.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
-    if type(max_ctas) is int and max_ctas > 0:
+    sp, dp = (src_indices.data_ptr(), dst_indices.data_ptr()) if n else (0, 0)
+    if n and plan.dst_starts and plan.indices_in_dst(sp, dp, 8 * n):
+        raise OverlapError(
+            "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
+            "overwrite the indices it is reading, and later slots would land in the wrong place; nothing was "
+            "copied. Fix: keep index tensors in memory of their own"
+        )
+    if type(max_ctas) is int and 0 < max_ctas <= _MAX_CTAS:
         ctas = max_ctas
     elif max_ctas is WHOLE_GPU:
         ctas = 0  # the C++ side: the whole GPU
     else:
-        raise InvalidArgumentError(f"max_ctas must be a positive int or pointerdomain.WHOLE_GPU, got {max_ctas!r}")
+        raise InvalidArgumentError(
+            f"max_ctas must be an int in [1, {_MAX_CTAS}] or pointerdomain.WHOLE_GPU, got {max_ctas!r}"
+        )
     if backend != "auto" and backend != "kernel" and backend != "copy_engine" and backend != "staged":
         raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {backend!r}")
-    if stream is not None and (type(stream) is not int or stream < 0):
-        raise InvalidArgumentError(f"stream must be a cudaStream_t as a non-negative int or None, got {stream!r}")
+    if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
+        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
     if type(validate_indices) is not bool and validate_indices != "host":
         raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {validate_indices!r}")
     unpinned = plan.unpinned  # a registration of either table that kernels cannot read
@@ -255,7 +271,7 @@ def _launch(
         # The native launch sets and restores the device itself (and reads the capture
         # state of the launch stream there): no Python device switch on the hot path.
         if validate_indices != "host" and not plan.same_memory and n > 0:
-            _launch_cuda_kernel(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
+            _launch_cuda_kernel(plan, src, dst, sp, dp, n, layer_begin, layer_count, stream, ctas,
                                 validate_indices is True)
         else:
             _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
@@ -270,20 +286,20 @@ def _launch(
 
 
 def _launch_cuda_kernel(
-    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int,
-    validate: bool,
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], sp: int, dp: int,
+    n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int, validate: bool,
 ) -> None:
     """The hot path: :func:`_launch_on_device` for a CUDA kernel launch with checked mode
     off, ``validate_indices`` True or False (the device checks, no host work), tables
-    that share no memory and ``n`` > 0; the same steps, nothing else."""
+    that share no memory and ``n`` > 0; the same steps, nothing else. ``sp``, ``dp``: the
+    checked index tensors' addresses (the caller keeps the tensors alive)."""
     platform, device = plan.platform, plan.device
     if stream is None:
         stream = platform.current_stream(device)
     kernel = plan.kernel if validate or plan.unchecked is None else plan.unchecked
     owners = plan.owners
     if not owners:  # device memory only: nothing to lease (a table keeps its tensors alive)
-        platform.launch(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, device, stream, ctas)
+        platform.launch(kernel, sp, dp, n, layer_begin, layer_count, device, stream, ctas)
         return
     info = ("transfer", n, device, threading.get_ident())
     if len(owners) == 1:  # one registration (a host pool against a device pool): no lists
@@ -294,7 +310,7 @@ def _launch_cuda_kernel(
             raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
         event = 0
         try:
-            event = platform.launch_recorded(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count,
+            event = platform.launch_recorded(kernel, sp, dp, n, layer_begin, layer_count,
                                              device, stream, ctas)
         finally:
             leases.release(token, event, platform)
@@ -306,7 +322,7 @@ def _launch_cuda_kernel(
             for owner in owners:
                 owner.check_open()  # the closed one raises ClosedError
             raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
-        event = platform.launch_recorded(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count,
+        event = platform.launch_recorded(kernel, sp, dp, n, layer_begin, layer_count,
                                          device, stream, ctas)
     finally:
         for owner, token in zip(owners, tokens):
@@ -455,7 +471,8 @@ def transfer_kv_all_layer(
         IndexValidationError: bad dtype, shape, device, lengths; a slot out of range
             (when: see ``validate_indices``).
         OverlapError: src and dst share memory and a slot is both read and written
-            (rules in :mod:`pointerdomain.overlap`).
+            (rules in :mod:`pointerdomain.overlap`), or an index tensor lies in the storage
+            of a buffer of the dst table (the copy would overwrite its own indices).
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
             ``max_ctas``, ``backend`` or ``validate_indices``; ``backend="staged"`` or
             ``"copy_engine"`` during CUDA-graph capture; ``"staged"`` per-layer, not

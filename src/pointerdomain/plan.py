@@ -13,6 +13,7 @@ recompute it.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -57,6 +58,8 @@ class TransferPlan:
         owners: the registrations both tables point into (leased by every launch).
         same_memory: src and dst are the same memory with the same geometry, so a
             launch must not read and write one slot (see :mod:`pointerdomain.overlap`).
+        dst_starts, dst_ends: the byte ranges of the storages of dst's buffers, sorted and
+            merged (:meth:`indices_in_dst`; empty where the table keeps no tensors).
         unpinned: the first owner kernels cannot read (the ``unpinned`` rung), or None.
     """
 
@@ -76,6 +79,23 @@ class TransferPlan:
     owners: tuple[RegisteredHostMemory, ...] = ()
     same_memory: bool = False
     unpinned: RegisteredHostMemory | None = None
+    dst_starts: tuple[int, ...] = ()
+    dst_ends: tuple[int, ...] = ()
+
+    def indices_in_dst(self, src_idx: int, dst_idx: int, nbytes: int) -> bool:
+        """Whether either index array (``nbytes`` > 0 bytes from address ``src_idx`` /
+        ``dst_idx``, in the domain of tensors' ``data_ptr()``: host VAs and device addresses)
+        meets the storage of a buffer the destination table was built from: indices there
+        would be overwritten by the copy that reads them."""
+        starts, ends = self.dst_starts, self.dst_ends
+        if len(starts) == 1:  # a pool table: one allocation
+            lo, hi = starts[0], ends[0]
+            return (src_idx < hi and src_idx + nbytes > lo) or (dst_idx < hi and dst_idx + nbytes > lo)
+        for address in (src_idx, dst_idx):
+            i = bisect.bisect_left(starts, address + nbytes)  # the last storage starting before the end
+            if i > 0 and ends[i - 1] > address:
+                return True
+        return False
 
     def live(self, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias]) -> bool:
         """Both tables' ``check_live`` in one pass over the owners, without raising: False
@@ -178,9 +198,24 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     kernel = kernel_plan(*args, error_word_address(device))
     owners = tuple({id(o): o for o in (*src.registrations(), *dst.registrations())}.values())
     unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
+    starts, ends = _merged_ranges(dst.kept_tensors())
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, src_geo, dst_geo, src.raw_values(),
                         dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args), owners, same_memory,
-                        unpinned)
+                        unpinned, starts, ends)
+
+
+def _merged_ranges(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The storages of ``tensors`` as sorted, merged ``(starts, ends)`` byte ranges."""
+    spans = sorted({(st.data_ptr(), st.data_ptr() + st.nbytes()) for st in (t.untyped_storage() for t in tensors)})
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if hi <= lo:
+            continue
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return tuple(m[0] for m in merged), tuple(m[1] for m in merged)
 
 
 _plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], TransferPlan]] = (
