@@ -123,3 +123,12 @@ def test_whatis_cli_demo_pid_and_bad_address() -> None:
         out = _cli(*bad)
         assert out.returncode == 2, (bad, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def test_whatis_pid_of_no_process_is_a_usage_error() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process (reuse within this test is vanishingly unlikely)
+    for pid in (str(gone.pid), "0", "-1"):
+        out = _cli("whatis", "--pid", pid, "0x1000")
+        assert out.returncode == 2, (pid, out.stdout, out.stderr)
+        assert "--pid" in out.stderr and "Traceback" not in out.stderr and out.stdout == ""
