@@ -127,6 +127,22 @@ def test_table_builders_raise_typed_errors() -> None:
     expect(info2, errors.InvalidArgumentError, ValueError, "tensors[0]", "empty", "Fix:")
 
 
+def test_host_pool_methods_refuse_what_is_not_a_device_pool() -> None:
+    with pd.HostKVPool(model_layout("page_first", pages=4), DEV) as host:
+        slots = torch.arange(4)
+        calls: dict[str, Callable[[Any], None]] = {
+            "backup": lambda pool: host.backup(pool, slots, slots),
+            "load": lambda pool: host.load(pool, slots, slots),
+            "load_layer": lambda pool: host.load_layer(pool, slots, slots, 0),
+        }
+        for method, call in calls.items():
+            for bad, found in ((None, "found None"), (host, "found a HostKVPool")):
+                with pytest.raises(TypeError) as info:
+                    call(bad)
+                expect(info, errors.InvalidTypeError, TypeError, f"HostKVPool.{method}", "device_pool", found,
+                       "expected a device pool", "Fix:")
+
+
 def test_huge_allocations_give_a_typed_out_of_memory_error() -> None:
     huge = 1 << 50
     with pytest.raises(MemoryError) as info:

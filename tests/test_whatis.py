@@ -43,6 +43,43 @@ def test_explain_host_va_alias_and_closed() -> None:
     assert pd.explain(alias).domain != "device_alias"  # its alias mapping is gone
 
 
+def test_explain_alias_on_a_second_device() -> None:
+    # one portable registration, aliases on two devices (kernel_table_for / resolve_alias)
+    layout = model_layout("page_first", pages=4)
+    with pd.HostKVPool(layout, EMU) as host:
+        va = host.memory.host_va
+        alias0 = host.kernel_table[0]
+        alias1 = host.kernel_table_for("emulated:1")[0]
+        assert alias1.value != alias0.value
+        got = pd.explain(alias1.value + 40)
+        assert (got.domain, got.device, got.state) == ("device_alias", "emulated:1", "open")
+        assert (got.base, got.offset, got.other_domain_address) == (alias1.value, 40, va.value + 40)
+        assert any("made for emulated:0" in note for note in got.notes)
+        assert pd.explain(alias0).device == "emulated:0"  # the own device's alias as before
+        side = pd.explain(va)  # the host VA names the own device's alias, and lists the other
+        assert (side.domain, side.device, side.other_domain_address) == ("host_va", "emulated:0", alias0.value)
+        assert any(f"emulated:1: {alias1.value:#x}" in note for note in side.notes)
+    plain = pd.alloc_registered(PAGE, EMU)  # resolved on emulated:1 only through resolve_alias
+    try:
+        alias = pd.resolve_alias(plain.host_va + 8, "emulated:1")
+        got = pd.explain(alias)
+        assert (got.domain, got.device, got.other_domain_address) == ("device_alias", "emulated:1", plain.host_va.value + 8)
+    finally:
+        plain.close()
+
+
+def test_explain_driver_view_of_an_open_registration_is_registered() -> None:
+    mem = pd.alloc_registered(PAGE, EMU)
+    open_ = pd.explain(mem.host_va).pointer_attributes["emulated"]
+    assert open_["registered_host"] is True and open_["alias_status"] == 0
+    alias = pd.resolve_alias(mem.host_va, EMU)
+    assert pd.explain(alias).pointer_attributes["emulated"]["registered_host"] is False  # an alias, not host memory
+    mem.close()
+    assert pd.explain(mem.host_va).pointer_attributes["emulated"]["registered_host"] is False  # closed: unregistered
+    plain = torch.empty(PAGE, dtype=torch.uint8)
+    assert pd.explain(plain.data_ptr()).pointer_attributes["emulated"]["registered_host"] is False
+
+
 def test_explain_device_memory_and_unknown() -> None:
     dev = pd.device_empty((PAGE,), torch.uint8, "emulated:1")
     got = pd.explain(dev.data_ptr() + 17)
@@ -123,3 +160,12 @@ def test_whatis_cli_demo_pid_and_bad_address() -> None:
         out = _cli(*bad)
         assert out.returncode == 2, (bad, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def test_whatis_pid_of_no_process_is_a_usage_error() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process (reuse within this test is vanishingly unlikely)
+    for pid in (str(gone.pid), "0", "-1"):
+        out = _cli("whatis", "--pid", pid, "0x1000")
+        assert out.returncode == 2, (pid, out.stdout, out.stderr)
+        assert "--pid" in out.stderr and "Traceback" not in out.stderr and out.stdout == ""

@@ -4,7 +4,8 @@ Every ROCm crash report starts with a bare fault address; this maps it back to t
 buffer. An address is looked up, in order, as
 
 1. the host VA of a registration pointerdomain holds (open, or closed with its owner alive);
-2. the device alias of an open registration (each chunk's alias range);
+2. the device alias of an open registration (each chunk's alias range, on its device and
+   on every other device an alias of it was asked for);
 3. emulated device memory (by address), or CUDA device memory in torch's caching
    allocator (only when CUDA is already initialised: explaining never starts a context);
 
@@ -52,7 +53,8 @@ class Explanation:
         base: start of the registration (host VA) or of the alias range the address is in.
         nbytes: length of that registration / allocation in bytes.
         offset: ``address - base`` in bytes.
-        device: the device the memory belongs to or is registered for.
+        device: the device the memory belongs to or is registered for; for a device
+            alias, the device the alias is for (a portable registration has one per device).
         other_domain_address: the same byte in the other domain (the alias of a host VA,
             the host VA of an alias); equal to ``address`` where the device's alias is the VA.
         state: ``"open"`` or ``"closed"`` (unregistered, owner still alive).
@@ -60,7 +62,9 @@ class Explanation:
         rung: how the registration was made (registration ladder rung).
         numa_node: the NUMA node of the mapping's pages when all are on one node.
         pointer_attributes: the platform's answers for the address (backend name ->
-            facts such as ``registered_host`` and ``alias_status``).
+            facts such as ``registered_host``: the driver knows this very address as
+            registered (pinned) host memory, False for a strict-mode host VA, whose
+            registered twin is another mapping; ``alias_status``).
         maps_line: the ``/proc/<pid>/maps`` line of the mapping holding the address.
         pid: the process whose memory map was read.
         notes: short remarks (why a lookup was not possible, alias == VA, ...).
@@ -185,19 +189,27 @@ def numa_nodes_of_mapping(address: int, pid: int | None = None) -> dict[int, int
     return {}
 
 
-def _alias_range(owner: RegisteredHostMemory, k: int) -> tuple[int, int] | None:
-    """(alias of chunk k, its length) or None where the backend has no alias for it."""
+def _alias_range(owner: RegisteredHostMemory, k: int, device: Device | None = None) -> tuple[int, int] | None:
+    """(alias of chunk k on ``device`` (default: the owner's), its length) or None where
+    the backend has no alias for it. Never raises."""
     from pointerdomain._platform import backend_for
 
     chunk = owner.chunks[k]
+    dev = owner.device if device is None else device
     if not owner.kernel_readable:
         return None  # unpinned rung: no alias exists (the copy engine stages the host VA)
     try:
         # strict alias mode: the alias belongs to the registered second mapping, not the host VA
-        status, alias = backend_for(owner.device).alias(chunk.registered_address, owner.device)
+        status, alias = backend_for(dev).alias(chunk.registered_address, dev)
     except Exception:  # noqa: BLE001 - diagnosis must not raise (a build without the alias op)
         return None
     return (alias, chunk.nbytes) if status == 0 else None
+
+
+def _other_alias_devices(owner: RegisteredHostMemory) -> tuple[Device, ...]:
+    """The devices besides the owner's whose aliases of ``owner`` were asked for (a
+    portable registration serving several devices: ``kernel_table_for``, ``resolve_alias``)."""
+    return tuple(d for d in owner.alias_devices if d != owner.device)
 
 
 def _pointer_attributes(address: int, device: Device | None) -> tuple[dict[str, dict[str, object]], list[str]]:
@@ -214,7 +226,14 @@ def _pointer_attributes(address: int, device: Device | None) -> tuple[dict[str, 
     for dev in devices:
         try:
             backend = backend_for(dev)
-            facts: dict[str, object] = {"registered_host": backend.pointer_is_host(address)}
+            if dev.type == "emulated":
+                # the emulated pointer query is a constant False (no runtime pins memory behind
+                # pointerdomain's back): the emulated driver's own record answers instead, i.e.
+                # whether this address lies in a registered range (never a strict-mode host VA)
+                registered = backend.alias(address, Device("emulated", 0))[0] == 0
+            else:
+                registered = backend.pointer_is_host(address)
+            facts: dict[str, object] = {"registered_host": registered}
             if dev.type == "emulated":
                 facts["emulated_device"] = backend.device_lookup(address, 1)
             if dev.type == "emulated" or gpu_ops_built():
@@ -309,6 +328,11 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
                 alias = _alias_range(owner, k) if state == "open" else None
                 if alias is not None:
                     out["other_domain_address"] = alias[0] + (value - chunk.host_va.value)
+                    others = [(d, _alias_range(owner, k, d)) for d in _other_alias_devices(owner)]
+                    listed = [f"{d}: {r[0] + (value - chunk.host_va.value):#x}" for d, r in others if r is not None]
+                    if listed:
+                        notes.append(f"the device alias above is on {owner.device}; on other devices: "
+                                     + ", ".join(listed))
                     if alias[0] == chunk.host_va.value:
                         notes.append(f"on {owner.device} the device alias equals the host VA "
                                      "(CanUseHostPointerForRegisteredMem = 1): the same number is both")
@@ -319,14 +343,19 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
             notes.append("the registration was closed: the memory is ordinary host memory now and has no alias")
         return out
     for owner in open_registrations():
-        for k, chunk in enumerate(owner.chunks):
-            alias = _alias_range(owner, k)
-            if alias is not None and alias[0] <= value < alias[0] + alias[1]:
-                out = _describe(owner, "open")
-                out |= {"domain": "device_alias", "base": alias[0], "nbytes": alias[1], "offset": value - alias[0],
-                        "chunk": (k + 1, len(owner.chunks)),
-                        "other_domain_address": chunk.host_va.value + (value - alias[0])}
-                return out
+        for dev in owner.alias_devices:  # its own device first, then the others aliases were asked for
+            for k, chunk in enumerate(owner.chunks):
+                alias = _alias_range(owner, k, dev)
+                if alias is not None and alias[0] <= value < alias[0] + alias[1]:
+                    out = _describe(owner, "open")
+                    out |= {"domain": "device_alias", "base": alias[0], "nbytes": alias[1],
+                            "offset": value - alias[0], "chunk": (k + 1, len(owner.chunks)),
+                            "other_domain_address": chunk.host_va.value + (value - alias[0]),
+                            "device": str(dev), "device_obj": dev}
+                    if dev != owner.device:
+                        notes.append(f"the alias is on {dev}; the registration was made for {owner.device} "
+                                     "(portable: one registration serves every device of its type)")
+                    return out
     try:
         from pointerdomain.allocation import memory_device_at
 

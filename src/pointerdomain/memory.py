@@ -247,6 +247,7 @@ class RegisteredHostMemory(ProcessLocal):
         strict: the host VA is a never-registered second mapping (strict alias mode).
         numa_node: NUMA node of the first page (None if unknown).
 
+        alias_devices: the devices aliases were asked for (``device`` first).
         leases: the launches using it now (:class:`pointerdomain.leases.LeaseSet`).
 
     Use as a context manager or call :meth:`close`; closing twice is a no-op.
@@ -260,6 +261,9 @@ class RegisteredHostMemory(ProcessLocal):
         library_owned: bool = False,
     ) -> None:
         self.device = device
+        # devices an alias was asked for (alias_of), own first: a portable registration
+        # serves every device of its type; explain() looks aliases up on these
+        self._alias_devices: dict[Device, None] = {device: None}
         self._lock = threading.Lock()
         self._closed = False
         self.leases = LeaseSet()
@@ -381,6 +385,21 @@ class RegisteredHostMemory(ProcessLocal):
         if self._registered is None:
             return va.value
         return self._registered.data_ptr() + (va.value - self.host_va.value)
+
+    def note_alias_device(self, device: Device) -> None:
+        """Record that an alias of this registration was asked for on ``device`` (the
+        resolver calls this; handles from :meth:`acquire` share the record)."""
+        if device in self._alias_devices or device.type != self.device.type:
+            return
+        with _registry._lock:
+            self._alias_devices.setdefault(device)
+
+    @property
+    def alias_devices(self) -> tuple[Device, ...]:
+        """The devices aliases of this registration were asked for, :attr:`device` first
+        (what :func:`pointerdomain.explain` looks an alias up on)."""
+        with _registry._lock:
+            return tuple(self._alias_devices)
 
     def acquire(self) -> RegisteredHostMemory:
         """Another handle on this registration (reference-counted): the range is unregistered

@@ -18,7 +18,7 @@ import torch
 from pointerdomain.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.errors import InvalidArgumentError, LayoutError
+from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, LayoutError
 from pointerdomain.kernels import (
     DEFAULT_MAX_CTAS,
     MaxCtas,
@@ -50,6 +50,26 @@ class DevicePool(Protocol):
 
     @property
     def table(self) -> PointerTable[DeviceAlias]: ...
+
+
+def _check_device_pool(method: str, device_pool: object) -> None:
+    """``device_pool`` has what :class:`DevicePool` promises (a KVLayout ``layout`` and a
+    PointerTable ``table``), checked before anything is launched.
+
+    Raises:
+        InvalidTypeError: it does not (None, a HostKVPool, a bare table, ...).
+    """
+    if isinstance(getattr(device_pool, "layout", None), KVLayout) and isinstance(
+            getattr(device_pool, "table", None), PointerTable):
+        return
+    found = "None" if device_pool is None else f"a {type(device_pool).__name__}"
+    also = (" (a host pool: it is the other side of the copy; pass the device pool it backs up)"
+            if isinstance(device_pool, HostKVPool) else "")
+    raise InvalidTypeError(
+        f"HostKVPool.{method}: device_pool: found {found}{also}, expected a device pool (a DeviceKVPool, or an "
+        "object with .layout (a KVLayout) and .table (its PointerTable[DeviceAlias])). "
+        "Fix: pass the DeviceKVPool whose pages to copy"
+    )
 
 
 class DeviceKVPool(ProcessLocal):
@@ -156,8 +176,10 @@ class HostKVPool(ProcessLocal):
         ``device_pool`` may be on any device of the pool's type (one host pool serving
         several GPUs): the launch uses :meth:`kernel_table_for` its device and runs there.
 
-        Keywords and errors as :func:`transfer_kv_all_layer`.
+        Keywords and errors as :func:`transfer_kv_all_layer`, and InvalidTypeError where
+        ``device_pool`` is not a device pool (None, a HostKVPool, ...): raised before any launch.
         """
+        _check_device_pool("backup", device_pool)
         transfer_kv_all_layer(
             device_pool.table, self._table_for_pool(device_pool), device_indices, host_indices,
             src_layout=device_pool.layout, dst_layout=self.layout, stream=stream, max_ctas=max_ctas,
@@ -170,6 +192,7 @@ class HostKVPool(ProcessLocal):
         validate_indices: ValidateIndices = True,
     ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
+        _check_device_pool("load", device_pool)
         transfer_kv_all_layer(
             self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
             src_layout=self.layout, dst_layout=device_pool.layout, stream=stream, max_ctas=max_ctas,
@@ -182,6 +205,7 @@ class HostKVPool(ProcessLocal):
         validate_indices: ValidateIndices = True,
     ) -> None:
         """H2D for one layer (overlaps the forward pass layer by layer)."""
+        _check_device_pool("load_layer", device_pool)
         transfer_kv_per_layer(
             self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
             layer_id=layer_id, src_layout=self.layout, dst_layout=device_pool.layout, stream=stream,

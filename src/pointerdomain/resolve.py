@@ -176,6 +176,8 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
         return DeviceAlias(va.value, dev)  # unpinned rung: the copy engine stages the host VA itself
     # strict alias mode: the alias of the registered mapping, never of the host VA itself
     where = va.value if owner is None else owner.registered_address_of(va)
+    if owner is not None:
+        owner.note_alias_device(dev)  # so explain() knows which devices' aliases to look up
     if policy is AliasPolicy.EMULATED:
         status, alias = backend.alias(where, dev)
         if status != 0:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from pointerdomain.cli import EXIT_OK, UsageError, parse_device
 from pointerdomain.explanation import Explanation, explain
 
-__all__ = ["add_arguments", "parse_address", "run"]
+__all__ = ["add_arguments", "check_pid", "parse_address", "run"]
 
 
 def parse_address(text: str) -> int:
@@ -38,6 +39,19 @@ def parse_address(text: str) -> int:
     return value
 
 
+def check_pid(pid: int) -> None:
+    """``--pid`` must name a process whose memory map can be looked at.
+
+    Raises:
+        UsageError: ``pid`` is not > 0, or ``/proc/PID/maps`` does not exist (no such
+            process, or no /proc: not Linux).
+    """
+    if pid <= 0:
+        raise UsageError(f"--pid {pid}: expected a process id > 0")
+    if not os.path.exists(f"/proc/{pid}/maps"):
+        raise UsageError(f"--pid {pid}: /proc/{pid}/maps does not exist (no such process, or not Linux)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``whatis`` subcommand's flags."""
     p.add_argument("addresses", nargs="*", metavar="ADDRESS", help="hex (0x...) or decimal address(es)")
@@ -50,12 +64,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``pointerdomain whatis``: 0 (an address nothing knows is an answer, not a failure)."""
+    """``pointerdomain whatis``: 0 (an address nothing knows is an answer, not a failure).
+
+    Raises:
+        UsageError (exit 2): a bad ADDRESS, no ADDRESS, ``--demo`` with ``--pid``, or a
+            ``--pid`` that names no process (see :func:`check_pid`).
+    """
     addresses = [parse_address(a) for a in args.addresses]
     if not addresses and not args.demo:
         raise UsageError("give an ADDRESS (hex or decimal), or --demo")
     if args.demo and args.pid is not None:
         raise UsageError("--demo explains addresses of this process: drop --pid")
+    if args.pid is not None:
+        check_pid(args.pid)
     found: list[Explanation] = []
     if args.demo:
         from pointerdomain.allocation import alloc_registered
