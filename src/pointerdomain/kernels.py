@@ -27,7 +27,7 @@ from typing import Any, Final, Literal, cast
 
 import torch
 
-from pointerdomain import checked, launch_errors, overlap, staged
+from pointerdomain import checked, launch_errors, leases, overlap, staged
 from pointerdomain._platform import memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
@@ -270,72 +270,24 @@ def _launch(
     if backend == "kernel" and device.type == "cuda" and not checked.enabled():
         # The native launch sets and restores the device itself (and reads the capture
         # state of the launch stream there): no Python device switch on the hot path.
-        if validate_indices != "host" and not plan.same_memory and n > 0:
-            _launch_cuda_kernel(plan, src, dst, sp, dp, n, layer_begin, layer_count, stream, ctas,
-                                validate_indices is True)
-        else:
-            _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
-                              backend, validate_indices)
+        _launch_on_device(plan, src, dst, src_indices, dst_indices, sp, dp, n, layer_begin, layer_count, stream,
+                          ctas, backend, validate_indices)
         return
     # The rest (host copies of the indices, checked mode, the staged path's streams and
     # events, the emulated kernels) on the tables' device; the caller's current device
     # comes back afterwards, also on error.
     with DeviceGuard.for_launch(device):
-        _launch_on_device(plan, src, dst, src_indices, dst_indices, n, layer_begin, layer_count, stream, ctas,
-                          backend, validate_indices)
-
-
-def _launch_cuda_kernel(
-    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], sp: int, dp: int,
-    n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int, validate: bool,
-) -> None:
-    """The hot path: :func:`_launch_on_device` for a CUDA kernel launch with checked mode
-    off, ``validate_indices`` True or False (the device checks, no host work), tables
-    that share no memory and ``n`` > 0; the same steps, nothing else. ``sp``, ``dp``: the
-    checked index tensors' addresses (the caller keeps the tensors alive)."""
-    platform, device = plan.platform, plan.device
-    if stream is None:
-        stream = platform.current_stream(device)
-    kernel = plan.kernel if validate or plan.unchecked is None else plan.unchecked
-    owners = plan.owners
-    if not owners:  # device memory only: nothing to lease (a table keeps its tensors alive)
-        platform.launch(kernel, sp, dp, n, layer_begin, layer_count, device, stream, ctas)
-        return
-    info = ("transfer", n, device, threading.get_ident())
-    if len(owners) == 1:  # one registration (a host pool against a device pool): no lists
-        leases = owners[0].leases
-        token = leases.acquire(info)
-        if token == -1:
-            owners[0].check_open()
-            raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
-        event = 0
-        try:
-            event = platform.launch_recorded(kernel, sp, dp, n, layer_begin, layer_count,
-                                             device, stream, ctas)
-        finally:
-            leases.release(token, event, platform)
-        return
-    tokens = [owner.leases.acquire(info) for owner in owners]
-    event = 0
-    try:
-        if -1 in tokens:
-            for owner in owners:
-                owner.check_open()  # the closed one raises ClosedError
-            raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
-        event = platform.launch_recorded(kernel, sp, dp, n, layer_begin, layer_count,
-                                         device, stream, ctas)
-    finally:
-        for owner, token in zip(owners, tokens):
-            if token != -1:
-                owner.leases.release(token, event, platform)
+        _launch_on_device(plan, src, dst, src_indices, dst_indices, sp, dp, n, layer_begin, layer_count, stream,
+                          ctas, backend, validate_indices)
 
 
 def _launch_on_device(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, n: int, layer_begin: int, layer_count: int, stream: int | None, ctas: int,
-    backend: TransferBackend, validate_indices: ValidateIndices,
+    d_idx: torch.Tensor, sp: int, dp: int, n: int, layer_begin: int, layer_count: int, stream: int | None,
+    ctas: int, backend: TransferBackend, validate_indices: ValidateIndices,
 ) -> None:
-    """The launch of ``backend`` (resolved: never ``"auto"``) with checked arguments."""
+    """The launch of ``backend`` (resolved: never ``"auto"``) with checked arguments;
+    ``sp``, ``dp``: the index tensors' addresses (``data_ptr()``, read once by the caller)."""
     device, platform = plan.device, plan.platform
     if backend == "copy_engine":
         # Read the indices once: the copy validated is the copy the descriptors are built from,
@@ -358,39 +310,31 @@ def _launch_on_device(
     if stream is None:
         stream = platform.current_stream(device)
     kernel = plan.kernel if validate_indices is not False or plan.unchecked is None else plan.unchecked
+    # Lease the registrations both tables point into (device memory alone has none: a table
+    # keeps its tensors alive); with leases, an event after the launch tells close() when
+    # the GPU is past it.
     owners = plan.owners
-    if not owners:  # device memory only: nothing to lease (a table keeps its tensors alive)
+    tokens = leases.acquire_all(owners, ("transfer", n, device, threading.get_ident())) if owners else []
+    if tokens is None:
+        for owner in owners:
+            owner.check_open()  # the closed one raises ClosedError
+        raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
+    event = 0  # the backend's event recorded after the launch (0: none, e.g. synchronous or captured)
+    try:
         if backend == "staged":
             staged.launch_staged(plan, src, dst, s_idx, d_idx, layer_begin, layer_count, stream, ctas)
+            event = platform.record_event(device, stream) if owners else 0
         elif backend == "copy_engine":
             dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
             platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
+            event = platform.record_event(device, stream) if owners else 0
+        elif owners:  # launch and record in one native call on CUDA
+            event = platform.launch_recorded(kernel, sp, dp, n, layer_begin, layer_count, device, stream, ctas)
         else:
-            platform.launch(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, device, stream,
-                            ctas)
-    else:
-        info = ("transfer", n, device, threading.get_ident())
-        tokens = [owner.leases.acquire(info) for owner in owners]
-        event = 0  # the backend's event recorded after the launch (0: none, e.g. synchronous or captured)
-        try:
-            if -1 in tokens:
-                for owner in owners:
-                    owner.check_open()  # the closed one raises ClosedError
-                raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
-            if backend == "staged":
-                staged.launch_staged(plan, src, dst, s_idx, d_idx, layer_begin, layer_count, stream, ctas)
-                event = platform.record_event(device, stream)
-            elif backend == "copy_engine":
-                dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
-                platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
-                event = platform.record_event(device, stream)
-            else:  # launch and record in one native call on CUDA
-                event = platform.launch_recorded(kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin,
-                                                 layer_count, device, stream, ctas)
-        finally:
-            for owner, token in zip(owners, tokens):
-                if token != -1:
-                    owner.leases.release(token, event, platform)
+            platform.launch(kernel, sp, dp, n, layer_begin, layer_count, device, stream, ctas)
+    finally:
+        if owners:
+            leases.release_all(owners, tokens, event, platform)
     if backend != "copy_engine" and validate_indices is not False and platform.host_readable:
         word = launch_errors.host_word(device)  # synchronous launch: a slot the kernel skipped (indices changed)
         if word is not None and word.value:

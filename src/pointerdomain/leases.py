@@ -36,7 +36,7 @@ from typing import Final, Protocol
 
 from pointerdomain.errors import BusyError
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "EventBackend", "LaunchInfo", "LeaseSet"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "EventBackend", "LaunchInfo", "LeaseSet", "Leased", "acquire_all", "release_all"]
 
 #: How long ``close()`` waits for launches using the memory, seconds: far longer than
 #: any single copy of a KV pool (a 64 GiB pool at 50 GB/s is 1.3 s), short enough that
@@ -136,3 +136,30 @@ class LeaseSet:
     @property
     def closing(self) -> bool:
         return self._closing
+
+
+class Leased(Protocol):
+    """What a launch leases: a registration with its :class:`LeaseSet`."""
+
+    @property
+    def leases(self) -> LeaseSet: ...
+
+
+def acquire_all(owners: tuple[Leased, ...], info: LaunchInfo) -> list[int] | None:
+    """One lease on each of ``owners`` for the launch ``info``, or None (holding none)
+    when one of them is closing or closed: the caller then raises ``ClosedError``."""
+    tokens: list[int] = []
+    for owner in owners:
+        token = owner.leases.acquire(info)
+        if token == -1:
+            release_all(owners, tokens, 0, None)
+            return None
+        tokens.append(token)
+    return tokens
+
+
+def release_all(owners: tuple[Leased, ...], tokens: list[int], event: int, backend: EventBackend | None) -> None:
+    """End the leases :func:`acquire_all` gave (``tokens[i]`` on ``owners[i]``), keeping
+    ``event`` for each owner's drain (see :meth:`LeaseSet.release`)."""
+    for owner, token in zip(owners, tokens):
+        owner.leases.release(token, event, backend)
