@@ -21,6 +21,7 @@ Reporting:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from typing import Any
@@ -47,21 +48,20 @@ def ensure_error_word(device: Device) -> int:
             word = _words.get(device)
             if word is None:
                 platform = backend_for(device)
-                if device.type == "cuda" and not platform.is_capturing(device):
-                    # Zeroed on a private stream and waited for there: the caller's streams may
-                    # hold queued work (a first launch queued behind compute must not wait
-                    # for it), and the word is zero before any launch on any stream sets it.
-                    cuda: Any = torch.cuda  # Stream is untyped in torch's stubs
-                    side = cuda.Stream(device=device.torch_device)
-                    with cuda.stream(side):
-                        word = device_empty((1,), torch.int32, device)
-                        word.zero_()
-                    side.synchronize()
-                else:
+                capturing = platform.is_capturing(device)
+                # CUDA: zeroed on a private stream and waited for there, since the caller's
+                # streams may hold queued work (a first launch queued behind compute must not
+                # wait for it); elsewhere a device sync. Either way the word is zero before
+                # any launch on any stream can set it (during capture: ordered in the graph).
+                cuda: Any = torch.cuda  # Stream is untyped in torch's stubs
+                side = cuda.Stream(device=device.torch_device) if device.type == "cuda" and not capturing else None
+                with cuda.stream(side) if side is not None else contextlib.nullcontext():
                     word = device_empty((1,), torch.int32, device)
                     word.zero_()
-                    if not platform.is_capturing(device):
-                        platform.synchronize(device)  # zeroed before any launch on another stream can set it
+                if side is not None:
+                    side.synchronize()
+                elif not capturing:
+                    platform.synchronize(device)
                 if platform.host_readable:
                     _host_views[device] = ctypes.c_uint32.from_address(word.data_ptr())
                 _words[device] = word
