@@ -104,20 +104,11 @@ def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False)
     return idx
 
 
-def _check_range(src_idx: torch.Tensor, dst_idx: torch.Tensor, src_slots: int, dst_slots: int, plan: TransferPlan) -> None:
-    if src_idx.numel() == 0:
-        return
-    if plan.platform.is_capturing(plan.device):
-        return  # no host sync during capture; the kernel skips out-of-range slots
-    if not src_idx.is_cuda and src_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
-        s_list, d_list = src_idx.tolist(), dst_idx.tolist()
-        lo_s, hi_s, lo_d, hi_d = min(s_list), max(s_list), min(d_list), max(d_list)
-    else:  # one host sync for both tensors
-        (lo_s, hi_s), (lo_d, hi_d) = torch.stack([*torch.aminmax(src_idx), *torch.aminmax(dst_idx)]).view(2, 2).tolist()
-    for name, lo, hi, slots in (("src_indices", lo_s, hi_s, src_slots), ("dst_indices", lo_d, hi_d, dst_slots)):
-        if lo < 0 or hi >= slots:
-            bad = lo if lo < 0 else hi
-            raise IndexValidationError(f"{name}: slot {bad} outside [0, {slots}); nothing was copied")
+def _check_range(s_idx: torch.Tensor, d_idx: torch.Tensor, plan: TransferPlan) -> None:
+    """:meth:`TransferPlan.check_slot_range` where the launch may read indices on the host:
+    never during capture (no host sync there; the kernel skips out-of-range slots)."""
+    if s_idx.numel() and not plan.platform.is_capturing(plan.device):
+        plan.check_slot_range(s_idx, d_idx)
 
 
 class WholeGpu(enum.Enum):
@@ -294,13 +285,13 @@ def _launch_on_device(
         # so another thread changing an index meanwhile cannot move a copy outside the tables.
         s_idx = s_idx.to("cpu", copy=True)
         d_idx = d_idx.to("cpu", copy=True)
-        _check_range(s_idx, d_idx, plan.src_layout.num_slots, plan.dst_layout.num_slots, plan)
+        _check_range(s_idx, d_idx, plan)
     elif backend != "staged" and (
         validate_indices == "host" or (validate_indices is True and platform.host_readable)
     ):
         # host-readable indices (emulated device): no sync, so check before launching
         # (staged: launch_staged checks its own host copies of the indices)
-        _check_range(s_idx, d_idx, plan.src_layout.num_slots, plan.dst_layout.num_slots, plan)
+        _check_range(s_idx, d_idx, plan)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
     if n == 0:

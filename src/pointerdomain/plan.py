@@ -23,7 +23,7 @@ import torch
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import DeviceMismatchError, InvalidArgumentError, LayoutError
+from pointerdomain.errors import DeviceMismatchError, IndexValidationError, InvalidArgumentError, LayoutError
 from pointerdomain.launch_errors import error_word_address
 from pointerdomain.layouts import Geometry, KVLayout
 from pointerdomain.memory import RegisteredHostMemory
@@ -81,6 +81,24 @@ class TransferPlan:
     unpinned: RegisteredHostMemory | None = None
     dst_starts: tuple[int, ...] = ()
     dst_ends: tuple[int, ...] = ()
+
+    def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
+        """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
+        on one device) lies outside ``[0, num_slots)`` of its layout; before anything is
+        copied. CUDA indices cost one host sync for both.
+
+        Raises:
+            IndexValidationError: the first side with a slot out of range, and that slot.
+        """
+        if not s_idx.is_cuda and s_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
+            s_list, d_list = s_idx.tolist(), d_idx.tolist()
+            lo_s, hi_s, lo_d, hi_d = min(s_list), max(s_list), min(d_list), max(d_list)
+        else:  # one host sync for both tensors
+            (lo_s, hi_s), (lo_d, hi_d) = torch.stack([*torch.aminmax(s_idx), *torch.aminmax(d_idx)]).view(2, 2).tolist()
+        for name, lo, hi, slots in (("src_indices", lo_s, hi_s, self.src_layout.num_slots),
+                                    ("dst_indices", lo_d, hi_d, self.dst_layout.num_slots)):
+            if lo < 0 or hi >= slots:
+                raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
 
     def indices_in_dst(self, src_idx: int, dst_idx: int, nbytes: int) -> bool:
         """Whether either index array (``nbytes`` > 0 bytes from address ``src_idx`` /

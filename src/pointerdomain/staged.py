@@ -48,7 +48,7 @@ from pointerdomain._platform import backend_for
 from pointerdomain.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import IndexValidationError, InvalidArgumentError, LayoutError, PointerDomainError
+from pointerdomain.errors import InvalidArgumentError, LayoutError, PointerDomainError
 from pointerdomain.plan import TransferPlan
 from pointerdomain.tables import PointerTable
 
@@ -237,7 +237,7 @@ def auto_picks_staged(
     return not isinstance(staged_refusal(plan, src, dst, layer_begin, layer_count), PointerDomainError)
 
 
-def _staging_buffer(device: Device, config: StagingConfig, plan: TransferPlan) -> torch.Tensor:
+def _staging_buffer(device: Device, config: StagingConfig) -> torch.Tensor:
     with _lock:
         buf = _buffers.get(device)
         if buf is None or buf.numel() != config.nbytes:
@@ -286,11 +286,7 @@ def launch_staged(
     else:
         s_host = s_idx.to("cpu", copy=True)
         d_host = d_idx.to("cpu", copy=True)
-    for name, idx, slots in (("src_indices", s_host, plan.src_layout.num_slots),
-                             ("dst_indices", d_host, plan.dst_layout.num_slots)):
-        lo, hi = (int(v) for v in torch.aminmax(idx))
-        if lo < 0 or hi >= slots:
-            raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
+    plan.check_slot_range(s_host, d_host)
     host_idx = s_host if host_is_src else d_host
     if plan.platform.host_readable:  # the kernel reads host memory: give it the checked copies too
         s_idx, d_idx = s_host, d_host
@@ -300,7 +296,7 @@ def launch_staged(
         s_idx = _on_device(s_host, plan.device, stream)
     host_table = torch.tensor(plan.src_values if host_is_src else plan.dst_values, dtype=torch.uint64)
     config = _config_of(plan.device)
-    staging = _staging_buffer(plan.device, config, plan)
+    staging = _staging_buffer(plan.device, config)
     plan.platform.staged_transfer(
         plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, host_is_src,
         host_table.data_ptr(), host_idx.data_ptr(), staging.data_ptr(), config.nbytes, config.ring, plan.device,
