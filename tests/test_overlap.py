@@ -108,22 +108,15 @@ def test_indices_stored_in_the_destination_are_refused(backend: str, which: str)
     fill_pool(pool, 5)
     with pd.HostKVPool(model_layout("page_first"), DEV) as host:
         fill_random(host.buffer, 6)
-        # D2H: indices inside the host pool (the destination)
-        inside = _int64_view(host.buffer, 3, offset=40)
-        inside.copy_(torch.tensor([0, 1, 2]))
-        before_host, before_dev = host.buffer.clone(), pool_bytes(pool).clone()
-        s, d = (inside, torch.tensor([4, 5, 6])) if which == "src" else (torch.tensor([4, 5, 6]), inside)
-        with pytest.raises(errors.OverlapError, match="destination table"):
-            host.backup(pool, s, d, backend=backend)  # type: ignore[arg-type]
-        assert same(host.buffer, before_host) and same(pool_bytes(pool), before_dev)
-        # H2D: indices inside a device pool buffer (the destination)
-        inside = _int64_view(pool.buffers[-1], 3, offset=8)
-        inside.copy_(torch.tensor([0, 1, 2]))
-        before_dev = pool_bytes(pool).clone()
-        s, d = (inside, torch.tensor([4, 5, 6])) if which == "src" else (torch.tensor([4, 5, 6]), inside)
-        with pytest.raises(errors.OverlapError, match="destination table"):
-            host.load(pool, s, d, backend=backend)  # type: ignore[arg-type]
-        assert same(pool_bytes(pool), before_dev) and same(host.buffer, before_host)
+        # D2H: indices inside the host pool; H2D: inside a device pool buffer (the destinations)
+        for run, memory, offset in ((host.backup, host.buffer, 40), (host.load, pool.buffers[-1], 8)):
+            inside = _int64_view(memory, 3, offset=offset)
+            inside.copy_(torch.tensor([0, 1, 2]))
+            before_host, before_dev = host.buffer.clone(), pool_bytes(pool).clone()
+            s, d = (inside, torch.tensor([4, 5, 6])) if which == "src" else (torch.tensor([4, 5, 6]), inside)
+            with pytest.raises(errors.OverlapError, match="destination table"):
+                run(pool, s, d, backend=backend)  # type: ignore[arg-type]
+            assert same(host.buffer, before_host) and same(pool_bytes(pool), before_dev)
 
 
 def test_indices_stored_in_the_source_are_fine() -> None:
