@@ -12,4 +12,5 @@ def per_device(host: HostKVPool, alias: DeviceAlias) -> None:
     host.kernel_table_for(host.kernel_table)  # type: ignore[arg-type]
     host.kernel_table_for(alias)  # type: ignore[arg-type]
     host.kernel_table_for(1)  # type: ignore[arg-type]
+    host.memory.alias_devices = ()  # type: ignore[misc]
     del wrong

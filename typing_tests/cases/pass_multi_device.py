@@ -18,3 +18,4 @@ def per_device(host: HostKVPool, pool1: DeviceKVPool, idx: torch.Tensor) -> None
     transfer_kv_all_layer(table, pool1.table, idx, idx, src_layout=host.layout, dst_layout=pool1.layout)
     assert_type(DeviceGuard.for_launch(Device("cuda", 1)), DeviceGuard)
     assert_type(emulated_device_count(), int)
+    assert_type(host.memory.alias_devices, tuple[Device, ...])  # the devices its aliases were asked for

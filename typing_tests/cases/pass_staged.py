@@ -17,6 +17,9 @@ assert_type(config, staged.StagingConfig)
 assert_type(config.nbytes, int)
 assert_type(staged.chunk_slots(config, 2, 4096), int)
 staged.set_staging(DEVICE, nbytes=8 << 20, ring=4)
+limit: int = staged.MAX_STAGING_BYTES  # a Final int: 16 GiB
+with raises(InvalidArgumentError, "at most"):  # past the bound: refused before anything is allocated
+    staged.set_staging(DEVICE, nbytes=staged.MAX_STAGING_BYTES + 4096)
 
 pool = DeviceKVPool(small_layout("layer_first"), DEVICE)
 with HostKVPool(small_layout("page_first"), DEVICE) as host:
