@@ -196,22 +196,21 @@ class CudaBackend(_TorchDevice):
         event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
         status = _C.gpu_transfer_recorded(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
                                           max_ctas, event)
-        if status == 0:
-            return event
-        if status == _C.gpu_not_recorded:  # launched into a graph capture (or nothing to launch)
-            return 0
-        check(self, "transfer kernel launch", status)
-        return 0  # not reached: check raised
+        return self._recorded(event, status, "transfer kernel launch")
 
     def record_event(self, device: Device, stream: int) -> int:
         event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
-        status = _C.gpu_event_record(event, device.ordinal, stream)
+        return self._recorded(event, _C.gpu_event_record(event, device.ordinal, stream), "cudaEventRecord")
+
+    def _recorded(self, event: int, status: int, what: str) -> int:
+        """``event`` when the native call recorded it, 0 when it did not (the stream is being
+        captured, or there was nothing to launch); a failure raises the typed error."""
         if status == 0:
             return event
         if status == _C.gpu_not_recorded:
             return 0
-        check(self, "cudaEventRecord", status)
-        return 0  # not reached
+        check(self, what, status)
+        return 0  # not reached: check raised
 
     def event_done(self, event: int) -> bool:
         status = _C.gpu_event_query(event)
