@@ -206,12 +206,6 @@ def _alias_range(owner: RegisteredHostMemory, k: int, device: Device | None = No
     return (alias, chunk.nbytes) if status == 0 else None
 
 
-def _other_alias_devices(owner: RegisteredHostMemory) -> tuple[Device, ...]:
-    """The devices besides the owner's whose aliases of ``owner`` were asked for (a
-    portable registration serving several devices: ``kernel_table_for``, ``resolve_alias``)."""
-    return tuple(d for d in owner.alias_devices if d != owner.device)
-
-
 def _pointer_attributes(address: int, device: Device | None) -> tuple[dict[str, dict[str, object]], list[str]]:
     """The platform pointer query for ``address`` on the backends that can answer."""
     import torch
@@ -328,7 +322,8 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
                 alias = _alias_range(owner, k) if state == "open" else None
                 if alias is not None:
                     out["other_domain_address"] = alias[0] + (value - chunk.host_va.value)
-                    others = [(d, _alias_range(owner, k, d)) for d in _other_alias_devices(owner)]
+                    # a portable registration serving other devices too (kernel_table_for, resolve_alias)
+                    others = [(d, _alias_range(owner, k, d)) for d in owner.alias_devices[1:]]
                     listed = [f"{d}: {r[0] + (value - chunk.host_va.value):#x}" for d, r in others if r is not None]
                     if listed:
                         notes.append(f"the device alias above is on {owner.device}; on other devices: "
