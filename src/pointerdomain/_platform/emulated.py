@@ -150,7 +150,7 @@ class EmulatedBackend:
         return _C.emu_host_alloc(nbytes)
 
     def shareable_host_alloc(self, nbytes: int) -> torch.Tensor:
-        return _C.emu_host_alloc(nbytes)  # already a memfd, and the emulated registration needs its own
+        return self.host_alloc(nbytes)  # already a memfd, and the emulated registration needs its own
 
     def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
         """The emulated cudaHostAlloc: memfd memory registered (aliased) at once."""
