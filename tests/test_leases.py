@@ -211,6 +211,83 @@ def test_gpu_close_waits_for_queued_gpu_work() -> None:
             assert same(got[kv, :, layer], expected[kv * layout.num_layers + layer].reshape(layout.num_slots, -1))
 
 
+_PRELOAD = textwrap.dedent("""
+    import pointerdomain as pd
+    from pointerdomain._platform import backend_for
+    from pointerdomain._platform.faulty import FaultyBackend
+    from pointerdomain._platform.testing import install_backend
+    from tests.reference import DEV, model_layout
+
+    class Counting(FaultyBackend):
+        def __init__(self):
+            super().__init__(backend_for(DEV), {})
+            self.loads, self.capturing = [], False
+        def is_capturing(self, device):
+            return self.capturing
+        def load_kernels(self, device):
+            self.loads.append(device)
+            super().load_kernels(device)
+
+    b = Counting()
+    with install_backend(b, "emulated"):
+        b.capturing = True  # a device's first table built during a capture: nothing loaded then
+        pd.DeviceKVPool(model_layout(), pd.Device("emulated", 1))
+        assert b.loads == [], b.loads
+        b.capturing = False
+        pd.DeviceKVPool(model_layout(), DEV)
+        pd.DeviceKVPool(model_layout(), DEV)
+        assert b.loads == [DEV], b.loads  # once per device, when its first kernel table is built
+    print("OK")
+""")
+
+
+def test_kernels_are_loaded_with_the_first_kernel_table_of_a_device() -> None:
+    """Backend.load_kernels runs once per device, when its error word is made (outside a
+    capture), so no first launch loads a kernel (CUDA lazy loading may then wait for all
+    queued work). In a child process: this one's devices have their words already."""
+    env = {"PYTHONPATH": childenv.pythonpath(), "PATH": "/usr/bin:/bin", "POINTERDOMAIN_EMULATED_DEVICES": "2"}
+    proc = subprocess.run([sys.executable, "-c", _PRELOAD], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
+_FIRST_LAUNCH = textwrap.dedent("""
+    import time, torch
+    import pointerdomain as pd
+    from tests.reference import model_layout
+    dev = pd.Device("cuda", 0)
+    layout = model_layout(pages=64)
+    pool = pd.DeviceKVPool(layout, dev)
+    host = pd.HostKVPool(model_layout("page_first", pages=64), dev)
+    slots = torch.arange(layout.num_slots, device="cuda")
+    torch.cuda._sleep(1000)  # torch's sleep kernel loaded before the timed part
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # about a second of queued GPU time
+        t0 = time.perf_counter()
+        pd.transfer_kv_all_layer(pool.table, host.kernel_table, slots, slots, src_layout=pool.layout,
+                                 dst_layout=host.layout, backend="kernel", max_ctas=2)
+        took = time.perf_counter() - t0
+    queued = not stream.query()
+    torch.cuda.synchronize()
+    assert queued and took < 0.3, (queued, took)
+    host.close()
+    print("OK")
+""")
+
+
+@pytest.mark.gpu
+def test_gpu_first_launch_does_not_wait_for_queued_work() -> None:
+    """CUDA, in a fresh process under lazy module loading: the process's first transfer
+    launch, queued behind ~1 s of GPU work, returns at once (its kernels were loaded when
+    the first kernel table was built, not at the launch)."""
+    env = {"PYTHONPATH": childenv.pythonpath(), "PATH": "/usr/bin:/bin", "CUDA_MODULE_LOADING": "LAZY"}
+    proc = subprocess.run([sys.executable, "-c", _FIRST_LAUNCH], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
 # -- the lease events (Backend.launch_recorded / record_event / event_done) -------------------
 
 

@@ -26,6 +26,12 @@ int multiprocessor_count(int device, int *count);
 // (the CTAs resident at once). The kernel's own shape (threads, items in flight)
 // is chosen here, from the item size.
 int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes);
+// Load every transfer and staged kernel into `device`'s context now (cudaFuncGetAttributes).
+// Under lazy module loading (CUDA >= 12.2's default) the first launch of a kernel loads it,
+// which may synchronise the context, so a first launch queued behind other work would
+// wait for that work; the library calls this when a device's first kernel table is built.
+int preload_kernels(int device);
+int staged_preload();  // staged_gpu.cu's own kernels (the device current already)
 // Launch leases (pointerdomain.leases): one event per (device, stream) that every launch
 // on the stream re-records, so close() of registered memory can wait for the GPU work.
 // Events cross as integers (the gpuEvent_t), are made with timing disabled and live

@@ -39,6 +39,8 @@
 #define gpuMemcpyAsync hipMemcpyAsync
 #define gpuMemcpyDefault hipMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuFuncAttributes hipFuncAttributes
+#define gpuFuncGetAttributes hipFuncGetAttributes
 // Device attributes for attributes_gpu.cu. HIP defines no HostRegister(ReadOnly)Supported
 // attribute: the query answers hipErrorNotSupported for them.
 #define gpuDeviceAttr_t hipDeviceAttribute_t
@@ -110,6 +112,8 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuMemcpyAsync cudaMemcpyAsync
 #define gpuMemcpyDefault cudaMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
+#define gpuFuncAttributes cudaFuncAttributes
+#define gpuFuncGetAttributes cudaFuncGetAttributes
 // Device attributes for attributes_gpu.cu.
 #define gpuDeviceAttr_t cudaDeviceAttr
 #define gpuErrorNotSupported cudaErrorNotSupported

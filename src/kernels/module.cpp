@@ -237,6 +237,9 @@ NB_MODULE(_C, m) {
         },
         nb::arg("nbytes"), nb::arg("device"),
         "cudaHostAlloc(portable | mapped): (status, uint8 tensor or None), freed with the tensor.");
+    m.def("gpu_preload_kernels", &g::preload_kernels, nb::arg("device"), nb::call_guard<nb::gil_scoped_release>(),
+          "Load every transfer kernel into the device's context now (lazy loading would load each at its "
+          "first launch, which may synchronise the context): status.");
     m.def(
         "gpu_transfer",
         [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,

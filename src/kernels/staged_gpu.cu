@@ -90,6 +90,11 @@ std::vector<std::array<std::int64_t, 2>> chunk_schedule(std::int64_t n, std::int
 
 }  // namespace
 
+int staged_preload() {
+    gpuFuncAttributes attributes{};
+    return fail(gpuFuncGetAttributes(&attributes, reinterpret_cast<const void *>(write_header)));
+}
+
 int staged_transfer(const Transfer &t, bool host_is_src, const Side &host, const std::int64_t *host_idx,
                     std::uint64_t staging, std::uint64_t staging_bytes, int ring, int device, std::uint64_t stream,
                     int max_ctas, int vec_bytes) {

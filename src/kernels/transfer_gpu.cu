@@ -290,41 +290,80 @@ int launch_item(const Transfer &t, int device, int max_ctas, gpuStream_t s) {
     return launch(split, wpc, t, sp, ctas, s);
 }
 
-// The shape for each specialised item size, from the sweeps on an H200
-// (benchmarks/kernel_sweep.cu, docs/performance.md): 128-byte lines per worker
-// instruction (8 lanes x 16 bytes; 4-lane workers reading half lines lost 15-25 %),
+// What to do with the kernel that `pick` chooses: launch it, or only load it.
+struct Launch {
+    const Transfer &t;
+    int device, max_ctas;
+    gpuStream_t s;
+    template <int ITEM, int LANES, int VEC, int U, int HINT = 1> int item() const {
+        return launch_item<ITEM, LANES, VEC, U, HINT>(t, device, max_ctas, s);
+    }
+    template <int VEC, int WORDS, int HINT = 1> int generic() const {
+        return launch_generic<VEC, WORDS, HINT>(t, device, max_ctas, s);
+    }
+};
+
+// Lazy module loading (the default since CUDA 12.2) loads a kernel at its first launch,
+// and loading may synchronise the context: a first launch queued behind other work would
+// wait for all of it. cudaFuncGetAttributes loads the kernel ahead of that.
+template <auto Kernel> int load() {
+    gpuFuncAttributes attributes{};
+    return finish(gpuFuncGetAttributes(&attributes, reinterpret_cast<const void *>(Kernel)));
+}
+
+struct Preload {
+    template <int ITEM, int LANES, int VEC, int U, int HINT = 1> int item() const {
+        if (const int e = load<item_kernel<ITEM, LANES, VEC, U, HINT, false>>()) return e;
+        if (const int e = load<item_kernel<ITEM, LANES, VEC, U, HINT, true>>()) return e;
+        return generic<VEC, 4, HINT>();  // launch_item's fallback at 2^31 pairs or more
+    }
+    template <int VEC, int WORDS, int HINT = 1> int generic() const {
+        return load<generic_kernel<VEC, WORDS, HINT>>();
+    }
+};
+
+// The kernel for a transfer's shape. The shape for each specialised item size, from the
+// sweeps on an H200 (benchmarks/kernel_sweep.cu, docs/performance.md): 128-byte lines per
+// worker instruction (8 lanes x 16 bytes; 4-lane workers reading half lines lost 15-25 %),
 // 128 bytes per lane in flight (one item of 1-4 KiB, two of 512 B), i.e. 128 KiB of
 // loads in flight per 1024-thread CTA. Two items per worker at 1-4 KiB lost up to 10 %
 // per-layer. 1152 B (MLA 576 x bf16): 8 lanes x 9 words.
-int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
-    if (t.num_kv <= 2 && t.layer_count <= (1 << 24)) {
+constexpr std::int64_t kSpecialised[] = {512, 1024, 1152, 2048, 4096};  // the item sizes of the table below
+
+template <class Act>
+int pick(std::int64_t item_bytes, std::int64_t num_kv, std::int64_t layer_count, int vec_bytes, const Act &act) {
+    if (num_kv <= 2 && layer_count <= (1 << 24)) {
         if (vec_bytes >= 16) {
-            switch (t.item_bytes) {
-                case 512: return launch_item<512, 8, 16, 2>(t, device, max_ctas, s);
-                case 1024: return launch_item<1024, 8, 16, 1>(t, device, max_ctas, s);
-                case 1152: return launch_item<1152, 8, 16, 1>(t, device, max_ctas, s);
-                case 2048: return launch_item<2048, 16, 16, 1>(t, device, max_ctas, s);
-                case 4096: return launch_item<4096, 32, 16, 1>(t, device, max_ctas, s);
+            switch (item_bytes) {
+                case 512: return act.template item<512, 8, 16, 2>();
+                case 1024: return act.template item<1024, 8, 16, 1>();
+                case 1152: return act.template item<1152, 8, 16, 1>();
+                case 2048: return act.template item<2048, 16, 16, 1>();
+                case 4096: return act.template item<4096, 32, 16, 1>();
                 default: break;
             }
         }
         if (vec_bytes >= 8) {  // 8-byte words: 16 lanes x 8 bytes per line
-            switch (t.item_bytes) {
-                case 512: return launch_item<512, 16, 8, 2>(t, device, max_ctas, s);
-                case 1024: return launch_item<1024, 16, 8, 2>(t, device, max_ctas, s);
-                case 1152: return launch_item<1152, 16, 8, 2>(t, device, max_ctas, s);
-                case 2048: return launch_item<2048, 32, 8, 2>(t, device, max_ctas, s);
-                case 4096: return launch_item<4096, 32, 8, 1>(t, device, max_ctas, s);
+            switch (item_bytes) {
+                case 512: return act.template item<512, 16, 8, 2>();
+                case 1024: return act.template item<1024, 16, 8, 2>();
+                case 1152: return act.template item<1152, 16, 8, 2>();
+                case 2048: return act.template item<2048, 32, 8, 2>();
+                case 4096: return act.template item<4096, 32, 8, 1>();
                 default: break;
             }
         }
     }
     switch (vec_bytes) {
-        case 16: return launch_generic<16, 4>(t, device, max_ctas, s);
-        case 8: return launch_generic<8, 8>(t, device, max_ctas, s);
-        case 4: return launch_generic<4, 8>(t, device, max_ctas, s);
-        default: return launch_generic<1, 8, 0>(t, device, max_ctas, s);
+        case 16: return act.template generic<16, 4>();
+        case 8: return act.template generic<8, 8>();
+        case 4: return act.template generic<4, 8>();
+        default: return act.template generic<1, 8, 0>();
     }
+}
+
+int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
+    return pick(t.item_bytes, t.num_kv, t.layer_count, vec_bytes, Launch{t, device, max_ctas, s});
 }
 
 }  // namespace
@@ -375,6 +414,17 @@ int pointer_is_host(std::uint64_t ptr, int *is_host) {
 int multiprocessor_count(int device, int *count) {
     *count = 0;
     return finish(gpuDeviceGetAttribute(count, gpuDevAttrMultiProcessorCount, device));
+}
+
+int preload_kernels(int device) {
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    for (const int vec : {16, 8, 4, 1}) {
+        if (const int e = pick(0, 1, 1, vec, Preload{})) return e;  // the generic kernel of the width
+        for (const std::int64_t item : kSpecialised)
+            if (const int e = pick(item, 1, 1, vec, Preload{})) return e;
+    }
+    return staged_preload();
 }
 
 int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {

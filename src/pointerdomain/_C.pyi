@@ -145,6 +145,11 @@ def gpu_pinned_alloc(nbytes: int, device: int) -> tuple[int, Annotated[torch.Ten
     cudaHostAlloc(portable | mapped): (status, uint8 tensor or None), freed with the tensor.
     """
 
+def gpu_preload_kernels(device: int) -> int:
+    """
+    Load every transfer kernel into the device's context now (lazy loading would load each at its first launch, which may synchronise the context): status.
+    """
+
 def gpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int) -> int:
     """
     Launch the KV transfer kernel on a stream: status (tables and indices in device memory; max_ctas <= 0: the whole GPU).

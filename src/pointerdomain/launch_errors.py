@@ -2,7 +2,8 @@
 
 Design: one ``uint32`` word per device, in that device's memory (emulated devices:
 emulated device memory, i.e. host memory), allocated and zeroed when the first kernel
-table for the device is built (never during a graph capture) and kept for the life of
+table for the device is built (never during a graph capture; the device's kernels are
+loaded then too, :meth:`Backend.load_kernels`) and kept for the life of
 the process, so a captured graph that holds its address never sees it freed. Every
 launch plan binds the word's address (``_C.KernelPlan.oob``); a kernel that skips a
 slot pair for being outside ``[0, num_slots)`` of its table stores 1 there
@@ -49,6 +50,10 @@ def ensure_error_word(device: Device) -> int:
             if word is None:
                 platform = backend_for(device)
                 capturing = platform.is_capturing(device)
+                if not capturing:
+                    # Here, not at the first launch: lazy module loading would load each kernel
+                    # there, and loading may wait for all work queued on the device.
+                    platform.load_kernels(device)
                 # CUDA: zeroed on a private stream and waited for there, since the caller's
                 # streams may hold queued work (a first launch queued behind compute must not
                 # wait for it); elsewhere a device sync. Either way the word is zero before

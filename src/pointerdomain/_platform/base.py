@@ -126,6 +126,17 @@ class Backend(Protocol):
         (whatever the calling thread's current device)."""
         ...
 
+    def load_kernels(self, device: Device) -> None:
+        """Load the transfer kernels into ``device``'s context ahead of the first launch
+        (CUDA: under lazy module loading, the default since CUDA 12.2, a kernel's first
+        launch loads it, which may synchronise the context and so wait for work queued on
+        every stream; nothing elsewhere). Called once per device, outside graph capture.
+
+        Raises:
+            RuntimeCallError: the load failed.
+        """
+        ...
+
     def launch(
         self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
         device: Device, stream: int, max_ctas: int,

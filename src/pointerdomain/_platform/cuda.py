@@ -181,6 +181,9 @@ class CudaBackend(_TorchDevice):
         status, value = _C.gpu_device_attribute(_C.DeviceAttribute[name], device.ordinal)
         return value if status == 0 else None
 
+    def load_kernels(self, device: Device) -> None:
+        check(self, "cudaFuncGetAttributes (kernel preload)", _C.gpu_preload_kernels(device.ordinal))
+
     def launch(
         self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
         device: Device, stream: int, max_ctas: int,
@@ -298,6 +301,9 @@ class TorchCudartBackend(_TorchDevice):
             return int(value.value)
         except (OSError, AttributeError):
             return None
+
+    def load_kernels(self, device: Device) -> None:
+        return None  # no kernels in this build (launches raise)
 
     def launch(
         self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,

@@ -76,6 +76,9 @@ class DelegatingBackend:
     def is_capturing(self, device: Device) -> bool:
         return self.inner.is_capturing(device)
 
+    def load_kernels(self, device: Device) -> None:
+        self.inner.load_kernels(device)
+
     def launch(
         self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
         device: Device, stream: int, max_ctas: int,
