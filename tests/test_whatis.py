@@ -70,12 +70,19 @@ def test_explain_alias_on_a_second_device() -> None:
 
 def test_explain_driver_view_of_an_open_registration_is_registered() -> None:
     mem = pd.alloc_registered(PAGE, EMU)
-    open_ = pd.explain(mem.host_va).pointer_attributes["emulated"]
+    if pd.strict_alias_enabled():  # the host VA is never registered: its twin mapping is
+        registered = mem.registered_address_of(mem.host_va)
+        assert registered != mem.host_va.value
+        host_side = pd.explain(mem.host_va).pointer_attributes["emulated"]
+        assert host_side["registered_host"] is False and host_side["alias_status"] != 0
+    else:
+        registered = mem.host_va.value
+    open_ = pd.explain(registered).pointer_attributes["emulated"]
     assert open_["registered_host"] is True and open_["alias_status"] == 0
     alias = pd.resolve_alias(mem.host_va, EMU)
     assert pd.explain(alias).pointer_attributes["emulated"]["registered_host"] is False  # an alias, not host memory
     mem.close()
-    assert pd.explain(mem.host_va).pointer_attributes["emulated"]["registered_host"] is False  # closed: unregistered
+    assert pd.explain(registered).pointer_attributes["emulated"]["registered_host"] is False  # closed: unregistered
     plain = torch.empty(PAGE, dtype=torch.uint8)
     assert pd.explain(plain.data_ptr()).pointer_attributes["emulated"]["registered_host"] is False
 
