@@ -12,7 +12,7 @@ from tests.reference import DEV, fill_random, model_layout, same
 
 
 @pytest.mark.parametrize("checked_on", [False, True])
-@pytest.mark.parametrize("how", ["released", "reallocated"])
+@pytest.mark.parametrize("how", ["released", "reallocated", "same size, moved", "smaller"])
 def test_registered_tensor_storage_released_under_a_table(checked_on: bool, how: str) -> None:
     layout = model_layout("page_first")
     buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -23,7 +23,21 @@ def test_registered_tensor_storage_released_under_a_table(checked_on: bool, how:
         table = pd.make_kernel_ptr_table([buf], DEV)
         idx = torch.tensor([1, 2])
         pd.transfer_kv_all_layer(pool.table, table, idx, idx, src_layout=pool.layout, dst_layout=layout)
-        buf.untyped_storage().resize_(0 if how == "released" else 2 * layout.nbytes)
+        storage = buf.untyped_storage()
+        old = storage.data_ptr()
+        if how == "released":
+            storage.resize_(0)
+        elif how == "reallocated":
+            storage.resize_(2 * layout.nbytes)
+        elif how == "same size, moved":  # freed, then the old size again elsewhere (the old block taken)
+            storage.resize_(0)
+            blocker = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            storage.resize_(layout.nbytes)
+            assert storage.data_ptr() != old and storage.nbytes() == layout.nbytes, "precondition: moved"
+            del blocker
+        else:  # freed, then a smaller block (maybe at the old address)
+            storage.resize_(0)
+            storage.resize_(layout.nbytes // 2)
         with checked.checked_mode(checked_on):
             with pytest.raises(errors.ClosedError, match="storage of an entry changed") as info:
                 pd.transfer_kv_all_layer(pool.table, table, idx, idx, src_layout=pool.layout, dst_layout=layout)

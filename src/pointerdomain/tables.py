@@ -49,6 +49,7 @@ __all__ = ["PointerTable", "host_ptr_table", "is_host_table", "is_kernel_table",
 D = TypeVar("D", bound=Address)
 
 _nbytes = torch.UntypedStorage.nbytes
+_data_ptr = torch.UntypedStorage.data_ptr
 
 
 @final
@@ -99,7 +100,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     """
 
     __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment",
-                 "_layout", "_storages", "_storage_state", "__weakref__")
+                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "__weakref__")
 
     def __init__(
         self,
@@ -129,9 +130,13 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
             storage = t.untyped_storage()
             storages.setdefault(storage.data_ptr(), storage)
         self._storages = tuple(storages.values())
-        # Only the size is compared per launch: resize_ is the one way to release or move a
-        # storage, and every real resize_ changes nbytes (resize_ to the same size is a no-op).
+        # Address and size, both compared per launch: resize_ is the one way to release or
+        # move a storage, and resize_(0) then resize_(n) between two launches can give back
+        # the old size at a new address (the old one freed), or the old address with a
+        # smaller size. (A storage freed and reallocated at its old address and size reads
+        # as intact: its bytes are again where the table points.)
         self._storage_state = tuple(s.nbytes() for s in self._storages)
+        self._storage_ptrs = tuple(s.data_ptr() for s in self._storages)
         host = torch.tensor(list(values), dtype=torch.uint64)
         if device is None:
             self._tensor = host
@@ -215,15 +220,18 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
 
     def storages_intact(self) -> bool:
         """False when the storage of an entry was released or reallocated since the table
-        was built (:meth:`check_live` raises for it; a launch plan calls this directly)."""
-        state = self._storage_state
+        was built: its size or its address changed (:meth:`check_live` raises for it; a
+        launch plan calls this directly)."""
+        state, storages = self._storage_state, self._storages
         if len(state) == 1:  # pool tables: one allocation
-            return bool(_nbytes(self._storages[0]) == state[0])
-        return tuple(map(_nbytes, self._storages)) == state
+            only = storages[0]
+            return bool(_nbytes(only) == state[0] and _data_ptr(only) == self._storage_ptrs[0])
+        return tuple(map(_nbytes, storages)) == state and tuple(map(_data_ptr, storages)) == self._storage_ptrs
 
     def check_live(self) -> None:
-        """Every launch calls this (about 0.1-0.2 us per distinct storage the table points
-        into, measured on CPU; docs/reliability.md).
+        """Every launch calls this (two reads per distinct storage the table points into:
+        about 0.2-0.3 us each on this project's CPU machine, 0.12 us on the H200's host;
+        docs/performance.md).
 
         Raises:
             ClosedError: a registration this table points into was closed, or the storage
@@ -234,11 +242,11 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
             self._storage_error()
 
     def _storage_error(self) -> None:
-        for s, nbytes in zip(self._storages, self._storage_state):
-            if s.nbytes() != nbytes:
+        for s, nbytes, ptr in zip(self._storages, self._storage_state, self._storage_ptrs):
+            if s.nbytes() != nbytes or s.data_ptr() != ptr:
                 raise ClosedError(
                     f"{self!r}: the storage of an entry changed under the table (found {s.nbytes()} bytes at "
-                    f"{s.data_ptr():#x}, expected {nbytes} bytes): it was released or reallocated "
+                    f"{s.data_ptr():#x}, expected {nbytes} bytes at {ptr:#x}): it was released or reallocated "
                     "(e.g. untyped_storage().resize_()) and the table's addresses point at freed memory. "
                     "Fix: rebuild the table over live tensors"
                 )
