@@ -185,6 +185,22 @@ def test_no_nanobind_message_for_a_bad_address() -> None:
         assert "emu_" not in str(info.value) and "incompatible function arguments" not in str(info.value)
 
 
+def test_ranges_reaching_the_top_of_the_address_space_lie_in_no_allocation() -> None:
+    """The emulated lookups never form ``address + nbytes`` (it wrapped past 2**64, so the top
+    address read as inside every allocation and registration before it)."""
+    dev = pd.device_empty((4096,), torch.uint8, "emulated:0")
+    assert pd.memory_device_at(dev.data_ptr() + 16, 16) == pd.Device("emulated", 0)  # a real hit still hits
+    assert pd.memory_device_at(dev.data_ptr() + 16, 2**64 - 1) is None
+    assert pd.memory_device_at(dev.data_ptr() + 4095, 2) is None  # one byte past the end
+    assert pd.memory_device_at(2**64 - 1, 1) is None
+    with pd.alloc_registered(4096, DEV) as mem:
+        top = pd.explain(2**64 - 1)
+        assert top.domain == "unknown"
+        assert top.pointer_attributes["emulated"]["registered_host"] is False
+        assert top.pointer_attributes["emulated"]["alias_status"] != 0
+        assert pd.explain(mem.host_va.value).domain == "host_va"  # a real registration still found
+
+
 def test_page_sharing_above_the_memlock_limit_is_not_a_memlock_error() -> None:
     # RLIMIT_MEMLOCK lowered to 64 KiB, the emulated limit off: the second tensor shares a
     # page with the first registration, which is the cause, not the limit.

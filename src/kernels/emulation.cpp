@@ -37,18 +37,24 @@ std::map<std::uint64_t, DeviceAlloc> device_allocs;
 
 std::uint64_t page() { return static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE)); }
 
+// [addr, addr + len) inside [base, base + size), without forming addr + len (which wraps
+// near 2^64 and would put an address at the top of the space inside every range).
+bool inside(std::uint64_t addr, std::uint64_t len, std::uint64_t base, std::uint64_t size) {
+    return addr >= base && addr - base <= size && len <= size - (addr - base);
+}
+
 template <class M>
 typename M::iterator containing(M &m, std::uint64_t addr, std::uint64_t len) {
     auto it = m.upper_bound(addr);
     if (it == m.begin()) return m.end();
     --it;
-    if (addr >= it->first && addr + len <= it->first + it->second.len) return it;
+    if (inside(addr, len, it->first, it->second.len)) return it;
     return m.end();
 }
 
 bool overlaps_registration(std::uint64_t va, std::uint64_t len) {
-    auto it = registrations.lower_bound(va);
-    if (it != registrations.end() && it->first < va + len) return true;
+    auto it = registrations.lower_bound(va);  // it->first >= va
+    if (it != registrations.end() && it->first - va < len) return true;
     if (it != registrations.begin()) {
         --it;
         if (it->first + it->second.len > va) return true;
@@ -121,7 +127,8 @@ void host_free(void *ptr) {
 }
 
 int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias) {
-    if (va == 0 || nbytes == 0) return kInvalidValue;
+    if (va == 0 || nbytes == 0 || va > UINT64_MAX - page() || nbytes > UINT64_MAX - page() - va)
+        return kInvalidValue;  // the range's pages must fit below 2^64
     std::lock_guard<std::mutex> lock(mu);
     if (overlaps_registration(va, nbytes)) return kAlreadyRegistered;
     auto reg = containing(regions, va, nbytes);
@@ -230,10 +237,9 @@ int alias_lookup(std::uint64_t addr, std::uint64_t nbytes) {
     std::lock_guard<std::mutex> lock(mu);
     for (auto &kv : registrations) {
         const Registration &r = kv.second;
-        auto inside = [&](std::uint64_t base) { return addr >= base && addr + nbytes <= base + r.map_len; };
-        if (inside(r.map_base)) return 0;
+        if (inside(addr, nbytes, r.map_base, r.map_len)) return 0;
         for (auto &dev : r.other_devices)
-            if (inside(dev.second)) return dev.first;
+            if (inside(addr, nbytes, dev.second, r.map_len)) return dev.first;
     }
     return -1;
 }
