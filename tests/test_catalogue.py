@@ -155,6 +155,11 @@ def test_zero_length_alloc_registered_is_refused() -> None:
     with pytest.raises(errors.InvalidRegistrationError) as info:
         pd.alloc_registered(0, DEV)
     expect(info, errors.InvalidRegistrationError, "0-byte registration is invalid", "got 0")
+    for bad in (-1, 2.5, "8"):
+        with pytest.raises(errors.InvalidRegistrationError) as info:
+            pd.alloc_registered(bad, DEV)  # type: ignore[arg-type]
+        expect(info, errors.InvalidRegistrationError, "positive int", f"got {bad!r}")
+        assert "0-byte" not in str(info.value)
     # the backend itself refuses a 0-byte range (cudaErrorInvalidValue's counterpart)
     t = host_buffer(PAGE)
     assert EMU.register(t.data_ptr(), 0, pd.as_device(DEV)) == 1

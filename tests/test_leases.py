@@ -211,6 +211,21 @@ def test_gpu_close_waits_for_queued_gpu_work() -> None:
             assert same(got[kv, :, layer], expected[kv * layout.num_layers + layer].reshape(layout.num_slots, -1))
 
 
+@pytest.mark.parametrize("bad", ["1", None, float("nan"), -1, -0.5, True])
+def test_close_with_a_bad_timeout_is_a_typed_error_and_closes_nothing(bad: object) -> None:
+    with pd.HostKVPool(model_layout("page_first"), DEV) as host:
+        with pytest.raises((errors.InvalidTypeError, errors.InvalidArgumentError), match="timeout") as info:
+            host.close(timeout=bad)  # type: ignore[arg-type]
+        assert isinstance(info.value, TypeError if bad is None or isinstance(bad, (str, bool)) else ValueError)
+        assert not host.memory.closed
+        pool = pd.DeviceKVPool(model_layout(), DEV)
+        fill_pool(pool, 4)
+        idx = torch.tensor([2, 9])
+        host.backup(pool, idx, idx)  # still open for launches: the failed close left no closing state
+        assert same(host.buffer[0][idx][:, 0], pool.buffer(0, 0)[idx])
+    assert host.memory.closed
+
+
 _PRELOAD = textwrap.dedent("""
     import pointerdomain as pd
     from pointerdomain._platform import backend_for

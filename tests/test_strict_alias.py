@@ -77,6 +77,20 @@ def test_strict_pool_round_trip_matches_reference() -> None:
         assert torch.equal(pool_bytes(pool), expected)
 
 
+def test_explain_knows_the_registered_twin_mapping() -> None:
+    """A fault report may carry an address of strict mode's registered mapping (the one the
+    driver knows): explain() names its registration and the alias of the same byte."""
+    with pd.strict_alias(True), pd.alloc_registered(3 * 4096, DEV) as mem:
+        registered = mem.registered_address_of(mem.host_va + 5000)
+        got = pd.explain(registered)
+        assert (got.domain, got.kind, got.state) == ("host_va", "registration (strict mode's registered mapping)",
+                                                      "open")
+        assert got.offset == 5000 - (mem.chunks[got.chunk[0] - 1].host_va.value - mem.host_va.value)  # type: ignore[index]
+        assert got.other_domain_address == pd.resolve_alias(mem.host_va + 5000, DEV).value
+        assert any(f"{mem.host_va.value + 5000:#x}" in n for n in got.notes)
+    assert pd.explain(registered).domain == "unknown"  # closed: the twin mapping is gone
+
+
 def test_register_host_tensor_in_strict_mode_is_registered_as_usual_and_not_strict() -> None:
     t = torch.zeros(2 * 4096, dtype=torch.uint8)
     with pd.strict_alias(True), pd.register_host_tensor(t, DEV) as mem:

@@ -169,6 +169,25 @@ def test_whatis_cli_demo_pid_and_bad_address() -> None:
         assert "Traceback" not in out.stderr
 
 
+def test_whatis_into_a_closed_pipe_exits_quietly() -> None:
+    """`pointerdomain whatis ... --json | head -0`: the reader is gone before the output; no
+    BrokenPipeError traceback, exit 1 (the output did not reach anyone)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pointerdomain", "whatis", "--demo", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child has imported anything: its first write meets EPIPE
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 1, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_explain_refuses_what_is_not_a_pid() -> None:
+    for bad in (0, -1, True, "1", 1.0):
+        with pytest.raises(errors.InvalidArgumentError, match="pid must be a process id") as info:
+            pd.explain(0x1000, pid=bad)  # type: ignore[arg-type]
+        assert isinstance(info.value, ValueError)
+
+
 def test_whatis_pid_of_no_process_is_a_usage_error() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: its pid names no process (reuse within this test is vanishingly unlikely)

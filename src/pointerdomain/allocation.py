@@ -59,7 +59,9 @@ def alloc_registered(
         RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
     """
     if type(nbytes) is not int or nbytes <= 0:
-        raise InvalidRegistrationError(f"nbytes must be a positive int: a 0-byte registration is invalid (got {nbytes!r})")
+        why = ": a 0-byte registration is invalid" if nbytes == 0 and type(nbytes) is int else ""
+        raise InvalidRegistrationError(f"nbytes must be a positive int (bytes to allocate and register){why}, "
+                                       f"got {nbytes!r}")
     check_granularity(granularity, max_chunk_bytes)
     if numa is not None and numa != "local":
         raise InvalidRegistrationError(f"numa must be None or 'local', got {numa!r}")

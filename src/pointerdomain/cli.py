@@ -4,7 +4,7 @@ Exit codes, for every subcommand: 0 ok; 1 failure (the command ran and something
 failed: a self-test, a verification, a runtime or registration error, a missing
 extension); 2 usage (the command line asks for something that cannot be run as
 given: an unknown flag, a bad value, a device that does not exist, a size that does
-not fit; nothing was run).
+not fit; nothing was run). Output cut short by its reader (``| head``) is exit 1, quietly.
 
 Subcommands are rows of :data:`COMMANDS`: a module with ``add_arguments(parser)`` and
 ``run(args) -> int``, imported when the parser is built. A command whose module needs an
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -121,7 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors exit 2 here (argparse)
     try:
-        return int(args._run(args))
+        code = int(args._run(args))
+        sys.stdout.flush()  # a reader gone early (`| head`) shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return EXIT_FAILURE
     except UsageError as exc:
         print(f"pointerdomain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -269,15 +269,18 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
         for an address nothing knows: that is ``domain="unknown"``.
 
     Raises:
-        InvalidArgumentError: ``address`` is not an int in [0, 2**64).
+        InvalidArgumentError: ``address`` is not an int in [0, 2**64), or ``pid`` is not an
+            int > 0 (a process that does not exist is a note, with no memory map line).
     """
     from pointerdomain.errors import InvalidArgumentError
 
     value = address.value if isinstance(address, (HostVA, DeviceAlias)) else address
     if type(value) is not int or not 0 <= value < 2**64:
         raise InvalidArgumentError(f"explain takes an address (an int in [0, 2**64)), got {address!r}")
+    if pid is not None and (type(pid) is not int or pid <= 0):
+        raise InvalidArgumentError(f"pid must be a process id (an int > 0) or None, got {pid!r}")
     own = pid is None or pid == os.getpid()
-    here = os.getpid() if own else int(pid or 0)
+    here = os.getpid() if own or pid is None else pid
     found: dict[str, object] = {"domain": "unknown"}
     notes: list[str] = []
     if own:
@@ -351,6 +354,21 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
                         notes.append(f"the alias is on {dev}; the registration was made for {owner.device} "
                                      "(portable: one registration serves every device of its type)")
                     return out
+        for k, chunk in enumerate(owner.chunks):
+            # strict alias mode: the second, registered mapping of the chunk's pages (the one the
+            # driver knows; a fault report may carry it)
+            if chunk.register_va is not None and chunk.register_va <= value < chunk.register_va + chunk.nbytes:
+                off = value - chunk.register_va
+                alias = _alias_range(owner, k)
+                out = _describe(owner, "open")
+                out |= {"domain": "host_va", "kind": "registration (strict mode's registered mapping)",
+                        "base": chunk.register_va, "nbytes": chunk.nbytes, "offset": off,
+                        "chunk": (k + 1, len(owner.chunks)),
+                        "other_domain_address": alias[0] + off if alias is not None else None}
+                notes.append("strict alias mode: this is the registered twin mapping of the registration's pages, "
+                             f"never handed out; CPU code uses the host VA {chunk.host_va.value + off:#x}, kernels "
+                             "the device alias")
+                return out
     try:
         from pointerdomain.allocation import memory_device_at
 

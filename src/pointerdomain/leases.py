@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Final, Protocol
 
-from pointerdomain.errors import BusyError
+from pointerdomain.errors import BusyError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "EventBackend", "LaunchInfo", "LeaseSet", "Leased", "acquire_all", "release_all"]
 
@@ -104,7 +104,13 @@ class LeaseSet:
 
         Raises:
             BusyError: the time passed; the set accepts leases again (nothing closed).
+            InvalidTypeError: ``timeout`` is not an int or float (a ``TypeError`` too).
+            InvalidArgumentError: ``timeout`` is negative or NaN (``math.inf``: no limit).
         """
+        if type(timeout) is not float and type(timeout) is not int:
+            raise InvalidTypeError(f"close: timeout must be seconds as an int or float, got {timeout!r}")
+        if not timeout >= 0:  # NaN too
+            raise InvalidArgumentError(f"close: timeout must be >= 0 seconds (math.inf: no limit), got {timeout!r}")
         deadline = time.monotonic() + timeout
         with self._cond:
             self._closing = True

@@ -476,6 +476,8 @@ class RegisteredHostMemory(ProcessLocal):
         Raises:
             BusyError: a launch still used the memory after ``timeout``; it stays
                 registered and open.
+            InvalidTypeError: ``timeout`` is not an int or float; InvalidArgumentError:
+                negative or NaN (both before anything is closed).
         """
         with self._lock:
             if self._closed:

@@ -242,6 +242,8 @@ class HostKVPool(ProcessLocal):
         Raises:
             BusyError: a launch still used the pool after ``timeout``; nothing was closed
                 and no hook ran.
+            InvalidTypeError: ``timeout`` is not an int or float; InvalidArgumentError:
+                negative or NaN (both before anything is closed).
         """
         self.memory.leases.drain(f"host KV pool {self.layout.kind} at {self.memory.host_va!r}", timeout)
         hooks, self._close_hooks = self._close_hooks, []
