@@ -216,17 +216,16 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     kernel = kernel_plan(*args, error_word_address(device))
     owners = tuple({id(o): o for o in (*src.registrations(), *dst.registrations())}.values())
     unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
-    starts, ends = _merged_ranges(dst.kept_tensors())
+    starts, ends = _merged_ranges(dst.storage_spans())
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, src_geo, dst_geo, src.raw_values(),
                         dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args), owners, same_memory,
                         unpinned, starts, ends)
 
 
-def _merged_ranges(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The storages of ``tensors`` as sorted, merged ``(starts, ends)`` byte ranges."""
-    spans = sorted({(st.data_ptr(), st.data_ptr() + st.nbytes()) for st in (t.untyped_storage() for t in tensors)})
+def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(start, end)`` byte ranges as sorted, merged ``(starts, ends)``."""
     merged: list[list[int]] = []
-    for lo, hi in spans:
+    for lo, hi in sorted(spans):
         if hi <= lo:
             continue
         if merged and lo <= merged[-1][1]:

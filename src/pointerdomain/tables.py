@@ -136,7 +136,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         # smaller size. (A storage freed and reallocated at its old address and size reads
         # as intact: its bytes are again where the table points.)
         self._storage_state = tuple(s.nbytes() for s in self._storages)
-        self._storage_ptrs = tuple(s.data_ptr() for s in self._storages)
+        self._storage_ptrs = tuple(storages)  # the addresses the storages were keyed by
         host = torch.tensor(list(values), dtype=torch.uint64)
         if device is None:
             self._tensor = host
@@ -217,6 +217,12 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     def kept_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors this table keeps alive (the buffers it was built from)."""
         return self._keepalive
+
+    def storage_spans(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` byte addresses (``data_ptr()`` domain: host VAs, device
+        addresses) of each distinct storage the entries' buffers lie in, as recorded when
+        the table was built (:meth:`storages_intact` says whether they still hold)."""
+        return tuple((p, p + n) for p, n in zip(self._storage_ptrs, self._storage_state))
 
     def storages_intact(self) -> bool:
         """False when the storage of an entry was released or reallocated since the table

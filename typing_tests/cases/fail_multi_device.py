@@ -13,4 +13,7 @@ def per_device(host: HostKVPool, alias: DeviceAlias) -> None:
     host.kernel_table_for(alias)  # type: ignore[arg-type]
     host.kernel_table_for(1)  # type: ignore[arg-type]
     host.memory.alias_devices = ()  # type: ignore[misc]
+    host.memory.note_alias_device("cuda:1")  # type: ignore[arg-type]
+    spans: tuple[int, ...] = host.kernel_table.storage_spans()  # type: ignore[assignment]
+    del spans
     del wrong

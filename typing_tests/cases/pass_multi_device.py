@@ -19,3 +19,4 @@ def per_device(host: HostKVPool, pool1: DeviceKVPool, idx: torch.Tensor) -> None
     assert_type(DeviceGuard.for_launch(Device("cuda", 1)), DeviceGuard)
     assert_type(emulated_device_count(), int)
     assert_type(host.memory.alias_devices, tuple[Device, ...])  # the devices its aliases were asked for
+    assert_type(host.memory.note_alias_device(Device("cuda", 1)), None)  # what the resolver records

@@ -78,3 +78,8 @@ with alloc_registered(1 << 16, DEVICE) as memory:
 
     assert_type(describe(host[0]), str)
     assert describe(kernel[0]).startswith("DeviceAlias(")
+
+    # What the per-launch liveness check compares: the storages' recorded spans, as ints.
+    assert_type(kernel.storages_intact(), bool)
+    assert_type(kernel.storage_spans(), tuple[tuple[int, int], ...])
+    assert kernel.storages_intact() and all(end > start for start, end in kernel.storage_spans())
