@@ -220,18 +220,16 @@ def _pointer_attributes(address: int, device: Device | None) -> tuple[dict[str, 
     for dev in devices:
         try:
             backend = backend_for(dev)
-            if dev.type == "emulated":
-                # the emulated pointer query is a constant False (no runtime pins memory behind
-                # pointerdomain's back): the emulated driver's own record answers instead, i.e.
-                # whether this address lies in a registered range (never a strict-mode host VA)
-                registered = backend.alias(address, Device("emulated", 0))[0] == 0
-            else:
-                registered = backend.pointer_is_host(address)
+            emulated = dev.type == "emulated"
+            status, alias = backend.alias(address, dev) if emulated or gpu_ops_built() else (None, 0)
+            # the emulated pointer query is a constant False (no runtime pins memory behind
+            # pointerdomain's back): the emulated driver's own record answers instead, i.e.
+            # whether this address lies in a registered range (never a strict-mode host VA)
+            registered = status == 0 if emulated else backend.pointer_is_host(address)
             facts: dict[str, object] = {"registered_host": registered}
-            if dev.type == "emulated":
+            if emulated:
                 facts["emulated_device"] = backend.device_lookup(address, 1)
-            if dev.type == "emulated" or gpu_ops_built():
-                status, alias = backend.alias(address, dev)
+            if status is not None:
                 facts["alias_status"] = status
                 if status == 0:
                     facts["alias"] = f"{alias:#x}"

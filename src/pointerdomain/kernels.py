@@ -420,7 +420,7 @@ def transfer_kv_all_layer(
     registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.leases`).
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
-    num_layers = src_layout.num_layers if type(src_layout) is KVLayout or isinstance(cast(object, src_layout), KVLayout) else 0
+    num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
     _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers, stream, max_ctas,
             backend, validate_indices)
 
