@@ -68,10 +68,11 @@ def alloc_registered(
     dev = validate_device(device)
     backend = backend_for(dev)
     registered = None
-    if strict_alias_enabled():
-        from pointerdomain._platform.strict_alloc import double_map  # imports _C: on first use only
+    strict = strict_alias_enabled()  # read once: another thread may switch it meanwhile
     try:
-        if strict_alias_enabled():
+        if strict:
+            from pointerdomain._platform.strict_alloc import double_map  # imports _C: on first use only
+
             tensor, registered = double_map(backend, nbytes)
         else:
             tensor = backend.host_alloc(nbytes)
