@@ -435,7 +435,8 @@ int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, 
 }
 
 namespace {
-// The capture state of `s` (the device current already): 1 capturing, 0 not, <0 -error.
+// The capture state of `s` (the device current already): 1 capturing, 0 not; the query's
+// status in *error (0 is returned when it failed).
 int capturing_of(gpuStream_t s, gpuError_t *error) {
     gpuStreamCaptureStatus status = gpuStreamCaptureStatusNone;
     *error = gpuStreamIsCapturing(s, &status);
