@@ -457,3 +457,14 @@ def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
         checked,
         tuple(owners),
     )
+
+
+def resolved_kernel_table(
+    values: Sequence[int], sizes: Sequence[int], device: Device, owners: Sequence[RegisteredHostMemory]
+) -> PointerTable[DeviceAlias]:
+    """A kernel table over device aliases already resolved and checked by the caller
+    (:mod:`pointerdomain.compat`, for an engine's raw ``data_ptr()`` tables): no tensors
+    to keep alive, ``owners`` the registrations the entries lie in (launches then
+    refuse the table once one is closed)."""
+    ensure_error_word(device)  # allocated outside any graph capture, before the first launch
+    return PointerTable(_TOKEN, DeviceAlias, device, tuple(values), tuple(sizes), (), tuple(owners))

@@ -25,7 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend
+from pointerdomain._platform.base import Backend, PointerQuery
+from pointerdomain._platform.pointer_query import PointerInfo
 from pointerdomain.errors import ExtensionUnavailableError
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ __all__ = [
     "kernel_plan",
     "memory_device",
     "on_backend_change",
+    "pointer_info",
     "register_backend",
     "runtime_devices",
     "visible_devices",
@@ -229,6 +231,17 @@ def memory_device(tensor: torch.Tensor, *, whole_storage: bool = False) -> Devic
         storage = tensor.untyped_storage()
         return device_holding(int(storage.data_ptr()), int(storage.nbytes()))
     return device_holding(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def pointer_info(device: Device, addr: int) -> PointerInfo | None:
+    """What ``device``'s backend knows of the allocation holding ``addr`` (host or device
+    memory, its range), or None where it knows none or cannot ask (:mod:`.pointer_query`).
+
+    Raises:
+        ExtensionUnavailableError: the extension does not import.
+    """
+    backend = backend_for(device)
+    return backend.pointer_info(addr) if isinstance(backend, PointerQuery) else None
 
 
 def device_holding(addr: int, nbytes: int) -> Device | None:

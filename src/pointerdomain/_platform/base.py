@@ -16,9 +16,10 @@ if TYPE_CHECKING:
     import torch
 
     from pointerdomain._C import KernelPlan
+    from pointerdomain._platform.pointer_query import PointerInfo
     from pointerdomain.devices import Device
 
-__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator"]
+__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator", "PointerQuery"]
 
 #: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
 #: runtime's ``cudaDevAttr<Name>`` (HIP: ``hipDeviceAttribute<Name>``; HIP has no
@@ -239,4 +240,15 @@ class PinnedAllocator(Protocol):
 
     def pinned_release(self, va: int, device: Device) -> None:
         """Called once when the registration over :meth:`pinned_alloc` memory closes."""
+        ...
+
+
+@runtime_checkable
+class PointerQuery(Protocol):
+    """A backend that can say what memory a bare address is (:mod:`.pointer_query`):
+    used to check raw ``data_ptr()`` tables (:mod:`pointerdomain.compat`). Optional: a
+    backend without it knows bare addresses only through this library's registry."""
+
+    def pointer_info(self, addr: int) -> PointerInfo | None:
+        """The allocation holding ``addr`` (host or device memory, its range), or None."""
         ...

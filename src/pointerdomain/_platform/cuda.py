@@ -21,6 +21,7 @@ import torch
 from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName
 from pointerdomain._platform.cuda_hint import BUILD_HINT
+from pointerdomain._platform.pointer_query import PointerInfo, cuda_pointer_info
 from pointerdomain._platform.status import check, check_staged
 from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
 
@@ -87,6 +88,11 @@ class _TorchDevice:
 
     def device_lookup(self, addr: int, nbytes: int) -> int:
         return -1  # CUDA device memory is known by its tensor's device, not by address
+
+    def pointer_info(self, addr: int) -> PointerInfo | None:
+        if torch.version.hip is not None:
+            return None  # the driver query below is CUDA's; HIP tables are checked by the registry alone
+        return cuda_pointer_info(addr)
 
     def device_name(self, device: Device) -> str:
         return str(torch.cuda.get_device_name(device.ordinal))

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, DeviceAttributeName
+from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery
 
 if TYPE_CHECKING:
     import torch
 
     from pointerdomain._C import KernelPlan
+    from pointerdomain._platform.pointer_query import PointerInfo
     from pointerdomain.devices import Device
 
 __all__ = ["DelegatingBackend"]
@@ -42,6 +43,9 @@ class DelegatingBackend:
 
     def pointer_is_host(self, ptr: int) -> bool:
         return self.inner.pointer_is_host(ptr)
+
+    def pointer_info(self, addr: int) -> PointerInfo | None:
+        return self.inner.pointer_info(addr) if isinstance(self.inner, PointerQuery) else None
 
     def device_lookup(self, addr: int, nbytes: int) -> int:
         return self.inner.device_lookup(addr, nbytes)

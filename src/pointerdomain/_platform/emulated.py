@@ -23,6 +23,7 @@ import torch
 
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName
+from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain.devices import current_device, current_ordinal
 from pointerdomain.errors import RuntimeCallError
@@ -130,6 +131,14 @@ class EmulatedBackend:
 
     def device_lookup(self, addr: int, nbytes: int) -> int:
         return _C.emu_device_lookup(addr, nbytes)
+
+    def pointer_info(self, addr: int) -> PointerInfo | None:
+        # Only device memory: no runtime pins host memory behind pointerdomain's back here.
+        ordinal = _C.emu_device_lookup(addr, 1)
+        if ordinal < 0:
+            return None
+        start, size = span_by_lookup(addr, lambda a, n: _C.emu_device_lookup(a, n) == ordinal)
+        return PointerInfo("device", ordinal, start, size)
 
     def device_count(self) -> int:
         return self._device_count

@@ -1,0 +1,427 @@
+"""Raw addresses from an engine's call, resolved and checked before any launch.
+
+The engines' own transfer calls take buffer tensors and raw ``uint64`` / ``int64``
+address tables built from ``data_ptr()``. A kernel must never read a host VA (it faults
+with error 700 where the alias differs: MI355X, WSL2, strict alias mode), and must never
+read past the memory an entry points into. Here every raw entry is looked up before
+anything runs:
+
+* inside a registration of this library (:func:`pointerdomain.find_registration`): the
+  registration must be open and on the launch's device type; the entry becomes the
+  device alias of the same byte, and its reach is bounded by its registration chunk
+  (separately registered chunks are not contiguous in the alias space);
+* inside host memory the runtime pinned for someone else (torch's ``pin_memory()``,
+  ``cudaHostAlloc``, another library's ``cudaHostRegister``): asked of the runtime
+  (:func:`pointerdomain._platform.pointer_info`), translated to its alias, bounded by the
+  runtime's allocation range;
+* device memory: must be memory of the launch's device, bounded by its allocation (for
+  torch's caching allocator that is the segment, which may hold other tensors: a raw
+  address cannot say more);
+* anything else (an unregistered host VA, an alias handed in where a host VA belongs,
+  a freed or made-up address) is a typed error naming the table, the entry and the
+  address, before anything is written.
+
+Resolutions are cached (a pool's tables are built once and reused on every call):
+buffer tensor lists by the tensors' identity and addresses, raw tables by the table
+tensor's identity, its version counter (bumped by every in-place write through torch),
+its device and the reach asked. A cached table whose registration was closed is
+rebuilt (and so refused). Not seen: a raw table rewritten behind torch's back (a
+kernel writing its memory), or foreign memory freed and reused at the same address
+under a cached table; the typed API (:func:`pointerdomain.make_kernel_ptr_table`)
+keeps its tensors alive and has neither gap.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from pointerdomain._platform import pointer_info
+from pointerdomain.allocation import memory_device
+from pointerdomain.devices import Device
+from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.errors import (
+    ClosedError,
+    DeviceMismatchError,
+    IndexValidationError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NotRegisteredError,
+    PointerDomainError,
+    RegistrationSpanError,
+    with_address,
+)
+from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
+from pointerdomain.resolve import alias_of
+from pointerdomain.tables import PointerTable, make_kernel_ptr_table, resolved_kernel_table
+
+__all__ = [
+    "alias_value",
+    "clear_cache",
+    "memory_device_of",
+    "resolve_addresses",
+    "resolve_addresses_owned",
+    "resolved_table",
+    "tensor_table",
+]
+
+_MASK = (1 << 64) - 1
+_SIGN = 1 << 63
+#: Distinct buffer lists / raw tables remembered (least recently used dropped first).
+#: A cached buffer table keeps its tensors alive, so the bound also bounds what it holds.
+CACHE_SIZE = 64
+
+_lock = threading.Lock()
+
+
+def _i64(x: int) -> int:
+    """The int64 bit pattern of an unsigned 64-bit value (``2**64`` reads as 0)."""
+    x &= _MASK
+    return x - (1 << 64) if x & _SIGN else x
+
+
+def _named(name: str, exc: PointerDomainError) -> PointerDomainError:
+    """``exc`` with ``name`` in front of its message (same type, same address)."""
+    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith(name):
+        exc.args = (f"{name}: {exc.args[0]}", *exc.args[1:])
+    return exc
+
+
+def memory_device_of(name: str, t: object) -> Device | None:
+    """The device whose memory holds tensor ``t`` (a CUDA or emulated device), or None
+    for host memory.
+
+    Raises:
+        InvalidTypeError: ``t`` is not a torch.Tensor.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name}: found a {type(t).__name__}, expected a torch.Tensor")
+    return memory_device(t)
+
+
+# -- buffer tensors -------------------------------------------------------------------
+
+class _TensorEntry(NamedTuple):
+    refs: tuple[weakref.ref[torch.Tensor], ...]
+    table: PointerTable[DeviceAlias]
+
+
+_by_identity: OrderedDict[tuple[object, ...], _TensorEntry] = OrderedDict()
+_by_memory: OrderedDict[tuple[object, ...], PointerTable[DeviceAlias]] = OrderedDict()
+
+
+def _remember(cache: OrderedDict[object, object], key: object, value: object) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+def _open(table: PointerTable[DeviceAlias]) -> bool:
+    owners = table.registrations()
+    return not owners or not any(owner.closed for owner in owners)
+
+
+def _same(refs: tuple[weakref.ref[torch.Tensor], ...], items: tuple[torch.Tensor, ...]) -> bool:
+    for r, t in zip(refs, items):
+        if r() is not t:
+            return False
+    return True
+
+
+def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> PointerTable[DeviceAlias]:
+    """:func:`pointerdomain.make_kernel_ptr_table` over ``tensors`` for ``device``, cached:
+    the same tensor objects (or, failing that, tensors over the same bytes of the same
+    storages) give the same table, so a call shape that passes a pool's buffers on every
+    call pays for the checks once.
+
+    Args:
+        name: the parameter(s) the tensors came from, for error messages.
+        tensors: contiguous, non-empty buffers (registered host memory or device memory of
+            ``device``), in table order.
+        device: the launch device.
+
+    Raises:
+        InvalidTypeError: an item is not a tensor; and every error of
+            :func:`pointerdomain.make_kernel_ptr_table`, its message starting with ``name``.
+    """
+    items = tuple(tensors)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"{name}[{i}]: found a {type(t).__name__}, expected a torch.Tensor")
+    fast = (device, *[(id(t), t.data_ptr()) for t in items])
+    entry = _by_identity.get(fast)  # a dict read is atomic under the GIL; writes take the lock
+    if entry is not None and _same(entry.refs, items) and _open(entry.table):
+        return entry.table
+    slow: tuple[object, ...] = (device, *(
+        (t.data_ptr(), t.numel() * t.element_size(), t.is_contiguous(), t.untyped_storage().data_ptr(),
+         t.untyped_storage().nbytes()) for t in items))
+    with _lock:
+        table = _by_memory.get(slow)
+        if table is not None and not (_open(table) and table.storages_intact()):
+            del _by_memory[slow]
+            table = None
+    if table is None:
+        try:
+            table = make_kernel_ptr_table(list(items), device)
+        except PointerDomainError as exc:
+            raise _named(name, exc) from None
+    with _lock:
+        _remember(_by_memory, slow, table)  # type: ignore[arg-type]
+        _remember(_by_identity, fast, _TensorEntry(tuple(weakref.ref(t) for t in items), table))  # type: ignore[arg-type]
+    return table
+
+
+# -- raw addresses ---------------------------------------------------------------------
+
+class _Span(NamedTuple):
+    """One allocation a raw address lies in: ``[start, end)`` in the caller's domain."""
+
+    start: int
+    end: int
+    #: the kernel-usable address of ``start`` (the device alias; device memory: itself)
+    alias_start: int
+    owner: RegisteredHostMemory | None
+
+
+def _span(name: str, addr: int, device: Device) -> _Span:
+    """The allocation holding ``addr`` for a launch on ``device``, checked."""
+    va = HostVA(addr)
+    owner = find_registration(va, 1)
+    try:
+        if owner is not None:
+            owner.check_open()
+            if owner.device.type != device.type:
+                raise DeviceMismatchError(
+                    f"{addr:#x} lies in memory registered for {owner.device}, but the launch is on {device}")
+            chunk = owner.chunk_of(va, 1)
+            return _Span(chunk.host_va.value, chunk.host_va.value + chunk.nbytes, alias_of(chunk.host_va, device).value,
+                         owner)
+        closed = find_closed_registration(va, 1)
+        if closed is not None:
+            raise ClosedError(
+                f"{addr:#x} lies in memory registered at {closed.host_va!r} (+{closed.nbytes} bytes) and that "
+                "registration was closed: found a closed registration, expected an open one. Fix: keep it open "
+                "while the engine's tables point into it, or register it again and rebuild the table")
+        info = pointer_info(device, addr)
+        if info is None:
+            raise with_address(NotRegisteredError(
+                f"{addr:#x} is no memory this process knows: not inside a pointerdomain registration, not host "
+                f"memory the runtime pinned, not device memory of {device}. A kernel must not read it (an "
+                "unregistered host VA faults with error 700 where the device alias differs from it). Fix: register "
+                "the host buffer (pointerdomain.register_host_tensor / HostKVPool) or pass device memory; if the "
+                "value is already a device alias (PointerTable.as_uint64_tensor()), pass host VAs (data_ptr())"
+            ), addr)
+        end = info.start + info.size
+        if info.kind == "device":
+            if info.ordinal != device.ordinal:
+                raise DeviceMismatchError(
+                    f"{addr:#x} is device memory of {device.type}:{info.ordinal}, but the launch is on {device}")
+            return _Span(info.start, end, info.start, None)
+        return _Span(info.start, end, alias_of(HostVA(info.start), device).value, None)
+    except PointerDomainError as exc:
+        raise _named(name, exc) from None
+
+
+def _find(spans: list[_Span], addr: int) -> _Span | None:
+    for span in spans:
+        if span.start <= addr < span.end:
+            return span
+    return None
+
+
+def _check_address_tensor(name: str, ptrs: object, device: Device) -> torch.Tensor:
+    if not isinstance(ptrs, torch.Tensor):
+        raise InvalidTypeError(
+            f"{name}: found a {type(ptrs).__name__}, expected a 1-D uint64 or int64 torch.Tensor of addresses")
+    if ptrs.dtype not in (torch.uint64, torch.int64):
+        raise InvalidTypeError(f"{name}: dtype {ptrs.dtype}, expected torch.uint64 or torch.int64 addresses")
+    if ptrs.dim() != 1 or ptrs.numel() == 0:
+        raise IndexValidationError(f"{name}: shape {tuple(ptrs.shape)}, expected a non-empty 1-D tensor of addresses")
+    where = memory_device(ptrs)
+    if where is not None and where != device:
+        raise DeviceMismatchError(f"{name}: the address table lives in memory of {where}, the launch is on {device}")
+    return ptrs
+
+
+def _reaches(name: str, reach: int | Sequence[int] | None, n: int) -> tuple[int | None, ...]:
+    if reach is None:
+        return (None,) * n
+    values = (reach,) * n if isinstance(reach, int) else tuple(reach)
+    if len(values) != n:
+        raise InvalidArgumentError(f"{name}: {len(values)} reach values for {n} entries")
+    for r in values:
+        if type(r) is not int or r <= 0:
+            raise InvalidArgumentError(f"{name}: reach {r!r}, expected an int > 0 (bytes)")
+    return values
+
+
+class _RawEntry(NamedTuple):
+    ref: weakref.ref[torch.Tensor]
+    version: int
+    data_ptr: int
+    device: Device
+    reach: object
+    table: PointerTable[DeviceAlias]
+
+
+#: id(table tensor) -> its last resolution (one per tensor: a tensor asked with another
+#: device or reach replaces it; the weak reference rules out a reused id)
+_raw_cache: OrderedDict[int, _RawEntry] = OrderedDict()
+
+
+def resolved_table(
+    name: str, ptrs: torch.Tensor, device: Device, *, reach: int | Sequence[int] | None = None
+) -> PointerTable[DeviceAlias]:
+    """A kernel table from an engine's raw address table, every entry resolved and checked.
+
+    Args:
+        name: the parameter the table came from, for error messages (``f"{name}[{i}]"``).
+        ptrs: 1-D ``uint64`` or ``int64`` addresses (``data_ptr()`` values: host VAs of
+            registered or runtime-pinned host memory, or device memory of ``device``), on
+            the CPU or on ``device`` (read once, then cached: see the module docstring).
+        device: the launch device.
+        reach: bytes each entry must cover from its address (one int for all, or one per
+            entry); None: each entry's size is what its allocation (or registration chunk)
+            holds from its address on, for callers that derive a slot count from it.
+
+    Returns:
+        A ``PointerTable[DeviceAlias]`` of ``len(ptrs)`` entries, sizes = the reach.
+
+    Raises:
+        InvalidTypeError: ``ptrs`` is not a uint64/int64 tensor.
+        IndexValidationError: ``ptrs`` is not 1-D or is empty.
+        InvalidArgumentError: a reach that is not an int > 0, or of the wrong length.
+        DeviceMismatchError: ``ptrs`` or an entry's memory belongs to another device.
+        NotRegisteredError: an entry is no memory this process knows.
+        ClosedError: an entry lies in a closed registration.
+        RegistrationSpanError: an entry's reach runs past its allocation or chunk.
+    """
+    reach_key = reach if reach is None or isinstance(reach, int) else tuple(reach)
+    entry = _raw_cache.get(id(ptrs))  # the hit path first: a pool's table, unchanged since the last call
+    if (entry is not None and entry.ref() is ptrs and entry.version == ptrs._version and entry.device == device
+            and entry.reach == reach_key and entry.data_ptr == ptrs.data_ptr() and _open(entry.table)):
+        return entry.table
+    _check_address_tensor(name, ptrs, device)
+    reaches = _reaches(name, reach, ptrs.numel())
+    version = ptrs._version
+    values = [v & _MASK for v in ptrs.detach().to("cpu").view(torch.int64).tolist()]
+    spans: list[_Span] = []
+    aliases: list[int] = []
+    sizes: list[int] = []
+    owners: list[RegisteredHostMemory] = []
+    for i, (addr, want) in enumerate(zip(values, reaches)):
+        entry_name = f"{name}[{i}]"
+        span = _find(spans, addr)
+        if span is None:
+            span = _span(entry_name, addr, device)
+            spans.append(span)
+        have = span.end - addr
+        if want is not None and want > have:
+            raise with_address(RegistrationSpanError(
+                f"{entry_name}: {want} bytes from {addr:#x} run {want - have} bytes past the end of the "
+                f"{'registration chunk' if span.owner is not None else 'allocation'} it lies in "
+                f"[{span.start:#x}, {span.end:#x}). Fix: check the item size, layer count and slot count given"
+            ), addr)
+        aliases.append(span.alias_start + (addr - span.start))
+        sizes.append(have if want is None else want)
+        if span.owner is not None and all(o is not span.owner for o in owners):
+            owners.append(span.owner)
+    table = resolved_kernel_table(aliases, sizes, device, owners)
+    with _lock:
+        _remember(_raw_cache, id(ptrs),  # type: ignore[arg-type]
+                  _RawEntry(weakref.ref(ptrs), version, ptrs.data_ptr(), device, reach_key, table))
+    return table
+
+
+def resolve_addresses_owned(
+    name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int, device: Device
+) -> tuple[torch.Tensor, tuple[RegisteredHostMemory, ...]]:
+    """:func:`resolve_addresses`, and the registrations the addresses lie in (to lease
+    while a copy reads or writes them)."""
+    _check_address_tensor(name, addrs, device)
+    n = addrs.numel()
+    a = addrs.detach().to("cpu").view(torch.int64)
+    if isinstance(nbytes, torch.Tensor):
+        if nbytes.dtype not in (torch.int64, torch.uint64) or nbytes.shape != addrs.shape:
+            raise InvalidArgumentError(
+                f"{name}: sizes of dtype {nbytes.dtype} and shape {tuple(nbytes.shape)}, expected int64 of shape "
+                f"{tuple(addrs.shape)}")
+        sizes = nbytes.detach().to("cpu").view(torch.int64)
+        if nbytes.dtype == torch.uint64 and bool((sizes < 0).any()):
+            bad = int((sizes < 0).nonzero()[0])
+            raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad]) & _MASK} bytes, expected < 2**63")
+    elif type(nbytes) is int:
+        sizes = torch.full((n,), nbytes, dtype=torch.int64)
+    else:
+        raise InvalidArgumentError(f"{name}: sizes {nbytes!r}, expected an int or an int64 tensor")
+    if bool((sizes <= 0).any()):
+        bad = int((sizes <= 0).nonzero()[0])
+        raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad])} bytes, expected an int > 0")
+    flipped = a ^ _i64(_SIGN)  # signed order of the flipped bits = unsigned order of the addresses
+    out = torch.empty(n, dtype=torch.int64)
+    done = torch.zeros(n, dtype=torch.bool)
+    owners: list[RegisteredHostMemory] = []
+    while True:
+        left = (~done).nonzero()
+        if left.numel() == 0:
+            break
+        i = int(left[0])
+        addr = int(a[i]) & _MASK
+        span = _span(f"{name}[{i}]", addr, device)
+        inside = (flipped >= _i64(span.start ^ _SIGN)) & (flipped <= _i64((span.end - 1) ^ _SIGN)) & ~done
+        room = _i64(span.end) - a  # bytes from each address to the span's end (exact where inside)
+        over = inside & (room < sizes)
+        if bool(over.any()):
+            j = int(over.nonzero()[0])
+            at = int(a[j]) & _MASK
+            raise with_address(RegistrationSpanError(
+                f"{name}[{j}]: {int(sizes[j])} bytes from {at:#x} run {int(sizes[j]) - (span.end - at)} bytes past "
+                f"the end of the {'registration chunk' if span.owner is not None else 'allocation'} it lies in "
+                f"[{span.start:#x}, {span.end:#x})"), at)
+        out[inside] = a[inside] + (_i64(span.alias_start) - _i64(span.start))
+        done |= inside
+        if span.owner is not None and all(o is not span.owner for o in owners):
+            owners.append(span.owner)
+    return out, tuple(owners)
+
+
+def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int, device: Device) -> torch.Tensor:
+    """Per-descriptor raw addresses (a batch copy's ``src_ptrs`` / ``dst_ptrs``) made
+    kernel- and DMA-usable: each entry resolved and checked as :func:`resolved_table`
+    does, its ``nbytes`` checked against its allocation. Vectorised: one runtime query
+    per distinct allocation, not per entry.
+
+    Args:
+        name: the parameter, for error messages.
+        addrs: 1-D ``int64`` / ``uint64`` addresses (bit patterns), CPU or ``device``.
+        nbytes: bytes from each address (an int for all, or an int64 tensor like ``addrs``), > 0.
+        device: the copy's device.
+
+    Returns:
+        A CPU ``int64`` tensor of the same length: device aliases (bit patterns of the
+        unsigned addresses) for host entries, the address itself for device memory.
+
+    Raises:
+        As :func:`resolved_table`; InvalidArgumentError for sizes <= 0 or of the wrong shape.
+    """
+    return resolve_addresses_owned(name, addrs, nbytes, device)[0]
+
+
+def clear_cache() -> None:
+    """Forget every cached resolution (and release the buffers cached tables hold)."""
+    with _lock:
+        _by_identity.clear()
+        _by_memory.clear()
+        _raw_cache.clear()
+
+
+def alias_value(addr: int, device: Device) -> DeviceAlias:
+    """The kernel-usable address of one raw address (for a single pointer argument)."""
+    span = _span("address", addr & _MASK, device)
+    return DeviceAlias(span.alias_start + ((addr & _MASK) - span.start), device)
