@@ -210,6 +210,8 @@ class _Regions:
                         "through RegisteredHostMemory.close(), then re-register and rebuild the table"
                     )
                 found.append(_Region(alias, alias + chunk.nbytes, "registered", odev, owner, k, len(chunks)))
+        for lo, hi, kind in table.resolved_regions():  # a raw table's ranges, checked when it was resolved
+            found.append(_Region(lo, hi, kind, device))
         seen: set[int] = set()
         for t in table.kept_tensors():
             storage = t.untyped_storage()

@@ -100,7 +100,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     """
 
     __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment",
-                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "__weakref__")
+                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "_resolved", "__weakref__")
 
     def __init__(
         self,
@@ -123,6 +123,9 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         self._owners = owners
         self._alignment = math.gcd(*values)
         self._layout = layout
+        #: (lo, hi, kind) alias-space ranges a raw table's entries were resolved into
+        #: (:func:`resolved_kernel_table`); empty for tables built from tensors
+        self._resolved: tuple[tuple[int, int, str], ...] = ()
         # Storage identity and size of every entry (one per storage): a launch refuses the
         # table once one was released or reallocated under it (resize_), see check_live.
         storages: dict[int, torch.UntypedStorage] = {}
@@ -213,6 +216,13 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     def registrations(self) -> tuple[RegisteredHostMemory, ...]:
         """The registrations this table points into (kept open-checked at every launch)."""
         return self._owners
+
+    def resolved_regions(self) -> tuple[tuple[int, int, str], ...]:
+        """``(lo, hi, kind)`` device-alias ranges (``kind`` "device" or "pinned") that the
+        entries of a table built from raw addresses were checked against when it was
+        resolved (:mod:`pointerdomain.compat`); empty for tables built from tensors, whose
+        memory is :meth:`kept_tensors`. Checked mode verifies launches against them."""
+        return self._resolved
 
     def kept_tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors this table keeps alive (the buffers it was built from)."""
@@ -460,11 +470,18 @@ def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
 
 
 def resolved_kernel_table(
-    values: Sequence[int], sizes: Sequence[int], device: Device, owners: Sequence[RegisteredHostMemory]
+    values: Sequence[int],
+    sizes: Sequence[int],
+    device: Device,
+    owners: Sequence[RegisteredHostMemory],
+    regions: Sequence[tuple[int, int, str]] = (),
 ) -> PointerTable[DeviceAlias]:
     """A kernel table over device aliases already resolved and checked by the caller
     (:mod:`pointerdomain.compat`, for an engine's raw ``data_ptr()`` tables): no tensors
     to keep alive, ``owners`` the registrations the entries lie in (launches then
-    refuse the table once one is closed)."""
+    refuse the table once one is closed), ``regions`` the other alias ranges (device
+    memory, runtime-pinned memory) the entries were checked against."""
     ensure_error_word(device)  # allocated outside any graph capture, before the first launch
-    return PointerTable(_TOKEN, DeviceAlias, device, tuple(values), tuple(sizes), (), tuple(owners))
+    table = PointerTable(_TOKEN, DeviceAlias, device, tuple(values), tuple(sizes), (), tuple(owners))
+    table._resolved = tuple(regions)  # noqa: SLF001 -- set once, before the table is handed out
+    return table

@@ -187,6 +187,7 @@ class _Span(NamedTuple):
     #: the kernel-usable address of ``start`` (the device alias; device memory: itself)
     alias_start: int
     owner: RegisteredHostMemory | None
+    device_memory: bool = False
 
 
 def _span(name: str, addr: int, device: Device) -> _Span:
@@ -222,7 +223,7 @@ def _span(name: str, addr: int, device: Device) -> _Span:
             if info.ordinal != device.ordinal:
                 raise DeviceMismatchError(
                     f"{addr:#x} is device memory of {device.type}:{info.ordinal}, but the launch is on {device}")
-            return _Span(info.start, end, info.start, None)
+            return _Span(info.start, end, info.start, None, True)
         return _Span(info.start, end, alias_of(HostVA(info.start), device).value, None)
     except PointerDomainError as exc:
         raise _named(name, exc) from None
@@ -332,7 +333,9 @@ def resolved_table(
         sizes.append(have if want is None else want)
         if span.owner is not None and all(o is not span.owner for o in owners):
             owners.append(span.owner)
-    table = resolved_kernel_table(aliases, sizes, device, owners)
+    regions = [(sp.alias_start, sp.alias_start + (sp.end - sp.start), "device" if sp.device_memory else "pinned")
+               for sp in spans if sp.owner is None]
+    table = resolved_kernel_table(aliases, sizes, device, owners, regions)
     with _lock:
         _remember(_raw_cache, id(ptrs),  # type: ignore[arg-type]
                   _RawEntry(weakref.ref(ptrs), version, ptrs.data_ptr(), device, reach_key, table))
