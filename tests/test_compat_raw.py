@@ -195,3 +195,24 @@ def test_strict_mode_alias_is_the_registered_mapping() -> None:
         assert table.raw_values()[0] != mem.tensor.data_ptr() + 64
     finally:
         mem.close()
+
+
+def test_inference_mode_tables_are_compared_by_content() -> None:
+    dev = pd.device_empty((4096,), torch.uint8, DEV)
+    with torch.inference_mode():
+        ptrs = torch.tensor([dev.data_ptr()], dtype=torch.uint64)
+        first = _raw.resolved_table("p", ptrs, DEV, reach=64)
+        assert _raw.resolved_table("p", ptrs, DEV, reach=64) is first
+        ptrs[0] = dev.data_ptr() + 64  # no version counter here: the contents tell
+        again = _raw.resolved_table("p", ptrs, DEV, reach=64)
+    assert again is not first and again.raw_values() == (dev.data_ptr() + 64,)
+
+
+def test_addresses_table_matches_resolve_addresses(host: pd.RegisteredHostMemory) -> None:
+    dev = pd.device_empty((8192,), torch.uint8, DEV)
+    addrs = torch.tensor([dev.data_ptr() + 64 * i for i in range(100)] + [host.tensor.data_ptr() + 64 * i for i in range(100)],
+                         dtype=torch.int64)
+    table = _raw.addresses_table("a", addrs, 64, DEV)
+    assert list(table.raw_values()) == _raw.resolve_addresses("a", addrs, 64, DEV).tolist()
+    assert table.sizes == (64,) * 200 and len(table.registrations()) == 1
+    assert [kind for _, _, kind in table.resolved_regions()] == ["device"]

@@ -61,6 +61,7 @@ from pointerdomain.resolve import alias_of
 from pointerdomain.tables import PointerTable, make_kernel_ptr_table, resolved_kernel_table
 
 __all__ = [
+    "addresses_table",
     "alias_value",
     "clear_cache",
     "memory_device_of",
@@ -229,13 +230,6 @@ def _span(name: str, addr: int, device: Device) -> _Span:
         raise _named(name, exc) from None
 
 
-def _find(spans: list[_Span], addr: int) -> _Span | None:
-    for span in spans:
-        if span.start <= addr < span.end:
-            return span
-    return None
-
-
 def _check_address_tensor(name: str, ptrs: object, device: Device) -> torch.Tensor:
     if not isinstance(ptrs, torch.Tensor):
         raise InvalidTypeError(
@@ -269,11 +263,74 @@ class _RawEntry(NamedTuple):
     device: Device
     reach: object
     table: PointerTable[DeviceAlias]
+    #: the entries as resolved, for tensors without a version counter (inference mode)
+    values: torch.Tensor | None
 
 
 #: id(table tensor) -> its last resolution (one per tensor: a tensor asked with another
 #: device or reach replaces it; the weak reference rules out a reused id)
 _raw_cache: OrderedDict[int, _RawEntry] = OrderedDict()
+
+
+class _Resolved(NamedTuple):
+    aliases: torch.Tensor  # int64 bit patterns, CPU
+    sizes: torch.Tensor  # int64, CPU: the reach asked, or what each span holds from its entry on
+    owners: tuple[RegisteredHostMemory, ...]
+    regions: tuple[tuple[int, int, str], ...]  # alias ranges of the foreign / device spans
+
+
+def _resolve(name: str, a: torch.Tensor, want: torch.Tensor | None, device: Device) -> _Resolved:
+    """Every entry of ``a`` (CPU int64 bit patterns) resolved for ``device``, vectorised:
+    one lookup per distinct allocation, not per entry. ``want``: bytes each entry must
+    reach (int64, > 0), or None (report what its allocation holds from it on)."""
+    n = a.numel()
+    flipped = a ^ _i64(_SIGN)  # signed order of the flipped bits = unsigned order of the addresses
+    out = torch.empty(n, dtype=torch.int64)
+    have = torch.empty(n, dtype=torch.int64)
+    done = torch.zeros(n, dtype=torch.bool)
+    owners: list[RegisteredHostMemory] = []
+    regions: list[tuple[int, int, str]] = []
+    while True:
+        left = (~done).nonzero()
+        if left.numel() == 0:
+            break
+        i = int(left[0])
+        addr = int(a[i]) & _MASK
+        span = _span(f"{name}[{i}]", addr, device)
+        inside = (flipped >= _i64(span.start ^ _SIGN)) & (flipped <= _i64((span.end - 1) ^ _SIGN)) & ~done
+        room = _i64(span.end) - a  # bytes from each address to the span's end (exact where inside)
+        if want is not None:
+            over = inside & (room < want)
+            if bool(over.any()):
+                j = int(over.nonzero()[0])
+                at = int(a[j]) & _MASK
+                raise with_address(RegistrationSpanError(
+                    f"{name}[{j}]: {int(want[j])} bytes from {at:#x} run {int(want[j]) - (span.end - at)} bytes past "
+                    f"the end of the {'registration chunk' if span.owner is not None else 'allocation'} it lies in "
+                    f"[{span.start:#x}, {span.end:#x}). Fix: check the item size, layer count and slot count given"
+                ), at)
+        out[inside] = a[inside] + (_i64(span.alias_start) - _i64(span.start))
+        have[inside] = room[inside]
+        done |= inside
+        if span.owner is not None:
+            if all(o is not span.owner for o in owners):
+                owners.append(span.owner)
+        else:
+            regions.append((span.alias_start, span.alias_start + (span.end - span.start),
+                            "device" if span.device_memory else "pinned"))
+    return _Resolved(out, have if want is None else want, tuple(owners), tuple(regions))
+
+
+def _read_addresses(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a CPU int64 tensor of the same bits (a copy: later writes to ``t`` do not
+    change what was checked), readable outside inference mode."""
+    with torch.inference_mode(False):
+        return t.detach().to("cpu", copy=True).view(torch.int64)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, or None for an inference tensor (it has none)."""
+    return None if t.is_inference() else int(t._version)
 
 
 def resolved_table(
@@ -285,7 +342,9 @@ def resolved_table(
         name: the parameter the table came from, for error messages (``f"{name}[{i}]"``).
         ptrs: 1-D ``uint64`` or ``int64`` addresses (``data_ptr()`` values: host VAs of
             registered or runtime-pinned host memory, or device memory of ``device``), on
-            the CPU or on ``device`` (read once, then cached: see the module docstring).
+            the CPU or on ``device`` (read once, then cached: see the module docstring; a
+            tensor made in inference mode has no version counter, so its contents are
+            compared instead, which for a device table costs a copy to the host per call).
         device: the launch device.
         reach: bytes each entry must cover from its address (one int for all, or one per
             entry); None: each entry's size is what its allocation (or registration chunk)
@@ -305,41 +364,49 @@ def resolved_table(
     """
     reach_key = reach if reach is None or isinstance(reach, int) else tuple(reach)
     entry = _raw_cache.get(id(ptrs))  # the hit path first: a pool's table, unchanged since the last call
-    if (entry is not None and entry.ref() is ptrs and entry.version == ptrs._version and entry.device == device
-            and entry.reach == reach_key and entry.data_ptr == ptrs.data_ptr() and _open(entry.table)):
-        return entry.table
+    if (entry is not None and entry.ref() is ptrs and entry.device == device and entry.reach == reach_key
+            and entry.data_ptr == ptrs.data_ptr() and _open(entry.table)):
+        if entry.values is None:
+            if entry.version == ptrs._version:
+                return entry.table
+        elif torch.equal(_read_addresses(ptrs), entry.values):
+            return entry.table
     _check_address_tensor(name, ptrs, device)
     reaches = _reaches(name, reach, ptrs.numel())
-    version = ptrs._version
-    values = [v & _MASK for v in ptrs.detach().to("cpu").view(torch.int64).tolist()]
-    spans: list[_Span] = []
-    aliases: list[int] = []
-    sizes: list[int] = []
-    owners: list[RegisteredHostMemory] = []
-    for i, (addr, want) in enumerate(zip(values, reaches)):
-        entry_name = f"{name}[{i}]"
-        span = _find(spans, addr)
-        if span is None:
-            span = _span(entry_name, addr, device)
-            spans.append(span)
-        have = span.end - addr
-        if want is not None and want > have:
-            raise with_address(RegistrationSpanError(
-                f"{entry_name}: {want} bytes from {addr:#x} run {want - have} bytes past the end of the "
-                f"{'registration chunk' if span.owner is not None else 'allocation'} it lies in "
-                f"[{span.start:#x}, {span.end:#x}). Fix: check the item size, layer count and slot count given"
-            ), addr)
-        aliases.append(span.alias_start + (addr - span.start))
-        sizes.append(have if want is None else want)
-        if span.owner is not None and all(o is not span.owner for o in owners):
-            owners.append(span.owner)
-    regions = [(sp.alias_start, sp.alias_start + (sp.end - sp.start), "device" if sp.device_memory else "pinned")
-               for sp in spans if sp.owner is None]
-    table = resolved_kernel_table(aliases, sizes, device, owners, regions)
+    version = _version(ptrs)
+    values = _read_addresses(ptrs)
+    want = None if reaches[0] is None else torch.tensor(reaches, dtype=torch.int64)
+    got = _resolve(name, values, want, device)
+    table = resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
+                                  got.regions)
     with _lock:
         _remember(_raw_cache, id(ptrs),  # type: ignore[arg-type]
-                  _RawEntry(weakref.ref(ptrs), version, ptrs.data_ptr(), device, reach_key, table))
+                  _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), device, reach_key,
+                            table, values if version is None else None))
     return table
+
+
+def _sizes(name: str, nbytes: torch.Tensor | int, addrs: torch.Tensor) -> torch.Tensor:
+    n = addrs.numel()
+    if isinstance(nbytes, torch.Tensor):
+        if nbytes.dtype not in (torch.int64, torch.uint64) or nbytes.shape != addrs.shape:
+            raise InvalidArgumentError(
+                f"{name}: sizes of dtype {nbytes.dtype} and shape {tuple(nbytes.shape)}, expected int64 of shape "
+                f"{tuple(addrs.shape)}")
+        sizes = _read_addresses(nbytes)
+        if nbytes.dtype == torch.uint64 and bool((sizes < 0).any()):
+            bad = int((sizes < 0).nonzero()[0])
+            raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad]) & _MASK} bytes, expected < 2**63")
+    elif type(nbytes) is int:
+        if not 0 < nbytes < _SIGN:
+            raise InvalidArgumentError(f"{name}: size {nbytes} bytes, expected an int in (0, 2**63)")
+        sizes = torch.full((n,), nbytes, dtype=torch.int64)
+    else:
+        raise InvalidArgumentError(f"{name}: sizes {nbytes!r}, expected an int or an int64 tensor")
+    if bool((sizes <= 0).any()):
+        bad = int((sizes <= 0).nonzero()[0])
+        raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad])} bytes, expected an int > 0")
+    return sizes
 
 
 def resolve_addresses_owned(
@@ -348,50 +415,24 @@ def resolve_addresses_owned(
     """:func:`resolve_addresses`, and the registrations the addresses lie in (to lease
     while a copy reads or writes them)."""
     _check_address_tensor(name, addrs, device)
-    n = addrs.numel()
-    a = addrs.detach().to("cpu").view(torch.int64)
-    if isinstance(nbytes, torch.Tensor):
-        if nbytes.dtype not in (torch.int64, torch.uint64) or nbytes.shape != addrs.shape:
-            raise InvalidArgumentError(
-                f"{name}: sizes of dtype {nbytes.dtype} and shape {tuple(nbytes.shape)}, expected int64 of shape "
-                f"{tuple(addrs.shape)}")
-        sizes = nbytes.detach().to("cpu").view(torch.int64)
-        if nbytes.dtype == torch.uint64 and bool((sizes < 0).any()):
-            bad = int((sizes < 0).nonzero()[0])
-            raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad]) & _MASK} bytes, expected < 2**63")
-    elif type(nbytes) is int:
-        sizes = torch.full((n,), nbytes, dtype=torch.int64)
-    else:
-        raise InvalidArgumentError(f"{name}: sizes {nbytes!r}, expected an int or an int64 tensor")
-    if bool((sizes <= 0).any()):
-        bad = int((sizes <= 0).nonzero()[0])
-        raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad])} bytes, expected an int > 0")
-    flipped = a ^ _i64(_SIGN)  # signed order of the flipped bits = unsigned order of the addresses
-    out = torch.empty(n, dtype=torch.int64)
-    done = torch.zeros(n, dtype=torch.bool)
-    owners: list[RegisteredHostMemory] = []
-    while True:
-        left = (~done).nonzero()
-        if left.numel() == 0:
-            break
-        i = int(left[0])
-        addr = int(a[i]) & _MASK
-        span = _span(f"{name}[{i}]", addr, device)
-        inside = (flipped >= _i64(span.start ^ _SIGN)) & (flipped <= _i64((span.end - 1) ^ _SIGN)) & ~done
-        room = _i64(span.end) - a  # bytes from each address to the span's end (exact where inside)
-        over = inside & (room < sizes)
-        if bool(over.any()):
-            j = int(over.nonzero()[0])
-            at = int(a[j]) & _MASK
-            raise with_address(RegistrationSpanError(
-                f"{name}[{j}]: {int(sizes[j])} bytes from {at:#x} run {int(sizes[j]) - (span.end - at)} bytes past "
-                f"the end of the {'registration chunk' if span.owner is not None else 'allocation'} it lies in "
-                f"[{span.start:#x}, {span.end:#x})"), at)
-        out[inside] = a[inside] + (_i64(span.alias_start) - _i64(span.start))
-        done |= inside
-        if span.owner is not None and all(o is not span.owner for o in owners):
-            owners.append(span.owner)
-    return out, tuple(owners)
+    got = _resolve(name, _read_addresses(addrs), _sizes(name, nbytes, addrs), device)
+    return got.aliases, got.owners
+
+
+def addresses_table(
+    name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int, device: Device
+) -> PointerTable[DeviceAlias]:
+    """A kernel table of per-descriptor raw addresses (a batch copy's ``src_ptrs``), each
+    entry checked as :func:`resolve_addresses` does, its size ``nbytes``. Not cached: for
+    arrays an engine builds per call (the table is as cheap to build as to look up).
+
+    Raises:
+        As :func:`resolve_addresses`.
+    """
+    _check_address_tensor(name, addrs, device)
+    got = _resolve(name, _read_addresses(addrs), _sizes(name, nbytes, addrs), device)
+    return resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
+                                 got.regions)
 
 
 def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int, device: Device) -> torch.Tensor:
