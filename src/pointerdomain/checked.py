@@ -52,6 +52,10 @@ What it checks, for the ``src`` and the ``dst`` table:
    coordinates and, inside each, the hull of the touched pages is one interval
    from the extreme ``(kv, layer, page)``; it must lie inside the entry's region.
 
+A launch lowered to per-part items (``page_head``, ``page_unified`` with head groups:
+:func:`pointerdomain.layouts.lower_pair`) is verified as the kernels run it: with the
+plan's lowered layouts and geometries and the parts' slots.
+
 Errors (all raised before anything is copied):
 
 * :class:`~pointerdomain.errors.DomainError`: a host VA, unregistered host memory
@@ -473,7 +477,9 @@ def verify_launch(
 ) -> None:
     """Check that ``plan`` belongs to these tables, then every table entry and every page
     the launch touches against the registry of open registrations and device
-    allocations (see the module docstring), with the plan's geometry.
+    allocations (see the module docstring), with the plan's geometry (``src_indices``,
+    ``dst_indices``: the slots the kernels address, after :meth:`TransferPlan.expand`
+    where the plan has a lowering).
 
     Called by the launch functions, after their own argument checks, when
     :func:`enabled`. Reads no GPU memory (no synchronisation).

@@ -96,7 +96,10 @@ def buffer_infos(table: PointerTable[HostVA], item_bytes: int) -> list[BufferInf
 
 def page_buffer_meta(table: PointerTable[HostVA], layout: KVLayout, pages: list[int]) -> list[BufferInfo]:
     """The contiguous host blocks holding each page of a one-buffer host pool, in
-    page order (what a transfer engine reads or writes to move those pages).
+    page order (what a transfer engine reads or writes to move those pages):
+    :meth:`KVLayout.page_blocks` of each page (K's block then V's for ``page_first``,
+    ``page_first_direct`` and ``page_head``, as sglang's ``get_page_buffer_meta``; one
+    block per page for ``page_unified``; one per kv and layer for ``layer_first``).
 
     Args:
         table: a one-entry host table over the pool buffer of ``layout``.

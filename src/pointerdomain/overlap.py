@@ -19,6 +19,12 @@ The rule, checked before anything is launched:
    which bytes a slot touches on each side no longer compares slot by slot.
 
 To move slots inside one pool, copy through a second buffer (two launches).
+
+A launch lowered to per-part items (``page_head``, ``page_unified`` with head groups:
+:func:`pointerdomain.layouts.lower_pair`) compares the lowered geometries for rules 1-3
+and checks rule 2 on the caller's slots: both sides then have the same layout, whose
+parts of slot ``s`` are the same on both, so the two slot sets meet exactly where their
+parts do.
 """
 
 from __future__ import annotations

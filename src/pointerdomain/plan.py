@@ -9,6 +9,14 @@ bound launch struct (``_C.KernelPlan``) the backend hands to C++ in one piece.
 Per call only the indices, the layer range, the stream and the SM budget vary.
 Checked mode (:mod:`pointerdomain.checked`) verifies a plan; it does not
 recompute it.
+
+Where a layout splits its items into several runs (``page_head``, ``page_unified``
+with head groups: :func:`pointerdomain.layouts.lower_pair`), the plan is built once
+over the lowered layouts (items of one part), and each launch expands its slot
+indices to the parts' slots (:meth:`TransferPlan.expand`, torch ops on the indices'
+device: no host sync) before anything else sees them, so the kernel, the copy engine,
+the staged path and checked mode all work on an ordinary geometry. Plans of the other
+layouts have no lowering and pay nothing for it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,7 +33,7 @@ from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import DeviceMismatchError, IndexValidationError, InvalidArgumentError, LayoutError
 from pointerdomain.launch_errors import error_word_address
-from pointerdomain.layouts import Geometry, KVLayout
+from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
 from pointerdomain.memory import RegisteredHostMemory
 from pointerdomain.overlap import shared_memory
 from pointerdomain.tables import PointerTable, require_domain
@@ -46,7 +54,9 @@ class TransferPlan:
     Attributes:
         device: the tables' device.
         platform: its backend (``pointerdomain._platform.backend_for(device)`` when built).
-        src_layout, dst_layout: the layouts the plan was built for.
+        src_layout, dst_layout: the layouts the kernels address: the given ones, or with a
+            :attr:`lowering`, the lowered ones (items of one part).
+        given_src_layout, given_dst_layout: the layouts the plan was built for (the caller's).
         src_geometry, dst_geometry: how the kernels address each table.
         src_values, dst_values: the tables' addresses as ints (host-side; copy-engine runs).
         vec_bytes: copy word width in {16, 8, 4, 1} that every address and stride allows.
@@ -61,12 +71,16 @@ class TransferPlan:
         dst_starts, dst_ends: the byte ranges of the storages of dst's buffers, sorted and
             merged (:meth:`indices_in_dst`; empty where the table keeps no tensors).
         unpinned: the first owner kernels cannot read (the ``unpinned`` rung), or None.
+        lowering: how a launch between layouts that split items runs over per-part items
+            (:func:`~pointerdomain.layouts.lower_pair`), or None (the common case).
     """
 
     device: Device
     platform: Backend
     src_layout: KVLayout
     dst_layout: KVLayout
+    given_src_layout: KVLayout
+    given_dst_layout: KVLayout
     src_geometry: Geometry
     dst_geometry: Geometry
     src_values: tuple[int, ...]
@@ -81,24 +95,44 @@ class TransferPlan:
     unpinned: RegisteredHostMemory | None = None
     dst_starts: tuple[int, ...] = ()
     dst_ends: tuple[int, ...] = ()
+    lowering: Lowering | None = None
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
-        on one device) lies outside ``[0, num_slots)`` of its layout; before anything is
-        copied. CUDA indices cost one host sync for both.
+        on one device: the caller's indices) lies outside ``[0, num_slots)`` of its given
+        layout; before anything is copied. CUDA indices cost one host sync for both.
 
         Raises:
             IndexValidationError: the first side with a slot out of range, and that slot.
         """
-        if not s_idx.is_cuda and s_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
-            s_list, d_list = s_idx.tolist(), d_idx.tolist()
-            lo_s, hi_s, lo_d, hi_d = min(s_list), max(s_list), min(d_list), max(d_list)
-        else:  # one host sync for both tensors
-            (lo_s, hi_s), (lo_d, hi_d) = torch.stack([*torch.aminmax(s_idx), *torch.aminmax(d_idx)]).view(2, 2).tolist()
-        for name, lo, hi, slots in (("src_indices", lo_s, hi_s, self.src_layout.num_slots),
-                                    ("dst_indices", lo_d, hi_d, self.dst_layout.num_slots)):
-            if lo < 0 or hi >= slots:
-                raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
+        _check_ranges(s_idx, d_idx, self.given_src_layout.num_slots, self.given_dst_layout.num_slots)
+
+    def check_addressed_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
+        """:meth:`check_slot_range` for indices the kernels address (after :meth:`expand`
+        where the plan has a lowering; the same check otherwise)."""
+        _check_ranges(s_idx, d_idx, self.src_layout.num_slots, self.dst_layout.num_slots)
+
+    def expand(
+        self, s_idx: torch.Tensor, d_idx: torch.Tensor, stream: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caller's slot indices (``int64``, 1-D, equal length ``n``) as the ``n *
+        parts`` slots of the lowered layouts (see :class:`~pointerdomain.layouts.Lowering`),
+        pair ``i``'s parts at ``[i * parts, (i + 1) * parts)``: new contiguous ``int64``
+        tensors on the indices' device, computed there with torch ops (no host sync, so
+        a CUDA graph may capture it; on CUDA the ops run on ``stream``, default the current
+        one). A slot outside its given layout becomes parts all outside the lowered
+        layout's slots, which the kernels skip and report like any slot out of range
+        (never a slot of another item: the range is clamped before the arithmetic)."""
+        low = self.lowering
+        assert low is not None
+        on_gpu = s_idx if s_idx.is_cuda else d_idx
+        if stream is not None and on_gpu.is_cuda:
+            cuda: Any = torch.cuda  # ExternalStream is untyped in torch's stubs
+            with cuda.stream(cuda.ExternalStream(stream, device=on_gpu.device)):
+                return (_expand(s_idx, low.parts, low.src_blocked, self.given_src_layout),
+                        _expand(d_idx, low.parts, low.dst_blocked, self.given_dst_layout))
+        return (_expand(s_idx, low.parts, low.src_blocked, self.given_src_layout),
+                _expand(d_idx, low.parts, low.dst_blocked, self.given_dst_layout))
 
     def indices_in_dst(self, src_idx: int, dst_idx: int, nbytes: int) -> bool:
         """Whether either index array (``nbytes`` > 0 bytes from address ``src_idx`` /
@@ -159,6 +193,49 @@ class TransferPlan:
         return da[starts], sa[starts], lengths
 
 
+def _check_ranges(s_idx: torch.Tensor, d_idx: torch.Tensor, src_slots: int, dst_slots: int) -> None:
+    if not s_idx.is_cuda and s_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
+        s_list, d_list = s_idx.tolist(), d_idx.tolist()
+        lo_s, hi_s, lo_d, hi_d = min(s_list), max(s_list), min(d_list), max(d_list)
+    else:  # one host sync for both tensors
+        (lo_s, hi_s), (lo_d, hi_d) = torch.stack([*torch.aminmax(s_idx), *torch.aminmax(d_idx)]).view(2, 2).tolist()
+    for name, lo, hi, slots in (("src_indices", lo_s, hi_s, src_slots), ("dst_indices", lo_d, hi_d, dst_slots)):
+        if lo < 0 or hi >= slots:
+            raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
+
+
+#: ``j * step`` for ``j`` in ``range(parts)``, per (device, parts, step): made once, outside
+#: any graph capture (a captured arange would hold its values only in replays).
+_patterns: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _pattern(device: torch.device, parts: int, step: int) -> torch.Tensor:
+    key = (device, parts, step)
+    pattern = _patterns.get(key)
+    if pattern is None:
+        pattern = torch.arange(0, parts * step, step, dtype=torch.int64, device=device)
+        if device.type != "cuda":
+            _patterns[key] = pattern
+        else:
+            with torch.cuda.device(device):
+                if not torch.cuda.is_current_stream_capturing():
+                    _patterns[key] = pattern
+    return pattern
+
+
+def _expand(idx: torch.Tensor, parts: int, blocked: bool, layout: KVLayout) -> torch.Tensor:
+    """Slots of ``layout`` as the slots of its ``parts`` parts (:class:`Lowering`), in
+    few torch ops (each costs microseconds of host time on the launch path)."""
+    # Out of range first, to -1 or num_slots, whose parts are all out of range of the
+    # lowered layout: no arithmetic on a wild value can wrap into range.
+    t = idx.clamp(-1, layout.num_slots)
+    if blocked:  # page * parts * ps + j * ps + tok == t + page * (parts - 1) * ps + j * ps
+        ps = layout.page_size
+        base = torch.add(t, torch.div(t, ps, rounding_mode="floor"), alpha=(parts - 1) * ps)
+        return torch.add(base.unsqueeze(1), _pattern(idx.device, parts, ps)).view(-1)
+    return torch.add(_pattern(idx.device, parts, 1), t.unsqueeze(1), alpha=parts).view(-1)
+
+
 def check_table_layout(name: str, table: PointerTable[DeviceAlias], layout: KVLayout) -> None:
     """A table built for a layout (pool tables) launches with exactly that layout.
 
@@ -207,6 +284,22 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     check_table_layout("dst", dst, dst_layout)
     src_geo = src_layout.geometry(len(src), src.sizes, "src")
     dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
+    given_src, given_dst = src_layout, dst_layout
+    lowering = lower_pair(src_layout, dst_layout) if src_layout.item_parts > 1 or dst_layout.item_parts > 1 else None
+    if lowering is not None:  # the tables fit the given layouts (checked above): address the lowered ones
+        sides = (("src", src, given_src, lowering.src), ("dst", dst, given_dst, lowering.dst))
+        for name, table, given, lowered in sides:
+            if len(table) not in lowered.table_splits():  # only a layer_first table cut per page
+                allowed = sorted(set(given.table_splits()) & set(lowered.table_splits()))
+                raise LayoutError(
+                    f"{name}: a {given.kind} table of {len(table)} entries (one per page) cannot be copied to or from "
+                    f"a page_unified layout with {lowering.parts} head groups: each group of a page is copied as a "
+                    "page of its own, which an entry per page no longer holds whole. Fix: build the table with "
+                    f"{' or '.join(map(str, allowed))} entries (a DeviceKVPool's table has one per kv and layer)"
+                )
+        src_layout, dst_layout = lowering.src, lowering.dst
+        src_geo = src_layout.geometry(len(src), src.sizes, "src")
+        dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
     same_memory = shared_memory(src, src_geo, dst, dst_geo)
     vec = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo.byte_strides, *dst_geo.byte_strides)
     item = src_layout.item_bytes
@@ -217,9 +310,9 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     owners = tuple({id(o): o for o in (*src.registrations(), *dst.registrations())}.values())
     unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
     starts, ends = _merged_ranges(dst.storage_spans())
-    return TransferPlan(device, backend_for(device), src_layout, dst_layout, src_geo, dst_geo, src.raw_values(),
-                        dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args), owners, same_memory,
-                        unpinned, starts, ends)
+    return TransferPlan(device, backend_for(device), src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
+                        src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args),
+                        owners, same_memory, unpinned, starts, ends, lowering)
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -252,12 +345,15 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
         DeviceMismatchError: the tables are for different devices.
         ClosedError: a table's registered memory was closed.
         InvalidArgumentError: a layout that is not a KVLayout.
-        LayoutError: layouts disagree, or a table does not fit its layout.
+        LayoutError: layouts disagree, a table does not fit its layout, or a layout that
+            splits its items is paired with one it cannot be lowered with
+            (:func:`~pointerdomain.layouts.lower_pair`).
     """
     key = (id(dst), id(src_layout), id(dst_layout))
     per_src = _plans.get(src) if isinstance(cast(object, src), PointerTable) else None
     plan = per_src.get(key) if per_src is not None else None
-    if plan is not None and plan.dst_ref() is dst and plan.src_layout is src_layout and plan.dst_layout is dst_layout:
+    if (plan is not None and plan.dst_ref() is dst and plan.given_src_layout is src_layout
+            and plan.given_dst_layout is dst_layout):
         return plan
     plan = _build(src, src_layout, dst, dst_layout)
     _plans.setdefault(src, {})[key] = plan

@@ -108,12 +108,17 @@ class HostKVPool(ProcessLocal):
     """A host KV pool in registered host memory.
 
     Args:
-        layout: the host layout (``layer_first``, ``page_first`` or ``page_first_direct``),
-            same model shape as the device pool it serves.
+        layout: the host layout (any kind: ``layer_first``, ``page_first``,
+            ``page_first_direct``, ``page_head``, ``page_unified``), same model shape as the
+            device pool it serves (launches between ``page_head`` or ``page_unified`` with
+            head groups and the device pool's ``layer_first`` run over per-head items,
+            :func:`pointerdomain.layouts.lower_pair`).
         device: the device whose kernels move its pages.
         max_chunk_bytes: largest registration call; pools larger than this are
             registered in chunks cut on page blocks, and the kernel table then has
-            one entry per page block so alias arithmetic never crosses a chunk.
+            one entry per page block (per head-group block of a ``page_unified`` page
+            with head groups: :meth:`KVLayout.page_block_views`) so alias arithmetic
+            never crosses a chunk.
         policy: the registration ladder's policy (see :func:`pointerdomain.alloc_registered`;
             chunks of the ``chunked`` rung are cut on page blocks too).
         numa: ``"local"``: place the pool on the device's NUMA node.
@@ -219,6 +224,22 @@ class HostKVPool(ProcessLocal):
         if device is None or device == self.device:
             return self.kernel_table  # a bad table is reported by the launch's own checks
         return self.kernel_table_for(device)
+
+    def host_va(self, page: int, layer: int, kv: int, *, token: int = 0) -> HostVA:
+        """The host VA of the item of ``(kv, layer)`` of token ``token`` of ``page``: the
+        buffer's address plus :meth:`KVLayout.byte_offset` (for ``page_head`` and
+        ``page_unified`` with head groups, the first part of the item: head 0, group 0;
+        :meth:`KVLayout.item_spans` has the others). For CPU code and transfer engines,
+        never for a kernel (that needs the kernel table's device alias).
+
+        Raises:
+            InvalidTypeError: an argument is not an int (a bool included).
+            IndexValidationError: an argument out of its range (see :meth:`KVLayout.byte_offset`).
+            ClosedError: the pool was closed.
+        """
+        offset = self.layout.byte_offset(page, layer, kv, token=token)
+        self.memory.check_open()
+        return self.host_table[0] + offset
 
     def get_contiguous_buf_infos(self) -> list[BufferInfo]:
         """The pool buffer as host-VA metadata (for a transfer engine's ``register_memory``)."""

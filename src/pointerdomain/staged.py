@@ -27,7 +27,10 @@ kernel): all layers (:func:`~pointerdomain.transfer_kv_all_layer`), one table ov
 registered host memory and the other over device memory of the same device, the host
 layout ``page_first`` or ``page_first_direct`` with a slot's layers contiguous
 (``page_first_direct`` only when ``page_size`` is 1: its layers are ``page_size`` items
-apart), and a staging buffer that holds at least one slot.
+apart), ``page_head`` (a slot's head holds its layers contiguously; with several heads
+the launch is lowered to per-head items, :func:`pointerdomain.layouts.lower_pair`, and
+``"auto"`` does not pick the path for those: their speed is not measured) or
+``page_unified`` with one layer, and a staging buffer that holds at least one slot.
 
 The staging buffer is device memory cached per device (:func:`set_staging`; default
 :data:`DEFAULT_STAGING_BYTES` in :data:`DEFAULT_STAGING_RING` ring slots), allocated on the
@@ -94,7 +97,7 @@ MAX_STAGING_BYTES: Final = 16 << 30
 _MAX_RING = 8  # kMaxRing in staged_gpu.cu
 _HEADER = 64 << 10  # kHeader: the ring's tables and the identity slots
 _TABLE = 4 << 10  # kTableBytes
-_HOST_LAYOUTS = ("page_first", "page_first_direct")
+_HOST_LAYOUTS = ("page_first", "page_first_direct", "page_head", "page_unified")  # and s_layer == item
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,10 +204,11 @@ def staged_refusal(
     host_layout, host_geometry = (plan.src_layout, plan.src_geometry) if host_is_src else (plan.dst_layout, plan.dst_geometry)
     item = layout.item_bytes
     if host_layout.kind not in _HOST_LAYOUTS or (layout.num_layers > 1 and host_geometry.s_layer != item):
+        given = plan.given_src_layout if host_is_src else plan.given_dst_layout
         return LayoutError(
-            f"backend='staged' needs a host layout whose slot holds its layers contiguously (page_first, or "
-            f"page_first_direct with page_size 1); the host pool is {host_layout.kind} with page_size "
-            f"{host_layout.page_size}"
+            f"backend='staged' needs a host layout whose slot holds its layers contiguously (page_first, "
+            f"page_first_direct with page_size 1, page_head, or page_unified with one layer); the host pool is "
+            f"{given.kind} with page_size {given.page_size}"
         )
     config = _config_of(plan.device)
     if chunk_slots(config, layout.num_kv, layout.num_layers * item) < 1:
@@ -225,8 +229,8 @@ def auto_picks_staged(
     :data:`STAGED_MIN_CHUNKS` ring chunks of slots, and :func:`staged_refusal` none).
     The cheap tests first: the kernel launch path pays only for them."""
     layout, platform = plan.src_layout, plan.platform
-    if layer_count != layout.num_layers or layout.item_bytes > STAGED_MAX_ITEM_BYTES:
-        return False
+    if layer_count != layout.num_layers or layout.item_bytes > STAGED_MAX_ITEM_BYTES or plan.lowering is not None:
+        return False  # (per-part items of a lowered launch: not measured, so only when asked)
     if 0 < ctas < STAGED_MIN_CTAS or platform.runtime != "cuda":
         return False  # the figures are CUDA's (H200); HIP runs it only when asked
     block = layout.num_layers * layout.item_bytes
@@ -286,7 +290,7 @@ def launch_staged(
     else:
         s_host = s_idx.to("cpu", copy=True)
         d_host = d_idx.to("cpu", copy=True)
-    plan.check_slot_range(s_host, d_host)
+    plan.check_addressed_range(s_host, d_host)
     host_idx = s_host if host_is_src else d_host
     if plan.platform.host_readable:  # the kernel reads host memory: give it the checked copies too
         s_idx, d_idx = s_host, d_host
