@@ -34,7 +34,8 @@ EXEMPT = {
                       "Explanation"},  # a result record built by explain()  # an enum, a result record, a query  # predicates: False for any other object
     "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike"},  # + a Protocol
     "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent"},
-    "pointerdomain.adapters.sglang": {"ContiguousBufInfos", "PageBufferMeta"},
+    "pointerdomain.adapters.sglang": {"ContiguousBufInfos", "PageBufferMeta", "MHADevicePool", "MLADevicePool",
+                                      "SglangHostPool"},
     "pointerdomain.adapters.vllm": {"BatchCopyFn", "BlockCopyBatch"},
     "pointerdomain.adapters.lmcache": {"TensorKey"},
 }
@@ -155,7 +156,13 @@ CASES: list[Case] = [
     ("pointerdomain.adapters.sglang.HostKVCacheAdapter", "buffer",
      lambda: sglang.HostKVCacheAdapter("x", HOST_LAYOUT, DEV), TypeError, ("kv_buffer", "str", "expected", "Fix")),  # type: ignore[arg-type]
     ("pointerdomain.adapters.sglang.DeviceKVBuffers", "buffers",
-     lambda: sglang.DeviceKVBuffers(torch.zeros(2, 2), None, DEV, page_size=4), ValueError, ("buffer 0", "(2,)", "must be")),  # type: ignore[arg-type]
+     lambda: sglang.DeviceKVBuffers([torch.zeros(2, 2)], None, DEV, page_size=4), ValueError,
+     ("k_buffer[0]", "(2, 2)", "must be")),
+    ("pointerdomain.adapters.sglang.DeviceKVBuffers", "bare-tensor",
+     lambda: sglang.DeviceKVBuffers(torch.zeros(2, 2), None, DEV, page_size=4), TypeError,  # type: ignore[arg-type]
+     ("k_buffer", "Tensor", "expected", "Fix")),
+    ("pointerdomain.adapters.sglang.sglang_host_shape", "layout",
+     lambda: sglang.sglang_host_shape("layer_first"), TypeError, ("layout", "str", "expected", "Fix")),  # type: ignore[arg-type]
     ("pointerdomain.adapters.vllm.block_copy_batch", "table",
      lambda: vllm.block_copy_batch(3, 3, torch.arange(2), torch.arange(2), block_bytes=64), TypeError,
      ("int", "DeviceAlias")),  # type: ignore[arg-type]
