@@ -155,9 +155,14 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"{name}[{i}]: found a {type(t).__name__}, expected a torch.Tensor")
-    fast = (device, *[(id(t), t.data_ptr()) for t in items])
+    # The tensor's base, not the tensor: a call shape that passes pool.buffer[0] makes a new
+    # view every call. Same base object (alive: weak reference), same bytes, same contiguity
+    # = the same buffer; a base moved to another storage (set_) no longer holds that view's
+    # bytes, but the view (and the cached table) still point at the old storage it keeps.
+    bases = tuple(t if t._base is None else t._base for t in items)
+    fast = (device, *[(id(b), t.data_ptr(), t.nbytes, t.is_contiguous()) for b, t in zip(bases, items)])
     entry = _by_identity.get(fast)  # a dict read is atomic under the GIL; writes take the lock
-    if entry is not None and _same(entry.refs, items) and _open(entry.table):
+    if entry is not None and _same(entry.refs, bases) and _open(entry.table):
         return entry.table
     slow: tuple[object, ...] = (device, *(
         (t.data_ptr(), t.numel() * t.element_size(), t.is_contiguous(), t.untyped_storage().data_ptr(),
@@ -174,7 +179,7 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
             raise _named(name, exc) from None
     with _lock:
         _remember(_by_memory, slow, table)  # type: ignore[arg-type]
-        _remember(_by_identity, fast, _TensorEntry(tuple(weakref.ref(t) for t in items), table))  # type: ignore[arg-type]
+        _remember(_by_identity, fast, _TensorEntry(tuple(weakref.ref(b) for b in bases), table))  # type: ignore[arg-type]
     return table
 
 
