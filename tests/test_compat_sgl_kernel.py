@@ -936,3 +936,19 @@ def test_gpu_page_unified_and_reported_slots() -> None:
         pd.synchronize("cuda:0")
     after = u8(out_k)
     assert torch.equal(after[1], u8(d_k[0])[0]) and torch.equal(after[2], before[2])
+
+
+def test_lowered_indices_of_a_wild_slot_are_all_negative() -> None:
+    """On CUDA the indices are not read on the host: a slot outside its buffer must become
+    parts the kernel skips and reports (negative), never another slot's parts."""
+    idx = torch.tensor([5, -1, 20, 19, -7, 2**40])
+    parts = sk.page_parts(idx, 20, PS, 3, outer=2, inner=1).view(-1, 3)
+    assert torch.equal(parts[0], torch.tensor([((1 * 3 + j) * 2 + 1) * PS + 1 for j in range(3)]))
+    assert torch.equal(parts[3], torch.tensor([((4 * 3 + j) * 2 + 1) * PS + 3 for j in range(3)]))
+    assert bool((parts[[1, 2, 4, 5]] < 0).all())
+    rows = sk.row_parts(idx, 20, 2, 5).view(-1, 2)
+    assert torch.equal(rows[0], torch.tensor([25, 26])) and bool((rows[[1, 2, 4, 5]] < 0).all())
+    run = sk.runs(torch.tensor([16, 17, -1]), 20, PS).view(-1, PS)
+    assert torch.equal(run[0], torch.arange(16, 20)) and bool((run[1:] < 0).all())
+    paged = sk.runs(torch.tensor([9, 20]), 20, PS, aligned_to=PS, scale=L * PS, offset=PS).view(-1, PS)
+    assert torch.equal(paged[0], torch.arange(2 * L * PS + PS, 2 * L * PS + 2 * PS)) and bool((paged[1] < 0).all())
