@@ -6,7 +6,8 @@ register an ordinary tensor that starts mid-page, close, build tables (good and 
 input), launch (every layout pair, kernel / copy engine / auto, all layers or one,
 indices in range, out of range, wrong dtype / length / device), close from another
 thread, mutate indices from another thread during a launch, derive layouts (valid and
-invalid). Every buffer sits between poisoned guard regions. After each step:
+invalid), call an engine's own transfer shapes through ``pointerdomain.compat`` (raw
+``data_ptr()`` tables, good and bad). Every buffer sits between poisoned guard regions. After each step:
 
 * a launch either raised a typed ``PointerDomainError`` and left every destination
   unchanged, or the destination matches ``tests/reference.py``'s torch model;
@@ -63,7 +64,8 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 
-STATS: dict[str, int] = {"sequences": 0, "steps": 0, "launches_ok": 0, "launches_refused": 0, "races": 0}
+STATS: dict[str, int] = {"sequences": 0, "steps": 0, "launches_ok": 0, "launches_refused": 0, "races": 0,
+                         "compat_calls": 0}
 
 
 @dataclass
@@ -262,6 +264,68 @@ class KVMachine(RuleBasedStateMachine):
         dst_index = self.pools.index(dst)
         whole, guards = self.snapshots[dst_index]
         self.snapshots[dst_index] = (dst.whole.clone(), guards)
+
+    @precondition(lambda self: any(p.memory is None for p in self.pools)
+                  and any(p.buffer is not None and p.layout.kind == "page_first" for p in self.pools))
+    @rule(data=st.data(), n=st.integers(0, 6), per_layer=st.booleans(),
+          fault=st.sampled_from(["none"] * 6 + ["unknown_address", "host_va_in_device_table", "short_reach",
+                                                "out_of_range", "int32_table", "layer_count"]))
+    def compat_sgl_backup(self, data: st.DataObject, n: int, per_layer: bool, fault: str) -> None:
+        """An engine's own call shapes (sgl_kernel.kvcacheio, through pointerdomain.compat):
+        the all-layer backup lf_pf takes raw uint64 tables of the device pool's data_ptr()s
+        and the host pool's K and V halves as tensors; the per-layer load pf_lf takes the
+        tensors. Same invariants as a typed launch."""
+        from pointerdomain.compat import sgl_kernel
+
+        STATS["compat_calls"] += 1
+        dev_pool = data.draw(st.sampled_from([p for p in self.pools if p.memory is None]))
+        host = data.draw(st.sampled_from([p for p in self.pools if p.buffer is not None
+                                           and p.layout.kind == "page_first"]))
+        assert host.buffer is not None
+        layers, item = dev_pool.layout.num_layers, dev_pool.layout.item_bytes
+        src, dst = (host, dev_pool) if per_layer else (dev_pool, host)
+        ptrs = [b.data_ptr() for b in dev_pool.buffers]  # kv-major: K of every layer, then V
+        if fault == "unknown_address":
+            ptrs[data.draw(st.integers(0, len(ptrs) - 1))] = 12345 * 4096
+        elif fault == "host_va_in_device_table":
+            ptrs[0] = host.buffer.data_ptr()  # a host VA where the kernel reads device memory
+        elif fault == "short_reach":
+            ptrs[-1] = dev_pool.whole.data_ptr() + dev_pool.whole.numel() - 8  # runs off the allocation
+        k_tab = torch.tensor(ptrs[:layers], dtype=torch.uint64)
+        v_tab = torch.tensor(ptrs[layers:], dtype=torch.uint64)
+        if fault == "int32_table":
+            k_tab = k_tab.to(torch.int32)
+        n_slots = min(n, src.layout.num_slots, dst.layout.num_slots)
+        s_slots = data.draw(st.lists(st.integers(0, src.layout.num_slots - 1), min_size=n_slots, max_size=n_slots))
+        d_slots = data.draw(st.permutations(range(dst.layout.num_slots)))[:n_slots]
+        s_idx, d_idx = torch.tensor(s_slots, dtype=torch.int64), torch.tensor(d_slots, dtype=torch.int64)
+        if fault == "out_of_range" and n_slots:
+            d_idx[0] = dst.layout.num_slots + data.draw(st.integers(0, 3))
+        before = dst.one_buffer().clone()
+        layer = data.draw(st.integers(0, layers - 1))
+        try:
+            if per_layer:
+                sgl_kernel.transfer_kv_per_layer_pf_lf(host.buffer[0], dev_pool.buffers[layer], host.buffer[1],
+                                                       dev_pool.buffers[layers + layer], s_idx, d_idx, layer, item,
+                                                       layers * item + (fault == "layer_count") * item)
+            else:
+                sgl_kernel.transfer_kv_all_layer_lf_pf(k_tab, host.buffer[0], v_tab, host.buffer[1], s_idx, d_idx, item,
+                                                       layers * item, layers + (fault == "layer_count"))
+        except errors.PointerDomainError:
+            STATS["launches_refused"] += 1
+            assert torch.equal(dst.one_buffer(), before), "a refused compat call changed its destination"
+            return
+        STATS["launches_ok"] += 1
+        assert not src.closed and not dst.closed, "a compat call over closed memory was accepted"
+        raw_faults = ("unknown_address", "host_va_in_device_table", "short_reach", "int32_table")
+        assert fault == "none" or (fault == "out_of_range" and not n_slots) or (per_layer and fault in raw_faults), fault
+        src_bytes = src.one_buffer().view(src.layout.torch_dtype).view(src.layout.buffer_shape)
+        dst_before = before.view(dst.layout.torch_dtype).view(dst.layout.buffer_shape)
+        want = reference_transfer(src_bytes, src.layout, dst_before, dst.layout, s_idx, d_idx,
+                                  [layer] if per_layer else None)
+        assert torch.equal(dst.one_buffer(), want), "the compat call does not match the torch reference"
+        k = self.pools.index(dst)
+        self.snapshots[k] = (dst.whole.clone(), self.snapshots[k][1])
 
     @precondition(lambda self: HAS_LEASES and any(p.memory is not None and not p.closed for p in self.pools))
     @rule(data=st.data())

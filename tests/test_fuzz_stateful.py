@@ -33,3 +33,4 @@ def test_stateful_fuzzer_in_a_child_process(tmp_path: Path) -> None:
     assert result["failure"] == ""
     assert result["sequences"] >= MINIMUM.get(profile, 1), result
     assert result["launches_ok"] > 0 and result["launches_refused"] > 0, result
+    assert result["compat_calls"] > 0, result  # the engines' call shapes are reached too
