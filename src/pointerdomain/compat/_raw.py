@@ -272,9 +272,9 @@ class _RawEntry(NamedTuple):
     values: torch.Tensor | None
 
 
-#: id(table tensor) -> its last resolution (one per tensor: a tensor asked with another
-#: device or reach replaces it; the weak reference rules out a reused id)
-_raw_cache: OrderedDict[int, _RawEntry] = OrderedDict()
+#: (id(table tensor), device, reach) -> its last resolution (the weak reference rules out a
+#: reused id; a table asked with two reaches keeps both)
+_raw_cache: OrderedDict[tuple[int, Device, object], _RawEntry] = OrderedDict()
 
 
 class _Resolved(NamedTuple):
@@ -368,9 +368,9 @@ def resolved_table(
         RegistrationSpanError: an entry's reach runs past its allocation or chunk.
     """
     reach_key = reach if reach is None or isinstance(reach, int) else tuple(reach)
-    entry = _raw_cache.get(id(ptrs))  # the hit path first: a pool's table, unchanged since the last call
-    if (entry is not None and entry.ref() is ptrs and entry.device == device and entry.reach == reach_key
-            and entry.data_ptr == ptrs.data_ptr() and _open(entry.table)):
+    key = (id(ptrs), device, reach_key)
+    entry = _raw_cache.get(key)  # the hit path first: a pool's table, unchanged since the last call
+    if entry is not None and entry.ref() is ptrs and entry.data_ptr == ptrs.data_ptr() and _open(entry.table):
         if entry.values is None:
             if entry.version == ptrs._version:
                 return entry.table
@@ -385,7 +385,7 @@ def resolved_table(
     table = resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
                                   got.regions)
     with _lock:
-        _remember(_raw_cache, id(ptrs),  # type: ignore[arg-type]
+        _remember(_raw_cache, key,  # type: ignore[arg-type]
                   _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), device, reach_key,
                             table, values if version is None else None))
     return table
