@@ -13,6 +13,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.compat import vllm as ops
+from pointerdomain.memory import open_registrations
 
 DEV = pd.validate_device("emulated:0")
 POISON = 0xA5
@@ -198,11 +199,9 @@ def test_swap_blocks_bad_arguments_write_nothing(
         # two copies into one dst block
         (lambda: ops.swap_blocks(src, dst, block, torch.tensor([[0, 2], [1, 3], [4, 2]])), errors.OverlapError,
          r"block_mapping\[0\] and block_mapping\[2\]"),
-        # memory the copy may not use
+        # memory the copy may not use: both sides host memory (pageable src, registered dst)
         (lambda: ops.swap_blocks(torch.zeros(6, 32, dtype=torch.bfloat16), dst, block, ok), errors.DomainError,
-         None),
-        (lambda: ops.swap_blocks(src, torch.zeros(4, 32, dtype=torch.bfloat16), block, ok), errors.DomainError,
-         "unregistered"),
+         "both host memory"),
         (lambda: ops.swap_blocks(src.view(torch.uint8)[:, :0], dst, block, ok), errors.LayoutError, None),
         (lambda: ops.swap_blocks(src, "dst", block, ok), errors.InvalidTypeError, None),  # type: ignore[arg-type]
     ]
@@ -222,6 +221,159 @@ def test_swap_blocks_empty_mapping_and_closed_memory() -> None:
     mem.close()
     with pytest.raises(errors.ClosedError):
         ops.swap_blocks(src, dst, 16, torch.tensor([[0, 0]], dtype=torch.int64))
+
+
+# -- swap_blocks with plain pageable host memory ---------------------------------------
+
+PAGEABLE = [("device", "pageable"), ("pageable", "device")]
+
+
+def _pageable_pair(direction: tuple[str, str], shape: tuple[int, ...], dtype: torch.dtype,
+                   dst_shape: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst): one emulated device tensor, one plain torch.empty CPU tensor (pageable)."""
+    def make(kind: str, shp: tuple[int, ...]) -> torch.Tensor:
+        if kind == "device":
+            return pd.device_empty(shp, dtype=dtype, device=DEV)
+        return torch.empty(shp, dtype=dtype)
+
+    return make(direction[0], shape), make(direction[1], dst_shape or shape)
+
+
+def _registrations() -> int:
+    return len(open_registrations())
+
+
+@pytest.mark.parametrize("direction", PAGEABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_pageable_host_copies_exactly_the_mapped_blocks(direction: tuple[str, str],
+                                                                    dtype: torch.dtype) -> None:
+    rng = random.Random(11)
+    for shape in _cache_shapes(dtype):
+        src, dst = _pageable_pair(direction, shape, dtype)
+        _random_fill(src)
+        _poison(dst)
+        src_before, want = src.clone(), dst.clone()
+        pairs = list(zip(rng.sample(range(NUM_BLOCKS), 6), rng.sample(range(NUM_BLOCKS), 6)))
+        for s, d in pairs:
+            want[d] = src_before[s]
+        registered = _registrations()
+        ops.swap_blocks(src, dst, src.element_size() * src.stride(0),
+                        torch.tensor(pairs, dtype=torch.int64).view(-1, 2))
+        assert torch.equal(_bytes(dst), _bytes(want))  # mapped blocks exact, the rest still poison
+        assert torch.equal(_bytes(src), _bytes(src_before))
+        # nothing pinned or registered behind the caller's back
+        assert _registrations() == registered
+        host = dst if direction[1] == "pageable" else src
+        assert pd.find_registration(pd.HostVA(host.data_ptr())) is None
+
+
+@pytest.mark.parametrize("direction", PAGEABLE)
+def test_swap_blocks_pageable_as_upstreams_test(direction: tuple[str, str]) -> None:
+    # upstream's test_swap_blocks: caches made and swapped under inference_mode, plain CPU
+    # caches, random distinct blocks, block size = element_size() * stride(0), strided mapping
+    rng = random.Random(3)
+    num_blocks, num_mappings = 40, 16
+    with torch.inference_mode():
+        caches = []
+        for kind in direction:
+            shape = (num_blocks, 2, 8, 4)
+            t = pd.device_empty(shape, dtype=torch.float32, device=DEV) if kind == "device" else torch.empty(shape)
+            t.uniform_(-1.0, 1.0)
+            caches.append(t)
+        src, dst = caches
+        src_clone, dst_clone = src.clone(), dst.clone()
+        pairs = list(zip(rng.sample(range(num_blocks), num_mappings), rng.sample(range(num_blocks), num_mappings)))
+        mapping = torch.tensor(pairs, dtype=torch.int64).t().contiguous().t()  # [n, 2], strides (1, n)
+        assert not mapping.is_contiguous()
+        ops.swap_blocks(src, dst, src.element_size() * src.stride(0), mapping)
+        for s, d in pairs:
+            dst_clone[d] = src_clone[s]
+        assert torch.equal(_bytes(dst), _bytes(dst_clone))
+    # inference tensors written outside inference mode too (torch refuses an in-place write there)
+    ops.swap_blocks(dst, src, 4 * 64, torch.tensor([[pairs[0][1], 0]], dtype=torch.int64))
+    assert torch.equal(src[0], src_clone[pairs[0][0]])
+
+
+@pytest.mark.parametrize("direction", PAGEABLE)
+def test_swap_blocks_pageable_padded_rows_and_steps(direction: tuple[str, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # kv[:, 0] views (a block is stride(0) bytes, K and V), and staging in steps of 2 blocks
+    monkeypatch.setattr(ops, "_STAGE_BYTES", 2 * 64)
+    src, dst = _pageable_pair(direction, (9, 2, 8), torch.float32, (7, 2, 8))
+    _random_fill(src)
+    _poison(dst)
+    want = dst.clone()
+    pairs = [(8, 0), (1, 6), (4, 2), (0, 3), (7, 5)]
+    for s, d in pairs:
+        want[d] = src[s]
+    ops.swap_blocks(src[:, 0], dst[:, 0], 64, torch.tensor(pairs, dtype=torch.int64))
+    assert torch.equal(_bytes(dst), _bytes(want))
+
+
+@pytest.mark.parametrize("direction", PAGEABLE)
+def test_swap_blocks_pageable_bad_arguments_write_nothing(direction: tuple[str, str]) -> None:
+    src, dst = _pageable_pair(direction, (6, 32), torch.bfloat16, (4, 32))
+    _random_fill(src)
+    _poison(dst)
+    block = 64
+    cases: list[tuple[Callable[[], None], type[Exception], str | None]] = [
+        # every check runs before the first block is copied: a bad row after good ones
+        (lambda: ops.swap_blocks(src, dst, block, torch.tensor([[0, 1], [6, 2]])), errors.IndexValidationError,
+         r"block_mapping\[1\]\[0\]: src block 6 outside \[0, 6\)"),
+        (lambda: ops.swap_blocks(src, dst, block, torch.tensor([[0, 0], [5, 4]])), errors.IndexValidationError,
+         r"block_mapping\[1\]\[1\]: dst block 4"),
+        (lambda: ops.swap_blocks(src, dst, block, torch.tensor([[1, 1], [0, -1]])), errors.IndexValidationError,
+         "-1"),
+        (lambda: ops.swap_blocks(src, dst, block, torch.tensor([[0, 2], [1, 3], [4, 2]])), errors.OverlapError,
+         r"block_mapping\[0\] and block_mapping\[2\]"),
+        (lambda: ops.swap_blocks(src, dst, 32, torch.tensor([[0, 0]])), errors.LayoutError, "stride"),
+        (lambda: ops.swap_blocks(src, dst, block, torch.tensor([[0, 0]], dtype=torch.int32)),
+         errors.IndexValidationError, "int32"),
+        # blocks past the storage: the [:, 1] view of a [n, 2, 32] buffer (its last block, 128 bytes from
+        # byte 320 of 384, would run 64 bytes past)
+        (lambda: ops.swap_blocks(src.view(3, 2, 32)[:, 1], dst.view(2, 2, 32)[:, 0], 128, torch.tensor([[0, 0]])),
+         errors.LayoutError, "past the end of its storage"),
+    ]
+    for call, error, match in cases:
+        _bad_swap(dst, call, error, match)
+
+
+def test_swap_blocks_registered_and_pageable_routes(
+    host_alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = pd.device_empty((4, 64), dtype=torch.uint8, device=DEV)
+    _random_fill(dev)
+    mapping = torch.tensor([[3, 1]], dtype=torch.int64)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("wrong route")
+
+    # registered host memory: the copy-engine transfer, never the torch copy
+    monkeypatch.setattr(ops, "_copy_pageable", refuse)
+    registered = host_alloc((4, 64), torch.uint8)
+    _poison(registered)
+    ops.swap_blocks(dev, registered, 64, mapping)
+    assert torch.equal(registered[1], dev[3]) and bool((registered[0] == POISON).all())
+    monkeypatch.undo()
+    # pageable host memory: the torch copy, never a launch (it would need an alias)
+    monkeypatch.setattr(pd, "transfer_kv_all_layer", refuse)
+    pageable = torch.full((4, 64), POISON, dtype=torch.uint8)
+    ops.swap_blocks(dev, pageable, 64, mapping)
+    assert torch.equal(pageable[1], dev[3]) and bool((pageable[2] == POISON).all())
+
+
+def test_swap_blocks_partly_registered_host_memory_is_not_pageable() -> None:
+    # a registration covering only the first blocks: refused as the copy engine refuses it,
+    # not copied by torch as if no byte were registered
+    host = torch.full((8, 64), POISON, dtype=torch.uint8)
+    mem = pd.register_host_tensor(host[:4], DEV)
+    try:
+        dev = pd.device_empty((8, 64), dtype=torch.uint8, device=DEV)
+        _random_fill(dev)
+        _bad_swap(host, lambda: ops.swap_blocks(dev, host, 64, torch.tensor([[0, 7]], dtype=torch.int64)),
+                  errors.RegistrationSpanError)
+    finally:
+        mem.close()
 
 
 # -- swap_blocks_batch ----------------------------------------------------------------
@@ -417,3 +569,95 @@ def test_swap_blocks_batch_matches_torch(runs: list[tuple[int, int]], rng: rando
         assert torch.equal(_bytes(host), want)
     finally:
         mem.close()
+
+
+# -- on a GPU: CUDA device memory with pageable, runtime-pinned and registered host memory -------
+
+def _cuda_host(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+               owners: list[pd.RegisteredHostMemory]) -> torch.Tensor:
+    if kind == "pageable":
+        return torch.empty(shape, dtype=dtype)
+    if kind == "pinned":
+        return torch.empty(shape, dtype=dtype, pin_memory=True)  # pinned by the runtime, not registered here
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    mem = pd.alloc_registered(nbytes, "cuda:0")
+    owners.append(mem)
+    return mem.tensor[:nbytes].view(dtype).view(shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_kind", ["pageable", "pinned", "registered"])
+@pytest.mark.parametrize("to_host", [True, False])
+def test_gpu_swap_blocks_host_memory_of_each_kind(host_kind: str, to_host: bool) -> None:
+    rng = random.Random(5)
+    owners: list[pd.RegisteredHostMemory] = []
+    try:
+        for dtype in DTYPES:
+            for shape in _cache_shapes(dtype):
+                shape = (64, *shape[1:])
+                dev = torch.empty(shape, dtype=dtype, device="cuda")
+                host = _cuda_host(host_kind, shape, dtype, owners)
+                src, dst = (dev, host) if to_host else (host, dev)
+                src.view(torch.uint8).copy_(torch.randint(0, 256, src.view(torch.uint8).shape, dtype=torch.uint8))
+                dst.view(torch.uint8).fill_(POISON)
+                want = dst.cpu().clone()
+                src_cpu = src.cpu()
+                pairs = list(zip(rng.sample(range(64), 20), rng.sample(range(64), 20)))
+                for s, d in pairs:
+                    want[d] = src_cpu[s]
+                ops.swap_blocks(src, dst, src.element_size() * src.stride(0),
+                                torch.tensor(pairs, dtype=torch.int64).view(-1, 2))
+                torch.cuda.synchronize()
+                assert torch.equal(_bytes(dst.cpu()), _bytes(want))
+                if host_kind == "pageable":
+                    assert pd.find_registration(pd.HostVA(host.data_ptr())) is None
+                # a bad block id after good ones: nothing written
+                before = _bytes(dst.cpu())
+                with pytest.raises(errors.IndexValidationError):
+                    ops.swap_blocks(src, dst, src.element_size() * src.stride(0),
+                                    torch.tensor([[0, 1], [64, 2]], dtype=torch.int64))
+                torch.cuda.synchronize()
+                assert torch.equal(_bytes(dst.cpu()), before)
+    finally:
+        for mem in owners:
+            mem.close()
+
+
+@pytest.mark.gpu
+def test_gpu_swap_blocks_batch_pinned_and_registered_host() -> None:
+    owners: list[pd.RegisteredHostMemory] = []
+    try:
+        dev = [torch.randint(-128, 127, (16, 512), dtype=torch.int8, device="cuda") for _ in range(3)]
+        host = [_cuda_host(kind, (16, 512), torch.int8, owners) for kind in ("pinned", "registered", "pinned")]
+        for t in host:
+            t.fill_(-91)  # 0xA5
+        pairs = [(15, 0), (3, 7), (8, 2)]
+        want = [t.clone() for t in host]
+        for d_t, w in zip(dev, want):
+            for s, d in pairs:
+                w[d] = d_t[s].cpu()
+        ops.swap_blocks_batch(*_descriptors(dev, host, pairs))
+        torch.cuda.synchronize()
+        for t, w in zip(host, want):
+            assert torch.equal(_bytes(t), _bytes(w))
+        # and back, into poisoned device memory
+        back = [torch.full((16, 512), -91, dtype=torch.int8, device="cuda") for _ in range(3)]
+        ops.swap_blocks_batch(*_descriptors(host, back, [(d, s) for s, d in pairs]))
+        torch.cuda.synchronize()
+        for b, d_t in zip(back, dev):
+            ref = torch.full((16, 512), -91, dtype=torch.int8)
+            for s, _ in pairs:
+                ref[s] = d_t[s].cpu()
+            assert torch.equal(_bytes(b.cpu()), _bytes(ref))
+        # pageable host memory has no device alias: refused before anything is written
+        plain = torch.full((16, 512), -91, dtype=torch.int8)
+        with pytest.raises(errors.NotRegisteredError, match=r"dst_ptrs\[0\]"):
+            ops.swap_blocks_batch(*_descriptors(dev[:1], [plain], pairs))
+        torch.cuda.synchronize()
+        assert bool((plain == -91).all())
+    finally:
+        for mem in owners:
+            mem.close()

@@ -36,12 +36,16 @@ Upstream (vllm-project/vllm; read at the commits named):
 Here both run through :func:`pointerdomain.transfer_kv_all_layer` with
 ``backend="copy_engine"`` (the runtime's batch copy, as upstream), over tables whose slot is
 one block (``swap_blocks``) or one descriptor (``swap_blocks_batch``), so every copy is exactly
-the bytes upstream copies, fed device aliases only. Before anything is copied:
+the bytes upstream copies, fed device aliases only. The one exception is ``swap_blocks`` with
+plain pageable host memory on the host side (upstream's own test copies to and from plain
+``torch.empty(..., device="cpu")`` caches; ``cudaMemcpyAsync`` stages pageable memory
+itself): those blocks are copied by torch (see :func:`swap_blocks`), nothing is pinned or
+registered. Before anything is copied:
 
-* host memory must be registered (:func:`pointerdomain.register_host_tensor`,
-  :class:`pointerdomain.HostKVPool`, :func:`pointerdomain.alloc_registered`) or pinned by the
-  runtime (``pin_memory()``); plain pageable host memory, which upstream's copies stage
-  through the driver, is a typed error (a batch DMA descriptor may not hold a host VA);
+* host memory for ``swap_blocks_batch`` must be registered
+  (:func:`pointerdomain.register_host_tensor`, :class:`pointerdomain.HostKVPool`,
+  :func:`pointerdomain.alloc_registered`) or pinned by the runtime (``pin_memory()``): a
+  batch DMA descriptor must hold a device alias, and pageable memory has none;
 * device memory must be the launch device's;
 * every block id, address and byte count is checked against the memory it lies in;
 * overlap: a copy never writes bytes another copy of the same call reads or writes (see
@@ -54,6 +58,7 @@ are queued on the current stream of the launch device; keep the memory alive unt
 
 from __future__ import annotations
 
+import array
 import functools
 import threading
 import weakref
@@ -64,6 +69,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain.compat import _raw
 from pointerdomain.devices import current_device
+from pointerdomain.domains import HostVA
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,
@@ -71,8 +77,12 @@ from pointerdomain.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     LayoutError,
+    NotRegisteredError,
     OverlapError,
+    PointerDomainError,
 )
+from pointerdomain.memory import find_closed_registration, find_registration
+from pointerdomain.resolve import alias_of
 
 __all__ = ["swap_blocks", "swap_blocks_batch"]
 
@@ -161,7 +171,13 @@ def _blocks_view(name: str, t: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return view
 
 
-def _launch_device(src: torch.Tensor, dst: torch.Tensor) -> pd.Device:
+class _Sides(NamedTuple):
+    device: pd.Device
+    #: the side in device memory, or None: both are device memory of ``device``
+    device_side: Literal["src", "dst"] | None
+
+
+def _launch_device(src: torch.Tensor, dst: torch.Tensor) -> _Sides:
     """The device of ``src`` / ``dst`` (whichever is device memory, the same device if both)."""
     s = _raw.memory_device_of("src", src)
     d = _raw.memory_device_of("dst", dst)
@@ -173,13 +189,16 @@ def _launch_device(src: torch.Tensor, dst: torch.Tensor) -> pd.Device:
         raise DomainError(
             "src and dst are both host memory: swap_blocks copies between device memory and host memory or "
             "inside one device (upstream: 'Invalid device combination'). Fix: put one side on the device")
-    if s is not None and d is not None and s != d:
-        raise DeviceMismatchError(
-            f"src is memory of {s} and dst of {d}, expected one device (upstream: 'src and dst must be on the same "
-            "GPU'). Fix: copy between devices in two steps through registered host memory")
-    device = s if s is not None else d
-    assert device is not None
-    return device
+    if s is not None and d is not None:
+        if s != d:
+            raise DeviceMismatchError(
+                f"src is memory of {s} and dst of {d}, expected one device (upstream: 'src and dst must be on the "
+                "same GPU'). Fix: copy between devices in two steps through registered host memory")
+        return _Sides(s, None)
+    if s is not None:
+        return _Sides(s, "src")
+    assert d is not None
+    return _Sides(d, "dst")
 
 
 def _check_mapping(block_mapping: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +216,7 @@ def _check_mapping(block_mapping: object) -> tuple[torch.Tensor, torch.Tensor]:
             f"block_mapping: in memory of {_raw.memory_device_of('block_mapping', mapping) or mapping.device}, "
             "expected a CPU tensor in host memory (upstream: 'block_mapping must be on CPU'). Fix: build it on "
             "the CPU (.cpu())")
-    with torch.inference_mode(False):
-        return mapping[:, 0].clone(), mapping[:, 1].clone()  # read once: the checked copy is the one used
+    return mapping[:, 0].clone(), mapping[:, 1].clone()  # read once: the checked copy is the one used
 
 
 def _check_block_ids(side: str, column: int, ids: torch.Tensor, count: int) -> None:
@@ -209,6 +227,48 @@ def _check_block_ids(side: str, column: int, ids: torch.Tensor, count: int) -> N
             f"block_mapping[{row}][{column}]: {side} block {int(ids[row])} outside [0, {count}) of {side} "
             f"({count} blocks), expected a block id of {side}; nothing was copied. Fix: check the block ids "
             f"against {side}.shape[0]")
+
+
+def _pageable(view: torch.Tensor, device: pd.Device) -> bool:
+    """True when the host memory of ``view`` (a CPU tensor) is plain pageable memory: no
+    byte at either end in an open or closed registration, and the runtime knows no pinned
+    allocation at its start. The same tests :func:`pointerdomain.make_kernel_ptr_table`
+    makes before it refuses host memory as unregistered, so registered, closed,
+    straddling and runtime-pinned memory keep the copy-engine path and its errors."""
+    va = view.data_ptr()
+    nbytes = view.numel() * view.element_size()
+    if (find_registration(HostVA(va), 1) is not None or find_registration(HostVA(va + nbytes - 1), 1) is not None
+            or find_closed_registration(HostVA(va), nbytes) is not None):
+        return False
+    try:
+        alias_of(HostVA(va), device)  # pinned by the runtime (pin_memory(), cudaHostAlloc)
+    except NotRegisteredError:
+        return True
+    return False
+
+
+#: Bytes staged per torch copy on the pageable path (bounds its temporary memory).
+_STAGE_BYTES: Final = 64 << 20
+
+
+def _rows(view: torch.Tensor, count: int, block_bytes: int) -> torch.Tensor:
+    """``view`` (exactly ``count`` blocks, contiguous) as ``uint8 [count, block_bytes]``."""
+    return view.reshape(-1).view(torch.uint8).view(count, block_bytes)
+
+
+def _copy_pageable(s_rows: torch.Tensor, d_rows: torch.Tensor, s_ids: torch.Tensor, d_ids: torch.Tensor) -> None:
+    """Rows ``s_ids`` of ``s_rows`` into rows ``d_ids`` of ``d_rows`` (one side pageable
+    host memory, the other device memory): a gather on the source's device, one torch
+    copy to the destination's device, an ``index_copy_`` there. Exactly the mapped rows
+    are written; at most ``_STAGE_BYTES`` are staged at a time."""
+    step = max(1, _STAGE_BYTES // int(s_rows.shape[1]))
+    s_at, d_at = s_ids.to(s_rows.device), d_ids.to(d_rows.device)
+    # inference mode: upstream's caches are made under torch.inference_mode(), and an
+    # in-place write into an inference tensor is refused outside it
+    with torch.inference_mode():
+        for lo in range(0, s_ids.numel(), step):
+            staged = s_rows.index_select(0, s_at[lo : lo + step]).to(d_rows.device)
+            d_rows.index_copy_(0, d_at[lo : lo + step], staged)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor) -> None:
@@ -224,23 +284,34 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
     both K and V).
 
     Args:
-        src: the source blocks: device memory, or host memory registered for the device
-            (or pinned by the runtime) when ``dst`` is device memory.
+        src: the source blocks: device memory, or host memory when ``dst`` is device
+            memory (registered for the device, pinned by the runtime, or plain pageable).
         dst: the destination blocks, likewise; the same device as ``src`` when both are
             device memory.
         block_size_in_bytes: bytes per block (an int > 0; see above).
         block_mapping: ``int64 [num_pairs, 2]`` CPU tensor of ``(src block, dst block)``
             rows (any strides; read once).
 
-    Copies ``num_pairs * block_size_in_bytes`` bytes with the copy engine, queued on the
-    device's current stream. ``src`` and ``dst`` may be the same memory when no block is
-    both read and written; a destination block may appear once only.
+    Copies ``num_pairs * block_size_in_bytes`` bytes. ``src`` and ``dst`` may be the same
+    memory when no block is both read and written; a destination block may appear once
+    only. Every check below runs before the first byte is copied, whichever route copies:
+
+    * device memory, registered or runtime-pinned host memory: one copy-engine transfer,
+      queued on the device's current stream (as upstream's ``cudaMemcpyAsync`` calls);
+    * plain pageable host memory (no registration, not pinned: upstream's own test passes
+      ``torch.empty(..., device="cpu")`` caches): nothing is pinned or registered; the
+      mapped blocks are gathered on the source's device (``index_select``), copied to the
+      other side with one torch copy, and written with ``index_copy_``, in steps of at
+      most 64 MiB, on the device's current stream. As upstream's pageable
+      ``cudaMemcpyAsync``, the host side is done with when the call returns (torch's
+      blocking copy waits for the transfer); device-side writes may still be queued.
+      Not capturable in a CUDA graph (the pageable copy synchronises).
 
     Raises:
         InvalidTypeError: ``src``, ``dst`` or ``block_mapping`` not a tensor, or
             ``block_size_in_bytes`` not an int.
         InvalidArgumentError: ``block_size_in_bytes`` <= 0.
-        DomainError: both tensors host memory; unregistered (pageable) host memory.
+        DomainError: both tensors host memory, or a tensor on a device that is neither.
         DeviceMismatchError: device memory of two devices, or host memory registered for
             another device type.
         LayoutError: a tensor without blocks, a block size that is not the tensor's
@@ -262,7 +333,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
             f"block_size_in_bytes: {block_size_in_bytes}, expected an int > 0 (bytes). Fix: pass "
             "src.element_size() * src.stride(0)")
     s_ids, d_ids = _check_mapping(block_mapping)
-    device = _launch_device(src, dst)
+    device, device_side = _launch_device(src, dst)
     s_view = _blocks_view("src", src, block_size_in_bytes)
     d_view = _blocks_view("dst", dst, block_size_in_bytes)
     s_count, d_count = int(src.shape[0]), int(dst.shape[0])
@@ -278,6 +349,13 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
             raise OverlapError(
                 f"block_mapping[{a}] and block_mapping[{b}] both write dst block {int(sorted_ids[j])}: the result "
                 "would depend on the copy order; nothing was copied. Fix: give each dst block once")
+    host_view = None if device_side is None else (d_view if device_side == "src" else s_view)
+    if host_view is not None and _pageable(host_view, device):
+        # one side device memory, the other host memory: they cannot share bytes
+        if s_ids.numel():
+            _copy_pageable(_rows(s_view, s_count, block_size_in_bytes), _rows(d_view, d_count, block_size_in_bytes),
+                           s_ids, d_ids)
+        return
     src_table = _raw.tensor_table("src", [s_view], device)
     dst_table = _raw.tensor_table("dst", [d_view], device)
     if s_ids.numel() == 0:
@@ -328,6 +406,12 @@ def _batch_device(src: torch.Tensor, dst: torch.Tensor) -> pd.Device:
 def _first(mask: torch.Tensor) -> int | None:
     hit = mask.nonzero()
     return int(hit[0]) if hit.numel() else None
+
+
+def _alias_values(table: pd.PointerTable[pd.DeviceAlias]) -> torch.Tensor:
+    """A table's entries as a CPU ``int64`` tensor of their bit patterns, from its
+    host-side values (one buffer conversion, not a Python int per entry)."""
+    return torch.frombuffer(array.array("Q", table.raw_values()), dtype=torch.int64)
 
 
 def _check_overlap(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> None:
@@ -394,13 +478,19 @@ def swap_blocks_batch(
     descriptor, queued on the device's current stream; all descriptors are checked before
     the first is queued.
 
+    Plain pageable host memory is refused here, unlike in :func:`swap_blocks`: every
+    descriptor goes to the copy engine as a device alias (a batch DMA descriptor must hold
+    one, and pageable memory has none), and there is no tensor to gather through, only a
+    raw address per copy. Register the host buffers or pin them (vLLM's offload worker
+    pins its CPU tensors).
+
     Raises:
         InvalidTypeError: an argument not a tensor, a dtype other than int64 / uint64, or
             ``is_src_access_order_any`` not a bool.
         IndexValidationError: a tensor not 1-D, or lengths that differ.
         DeviceMismatchError: a tensor not in host memory; a run in memory of another device.
         InvalidArgumentError: a size <= 0 (or >= 2**63).
-        NotRegisteredError: an address in no known memory (unregistered host memory, a
+        NotRegisteredError: an address in no known memory (pageable host memory, a
             device alias handed in for a host VA, a freed or made-up address).
         RegistrationSpanError: a run past the end of its allocation or registration chunk.
         ClosedError: an address in a closed registration.
@@ -420,10 +510,10 @@ def swap_blocks_batch(
             "(one source, destination and size per copy). Fix: build the three arrays together")
     if n == 0:
         return
-    with torch.inference_mode(False):  # plain tensors: the resolution caches read version counters
-        s_raw = src.detach().to("cpu", copy=True).view(torch.int64)  # read once: the checked copy is the one used
-        d_raw = dst.detach().to("cpu", copy=True).view(torch.int64)
-        size = nbytes.detach().to("cpu", copy=True).view(torch.int64)
+    # read once: the checked copy is the one used
+    s_raw = src.detach().to("cpu", copy=True).view(torch.int64)
+    d_raw = dst.detach().to("cpu", copy=True).view(torch.int64)
+    size = nbytes.detach().to("cpu", copy=True).view(torch.int64)
     bad = _first(size <= 0)
     if bad is not None:
         value = int(size[bad]) & _MASK if nbytes.dtype == torch.uint64 else int(size[bad])
@@ -431,29 +521,37 @@ def swap_blocks_batch(
             f"sizes[{bad}]: {value} bytes, expected an int in (0, 2**63) (bytes). Fix: leave out empty copies")
     device = _batch_device(s_raw, d_raw)
     values, inverse = torch.unique(size, return_inverse=True)
-    launches: list[_Launch] = []
+    # one launch per distinct size (a layout's slots are all one size; vLLM: one size per
+    # KV tensor group), each group's entries in call order
     if len(values) == 1:
-        # one size (vLLM: one KV tensor group): the tables resolve and check every entry, named by its index
-        src_table = _raw.resolved_table("src_ptrs", s_raw, device, reach=int(values[0]))
-        dst_table = _raw.resolved_table("dst_ptrs", d_raw, device, reach=int(values[0]))
-        _check_overlap(torch.tensor(src_table.raw_values(), dtype=torch.uint64).view(torch.int64),
-                       torch.tensor(dst_table.raw_values(), dtype=torch.uint64).view(torch.int64), size)
-        launches.append((src_table, dst_table, _block_layout("page_first", n, int(values[0])),
-                         torch.arange(n, dtype=torch.int64)))
+        groups: list[tuple[int, torch.Tensor | None]] = [(int(values[0]), None)]
     else:
-        # every entry resolved and checked, named by its own index, before any table is built;
-        # then one launch per distinct size (a layout's slots are all one size)
-        s_alias = _raw.resolve_addresses("src_ptrs", s_raw, size, device)
-        d_alias = _raw.resolve_addresses("dst_ptrs", d_raw, size, device)
-        _check_overlap(s_alias, d_alias, size)
-        for g, value in enumerate(values.tolist()):
-            with torch.inference_mode(False):
-                members = (inverse == g).nonzero().view(-1)
-                s_part, d_part = s_raw[members], d_raw[members]
-            count = s_part.numel()
-            launches.append((_raw.resolved_table("src_ptrs", s_part, device, reach=value),
-                             _raw.resolved_table("dst_ptrs", d_part, device, reach=value),
-                             _block_layout("page_first", count, value), torch.arange(count, dtype=torch.int64)))
+        members = torch.split(torch.argsort(inverse, stable=True), torch.bincount(inverse).tolist())
+        groups = list(zip(values.tolist(), members))
+    launches: list[_Launch] = []
+    s_alias = torch.empty(n, dtype=torch.int64)
+    d_alias = torch.empty(n, dtype=torch.int64)
+    try:
+        for value, at in groups:
+            src_table = _raw.addresses_table("src_ptrs", s_raw if at is None else s_raw[at], value, device)
+            dst_table = _raw.addresses_table("dst_ptrs", d_raw if at is None else d_raw[at], value, device)
+            count = len(src_table)
+            for table, out in ((src_table, s_alias), (dst_table, d_alias)):
+                resolved = _alias_values(table)
+                if at is None:
+                    out.copy_(resolved)
+                else:
+                    out[at] = resolved
+            launches.append((src_table, dst_table, _block_layout("page_first", count, value),
+                             torch.arange(count, dtype=torch.int64)))
+    except PointerDomainError:
+        if len(groups) > 1:
+            # a group's error names the entry by its place in its group: resolve the whole
+            # call again, in call order, so the error names the entry's own index
+            _raw.resolve_addresses("src_ptrs", s_raw, size, device)
+            _raw.resolve_addresses("dst_ptrs", d_raw, size, device)
+        raise
+    _check_overlap(s_alias, d_alias, size)
     for src_table, dst_table, layout, slots in launches:
         pd.transfer_kv_all_layer(src_table, dst_table, slots, slots, src_layout=layout, dst_layout=layout,
                                  backend="copy_engine")
