@@ -7,7 +7,8 @@ Usage: scripts/upstream-tests <sglang|lmcache|vllm|all> <upstream-root> [--stric
   --strict-alias  run pytest with POINTERDOMAIN_STRICT_ALIAS=1 (without it the variable is
                   removed from pytest's environment: the flag decides)
   --pin-host      vllm: the kv_cache_factory stand-in pins its CPU caches (upstream's are
-                  pageable, which pointerdomain.compat.vllm rejects by design)
+                  pageable; pointerdomain.compat.vllm.swap_blocks copies both, through
+                  different routes: this runs the registered/pinned one)
   --keep          keep the temporary folder (its path is printed)
   --show-diff     print the unified diff of every rewritten file
   anything else   passed to pytest (after the engine's defaults: vllm's -k swap)
