@@ -202,6 +202,52 @@ def test_all_layer_lf_pf(host: Host, mla: bool) -> None:
         assert same(hk, want_k) and same(hv, want_v)
 
 
+def test_repeated_calls_follow_their_arguments(host: Host) -> None:
+    """A call shape repeated with the same buffers checks only its indices; a table
+    rewritten in place, a buffer replaced, or a registration closed is seen again."""
+    dks = [rand(dev(T, H, D)) for _ in range(L)]
+    dvs = [rand(dev(T, H, D)) for _ in range(L)]
+    hk, hv = poison(host(HT, L, H, D)), poison(host(HT, L, H, D))
+    k_tab, v_tab = table(dks), table(dvs)
+
+    def backup(s: torch.Tensor, d: torch.Tensor) -> None:
+        sk.transfer_kv_all_layer_lf_pf(k_tab, hk, v_tab, hv, s, d, ITEM, L * ITEM, L)
+
+    for _ in range(3):  # the same call again and again, new indices each time
+        s, d = torch.randperm(T)[:4], torch.randperm(HT)[:4]
+        backup(s, d)
+        for i in range(L):
+            assert same(hk[d, i], dks[i][s]) and same(hv[d, i], dvs[i][s])
+    with pytest.raises(errors.IndexValidationError):  # indices still checked on a repeat
+        backup(torch.tensor([T]), torch.tensor([0]))
+    other = rand(dev(T, H, D))
+    k_tab[1] = other.data_ptr()  # the engine rewrites its table in place: the new buffer is read
+    backup(torch.tensor([2]), torch.tensor([7]))
+    assert same(hk[7, 1], other[2])
+    k_tab[0] = 12345 * 4096  # and a bad entry written in place is refused
+    before = snapshot(hk, hv)
+    with pytest.raises(errors.NotRegisteredError, match=r"src_k_layers\[0\]"):
+        backup(torch.tensor([2]), torch.tensor([7]))
+    assert unchanged([hk, hv], before)
+    k_tab[0] = dks[0].data_ptr()
+    hs = host(HT, 2 * L, H, D)  # a different host tensor: checked again (wrong layer count)
+    with pytest.raises(errors.PointerDomainError):
+        sk.transfer_kv_all_layer_lf_pf(k_tab, hs, v_tab, hv, torch.tensor([1]), torch.tensor([1]), ITEM, L * ITEM, L)
+    # the per-layer load, repeated, then over a closed registration
+    mem = pd.alloc_registered(HT * L * ITEM * 2, DEV)
+    hk2 = mem.tensor.view(DT).view(2, HT, L, H, D)
+    rand(hk2)
+    dst_k, dst_v = poison(dev(T, H, D)), poison(dev(T, H, D))
+    for layer in range(L):
+        sk.transfer_kv_per_layer_pf_lf(hk2[0], dst_k, hk2[1], dst_v, torch.tensor([3]), torch.tensor([5]), layer,
+                                       ITEM, L * ITEM)
+        assert same(dst_k[5], hk2[0, 3, layer]) and same(dst_v[5], hk2[1, 3, layer])
+    mem.close()
+    with pytest.raises(errors.ClosedError):
+        sk.transfer_kv_per_layer_pf_lf(hk2[0], dst_k, hk2[1], dst_v, torch.tensor([3]), torch.tensor([5]), 0,
+                                       ITEM, L * ITEM)
+
+
 # -- page_head -----------------------------------------------------------------------------------
 
 def _ph_ref_load(hp: torch.Tensor, dst: torch.Tensor, s: torch.Tensor, d: torch.Tensor, layer: int) -> None:
