@@ -84,7 +84,7 @@ import torch
 
 from pointerdomain import env
 
-from pointerdomain._platform import backend_for, device_holding, memory_device
+from pointerdomain._platform import backend_for, device_holding, memory_device, pointer_info
 from pointerdomain.devices import Device
 from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import (
@@ -215,6 +215,16 @@ class _Regions:
                     )
                 found.append(_Region(alias, alias + chunk.nbytes, "registered", odev, owner, k, len(chunks)))
         for lo, hi, kind in table.resolved_regions():  # a raw table's ranges, checked when it was resolved
+            if kind == "device":  # still one allocation of this device? (freed under a cached table: refused)
+                info = pointer_info(device, lo)
+                if info is None or info.kind != "device" or not info.start <= lo < hi <= info.start + info.size:
+                    raise with_address(DomainError(
+                        f"checked mode: the {name} table was resolved from raw addresses into device memory "
+                        f"[{lo:#x}, {hi:#x}) of {device} that is no longer one allocation there (freed or "
+                        "reallocated since the table was resolved). Found: no such allocation; expected: the "
+                        "device memory the table was resolved into. Fix: keep the buffers alive while their "
+                        "addresses are in use, and rebuild the engine's table after reallocating them"
+                    ), lo)
             found.append(_Region(lo, hi, kind, device))
         seen: set[int] = set()
         for t in table.kept_tensors():

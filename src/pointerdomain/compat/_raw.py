@@ -62,6 +62,7 @@ from pointerdomain.tables import PointerTable, make_kernel_ptr_table, resolved_k
 
 __all__ = [
     "addresses_table",
+    "plain_tensor",
     "alias_value",
     "clear_cache",
     "memory_device_of",
@@ -93,16 +94,30 @@ def _named(name: str, exc: PointerDomainError) -> PointerDomainError:
     return exc
 
 
+def plain_tensor(name: str, t: object) -> torch.Tensor:
+    """``t`` if it is a dense (strided) tensor with memory behind it: sparse, meta and other
+    layouts have no ``data_ptr()`` a copy could use.
+
+    Raises:
+        InvalidTypeError: not a torch.Tensor, a sparse or other non-strided layout, or a meta tensor.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name}: found a {type(t).__name__}, expected a torch.Tensor")
+    if t.layout is not torch.strided or t.is_meta:
+        kind = "a meta tensor" if t.is_meta else f"a {t.layout} tensor"
+        raise InvalidTypeError(f"{name}: found {kind}, expected a dense tensor in memory (torch.strided). "
+                               "Fix: pass the buffer itself (.to_dense() makes a copy)")
+    return t
+
+
 def memory_device_of(name: str, t: object) -> Device | None:
     """The device whose memory holds tensor ``t`` (a CUDA or emulated device), or None
     for host memory.
 
     Raises:
-        InvalidTypeError: ``t`` is not a torch.Tensor.
+        InvalidTypeError: ``t`` is not a dense torch.Tensor (see :func:`plain_tensor`).
     """
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"{name}: found a {type(t).__name__}, expected a torch.Tensor")
-    return memory_device(t)
+    return memory_device(plain_tensor(name, t))
 
 
 # -- buffer tensors -------------------------------------------------------------------
@@ -153,8 +168,7 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
     """
     items = tuple(tensors)
     for i, t in enumerate(items):
-        if not isinstance(t, torch.Tensor):
-            raise InvalidTypeError(f"{name}[{i}]: found a {type(t).__name__}, expected a torch.Tensor")
+        plain_tensor(f"{name}[{i}]", t)
     # The tensor's base, not the tensor: a call shape that passes pool.buffer[0] makes a new
     # view every call. Same base object (alive: weak reference), same bytes, same contiguity
     # = the same buffer; a base moved to another storage (set_) no longer holds that view's
@@ -239,6 +253,7 @@ def _check_address_tensor(name: str, ptrs: object, device: Device) -> torch.Tens
     if not isinstance(ptrs, torch.Tensor):
         raise InvalidTypeError(
             f"{name}: found a {type(ptrs).__name__}, expected a 1-D uint64 or int64 torch.Tensor of addresses")
+    plain_tensor(name, ptrs)
     if ptrs.dtype not in (torch.uint64, torch.int64):
         raise InvalidTypeError(f"{name}: dtype {ptrs.dtype}, expected torch.uint64 or torch.int64 addresses")
     if ptrs.dim() != 1 or ptrs.numel() == 0:
@@ -256,8 +271,8 @@ def _reaches(name: str, reach: int | Sequence[int] | None, n: int) -> tuple[int 
     if len(values) != n:
         raise InvalidArgumentError(f"{name}: {len(values)} reach values for {n} entries")
     for r in values:
-        if type(r) is not int or r <= 0:
-            raise InvalidArgumentError(f"{name}: reach {r!r}, expected an int > 0 (bytes)")
+        if type(r) is not int or not 0 < r < _SIGN:
+            raise InvalidArgumentError(f"{name}: reach {r!r}, expected an int in (0, 2**63) (bytes)")
     return values
 
 

@@ -196,9 +196,7 @@ _MAX_CTAS: Final = pd.WHOLE_GPU
 # -- argument checks -----------------------------------------------------------------------
 
 def _tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"{name}: found a {type(t).__name__}, expected a torch.Tensor")
-    return t
+    return _raw.plain_tensor(name, t)  # a tensor with memory behind it (not sparse, not meta)
 
 
 def _contiguous(name: str, t: torch.Tensor) -> torch.Tensor:

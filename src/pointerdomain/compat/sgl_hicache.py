@@ -240,13 +240,17 @@ class _Rows:
 def _row_view(name: str, t: torch.Tensor, element_dim: int) -> torch.Tensor:
     try:
         v = t.view(-1, element_dim)
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError, OverflowError) as exc:  # not a whole number of rows, or no int64 size
         raise LayoutError(
             f"{name}: {tuple(t.shape)} (strides {t.stride()}) cannot be viewed as rows of {element_dim} elements "
             f"({exc}). Fix: pass the cache tensor whose last dimensions hold one token's elements contiguously"
         ) from None
     if v.shape[0] == 0:
         raise LayoutError(f"{name}: no rows of {element_dim} elements in {tuple(t.shape)}")
+    if v.stride(1) != 1:  # a strided last dimension: the row's elements are not one run
+        raise LayoutError(
+            f"{name}: {tuple(t.shape)} with strides {t.stride()}: a token's {element_dim} elements are "
+            f"{v.stride(1)} elements apart, expected adjacent. Fix: pass a cache whose last dimension is contiguous")
     if v.stride(0) < element_dim:
         raise LayoutError(f"{name}: rows {v.stride(0)} elements apart overlap rows of {element_dim} elements")
     return v
@@ -517,11 +521,12 @@ def _staged_lf_pf(k_src: object, v_src: object | None, src_indices: object, dst_
     p_names, st_names, d_names = names[:kv], names[kv:2 * kv], names[2 * kv:]
     st_ts = tuple(tensor_arg(n, t) for n, t in zip(st_names, staging))
     d_ts = tuple(tensor_arg(n, t) for n, t in zip(d_names, dst))
-    if st_ts[0].dim() < 3:
-        raise LayoutError(f"{st_names[0]}: shape {tuple(st_ts[0].shape)}, expected [tokens, num_layers, ...]")
+    if st_ts[0].dim() < 3 or st_ts[0].numel() == 0:
+        raise LayoutError(
+            f"{st_names[0]}: shape {tuple(st_ts[0].shape)}, expected a non-empty [tokens, num_layers, ...] buffer")
     layers = int(st_ts[0].shape[1])
     es = st_ts[0].element_size()
-    element = int(st_ts[0][0, 0].numel()) * es
+    element = math.prod(st_ts[0].shape[2:]) * es
     given = _optional_size("element_size", element_size)
     if given is not None and given != element:
         raise LayoutError(

@@ -236,8 +236,8 @@ def _default_mla_block_quota() -> int:
 # -- tensors --------------------------------------------------------------------------------
 
 def tensor_arg(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"{name}: found a {type(t).__name__}, expected a torch.Tensor")
+    _raw.plain_tensor(name, t)  # a tensor with memory behind it (not sparse, not meta)
+    assert isinstance(t, torch.Tensor)
     return t
 
 
@@ -291,6 +291,9 @@ def index_arg(name: str, t: object, *, int32_ok: bool = False) -> torch.Tensor:
     """
     if not isinstance(t, torch.Tensor):
         raise IndexValidationError(f"{name}: found a {type(t).__name__}, expected an int64 torch.Tensor")
+    if t.layout is not torch.strided or t.is_meta:
+        raise IndexValidationError(f"{name}: found a {'meta' if t.is_meta else str(t.layout)} tensor, expected a "
+                                   "dense int64 tensor in memory")
     allowed = (torch.int64, torch.int32) if int32_ok else (torch.int64,)
     if t.dtype not in allowed:
         want = "torch.int64 or torch.int32" if int32_ok else "torch.int64"
@@ -773,8 +776,9 @@ def _memo_key(op: str, tensors: Sequence[object], tables: Sequence[object], scal
             if t is None:
                 parts.append(None)
                 continue
-            if not isinstance(t, torch.Tensor) or (versioned and t.is_inference()):
-                return None
+            if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_meta
+                    or (versioned and t.is_inference())):
+                return None  # the full path checks (and names) it
             b = t if t._base is None else t._base
             bases.append(b)
             parts.append((id(b), t.data_ptr(), t.nbytes, t.dtype, tuple(t.shape), t.is_contiguous(),
@@ -1252,6 +1256,20 @@ def pageable(t: torch.Tensor, device: Device) -> bool:
     return False
 
 
+def torch_route(named: Sequence[tuple[str, torch.Tensor]], device: Device) -> bool:
+    """True when a direct op takes the torch route (some buffer is plain pageable host
+    memory); every other buffer is then checked as the table path checks it (a closed
+    registration, unregistered memory, another device's memory: typed errors), so the
+    route never writes memory the table path would refuse."""
+    flags = [pageable(t, device) for _, t in named]
+    if not any(flags):
+        return False
+    for (name, t), plain in zip(named, flags):
+        if not plain:
+            buffers_table(name, (t,), device)
+    return True
+
+
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, rows: tuple[int, int], s: torch.Tensor,
               d: torch.Tensor) -> None:
     """Rows ``s`` of contiguous ``src`` into rows ``d`` of contiguous ``dst`` by torch
@@ -1330,7 +1348,8 @@ def transfer_kv_direct(
     device = launch_device("transfer_kv_direct",
                            [(f"src_layers[{i}]", t) for i, t in enumerate(src)]
                            + [(f"dst_layers[{i}]", t) for i, t in enumerate(dst)], (s_idx, d_idx))
-    if any(pageable(t, device) for t in src + dst):
+    if torch_route([(f"src_layers[{i}]", t) for i, t in enumerate(src)]
+                   + [(f"dst_layers[{i}]", t) for i, t in enumerate(dst)], device):
         s_host, d_host = s_idx.cpu(), d_idx.cpu()
         check_range("src_indices", s_host, s_rows)
         check_range("dst_indices", d_host, d_rows)
@@ -1398,7 +1417,8 @@ def _direct_pf(page_ts: tuple[torch.Tensor, ...], page_name: str, layer_ts: tupl
     page_starts = page_idx[::page_size]
     layer_starts = layer_idx[::page_size]
     host_slots = host.pages * page_size
-    slow = any(pageable(t, device) for t in page_ts + layer_ts)
+    slow = torch_route([(f"{page_name}[{i}]", t) for i, t in enumerate(page_ts)]
+                       + [(f"{layer_name}[{i}]", t) for i, t in enumerate(layer_ts)], device)
     if slow:  # the indices are read on the host anyway (as upstream's .cpu())
         page_starts, layer_starts = page_starts.cpu(), layer_starts.cpu()
     check_range("src_indices" if not to_pages else "dst_indices", page_starts, host_slots)
@@ -1554,7 +1574,7 @@ def transfer_embedding_ranges_direct(
                       or [torch.empty(0, dtype=torch.int64)])
     d_idx = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(starts_d, lens)]
                       or [torch.empty(0, dtype=torch.int64)])
-    if pageable(s_t, device) or pageable(d_t, device):
+    if torch_route([("src", s_t), ("dst", d_t)], device):
         copy_rows(s_t, d_t, (s_rows, d_rows), s_idx, d_idx)
         return
     src_side = Side(buffers_table("src", (s_t,), device), s_rows, layout("layer_first", 1, 1, s_rows, 1, s_row))
