@@ -6,7 +6,9 @@ parameters, defaults), so adopting the library's checks starts with one import l
 * :mod:`pointerdomain.compat.sgl_kernel` -- sglang's ``sgl_kernel.kvcacheio``;
 * :mod:`pointerdomain.compat.sgl_hicache` -- sglang's JIT hicache ops;
 * :mod:`pointerdomain.compat.lmcache` -- LMCache's ``c_ops`` KV transfers;
-* :mod:`pointerdomain.compat.vllm` -- vLLM's ``swap_blocks`` / ``swap_blocks_batch``.
+* :mod:`pointerdomain.compat.vllm` -- vLLM's ``swap_blocks`` / ``swap_blocks_batch``;
+* :mod:`pointerdomain.compat.wrap` -- :func:`~pointerdomain.compat.wrap.kernel_op`, a typed
+  front (``PointerTable[DeviceAlias]`` parameters) for any other op that takes raw tables.
 
 Every raw address such a call carries (``data_ptr()`` ints, ``uint64`` pointer tables)
 is resolved first: translated to the device alias inside a known registration or
