@@ -151,7 +151,7 @@ def test_resolve_addresses_vectorised(host: pd.RegisteredHostMemory) -> None:
     assert out.dtype == torch.int64 and out.device.type == "cpu"
     assert out.tolist() == addrs[:8] + [_alias(a) for a in addrs[8:]]
     sizes = torch.tensor([512] * 8 + [1024] * 8 + [PAGE], dtype=torch.int64)
-    _, owners = _raw.resolve_addresses_owned("src_ptrs", torch.tensor(addrs, dtype=torch.int64), sizes, DEV)
+    owners = _raw.addresses_table("src_ptrs", torch.tensor(addrs, dtype=torch.int64), sizes, DEV).registrations()
     assert len(owners) == 1
     sizes[7] = 8192 - 7 * 512 + 1  # one byte past the device allocation's end
     with pytest.raises(errors.RegistrationSpanError, match=r"src_ptrs\[7\]"):

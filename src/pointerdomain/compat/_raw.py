@@ -37,7 +37,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -63,11 +63,10 @@ from pointerdomain.tables import PointerTable, make_kernel_ptr_table, resolved_k
 __all__ = [
     "addresses_table",
     "plain_tensor",
-    "alias_value",
+    "remember",
     "clear_cache",
     "memory_device_of",
     "resolve_addresses",
-    "resolve_addresses_owned",
     "resolved_table",
     "tensor_table",
 ]
@@ -131,10 +130,12 @@ _by_identity: OrderedDict[tuple[object, ...], _TensorEntry] = OrderedDict()
 _by_memory: OrderedDict[tuple[object, ...], PointerTable[DeviceAlias]] = OrderedDict()
 
 
-def _remember(cache: OrderedDict[object, object], key: object, value: object) -> None:
+def remember(cache: OrderedDict[Any, Any], key: object, value: object, limit: int = CACHE_SIZE) -> None:
+    """Put ``key`` last in the bounded cache (the caller holds its lock); the oldest
+    entries beyond ``limit`` are dropped. The one eviction rule of the compat caches."""
     cache[key] = value
     cache.move_to_end(key)
-    while len(cache) > CACHE_SIZE:
+    while len(cache) > limit:
         cache.popitem(last=False)
 
 
@@ -178,9 +179,9 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
     entry = _by_identity.get(fast)  # a dict read is atomic under the GIL; writes take the lock
     if entry is not None and _same(entry.refs, bases) and _open(entry.table):
         return entry.table
+    storages = [t.untyped_storage() for t in items]
     slow: tuple[object, ...] = (device, *(
-        (t.data_ptr(), t.numel() * t.element_size(), t.is_contiguous(), t.untyped_storage().data_ptr(),
-         t.untyped_storage().nbytes()) for t in items))
+        (t.data_ptr(), t.nbytes, t.is_contiguous(), st.data_ptr(), st.nbytes()) for t, st in zip(items, storages)))
     with _lock:
         table = _by_memory.get(slow)
         if table is not None and not (_open(table) and table.storages_intact()):
@@ -192,8 +193,8 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
         except PointerDomainError as exc:
             raise _named(name, exc) from None
     with _lock:
-        _remember(_by_memory, slow, table)  # type: ignore[arg-type]
-        _remember(_by_identity, fast, _TensorEntry(tuple(weakref.ref(b) for b in bases), table))  # type: ignore[arg-type]
+        remember(_by_memory, slow, table)
+        remember(_by_identity, fast, _TensorEntry(tuple(weakref.ref(b) for b in bases), table))
     return table
 
 
@@ -280,8 +281,6 @@ class _RawEntry(NamedTuple):
     ref: weakref.ref[torch.Tensor]
     version: int
     data_ptr: int
-    device: Device
-    reach: object
     table: PointerTable[DeviceAlias]
     #: the entries as resolved, for tensors without a version counter (inference mode)
     values: torch.Tensor | None
@@ -400,9 +399,9 @@ def resolved_table(
     table = resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
                                   got.regions)
     with _lock:
-        _remember(_raw_cache, key,  # type: ignore[arg-type]
-                  _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), device, reach_key,
-                            table, values if version is None else None))
+        remember(_raw_cache, key,
+                  _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), table,
+                            values if version is None else None))
     return table
 
 
@@ -427,16 +426,6 @@ def _sizes(name: str, nbytes: torch.Tensor | int, addrs: torch.Tensor) -> torch.
         bad = int((sizes <= 0).nonzero()[0])
         raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad])} bytes, expected an int > 0")
     return sizes
-
-
-def resolve_addresses_owned(
-    name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int, device: Device
-) -> tuple[torch.Tensor, tuple[RegisteredHostMemory, ...]]:
-    """:func:`resolve_addresses`, and the registrations the addresses lie in (to lease
-    while a copy reads or writes them)."""
-    _check_address_tensor(name, addrs, device)
-    got = _resolve(name, _read_addresses(addrs), _sizes(name, nbytes, addrs), device)
-    return got.aliases, got.owners
 
 
 def addresses_table(
@@ -474,7 +463,8 @@ def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int
     Raises:
         As :func:`resolved_table`; InvalidArgumentError for sizes <= 0 or of the wrong shape.
     """
-    return resolve_addresses_owned(name, addrs, nbytes, device)[0]
+    _check_address_tensor(name, addrs, device)
+    return _resolve(name, _read_addresses(addrs), _sizes(name, nbytes, addrs), device).aliases
 
 
 def clear_cache() -> None:
@@ -483,9 +473,3 @@ def clear_cache() -> None:
         _by_identity.clear()
         _by_memory.clear()
         _raw_cache.clear()
-
-
-def alias_value(addr: int, device: Device) -> DeviceAlias:
-    """The kernel-usable address of one raw address (for a single pointer argument)."""
-    span = _span("address", addr & _MASK, device)
-    return DeviceAlias(span.alias_start + ((addr & _MASK) - span.start), device)

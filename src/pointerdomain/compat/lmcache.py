@@ -417,10 +417,7 @@ def _paged_table(name: str, table: PointerTable[DeviceAlias], bases: tuple[int, 
     derived = resolved_kernel_table(values, [entry_bytes] * len(values), device, table.registrations(),
                                     table.resolved_regions())
     with _lock:
-        _derived[key] = _Derived(weakref.ref(table), derived)
-        _derived.move_to_end(key)
-        while len(_derived) > _DERIVED_MAX:
-            _derived.popitem(last=False)
+        _raw.remember(_derived, key, _Derived(weakref.ref(table), derived), _DERIVED_MAX)
     return derived
 
 

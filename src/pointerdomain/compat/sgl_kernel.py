@@ -446,15 +446,6 @@ def ptr_arg(name: str, t: object, count: int | None = None) -> torch.Tensor:
     return t
 
 
-class _Room(NamedTuple):
-    ref: weakref.ref[torch.Tensor]
-    version: int | None
-    data_ptr: int
-    device: Device
-    value: int
-
-
-_rooms: OrderedDict[int, _Room] = OrderedDict()
 _JoinEntry = tuple[tuple[weakref.ref[PointerTable[DeviceAlias]], ...], PointerTable[DeviceAlias]]
 _joins: OrderedDict[tuple[object, ...], _JoinEntry] = OrderedDict()
 _lock = threading.Lock()
@@ -464,20 +455,9 @@ _CACHE: Final = 256
 def room(name: str, ptrs: torch.Tensor, device: Device) -> int:
     """Bytes every entry of raw table ``ptrs`` has from its address to the end of its
     allocation (registration chunk), the least over the entries: what fixes a raw side's
-    slot count. Cached per table tensor and version (an inference tensor, which has none,
-    keeps its first value: the exact-reach resolution that follows still checks every entry)."""
-    version = None if ptrs.is_inference() else int(ptrs._version)
-    hit = _rooms.get(id(ptrs))
-    if (hit is not None and hit.ref() is ptrs and hit.version == version and hit.data_ptr == ptrs.data_ptr()
-            and hit.device == device):
-        return hit.value
-    value = min(_raw.resolved_table(name, ptrs, device).sizes)
-    with _lock:
-        _rooms[id(ptrs)] = _Room(weakref.ref(ptrs), version, ptrs.data_ptr(), device, value)
-        _rooms.move_to_end(id(ptrs))
-        while len(_rooms) > _CACHE:
-            _rooms.popitem(last=False)
-    return value
+    slot count. The resolution is cached by :func:`_raw.resolved_table` (per table tensor,
+    version and reach), so a repeat costs a cache look-up."""
+    return min(_raw.resolved_table(name, ptrs, device).sizes)
 
 
 def exact(name: str, ptrs: torch.Tensor, device: Device, reach: int) -> PointerTable[DeviceAlias]:
@@ -507,10 +487,7 @@ def joined(tables: Sequence[PointerTable[DeviceAlias]], *, interleave: bool = Fa
     table = resolved_kernel_table([t.raw_values()[i] for t, i in order], [t.sizes[i] for t, i in order], device,
                                   tuple(owners.values()), tuple(r for t in tables for r in t.resolved_regions()))
     with _lock:
-        _joins[key] = (tuple(weakref.ref(t) for t in tables), table)
-        _joins.move_to_end(key)
-        while len(_joins) > _CACHE:
-            _joins.popitem(last=False)
+        _raw.remember(_joins, key, (tuple(weakref.ref(t) for t in tables), table), _CACHE)
     return table
 
 
@@ -803,9 +780,7 @@ def _remember_call(key: tuple[object, ...] | None, bases: tuple[torch.Tensor, ..
     if key is None:
         return
     with _lock:
-        _prepared[key] = prepared._replace(refs=tuple(weakref.ref(b) for b in bases))
-        while len(_prepared) > _PREPARED_MAX:
-            _prepared.popitem(last=False)
+        _raw.remember(_prepared, key, prepared._replace(refs=tuple(weakref.ref(b) for b in bases)), _PREPARED_MAX)
 
 
 def _launch_prepared(p: _Prepared, src_indices: object, dst_indices: object) -> None:

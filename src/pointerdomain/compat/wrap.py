@@ -77,7 +77,7 @@ from pointerdomain._platform import backend_for
 from pointerdomain.allocation import device_empty
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, InvalidTypeError
+from pointerdomain.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError
 from pointerdomain.tables import PointerTable, require_domain
 
 __all__ = ["KernelOp", "TableTensor", "cached_table_tensor", "kernel_op"]
