@@ -130,7 +130,7 @@ CASES: list[Case] = [
     ("pointerdomain.transfer_kv_per_layer", "layer", lambda: pd.transfer_kv_per_layer(  # type: ignore[arg-type]
         3, 3, torch.arange(2), torch.arange(2), layer_id="0", src_layout=LAYOUT, dst_layout=LAYOUT), IndexError,
      ("layer_id", "'0'", "int")),
-    ("pointerdomain.checked.set_enabled", "str", lambda: pd.checked.set_enabled("yes"), ValueError,  # type: ignore[arg-type]
+    ("pointerdomain.transfer.checked.set_enabled", "str", lambda: pd.checked.set_enabled("yes"), ValueError,  # type: ignore[arg-type]
      ("'yes'", "bool")),
     ("pointerdomain.check_errors", "device", lambda: pd.check_errors("tpu:0"), ValueError, ("'tpu:0'", "expected")),
     ("pointerdomain.synchronize", "device", lambda: pd.synchronize("tpu:0"), ValueError, ("'tpu:0'", "expected")),

@@ -13,7 +13,7 @@ import pydantic
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from pointerdomain.explanation import Explanation
+    from pointerdomain.tools.explanation import Explanation
 
 __all__ = [
     "PointerDomainError",
@@ -62,7 +62,7 @@ class PointerDomainError(Exception):
         the registrations at the time of the call), or None for an error without one."""
         if self.address is None:
             return None
-        from pointerdomain.explanation import explain
+        from pointerdomain.tools.explanation import explain
 
         return explain(self.address)
 

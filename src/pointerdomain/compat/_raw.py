@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pointerdomain._platform import pointer_info
-from pointerdomain.allocation import memory_device
+from pointerdomain.registration.allocation import memory_device
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import (
@@ -56,9 +56,9 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
-from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
-from pointerdomain.resolve import alias_of
-from pointerdomain.tables import PointerTable, make_kernel_ptr_table, resolved_kernel_table
+from pointerdomain.registration.memory import RegisteredHostMemory, find_closed_registration, find_registration
+from pointerdomain.registration.resolve import alias_of
+from pointerdomain.registration.tables import PointerTable, make_kernel_ptr_table, resolved_kernel_table
 
 __all__ = [
     "addresses_table",

@@ -134,7 +134,7 @@ from pointerdomain.errors import (
     NonContiguousError,
     RegistrationSpanError,
 )
-from pointerdomain.tables import PointerTable, resolved_kernel_table
+from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
 
 __all__ = [
     "MULTI_LAYER_FORMATS",

@@ -113,7 +113,7 @@ from pointerdomain.errors import (
     NonContiguousError,
     RegistrationSpanError,
 )
-from pointerdomain.tables import PointerTable
+from pointerdomain.registration.tables import PointerTable
 
 __all__ = [
     "DEFAULT_BLOCK_QUOTA",

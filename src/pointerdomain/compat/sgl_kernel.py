@@ -143,10 +143,10 @@ from pointerdomain.errors import (
     NotRegisteredError,
     RegistrationSpanError,
 )
-from pointerdomain.kernels import TransferBackend
-from pointerdomain.memory import find_closed_registration, find_registration
-from pointerdomain.resolve import alias_of
-from pointerdomain.tables import PointerTable, resolved_kernel_table
+from pointerdomain.transfer.kernels import TransferBackend
+from pointerdomain.registration.memory import find_closed_registration, find_registration
+from pointerdomain.registration.resolve import alias_of
+from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
 
 __all__ = [
     "transfer_embedding_ranges_direct",

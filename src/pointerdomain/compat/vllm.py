@@ -81,8 +81,8 @@ from pointerdomain.errors import (
     OverlapError,
     PointerDomainError,
 )
-from pointerdomain.memory import find_closed_registration, find_registration
-from pointerdomain.resolve import alias_of
+from pointerdomain.registration.memory import find_closed_registration, find_registration
+from pointerdomain.registration.resolve import alias_of
 
 __all__ = ["swap_blocks", "swap_blocks_batch"]
 

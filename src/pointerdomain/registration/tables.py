@@ -34,13 +34,13 @@ from pointerdomain.errors import (
     NotRegisteredError,
     RegistrationSpanError,
 )
-from pointerdomain.allocation import device_empty, memory_device
+from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.launch_errors import ensure_error_word
+from pointerdomain.transfer.launch_errors import ensure_error_word
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
-from pointerdomain.resolve import alias_of
+from pointerdomain.registration.memory import RegisteredHostMemory, find_closed_registration, find_registration
+from pointerdomain.registration.resolve import alias_of
 
 __all__ = ["PointerTable", "host_ptr_table", "is_host_table", "is_kernel_table", "make_kernel_ptr_table", "require_domain"]
 

@@ -18,7 +18,7 @@ What it checks, for the ``src`` and the ``dst`` table:
 2. **Every entry is looked up**, for each table, in
 
    * the registrations the table holds: each must still be open and in
-     :mod:`pointerdomain.memory`'s registry (``find_registration``), and each of
+     :mod:`pointerdomain.registration.memory`'s registry (``find_registration``), and each of
      its chunks is taken in **device-alias space**: the alias of the chunk is asked
      of the backend again at every launch (``emu_get_device_pointer`` /
      ``cudaHostGetDevicePointer``; the host VA itself under the host-pointer
@@ -96,13 +96,13 @@ from pointerdomain.errors import (
     RegistrationSpanError,
 )
 from pointerdomain.errors import with_address
-from pointerdomain.memory import RegisteredHostMemory, find_registration, open_registrations
-from pointerdomain.resolve import AliasPolicy, cached_policy
+from pointerdomain.registration.memory import RegisteredHostMemory, find_registration, open_registrations
+from pointerdomain.registration.resolve import AliasPolicy, cached_policy
 
 if TYPE_CHECKING:
     from pointerdomain.layouts import Geometry, KVLayout
-    from pointerdomain.plan import TransferPlan
-    from pointerdomain.tables import PointerTable
+    from pointerdomain.transfer.plan import TransferPlan
+    from pointerdomain.registration.tables import PointerTable
 
 __all__ = ["checked_mode", "enabled", "set_enabled", "verify_launch"]
 

@@ -27,7 +27,7 @@ from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import AliasOpMissingError, DomainError, NotRegisteredError
 from pointerdomain.errors import with_address
-from pointerdomain.memory import find_closed_registration, find_registration
+from pointerdomain.registration.memory import find_closed_registration, find_registration
 
 if TYPE_CHECKING:
     import torch

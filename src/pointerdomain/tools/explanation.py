@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.memory import (
+from pointerdomain.registration.memory import (
     RegisteredHostMemory,
     find_closed_registration,
     find_registration,
@@ -368,7 +368,7 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
                              "the device alias")
                 return out
     try:
-        from pointerdomain.allocation import memory_device_at
+        from pointerdomain.registration.allocation import memory_device_at
 
         where = memory_device_at(value, 1)
     except Exception as exc:  # noqa: BLE001 - no extension: say so, keep going

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from pointerdomain._platform import backend_for
-from pointerdomain.allocation import device_empty
+from pointerdomain.registration.allocation import device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import IndexValidationError
 

@@ -32,7 +32,7 @@ from pointerdomain._platform.status import ALREADY_REGISTERED, registration_erro
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
+from pointerdomain.registration.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     BusyError,
@@ -45,7 +45,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
-from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
+from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -238,7 +238,7 @@ class RegisteredHostMemory(ProcessLocal):
         nbytes: length in bytes.
         device: the device the registration was made for.
         chunks: the registration calls, in address order.
-        rung: how it was registered (:class:`pointerdomain.ladder.Rung`: single, chunked,
+        rung: how it was registered (:class:`pointerdomain.registration.ladder.Rung`: single, chunked,
             pinned_copy, unpinned, foreign).
         ladder_record: why each rung above ``rung`` failed (empty when none did).
         owner: ``"pointerdomain"``, or ``"foreign"`` (another owner registered the range;
@@ -248,11 +248,11 @@ class RegisteredHostMemory(ProcessLocal):
         numa_node: NUMA node of the first page (None if unknown).
 
         alias_devices: the devices aliases were asked for (``device`` first).
-        leases: the launches using it now (:class:`pointerdomain.leases.LeaseSet`).
+        leases: the launches using it now (:class:`pointerdomain.registration.leases.LeaseSet`).
 
     Use as a context manager or call :meth:`close`; closing twice is a no-op.
     Tables built on this memory keep it alive and refuse to launch once it is closed;
-    :meth:`close` waits for launches that use it (see :mod:`pointerdomain.leases`).
+    :meth:`close` waits for launches that use it (see :mod:`pointerdomain.registration.leases`).
     """
 
     def __init__(
@@ -308,7 +308,7 @@ class RegisteredHostMemory(ProcessLocal):
         self, backend: Backend, registered: torch.Tensor | None, granularity: int, max_chunk_bytes: int,
         policy: RegistrationPolicy, library_owned: bool, record: list[str],
     ) -> tuple[Rung, tuple[Chunk, ...], torch.Tensor | None]:
-        """Register down the ladder (pointerdomain.ladder); called with the registry lock held."""
+        """Register down the ladder (pointerdomain.registration.ladder); called with the registry lock held."""
         base = self.host_va.value if registered is None else registered.data_ptr()
         reg_va = None if registered is None else base
         if backend.pointer_is_host(base) and backend.pointer_is_host(base + self.nbytes - 1):
@@ -529,7 +529,7 @@ def register_host_tensor(
     any overlap is :class:`AlreadyRegisteredError`. The ladder's ``pinned_copy`` rung is
     never used here (the caller's memory cannot be replaced). In strict alias mode the
     caller's memory cannot be mapped twice in place: it is registered as usual and the
-    registration records ``strict=False`` (pointerdomain.strict).
+    registration records ``strict=False`` (pointerdomain.registration.strict).
 
     Raises:
         DomainError: ``tensor`` is not in CPU memory (a CUDA tensor, or emulated device memory).

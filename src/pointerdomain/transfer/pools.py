@@ -15,11 +15,11 @@ from typing import Literal, Protocol, cast
 
 import torch
 
-from pointerdomain.allocation import alloc_registered, device_empty
+from pointerdomain.registration.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, LayoutError
-from pointerdomain.kernels import (
+from pointerdomain.transfer.kernels import (
     DEFAULT_MAX_CTAS,
     MaxCtas,
     TransferBackend,
@@ -27,13 +27,13 @@ from pointerdomain.kernels import (
     transfer_kv_all_layer,
     transfer_kv_per_layer,
 )
-from pointerdomain.ladder import RegistrationPolicy
+from pointerdomain.registration.ladder import RegistrationPolicy
 from pointerdomain.layouts import KVLayout
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S
-from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
-from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
-from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
+from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S
+from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
+from pointerdomain.registration.metadata import BufferInfo, buffer_infos, page_buffer_meta
+from pointerdomain.registration.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 
 __all__ = ["DeviceKVPool", "DevicePool", "HostKVPool"]
 

@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import LayoutError, MetadataValidationError
 from pointerdomain.layouts import KVLayout
-from pointerdomain.tables import PointerTable, require_domain
+from pointerdomain.registration.tables import PointerTable, require_domain
 from pointerdomain.validated import ValidatedModel
 
 __all__ = ["BufferInfo", "buffer_infos", "page_buffer_meta"]
