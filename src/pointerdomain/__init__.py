@@ -24,7 +24,8 @@ if TYPE_CHECKING:
         transfer_kv_per_layer,
     )
     from pointerdomain.registration.allocation import alloc_registered, device_empty, memory_device, memory_device_at
-    from pointerdomain.tools.explanation import Explanation, explain
+    from pointerdomain.explained import Explanation
+    from pointerdomain.tools.explanation import explain
     from pointerdomain.transfer.launch_errors import check_errors, synchronize
     from pointerdomain.registration.ladder import RegistrationPolicy, Rung
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
@@ -77,7 +78,7 @@ _LAZY = {
     "device_empty": "pointerdomain.registration.allocation",
     "memory_device": "pointerdomain.registration.allocation",
     "memory_device_at": "pointerdomain.registration.allocation",
-    "Explanation": "pointerdomain.tools.explanation",
+    "Explanation": "pointerdomain.explained",
     "explain": "pointerdomain.tools.explanation",
     "check_errors": "pointerdomain.transfer.launch_errors",
     "synchronize": "pointerdomain.transfer.launch_errors",
@@ -122,6 +123,19 @@ if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name stays a s
     def __dir__() -> list[str]:
         return sorted(set(globals()) | set(_LAZY))
 
+
+from pointerdomain import errors as _errors  # torch-free
+
+
+def _explain_address(address: int) -> "Explanation":
+    """``PointerDomainError.explain()``'s lookup: errors, on the ground floor, import no
+    tools, so the package installs it (the lookup imports torch on first use only)."""
+    from pointerdomain.tools.explanation import explain as _explain
+
+    return _explain(address)
+
+
+_errors.set_explainer(_explain_address)
 
 __version__ = "0.1.0"
 
