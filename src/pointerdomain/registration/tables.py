@@ -37,7 +37,6 @@ from pointerdomain.errors import (
 from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.transfer.launch_errors import ensure_error_word
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.memory import RegisteredHostMemory, find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
@@ -429,7 +428,6 @@ def make_kernel_ptr_table(
     sizes = tuple(_tensor_bytes(t) for t in checked)
     if layout is not None:
         layout.geometry(len(values), sizes, "tensors")
-    ensure_error_word(dev)  # allocated outside any graph capture, before the first launch
     return PointerTable(_TOKEN, DeviceAlias, dev, tuple(values), sizes, checked, tuple(owners), layout)
 
 
@@ -481,7 +479,6 @@ def resolved_kernel_table(
     to keep alive, ``owners`` the registrations the entries lie in (launches then
     refuse the table once one is closed), ``regions`` the other alias ranges (device
     memory, runtime-pinned memory) the entries were checked against."""
-    ensure_error_word(device)  # allocated outside any graph capture, before the first launch
     table = PointerTable(_TOKEN, DeviceAlias, device, tuple(values), tuple(sizes), (), tuple(owners))
     table._resolved = tuple(regions)  # noqa: SLF001 -- set once, before the table is handed out
     return table
