@@ -269,7 +269,7 @@ static std::vector<Variant> candidates() {
     return {
         // 128-byte groups, one item in flight per worker (sglang JIT's shape, written here)
         V<512, 16, 8, 1>(), V<1024, 16, 8, 1>(), V<1152, 16, 8, 1>(), V<2048, 32, 4, 1>(), V<4096, 32, 4, 1>(),
-        // round 2 (round 1: U = 1 with 128 B per lane won; see docs/performance.md)
+        // round 2 (round 1: U = 1 with 128 B per lane won; see docs/log/2026-12-01.md)
         V<512, 4, 16, 1>(), V<512, 8, 16, 1>(), V<512, 8, 16, 2>(), V<512, 4, 8, 1>(),
         V<1024, 8, 16, 1>(), V<1024, 8, 8, 1>(), V<1024, 8, 16, 1, 0>(),
         V<1152, 8, 16, 1>(), V<1152, 8, 16, 1, 0>(), V<1152, 16, 8, 2>(),
@@ -466,7 +466,7 @@ int main(int argc, char **argv) {
         }
     }
     if (phase == "staged") {
-        // The staged copy-engine path (issue 15 item 2) at 1 and 2 CTAs, all layers, page_first host.
+        // The staged copy-engine path at 1 and 2 CTAs, all layers, page_first host.
         void *staging = nullptr;
         const std::uint64_t staging_max = 256ull << 20;
         CK(cudaMalloc(&staging, staging_max));

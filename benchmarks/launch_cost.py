@@ -1,5 +1,5 @@
 """Host cost of one public launch against the platform layer's bare launch, by how the
-destination table's buffers are allocated (issue 15 item 3: <= 5 us over the direct call).
+destination table's buffers are allocated (the target: <= 5 us over the direct call).
 
     python3 -m benchmarks.launch_cost [--calls N] [--json OUT]     (CUDA only)
 

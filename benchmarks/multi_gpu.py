@@ -1,5 +1,5 @@
 """Aggregate H2D and D2H bandwidth of KV page transfers on several GPUs at once, from
-one registered host pool, against one GPU alone (issue 14). Public API only.
+one registered host pool, against one GPU alone. Public API only.
 
 One :class:`pointerdomain.HostKVPool` (``page_first``, registered once, portable) holds
 a disjoint range of host pages for every device; each device has its own

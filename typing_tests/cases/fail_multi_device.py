@@ -1,4 +1,4 @@
-"""Multi-device (issue 14): a per-device kernel table is no host table (it reaches no
+"""Multi-device: a per-device kernel table is no host table (it reaches no
 metadata), and ``kernel_table_for`` takes a device, not a table or an alias."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-device (issue 14): a host pool's table for another device is still a
+"""Multi-device: a host pool's table for another device is still a
 ``PointerTable[DeviceAlias]`` (a launch takes it), and the emulated device count is an int.
 Written as functions: the checks are static (nothing here runs on a GPU)."""
 

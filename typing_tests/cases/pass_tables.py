@@ -40,7 +40,7 @@ with alloc_registered(1 << 16, DEVICE) as memory:
     assert_type([a.value for a in host], list[int])
     assert_type(kernel.domain, type[DeviceAlias])
     assert_type(host.domain, type[HostVA])
-    assert_type(kernel.device, Device)  # a kernel table always has a device (issue 11)
+    assert_type(kernel.device, Device)  # a kernel table always has a device
     assert_type(host.device, None)
     assert_type(host.sizes, tuple[int, ...])
     assert_type(kernel.as_uint64_tensor(), torch.Tensor)

@@ -1,4 +1,4 @@
-"""Issue 11's typing gaps, closed: the correct code each fix must keep accepting (no
+"""The typing gaps a new user hit, closed: the correct code each fix must keep accepting (no
 false positive), with the inferred types pinned, and the runtime behaviour behind
 each type. Runs on the emulated device."""
 
