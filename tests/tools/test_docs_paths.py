@@ -5,7 +5,7 @@ A path is cited when it starts with a top-level folder of the repository (``src/
 ``tests/...``, ``docs/...``) or with a folder of the package (``registration/memory.py``,
 ``pointerdomain/registration/ladder.py``, ``_platform/cuda_driver.py``). pytest node ids
 (``tests/test_x.py::test_y``) are checked for their file. A section is cited as
-``docs/page.md, "Heading"``: some heading of that page must start with the quoted text.
+``<a docs page>, "Heading"``: some heading of that page must start with the quoted text.
 """
 
 from __future__ import annotations
