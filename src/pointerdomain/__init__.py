@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pointerdomain.ladder import RegistrationPolicy, Rung
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
     from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
-    from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
+    from pointerdomain.metadata import BufferInfo, BufferInfoChanges, buffer_infos, page_buffer_meta
     from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
     from pointerdomain.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
     from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
@@ -85,6 +85,7 @@ _LAZY = {
     "find_registration": "pointerdomain.memory",
     "register_host_tensor": "pointerdomain.memory",
     "BufferInfo": "pointerdomain.metadata",
+    "BufferInfoChanges": "pointerdomain.metadata",
     "buffer_infos": "pointerdomain.metadata",
     "page_buffer_meta": "pointerdomain.metadata",
     "DeviceKVPool": "pointerdomain.pools",
@@ -139,6 +140,7 @@ __all__ = [
     "AddressT",
     "AliasPolicy",
     "BufferInfo",
+    "BufferInfoChanges",
     "DEFAULT_MAX_CTAS",
     "Device",
     "DeviceAlias",

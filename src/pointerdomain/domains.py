@@ -23,9 +23,11 @@ from typing_extensions import Self, final
 from pointerdomain.devices import Device
 from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, InvalidDeviceError
 
-__all__ = ["Address", "AddressT", "DeviceAlias", "HostVA"]
+__all__ = ["ADDRESS_LIMIT", "Address", "AddressT", "DeviceAlias", "HostVA", "range_end"]
 
-_ADDR_LIMIT = 1 << 64
+#: One past the largest address: an address and the end of a range lie in [0, 2**64].
+ADDRESS_LIMIT = 1 << 64
+_ADDR_LIMIT = ADDRESS_LIMIT
 
 def _check_value(value: object) -> int:
     if type(value) is not int:
@@ -33,6 +35,26 @@ def _check_value(value: object) -> int:
     if not 0 <= value < _ADDR_LIMIT:
         raise InvalidArgumentError(f"address {value:#x} is outside [0, 2**64)")
     return value
+
+
+def range_end(start: Address, nbytes: int, name: str = "range") -> int:
+    """The end ``start.value + nbytes`` of a range of ``nbytes`` bytes (> 0), checked to be
+    at most ``2**64``: a range that wraps past the top of the address space would reach low
+    memory in any engine that adds in 64 bits.
+
+    Raises:
+        InvalidArgumentError: ``nbytes`` is not a positive int, or the range runs past
+            ``2**64`` (a ``ValueError``).
+    """
+    if type(nbytes) is not int or nbytes <= 0:
+        raise InvalidArgumentError(f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes)")
+    end = start.value + nbytes
+    if end > ADDRESS_LIMIT:
+        raise InvalidArgumentError(
+            f"{name}: [{start!r}, +{nbytes}) runs past 2**64 (found an end of {end:#x}, expected at most 2**64). "
+            "Fix: the address or the size is wrong"
+        )
+    return end
 
 
 @dataclass(frozen=True, slots=True)

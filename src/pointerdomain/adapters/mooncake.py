@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol, overload
 from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
+from pointerdomain.domains import range_end
 from pointerdomain.errors import (
     DomainError,
     ExtensionUnavailableError,
@@ -188,6 +189,7 @@ class HostTransferEngine:
             raise InvalidArgumentError(
                 f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes). Fix: pass the block's size in bytes"
             )
+        range_end(va, nbytes, name)  # a range past 2**64 would wrap in the engine's 64-bit arithmetic
         return va, nbytes
 
     def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:

@@ -51,6 +51,7 @@ from typing_extensions import final
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.domains import range_end
 
 __all__ = [
     "HostNixlAgent",
@@ -138,7 +139,8 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
     Raises:
         DomainError: a DeviceAlias (kernel address), a pointer table, a tensor, a plain
             int or anything else that is not host-VA metadata.
-        InvalidArgumentError: ``nbytes`` missing, not positive, or given with a BufferInfo.
+        InvalidArgumentError: ``nbytes`` missing, not positive, or given with a BufferInfo;
+            a HostVA range that runs past ``2**64``.
     """
     value: object = region  # checked at run time too: callers may be untyped
     if type(value) is pd.BufferInfo:
@@ -149,7 +151,9 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
     if type(value) is pd.HostVA:
         if nbytes is None:
             raise errors.InvalidArgumentError("a bare HostVA needs nbytes")
-        return NixlDesc(_TOKEN, "DRAM", value.value, _positive("nbytes", nbytes), 0)
+        n = _positive("nbytes", nbytes)
+        range_end(value, n, "dram_desc")  # a range past 2**64 would wrap in NIXL's 64-bit descriptor
+        return NixlDesc(_TOKEN, "DRAM", value.value, n, 0)
     if isinstance(value, pd.DeviceAlias):
         raise errors.DomainError(
             f"{value!r} is a device alias (what kernels read); a DRAM descriptor is read by the NIC or the CPU by "
