@@ -29,10 +29,11 @@ EXEMPT = {
                       "__version__", "checked", "errors", "fallback_count", "get_include", "reset_resolver_cache",
                       "AliasPolicy", "PointerTable", "RegisteredHostMemory",
                       "KVLayoutChanges", "BufferInfoChanges",  # TypedDicts (static only)
-                      "is_host_table", "is_kernel_table",  # predicates: False for any other object
+                      "is_host_table", "is_kernel_table", "has_domain",  # predicates: False for any other object
                       "Rung", "StrictCapability", "strict_alias_enabled",
                       "Explanation"},  # a result record built by explain()  # an enum, a result record, a query  # predicates: False for any other object
-    "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike"},  # + a Protocol
+    "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike", "BatchTransferEngineLike",
+                                        "RpcPortEngineLike"},  # + Protocols
     "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent"},
     "pointerdomain.adapters.sglang": {"ContiguousBufInfos", "PageBufferMeta", "MHADevicePool", "MLADevicePool",
                                       "SglangHostPool"},

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
     from pointerdomain.tables import (
         PointerTable,
+        has_domain,
         host_ptr_table,
         is_host_table,
         is_kernel_table,
@@ -97,6 +98,7 @@ _LAZY = {
     "reset_resolver_cache": "pointerdomain.resolve",
     "resolve_alias": "pointerdomain.resolve",
     "PointerTable": "pointerdomain.tables",
+    "has_domain": "pointerdomain.tables",
     "host_ptr_table": "pointerdomain.tables",
     "is_host_table": "pointerdomain.tables",
     "is_kernel_table": "pointerdomain.tables",
@@ -175,6 +177,7 @@ __all__ = [
     "fallback_count",
     "find_registration",
     "get_include",
+    "has_domain",
     "host_ptr_table",
     "index_tensor",
     "is_host_table",

@@ -168,7 +168,7 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
         )
     if isinstance(value, int):
         raise errors.DomainError(
-            f"a plain int ({value:#x}) has no domain; wrap a CPU address as HostVA(...) explicitly, or pass BufferInfo"
+            f"a plain int ({value:#x}) has no domain; wrap a CPU address as HostVA.unsafe_from_int(...) explicitly, or pass BufferInfo"
         )
     raise errors.DomainError(f"a DRAM descriptor is built from a BufferInfo or HostVA, got {type(value).__name__}")
 
