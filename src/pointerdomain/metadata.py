@@ -91,6 +91,22 @@ class BufferInfo(ValidatedModel, frozen=True):
             except pydantic.ValidationError as exc:
                 raise _metadata_error(exc) from None
 
+        def __setattr__(self, name: str, value: Any) -> None:
+            try:
+                super().__setattr__(name, value)  # frozen: pydantic refuses it
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
+
+        def __delattr__(self, name: str) -> None:
+            try:
+                super().__delattr__(name)
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
+
         @classmethod
         def model_validate_strings(cls, obj: Any, **kwargs: Any) -> BufferInfo:
             try:
