@@ -34,7 +34,8 @@ EXEMPT = {
                       "Explanation"},  # a result record built by explain()  # an enum, a result record, a query  # predicates: False for any other object
     "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike", "BatchTransferEngineLike",
                                         "RpcPortEngineLike"},  # + Protocols
-    "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent"},
+    "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent",
+                                    "NixlAgentLike"},  # + a Protocol
     "pointerdomain.adapters.sglang": {"ContiguousBufInfos", "PageBufferMeta", "MHADevicePool", "MLADevicePool",
                                       "SglangHostPool"},
     "pointerdomain.adapters.vllm": {"BatchCopyFn", "BlockCopyBatch"},

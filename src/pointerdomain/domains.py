@@ -35,12 +35,11 @@ __all__ = ["ADDRESS_LIMIT", "Address", "AddressT", "DeviceAlias", "HostVA", "ran
 
 #: One past the largest address: an address and the end of a range lie in [0, 2**64].
 ADDRESS_LIMIT = 1 << 64
-_ADDR_LIMIT = ADDRESS_LIMIT
 
 def _check_value(value: object) -> int:
     if type(value) is not int:
         raise DomainError(f"an address is built from an int, got {type(value).__name__}")
-    if not 0 <= value < _ADDR_LIMIT:
+    if not 0 <= value < ADDRESS_LIMIT:
         raise InvalidArgumentError(f"address {value:#x} is outside [0, 2**64)")
     return value
 
@@ -189,7 +188,7 @@ class HostVA(Address):
         # that serialisation wrote, validated to [0, 2**64) and wrapped back.
         return core_schema.json_or_python_schema(
             json_schema=core_schema.no_info_after_validator_function(
-                _from_json_int, core_schema.int_schema(strict=True, ge=0, lt=_ADDR_LIMIT)
+                _from_json_int, core_schema.int_schema(strict=True, ge=0, lt=ADDRESS_LIMIT)
             ),
             python_schema=core_schema.is_instance_schema(HostVA),
             serialization=core_schema.plain_serializer_function_ser_schema(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Generic
 
 from pointerdomain import AddressT, DeviceAlias, HostVA, PointerTable, has_domain
-from pointerdomain.adapters import mooncake
+from pointerdomain.adapters import mooncake, nixl
 
 
 class NoWrite:
@@ -66,3 +66,19 @@ def narrowing(t: PointerTable[HostVA] | PointerTable[DeviceAlias]) -> None:
         del b
     if has_domain(t, HostVA):
         t.device.ordinal  # type: ignore[attr-defined]
+
+
+class HalfNixlAgent:
+    """Registration only: no transfer calls."""
+
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str, backends: list[str]) -> int:
+        return 1
+
+    def deregister_memory(self, handle: int) -> None:
+        return None
+
+
+def nixl_agents(agent: nixl.HostNixlAgent) -> None:
+    nixl.HostNixlAgent("a", agent=HalfNixlAgent())  # type: ignore[arg-type]
+    nixl.HostNixlAgent("a", agent=object())  # type: ignore[arg-type]
+    agent.agent.no_such_call()  # type: ignore[attr-defined]

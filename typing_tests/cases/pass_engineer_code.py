@@ -29,7 +29,7 @@ from pointerdomain import (
     make_kernel_ptr_table,
     transfer_kv_all_layer,
 )
-from pointerdomain.adapters import mooncake
+from pointerdomain.adapters import mooncake, nixl
 from pointerdomain.errors import DeviceMismatchError, InvalidTypeError
 
 D = TypeVar("D", bound=Address)
@@ -196,3 +196,55 @@ assert_type(pool1.table, PointerTable[DeviceAlias])
 with raises(DeviceMismatchError, "emulated:0 but dst table is for emulated:1"):
     launch(pool0.table, pool1.table, slots(0), layout, layout)
 assert launch(host_pool.host_table, pool0.table, slots(0), layout, layout) is False
+
+
+# 6. A stand-in NIXL agent with the calls HostNixlAgent makes is a NixlAgentLike.
+class FakeNixlAgent:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str, backends: list[str]) -> int:
+        self.calls.append("register_memory")
+        return 1
+
+    def deregister_memory(self, handle: int) -> None:
+        self.calls.append("deregister_memory")
+
+    def get_agent_metadata(self) -> bytes:
+        return b"meta"
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return b"peer"
+
+    def remove_remote_agent(self, agent: str) -> None:
+        self.calls.append("remove_remote_agent")
+
+    def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem_type: str) -> list[tuple[int, int, int]]:
+        return descs
+
+    def initialize_xfer(self, operation: str, local_descs: object, remote_descs: object, remote_agent: str,
+                        notif_msg: bytes, backends: list[str]) -> int:
+        self.calls.append(operation)
+        return 7
+
+    def transfer(self, handle: int) -> str:
+        return "DONE"
+
+    def check_xfer_state(self, handle: int) -> str:
+        return "DONE"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.calls.append("release_xfer_handle")
+
+
+fake_agent = FakeNixlAgent()
+agent_typed: nixl.NixlAgentLike = fake_agent
+with nixl.HostNixlAgent("fake", agent=fake_agent) as nixl_agent:
+    assert_type(nixl_agent.agent, nixl.NixlAgentLike)
+    with HostKVPool(small_layout("page_first"), DEVICE) as pool:
+        nixl_agent.register_pool(pool)
+        assert nixl_agent.add_remote(nixl_agent.metadata()) == "peer"
+        blocks = pool.get_page_buffer_meta([0])
+        nixl_agent.write("peer", blocks, blocks)
+assert fake_agent.calls == ["register_memory", "WRITE", "release_xfer_handle", "deregister_memory",
+                            "remove_remote_agent"]

@@ -127,8 +127,8 @@ def as_host_va(value: HostRegion, name: str = "address") -> HostVA:
         raise DomainError(f"{name}: a {obj!r} is not an address; pass its entries' HostVA metadata (BufferInfo)")
     if isinstance(obj, int):
         raise DomainError(
-            f"{name}: a plain int ({obj:#x}) has no domain; wrap a CPU address as HostVA.unsafe_from_int(...) explicitly, "
-            "or pass BufferInfo metadata"
+            f"{name}: a plain int ({obj:#x}) has no domain; wrap a CPU address as HostVA.unsafe_from_int(...) "
+            "explicitly, or pass BufferInfo metadata"
         )
     raise DomainError(f"{name}: expected a HostVA or BufferInfo, got {type(obj).__name__}")
 
