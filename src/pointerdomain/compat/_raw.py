@@ -213,7 +213,7 @@ class _Span(NamedTuple):
 
 def _span(name: str, addr: int, device: Device) -> _Span:
     """The allocation holding ``addr`` for a launch on ``device``, checked."""
-    va = HostVA(addr)
+    va = HostVA.unsafe_from_int(addr)
     owner = find_registration(va, 1)
     try:
         if owner is not None:
@@ -245,7 +245,7 @@ def _span(name: str, addr: int, device: Device) -> _Span:
                 raise DeviceMismatchError(
                     f"{addr:#x} is device memory of {device.type}:{info.ordinal}, but the launch is on {device}")
             return _Span(info.start, end, info.start, None, True)
-        return _Span(info.start, end, alias_of(HostVA(info.start), device).value, None)
+        return _Span(info.start, end, alias_of(HostVA.unsafe_from_int(info.start), device).value, None)
     except PointerDomainError as exc:
         raise _named(name, exc) from None
 

@@ -1220,7 +1220,7 @@ def pageable(t: torch.Tensor, device: Device) -> bool:
     table path and its errors)."""
     if t.device.type != "cpu" or _raw.memory_device_of("tensor", t) is not None:
         return False
-    va, n = HostVA(t.data_ptr()), max(nbytes_of(t), 1)
+    va, n = HostVA.unsafe_from_int(t.data_ptr()), max(nbytes_of(t), 1)
     if (find_registration(va, 1) is not None or find_registration(va.offset(n - 1), 1) is not None
             or find_closed_registration(va, n) is not None):
         return False

@@ -237,11 +237,12 @@ def _pageable(view: torch.Tensor, device: pd.Device) -> bool:
     straddling and runtime-pinned memory keep the copy-engine path and its errors."""
     va = view.data_ptr()
     nbytes = view.numel() * view.element_size()
-    if (find_registration(HostVA(va), 1) is not None or find_registration(HostVA(va + nbytes - 1), 1) is not None
-            or find_closed_registration(HostVA(va), nbytes) is not None):
+    start = HostVA.unsafe_from_int(va)
+    if (find_registration(start, 1) is not None or find_registration(start + (nbytes - 1), 1) is not None
+            or find_closed_registration(start, nbytes) is not None):
         return False
     try:
-        alias_of(HostVA(va), device)  # pinned by the runtime (pin_memory(), cudaHostAlloc)
+        alias_of(start, device)  # pinned by the runtime (pin_memory(), cudaHostAlloc)
     except NotRegisteredError:
         return True
     return False
@@ -397,7 +398,7 @@ def _batch_device(src: torch.Tensor, dst: torch.Tensor) -> pd.Device:
         where = pd.memory_device_at(addr, 1)
         if where is not None:
             return where
-        owner = pd.find_registration(pd.HostVA(addr), 1)
+        owner = pd.find_registration(pd.HostVA.unsafe_from_int(addr), 1)
         if owner is not None and kind is None:
             kind = owner.device.type
     return current_device(kind or ("cuda" if torch.cuda.is_available() else "emulated"))
