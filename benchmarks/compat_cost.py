@@ -245,8 +245,9 @@ def _lmcache_cases(dev: pd.Device) -> dict[str, Case]:
     obj_layout = dev_layout.replace(num_pages=TOKENS)
     src = pd.make_kernel_ptr_table([c[k] for k in range(2) for c in caches], dev, layout=dev_layout)
     dst = pd.make_kernel_ptr_table([obj], dev, layout=obj_layout)
-    one_src = pd.make_kernel_ptr_table([caches[0][0], caches[0][1]], dev, layout=dev_layout.replace(num_layers=1))
-    one_dst = pd.make_kernel_ptr_table([lmc_layer], dev, layout=obj_layout.replace(num_layers=1))
+    one_src_layout, one_dst_layout = dev_layout.replace(num_layers=1), obj_layout.replace(num_layers=1)
+    one_src = pd.make_kernel_ptr_table([caches[0][0], caches[0][1]], dev, layout=one_src_layout)
+    one_dst = pd.make_kernel_ptr_table([lmc_layer], dev, layout=one_dst_layout)
 
     def multi() -> None:
         lmc.multi_layer_kv_transfer(obj, ptrs, slots, on, blocks * bs, lmc.TransferDirection.D2H,
@@ -261,9 +262,9 @@ def _lmcache_cases(dev: pd.Device) -> dict[str, Case]:
                                      lmc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS)
 
     def single_direct() -> None:
-        pd.transfer_kv_all_layer(one_src, one_dst, slots, tokens, src_layout=dev_layout.replace(num_layers=1),
-                                 dst_layout=obj_layout.replace(num_layers=1), max_ctas=pd.WHOLE_GPU,
-                                 backend="kernel", validate_indices="host")
+        pd.transfer_kv_all_layer(one_src, one_dst, slots, tokens, src_layout=one_src_layout,
+                                 dst_layout=one_dst_layout, max_ctas=pd.WHOLE_GPU, backend="kernel",
+                                 validate_indices="host")
 
     return {
         "lmcache.multi_layer_kv_transfer": Case(multi, multi_direct, obj),

@@ -62,13 +62,17 @@ from pointerdomain.tables import PointerTable, make_kernel_ptr_table, resolved_k
 
 __all__ = [
     "addresses_table",
+    "held",
     "plain_tensor",
     "remember",
     "clear_cache",
     "memory_device_of",
+    "owned_cache",
     "resolve_addresses",
     "resolved_table",
+    "table_key",
     "tensor_table",
+    "view_key",
 ]
 
 _MASK = (1 << 64) - 1
@@ -128,6 +132,17 @@ class _TensorEntry(NamedTuple):
 
 _by_identity: OrderedDict[tuple[object, ...], _TensorEntry] = OrderedDict()
 _by_memory: OrderedDict[tuple[object, ...], PointerTable[DeviceAlias]] = OrderedDict()
+
+
+#: the compat modules' own caches (prepared calls, derived tables), cleared with the rest
+_owned: list[OrderedDict[Any, Any]] = []
+
+
+def owned_cache() -> OrderedDict[Any, Any]:
+    """A new bounded cache (see :func:`remember`) that :func:`clear_cache` empties too."""
+    cache: OrderedDict[Any, Any] = OrderedDict()
+    _owned.append(cache)
+    return cache
 
 
 def remember(cache: OrderedDict[Any, Any], key: object, value: object, limit: int = CACHE_SIZE) -> None:
@@ -196,6 +211,38 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
         remember(_by_memory, slow, table)
         remember(_by_identity, fast, _TensorEntry(tuple(weakref.ref(b) for b in bases), table))
     return table
+
+
+# -- prepared-call keys -------------------------------------------------------------------
+
+def view_key(t: torch.Tensor) -> tuple[object, ...]:
+    """What makes a buffer argument the same buffer as on a call before, for the prepared-call
+    caches: its base object (a call shape may pass a new view of a pool's buffer each call),
+    the view's address, shape, strides and dtype. Raises for a non-tensor (the caller then
+    takes its full path). The cache entry must hold the base (:func:`held`), so the ``id``
+    cannot name another object while the entry lives."""
+    b = t._base
+    return (id(t if b is None else b), t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def table_key(t: torch.Tensor) -> tuple[int, int, int]:
+    """What makes a raw address table the same table with the same contents: the object, its
+    version counter (bumped by every in-place torch write, ``set_`` and ``resize_`` included;
+    shared with its views) and its address. Raises for an inference tensor, which has no
+    counter (the caller then takes its full path)."""
+    return (id(t), t._version, t.data_ptr())
+
+
+def held(*ts: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """What a prepared-call cache entry keeps alive: each tensor and its base (see :func:`view_key`)."""
+    out: list[torch.Tensor] = []
+    for t in ts:
+        if t is not None:
+            out.append(t)
+            if t._base is not None:
+                out.append(t._base)
+    return tuple(out)
+
 
 
 # -- raw addresses ---------------------------------------------------------------------
@@ -468,8 +515,10 @@ def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int
 
 
 def clear_cache() -> None:
-    """Forget every cached resolution (and release the buffers cached tables hold)."""
+    """Forget every cached resolution and prepared call (and release the buffers they hold)."""
     with _lock:
         _by_identity.clear()
         _by_memory.clear()
         _raw_cache.clear()
+        for cache in _owned:
+            cache.clear()

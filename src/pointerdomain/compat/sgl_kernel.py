@@ -130,6 +130,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain.compat import _raw
+from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device, as_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import (
@@ -460,7 +461,7 @@ def ptr_arg(name: str, t: object, count: int | None = None) -> torch.Tensor:
 
 
 _JoinEntry = tuple[tuple[weakref.ref[PointerTable[DeviceAlias]], ...], PointerTable[DeviceAlias]]
-_joins: OrderedDict[tuple[object, ...], _JoinEntry] = OrderedDict()
+_joins: OrderedDict[tuple[object, ...], _JoinEntry] = _raw.owned_cache()
 _lock = threading.Lock()
 _CACHE: Final = 256
 
@@ -740,34 +741,10 @@ def transfer_kv_all_layer_mla(
 # call (tables, layouts, slot counts) is kept per call shape and argument identity, and a
 # repeat goes straight to the direct launch, which checks the indices itself (dtype, shape,
 # device, lengths, range, overlap with the destination) and the tables' liveness (open
-# registrations, storages in place). Keys (:func:`view_key`, :func:`table_key`): a buffer by
-# its base object, the view's address, shape, strides and dtype; a raw uint64 table by the
-# table object, its version counter (bumped by every in-place torch write, ``set_`` and
-# ``resize_`` included) and its address. The entry holds the objects its key names, so an
-# ``id`` in a key cannot be reused by another object while the entry lives. An inference
-# tensor (no version counter) or anything that is no plain tensor takes the full path.
-
-def view_key(t: torch.Tensor) -> tuple[object, ...]:
-    """What makes a buffer argument the same buffer as before (raises for a non-tensor)."""
-    b = t._base
-    return (id(t if b is None else b), t.data_ptr(), t.shape, t.stride(), t.dtype)
-
-
-def table_key(t: torch.Tensor) -> tuple[int, int, int]:
-    """What makes a raw table argument the same table, unchanged (raises for an inference tensor)."""
-    return (id(t), t._version, t.data_ptr())
-
-
-def held(*ts: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The objects a prepared entry keeps alive: each tensor and its base (see above)."""
-    out: list[torch.Tensor] = []
-    for t in ts:
-        if t is not None:
-            out.append(t)
-            if t._base is not None:
-                out.append(t._base)
-    return tuple(out)
-
+# registrations, storages in place). Keys: :func:`pointerdomain.compat._raw.view_key` and
+# :func:`~pointerdomain.compat._raw.table_key`; the entry holds what its key names
+# (:func:`~pointerdomain.compat._raw.held`). An inference tensor (no version counter) or
+# anything that is no plain tensor takes the full path.
 
 class Prepared(NamedTuple):
     held: tuple[torch.Tensor, ...]
@@ -777,7 +754,7 @@ class Prepared(NamedTuple):
     ctas: int
 
 
-prepared: OrderedDict[tuple[object, ...], Prepared] = OrderedDict()
+prepared: OrderedDict[tuple[object, ...], Prepared] = _raw.owned_cache()
 _PREPARED_MAX = 256
 
 
