@@ -1,7 +1,7 @@
 """Host cost of the engines' call shapes (:mod:`pointerdomain.compat`) over the direct API,
 measured in one run.
 
-    python -m benchmarks.compat_cost [--calls N] [--json OUT] [--emulated] [--only SUBSTRING]
+    python -m benchmarks.compat_cost [--calls N] [--json OUT] [--emulated] [--only TEXT] [--row-seconds S]
 
 Each row: one compat entry point called as its engine calls it (upstream defaults, the
 engine's own buffers and raw ``data_ptr()`` tables, built once as a pool builds them; index
@@ -82,12 +82,20 @@ def check(label: str, case: Case, dev: pd.Device) -> None:
         raise RuntimeError(f"{label}: nothing was moved")
 
 
-def time_pair(case: Case, calls: int, dev: pd.Device) -> tuple[float, float]:
-    """Median host microseconds of (compat, direct), interleaved."""
-    for _ in range(min(200, calls)):
+def time_pair(case: Case, calls: int, dev: pd.Device, row_seconds: float = 30.0) -> tuple[float, float, int]:
+    """Median host microseconds of (compat, direct), interleaved, and the calls timed: at most
+    ``calls`` each, fewer where a pair takes long enough that ``calls`` would pass
+    ``row_seconds`` (at least 20)."""
+    t0 = time.perf_counter()
+    warm = min(200, calls)
+    for i in range(warm):
         case.compat()
         case.direct()
+        if i == 2 and time.perf_counter() - t0 > 0.05:  # slow rows (a batch of 1024 copies): warm less
+            break
     _sync(dev)
+    per_pair = (time.perf_counter() - t0) / (i + 1)
+    calls = max(min(calls, 20), min(calls, int(row_seconds / max(per_pair, 1e-9))))
     c: list[int] = []
     d: list[int] = []
     clock = time.perf_counter_ns
@@ -103,7 +111,7 @@ def time_pair(case: Case, calls: int, dev: pd.Device) -> tuple[float, float]:
         if i % 128 == 127:
             _sync(dev)
     _sync(dev)
-    return statistics.median(c) / 1e3, statistics.median(d) / 1e3
+    return statistics.median(c) / 1e3, statistics.median(d) / 1e3, calls
 
 
 def _random(t: torch.Tensor) -> torch.Tensor:
@@ -320,15 +328,15 @@ def cases(dev: pd.Device) -> dict[str, Case]:
             **_hicache_cases(dev, True), **_lmcache_cases(dev), **_vllm_cases(dev)}
 
 
-def measure(calls: int, dev: pd.Device, only: str | None = None) -> list[dict[str, Any]]:
+def measure(calls: int, dev: pd.Device, only: str | None = None, row_seconds: float = 30.0) -> list[dict[str, Any]]:
     """The rows (see the module docstring)."""
     rows = []
     for label, case in cases(dev).items():
         if only is not None and only not in label:
             continue
         check(label, case, dev)
-        c, d = time_pair(case, calls, dev)
-        rows.append(dict(entry=label, device=str(dev), calls=calls, compat_us=c, direct_us=d, over_direct_us=c - d))
+        c, d, n = time_pair(case, calls, dev, row_seconds)
+        rows.append(dict(entry=label, device=str(dev), calls=n, compat_us=c, direct_us=d, over_direct_us=c - d))
     return rows
 
 
@@ -338,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--emulated", action="store_true", help="run on the emulated device (smoke test)")
     ap.add_argument("--only", default=None, help="only the rows whose entry point contains this text")
+    ap.add_argument("--row-seconds", type=float, default=30.0,
+                    help="fewer calls (at least 20) for a row whose pairs would take longer (default %(default)s)")
     args = ap.parse_args(argv)
     if args.emulated:
         dev = pd.Device("emulated", 0)
@@ -346,10 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("compat_cost: no CUDA device (pass --emulated for the CPU smoke run)")
         return 0
-    rows = measure(args.calls, dev, args.only)
-    print(f"{'entry point (' + str(dev) + ', median us)':52s} {'direct':>9s} {'compat':>9s} {'over':>8s}")
+    rows = measure(args.calls, dev, args.only, args.row_seconds)
+    print(f"{'entry point (' + str(dev) + ', median us)':52s} {'direct':>9s} {'compat':>9s} {'over':>8s} {'calls':>6s}")
     for r in rows:
-        print(f"{r['entry']:52s} {r['direct_us']:9.2f} {r['compat_us']:9.2f} {r['over_direct_us']:+8.2f}")
+        print(f"{r['entry']:52s} {r['direct_us']:9.2f} {r['compat_us']:9.2f} {r['over_direct_us']:+8.2f} "
+              f"{r['calls']:6d}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -333,7 +333,7 @@ def test_swap_blocks_repeat_checks_the_mapping(regs: list[pd.RegisteredHostMemor
         vl.swap_blocks(gpu, cpu, BB, mapping.int())
     assert untouched(cpu)
     with pytest.raises(errors.InvalidTypeError, match="block_size_in_bytes"):
-        vl.swap_blocks(gpu, cpu, True, mapping)  # type: ignore[arg-type]
+        vl.swap_blocks(gpu, cpu, True, mapping)
 
 
 def test_swap_blocks_batch_repeat_sees_arrays_rewritten_through_numpy(regs: list[pd.RegisteredHostMemory]) -> None:
