@@ -12,7 +12,11 @@ on poisoned destinations. The two are timed interleaved (compat, direct, direct,
 ...), so drift and noise fall on both alike; the figures are medians of host microseconds
 per call (the launch is asynchronous on CUDA: the device is synchronised every 128 calls,
 outside the timed calls). ``over`` = compat median - direct median: what the translation and
-the raw-address checks cost once the tables are cached (the goal: <= 1 us).
+the raw-address checks cost once the tables are cached (the goal: <= 1 us); it can be
+negative, since the direct call's own checks grow with its tables' buffers (a typed table
+over 64 per-layer tensors checks each tensor's storage per launch, a resolved raw table has
+none). ``own``: the compat call with its direct launch replaced by a no-op, the compat
+layer's own host work.
 
 Shapes: 32 layers, 16 tokens a call, bf16; MHA 8 x 128 (2 KiB items), MLA one 576-element
 latent (1152-byte items); LMCache in vLLM's flash-attention format (1) with 16-token blocks;
@@ -112,6 +116,28 @@ def time_pair(case: Case, calls: int, dev: pd.Device, row_seconds: float = 30.0)
             _sync(dev)
     _sync(dev)
     return statistics.median(c) / 1e3, statistics.median(d) / 1e3, calls
+
+
+def own_us(case: Case, calls: int) -> float:
+    """Median host microseconds of the compat call with the direct launch it ends in
+    replaced by a no-op (checked first: each row's compat call is a prepared repeat): the
+    compat layer's own work, whatever the direct call's own checks cost."""
+    saved = pd.transfer_kv_all_layer, pd.transfer_kv_per_layer
+
+    def noop(*args: object, **kwargs: object) -> None:
+        return None
+
+    pd.transfer_kv_all_layer = pd.transfer_kv_per_layer = noop
+    try:
+        times: list[int] = []
+        clock = time.perf_counter_ns
+        for _ in range(calls):
+            t0 = clock()
+            case.compat()
+            times.append(clock() - t0)
+    finally:
+        pd.transfer_kv_all_layer, pd.transfer_kv_per_layer = saved
+    return statistics.median(times) / 1e3
 
 
 def _random(t: torch.Tensor) -> torch.Tensor:
@@ -336,7 +362,9 @@ def measure(calls: int, dev: pd.Device, only: str | None = None, row_seconds: fl
             continue
         check(label, case, dev)
         c, d, n = time_pair(case, calls, dev, row_seconds)
-        rows.append(dict(entry=label, device=str(dev), calls=n, compat_us=c, direct_us=d, over_direct_us=c - d))
+        own = own_us(case, n)
+        rows.append(dict(entry=label, device=str(dev), calls=n, compat_us=c, direct_us=d, over_direct_us=c - d,
+                         own_us=own))
     return rows
 
 
@@ -357,10 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         print("compat_cost: no CUDA device (pass --emulated for the CPU smoke run)")
         return 0
     rows = measure(args.calls, dev, args.only, args.row_seconds)
-    print(f"{'entry point (' + str(dev) + ', median us)':52s} {'direct':>9s} {'compat':>9s} {'over':>8s} {'calls':>6s}")
+    print(f"{'entry point (' + str(dev) + ', median us)':52s} {'direct':>9s} {'compat':>9s} {'over':>8s} "
+          f"{'own':>6s} {'calls':>6s}")
     for r in rows:
         print(f"{r['entry']:52s} {r['direct_us']:9.2f} {r['compat_us']:9.2f} {r['over_direct_us']:+8.2f} "
-              f"{r['calls']:6d}")
+              f"{r['own_us']:6.2f} {r['calls']:6d}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

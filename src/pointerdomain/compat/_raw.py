@@ -29,6 +29,19 @@ rebuilt (and so refused). Not seen: a raw table rewritten behind torch's back (a
 kernel writing its memory), or foreign memory freed and reused at the same address
 under a cached table; the typed API (:func:`pointerdomain.make_kernel_ptr_table`)
 keeps its tensors alive and has neither gap.
+
+Prepared calls: an engine repeats one call shape with the same buffers and tables, only the
+indices new. The call shapes keep each call's checked translation (tables, layouts, slot
+counts), keyed by :func:`view_key` for buffer arguments and :func:`table_key` for raw
+tables plus the scalar arguments (ints typed as ints: ``True`` is not the ``1`` of a
+cached call), and a repeat goes straight to the direct launch
+(:func:`pointerdomain.transfer_kv_all_layer` / ``_per_layer``), which checks the indices
+(dtype, shape, device, lengths, range, overlap with the destination) and the tables'
+liveness (open registrations, storages in place) as it does for every caller. Whatever
+that launch refuses before writing (an ``IndexValidationError``) runs the call's full
+path, which names the argument in its own words or accepts what the call shape accepts
+beyond the direct API (``int32`` indices, LMCache's negative slots). A key sees what the
+raw-table cache sees, and no more.
 """
 
 from __future__ import annotations
