@@ -306,8 +306,7 @@ def _swap_prepared(p: _Swap, block_mapping: object) -> bool:
         n = m.shape[0]
         if n == 0:
             return False
-        pairs = m.t().contiguous()  # read once: the checked copy is the one used
-        s_ids, d_ids = pairs[0], pairs[1]
+        s_ids, d_ids = m.t().contiguous().unbind(0)  # read once: the checked copy is the one used
         if n > 1:
             if n <= _SET_CHECK_MAX:
                 if len(set(d_ids.tolist())) != n:
