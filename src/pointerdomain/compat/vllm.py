@@ -554,7 +554,10 @@ def swap_blocks_batch(
     depend on the order of the copies); source runs may overlap each other. An empty batch
     does nothing. Copies ``sizes.sum()`` bytes with the copy engine, one copy per
     descriptor, queued on the device's current stream; all descriptors are checked before
-    the first is queued.
+    the first is queued. A call whose three arrays hold exactly the values of a batch
+    checked before (compared element by element, so writes through numpy are seen) reuses
+    that batch's checks and tables, as a cached raw table does
+    (:mod:`pointerdomain.compat._raw` says what such a cache cannot see).
 
     Plain pageable host memory is refused here, unlike in :func:`swap_blocks`: every
     descriptor goes to the copy engine as a device alias (a batch DMA descriptor must hold
