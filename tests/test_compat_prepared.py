@@ -355,3 +355,12 @@ def test_swap_blocks_batch_repeat_sees_arrays_rewritten_through_numpy(regs: list
     with pytest.raises(errors.RegistrationSpanError, match=r"src_ptrs\[2\]"):
         vl.swap_blocks_batch(s_t, d_t, n_t)
     assert untouched(cpu)
+
+
+def test_block_quota_variable_is_read_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_HICACHE_BLOCK_QUOTA", raising=False)
+    assert sk._default_mla_block_quota() == (16 if sk.IS_HIP else 2) and sk._default_pfdhg_block_quota() == 2
+    monkeypatch.setenv("SGLANG_HICACHE_BLOCK_QUOTA", "7")
+    assert sk._default_mla_block_quota() == 7 and sk._default_pfdhg_block_quota() == 7
+    monkeypatch.setenv("SGLANG_HICACHE_BLOCK_QUOTA", "seven")  # not an int: the default, as upstream
+    assert sk._default_pfdhg_block_quota() == 2
