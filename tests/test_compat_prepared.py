@@ -106,6 +106,9 @@ def test_pf_lf_repeat_reads_a_new_buffer_and_refuses_a_reshaped_view(regs: list[
     poison(dk, dv)  # the same bytes with another row: the full path's row check refuses it
     with pytest.raises(errors.LayoutError, match="src_k"):
         _load(hk.view(HT // 2, 2 * L, H, D), hv, dk, dv)
+    strided = hk.as_strided(hk.shape, (L * H * D, H * D, 1, H))  # same address, shape and dtype
+    with pytest.raises(errors.NonContiguousError, match="src_k"):
+        _load(strided, hv, dk, dv)
     assert untouched(dk, dv)
     with pytest.raises(errors.InvalidArgumentError, match="block_quota"):  # True is not the int 1 of a repeat
         _load(hk, hv, dk, dv, block_quota=True)
@@ -364,3 +367,24 @@ def test_block_quota_variable_is_read_per_call(monkeypatch: pytest.MonkeyPatch) 
     assert sk._default_mla_block_quota() == 7 and sk._default_pfdhg_block_quota() == 7
     monkeypatch.setenv("SGLANG_HICACHE_BLOCK_QUOTA", "seven")  # not an int: the default, as upstream
     assert sk._default_pfdhg_block_quota() == 2
+
+
+def test_repeat_over_memory_registered_again_resolves_it_again() -> None:
+    """A registration closed under a prepared call and the same memory registered again: the
+    repeat is refused by the launch before writing, and the full path finds the new one."""
+    buf = torch.empty(2 * HT * L * H * D, dtype=DT)
+    reg = pd.register_host_tensor(buf, DEV)
+    pool = rand(buf.view(2, HT, L, H, D))
+    dk, dv = dev(T, H, D), dev(T, H, D)
+    _load(pool[0], pool[1], dk, dv)
+    reg.close()
+    poison(dk, dv)
+    with pytest.raises(errors.ClosedError):
+        _load(pool[0], pool[1], dk, dv)
+    assert untouched(dk, dv)
+    again = pd.register_host_tensor(buf, DEV)
+    try:
+        _load(pool[0], pool[1], dk, dv)
+        assert same(dk[DI], pool[0][S, 1]) and same(dv[DI], pool[1][S, 1])
+    finally:
+        again.close()

@@ -230,12 +230,13 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
 
 def view_key(t: torch.Tensor) -> tuple[object, ...]:
     """What makes a buffer argument the same buffer as on a call before, for the prepared-call
-    caches: its base object (a call shape may pass a new view of a pool's buffer each call),
-    the view's address, shape, strides and dtype. Raises for a non-tensor (the caller then
-    takes its full path). The cache entry must hold the base (:func:`held`), so the ``id``
-    cannot name another object while the entry lives."""
-    b = t._base
-    return (id(t if b is None else b), t.data_ptr(), t.shape, t.stride(), t.dtype)
+    caches: the bytes it covers and how it describes them (address, shape, strides, dtype),
+    not the tensor object (a call shape may pass a new view of a pool's buffer each call).
+    Sound because the cache entry keeps that memory alive (its tables hold their tensors,
+    :func:`held` the arguments), so no other allocation can take the address while the
+    entry lives, and the launch checks that the storages are still in place. Raises for a
+    non-tensor or a tensor without memory (the caller then takes its full path)."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 def table_key(t: torch.Tensor) -> tuple[int, int, int]:
@@ -247,15 +248,9 @@ def table_key(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def held(*ts: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """What a prepared-call cache entry keeps alive: each tensor and its base (see :func:`view_key`)."""
-    out: list[torch.Tensor] = []
-    for t in ts:
-        if t is not None:
-            out.append(t)
-            if t._base is not None:
-                out.append(t._base)
-    return tuple(out)
-
+    """What a prepared-call cache entry keeps alive: the argument tensors its key names (a
+    raw table's ``id`` must not be reused; a buffer's memory must stay where the key says)."""
+    return tuple(t for t in ts if t is not None)
 
 
 # -- raw addresses ---------------------------------------------------------------------

@@ -126,6 +126,7 @@ from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -569,7 +570,7 @@ def _launch_ready(ready: _Ready, slot_mapping: torch.Tensor) -> bool:
             pd.transfer_kv_all_layer(ready.paged, ready.mem, slots, mem_idx, src_layout=ready.paged_layout,
                                      dst_layout=ready.mem_layout, max_ctas=_MAX_CTAS, backend="kernel",
                                      validate_indices="host")
-    except IndexValidationError:
+    except (IndexValidationError, ClosedError):  # refused before writing: the full path
         return False
     return True
 

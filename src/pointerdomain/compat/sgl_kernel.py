@@ -134,6 +134,7 @@ from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device, as_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -738,7 +739,7 @@ def transfer_kv_all_layer_mla(
 # -- prepared calls -------------------------------------------------------------------------
 # A HiCache engine issues the same call shape with the same buffers and tables on every
 # layer of every forward pass; only the indices change. The checked translation of such a
-# call (tables, layouts, slot counts) is kept per call shape and argument identity, and a
+# call (tables, layouts, slot counts) is kept per call shape and arguments, and a
 # repeat goes straight to the direct launch, which checks the indices itself (dtype, shape,
 # device, lengths, range, overlap with the destination) and the tables' liveness (open
 # registrations, storages in place). Keys: :func:`pointerdomain.compat._raw.view_key` and
@@ -766,9 +767,9 @@ def remember_call(key: tuple[object, ...] | None, entry: Prepared) -> None:
 
 
 def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
-    """The direct launch of a prepared call; False when the direct call refused the indices
-    (before anything was written: the full path then words the error, or widens indices it
-    accepts)."""
+    """The direct launch of a prepared call; False when the direct call refused it before
+    anything was written (indices it does not take, a registration closed since: the full
+    path then words the error, widens indices it accepts, or resolves the memory again)."""
     try:
         if p.layer is None:
             pd.transfer_kv_all_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
@@ -778,7 +779,7 @@ def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
             pd.transfer_kv_per_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
                                      layer_id=p.layer, src_layout=p.src.layout, dst_layout=p.dst.layout,
                                      max_ctas=p.ctas, backend="kernel")
-    except IndexValidationError:
+    except (IndexValidationError, ClosedError):  # refused before writing: the full path
         return False
     return True
 

@@ -73,6 +73,7 @@ from pointerdomain.compat._raw import held, view_key
 from pointerdomain.devices import current_device
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -320,7 +321,7 @@ def _swap_prepared(p: _Swap, block_mapping: object) -> bool:
     try:
         pd.transfer_kv_all_layer(p.src, p.dst, s_ids, d_ids, src_layout=p.src_layout, dst_layout=p.dst_layout,
                                  backend="copy_engine")
-    except IndexValidationError:
+    except (IndexValidationError, ClosedError):  # refused before writing: the full path
         return False
     return True
 
