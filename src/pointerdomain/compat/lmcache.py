@@ -533,10 +533,33 @@ def _keyed_device(x: object) -> bool:
     return isinstance(x, Device) or (isinstance(x, (str, torch.device)) and (":" in str(x) or str(x) == "cpu"))
 
 
+#: per device the longest 0, 1, 2, ... index ramp made so far; every ramp ever made is kept
+#: (never freed): a launch in flight on any stream may still read a view of one, and a
+#: freed block could be handed to new work on another stream meanwhile
+_ramps: dict[Device, torch.Tensor] = {}
+_ramps_made: list[torch.Tensor] = []
+
+
+def _ramp(device: Device, first: int, n: int) -> torch.Tensor:
+    """``[first, first + n)`` as int64 on ``device``, a view of a ramp that is complete
+    before any stream reads it (built on the host, copied with a blocking copy)."""
+    ramp = _ramps.get(device)
+    if ramp is None or ramp.numel() < first + n:
+        with _lock:
+            ramp = _ramps.get(device)
+            if ramp is None or ramp.numel() < first + n:
+                size = max(first + n, 1024, 2 * (0 if ramp is None else ramp.numel()))
+                with torch.inference_mode(False):  # a plain tensor: read outside inference mode too
+                    ramp = torch.arange(size, dtype=torch.int64).to(device.torch_device)
+                _ramps_made.append(ramp)
+                _ramps[device] = ramp
+    return ramp[first:first + n]
+
+
 def _token_runs(ready: _Ready, n: int) -> torch.Tensor:
     t = ready.tokens.get(n)
     if t is None:
-        t = torch.arange(ready.first, ready.first + n, dtype=torch.int64, device=ready.device.torch_device)
+        t = _ramp(ready.device, ready.first, n)
         with _lock:
             if len(ready.tokens) < 8:
                 ready.tokens[n] = t
