@@ -36,7 +36,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(autouse=True)
 def _strict_alias_mode(request: pytest.FixtureRequest) -> Iterator[None]:
     """``--strict-alias`` switches strict alias mode on for every test (tests that set it
-    themselves, such as tests/test_strict_alias.py, do so inside)."""
+    themselves, such as tests/registration/test_strict_alias.py, do so inside)."""
     import pointerdomain as pd
 
     if not request.config.getoption("--strict-alias"):

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 E0 = pd.Device("emulated", 0)
 E1 = pd.Device("emulated", 1)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Where the imported package lives (the source tree, or site-packages under scripts/gpu-check).
 
 

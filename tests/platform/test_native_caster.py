@@ -1,6 +1,6 @@
 """A third-party nanobind extension built against pointerdomain's installed headers.
 
-The extension (tests/native/toy_cache: a toy cache's own CPU "kernels") is built once per
+The extension (tests/platform/native/toy_cache: a toy cache's own CPU "kernels") is built once per
 session with CMake and nanobind's ``nanobind_add_module``, its include path from
 ``pointerdomain.get_include()``, exactly as docs/embedding.md tells a new user. Then:
 

@@ -29,7 +29,7 @@ BASE = model_layout("layer_first", pages=4)
 
 def _run(code: str, env: dict[str, str] | None = None, timeout: int = 120) -> subprocess.CompletedProcess[str]:
     full = dict(os.environ) | (env or {})
-    full["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)),
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                                                        *sys.path]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=full, timeout=timeout)

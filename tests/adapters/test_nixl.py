@@ -32,7 +32,7 @@ import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.adapters import nixl as pdnixl
 from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc, file_desc, file_region, vram_desc
-from tests.nixl_peer import MARK, layouts
+from tests.adapters.nixl_peer import MARK, layouts
 from tests.childenv import pythonpath
 from tests.reference import page_items, page_slots
 

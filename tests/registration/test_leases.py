@@ -27,7 +27,7 @@ from pointerdomain.devices import Device
 from tests.reference import DEV, fill_pool, filled_pools, model_layout, pool_bytes, reference_transfer, same
 from tests import childenv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class BlockingBackend(FaultyBackend):

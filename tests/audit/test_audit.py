@@ -1,4 +1,4 @@
-"""`pointerdomain audit`: every rule on snippets written here (tests/audit_cases, lines
+"""`pointerdomain audit`: every rule on snippets written here (tests/audit/audit_cases, lines
 marked `expect[CODE]` must give exactly those codes and no other line may give any),
 suppressions, the baseline, the report formats, exit codes, the autofix (checked with
 mypy and against data_ptr() at run time), the flake8 plugin and the worker pool."""
@@ -24,7 +24,7 @@ from pointerdomain.audit.flake8_plugin import Plugin
 from pointerdomain.audit.output import Summary, render
 from tests import childenv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CASES = Path(__file__).with_name("audit_cases")
 _EXPECT = re.compile(r"expect\[([A-Z0-9, ]+)\]")
 KERNEL_OPS = ("sgl_kernel.transfer_kv_all_layer",)

@@ -385,7 +385,7 @@ def test_embedding_doc_runs() -> None:
     emulated device (blocks starting with ``# not run`` are shown, not run)."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "embedding.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "embedding.md").read_text()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     runnable = [b for b in blocks if not b.startswith("# not run")]
     assert len(runnable) >= 6

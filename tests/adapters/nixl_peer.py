@@ -1,4 +1,4 @@
-"""Node A of the two-process NIXL test (tests/test_nixl.py); run as a script.
+"""Node A of the two-process NIXL test (tests/adapters/test_nixl.py); run as a script.
 
 Fills a device KV pool, backs selected pages up into a host pool through the library's
 transfer kernels, registers the host pool with a NIXL agent (UCX back-end) from its

@@ -2,7 +2,7 @@
 launch device guard, and concurrent transfers on both GPUs from one host pool.
 
 Marked ``gpu`` (skipped without CUDA) and skipped unless ``torch.cuda.device_count() >= 2``.
-Run: ``python -m pytest -q -m gpu tests/test_multi_gpu.py`` on a two-GPU machine.
+Run: ``python -m pytest -q -m gpu tests/transfer/test_multi_gpu.py`` on a two-GPU machine.
 Expected bytes come from ``tests/reference.py`` (plain torch on the CPU).
 """
 

@@ -1,4 +1,4 @@
-"""One side of the two-process Mooncake test (tests/test_mooncake.py); run as a script.
+"""One side of the two-process Mooncake test (tests/adapters/test_mooncake.py); run as a script.
 
 ``serve``: fill a device KV pool, back selected pages up into a host pool through
 the kernels, register the host pool with a Mooncake engine using only HostVA

@@ -1,5 +1,5 @@
 """The stateful fuzzer (issue 10 item 10), run in a child process by
-tests/test_fuzz_stateful.py so that a crash is a test failure, not a dead pytest.
+tests/transfer/test_fuzz_stateful.py so that a crash is a test failure, not a dead pytest.
 
 Random sequences of: allocate a host pool (one piece or chunked) or a device pool,
 register an ordinary tensor that starts mid-page, close, build tables (good and bad
@@ -18,7 +18,7 @@ The rules that race ``close()`` or an index write against a launch need the laun
 leases and single index read of the "safety" work (``pointerdomain.registration.leases``); without
 that module they are skipped (a known crash, issue 10 items 1 and 3), not dropped.
 
-Usage: ``python -m tests.fuzz_machine --profile ci --summary out.json``.
+Usage: ``python -m tests.transfer.fuzz_machine --profile ci --summary out.json``.
 """
 
 from __future__ import annotations

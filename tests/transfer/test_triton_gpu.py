@@ -20,7 +20,7 @@ from pointerdomain import errors
 triton = pytest.importorskip("triton", reason="triton is not installed (it is on the GPU machine)")
 
 from pointerdomain.transfer.triton import kernel_table_arg, launch  # noqa: E402
-from tests.triton_pages import load_pages as _load_pages  # noqa: E402
+from tests.transfer.triton_pages import load_pages as _load_pages  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

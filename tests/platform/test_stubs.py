@@ -10,7 +10,7 @@ import pytest
 
 from pointerdomain._platform import gpu_ops_built
 
-STUB = Path(__file__).resolve().parents[1] / "src" / "pointerdomain" / "_C.pyi"
+STUB = Path(__file__).resolve().parents[2] / "src" / "pointerdomain" / "_C.pyi"
 
 
 def test_stub_matches_built_extension(tmp_path: Path) -> None:

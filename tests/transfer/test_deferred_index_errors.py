@@ -27,7 +27,7 @@ from pointerdomain.transfer.plan import plan_for
 from tests.reference import DEV, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer, same
 from tests import childenv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class DeviceLikeBackend(FaultyBackend):

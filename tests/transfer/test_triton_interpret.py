@@ -1,4 +1,4 @@
-"""The Triton kernel of tests/test_triton_gpu.py under Triton's interpreter
+"""The Triton kernel of tests/transfer/test_triton_gpu.py under Triton's interpreter
 (``TRITON_INTERPRET=1``, CPU): it loads the emulated device's aliases from the checked
 tables (:func:`pointerdomain.transfer.triton.launch_args`) and must move exactly the addressed
 items. On the emulated device the aliases differ from the host VAs, so a kernel given
@@ -18,14 +18,14 @@ import pytest
 
 import pointerdomain as pd
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = textwrap.dedent("""\
     import torch
     import triton
     import pointerdomain as pd
     from pointerdomain.transfer.triton import launch_args
-    from tests.triton_pages import load_pages
+    from tests.transfer.triton_pages import load_pages
 
     DEV = "emulated:0"
     dev_layout = pd.KVLayout(kind="layer_first", num_layers=3, num_pages=10, page_size=4, num_heads=4,

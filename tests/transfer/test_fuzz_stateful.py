@@ -1,4 +1,4 @@
-"""The stateful fuzzer (tests/fuzz_machine.py) in a child process: a segfault or an
+"""The stateful fuzzer (tests/transfer/fuzz_machine.py) in a child process: a segfault or an
 abort there is a failure here, with the child's output, not a dead pytest.
 
 The hypothesis profile comes from ``FUZZ_PROFILE`` (``ci``: 2,000 sequences, the
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from tests import childenv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = {"ci": 2000, "dev": 200, "long": 20000}
 
 
@@ -23,7 +23,7 @@ def test_stateful_fuzzer_in_a_child_process(tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     env = dict(os.environ, PYTHONPATH=childenv.pythonpath())
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz_machine", "--profile", profile, "--summary", str(summary)],
+        [sys.executable, "-m", "tests.transfer.fuzz_machine", "--profile", profile, "--summary", str(summary)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     tail = (proc.stdout + proc.stderr)[-6000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "pointerdomain"
-SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+SRC = Path(__file__).resolve().parents[2] / "src" / PACKAGE
 #: the root modules that are the package's face, not value types
 FACE = {PACKAGE, f"{PACKAGE}.__main__"}
 #: folders whose modules a value module must not import

@@ -1,4 +1,4 @@
-"""The Triton kernel of tests/test_triton_gpu.py and tests/test_triton_interpret.py: it
+"""The Triton kernel of tests/transfer/test_triton_gpu.py and tests/transfer/test_triton_interpret.py: it
 loads pointers from kernel tables and moves KV items from a page_first host pool into a
 layer_first device pool. Imported only where triton is installed."""
 
