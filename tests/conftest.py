@@ -3,7 +3,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pointerdomain import checked
+from tests.helpers.fixtures import checked_launches  # noqa: F401 -- autouse for every test
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -13,16 +13,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _checked_mode() -> Iterator[None]:
-    """Every test launches in checked mode: each address a launch touches is verified
-    against the registry first (tests that measure or toggle it set it themselves)."""
-    previous = checked.enabled()
-    checked.set_enabled(True)
-    yield
-    checked.set_enabled(previous)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -26,6 +26,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.adapters.mooncake import HostTransferEngine
+from tests.helpers.models import Model
 from tests.reference import page_items, page_slots  # the checkout is on the child's PYTHONPATH (tests/childenv.py)
 
 DEV = "emulated:0"
@@ -33,11 +34,8 @@ DEV = "emulated:0"
 
 def layouts() -> tuple[pd.KVLayout, pd.KVLayout]:
     """(device layout, host layout): MHA, 3 layers, 4-token pages, 2 heads x 64, bf16."""
-    common = dict(num_layers=3, page_size=4, num_heads=2, head_dim=64)
-    return (
-        pd.KVLayout(kind="layer_first", num_pages=10, **common),  # type: ignore[arg-type]
-        pd.KVLayout(kind="page_first", num_pages=8, **common),  # type: ignore[arg-type]
-    )
+    model = Model(mha=(2, 64))
+    return model.layout("layer_first", 10), model.layout("page_first", 8)
 
 
 def engine() -> HostTransferEngine:

@@ -21,6 +21,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain.adapters.nixl import HostNixlAgent
+from tests.helpers.models import Model
 from tests.reference import page_items, page_slots  # the checkout is on the child's PYTHONPATH (tests/childenv.py)
 
 DEV = "emulated:0"
@@ -30,8 +31,8 @@ MARK = "NIXL_PEER "
 
 def layouts() -> tuple[pd.KVLayout, pd.KVLayout]:
     """(device layout, host layout): MHA, 3 layers, 4-token pages, 2 heads x 32, bf16."""
-    dev = pd.KVLayout(kind="layer_first", num_layers=3, num_pages=10, page_size=4, num_heads=2, head_dim=32)
-    return dev, dev.model_copy(update={"kind": "page_first", "num_pages": 8})
+    model = Model(mha=(2, 32))
+    return model.layout("layer_first", 10), model.layout("page_first", 8)
 
 
 def main() -> None:

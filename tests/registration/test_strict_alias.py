@@ -21,7 +21,8 @@ from pointerdomain import errors
 from pointerdomain._platform import backend_for
 from pointerdomain.registration.resolve import can_use_host_pointer
 from pointerdomain.registration.strict import ENV_VAR
-from tests.reference import DEV, fill_pool, fill_random, filled_pools, model_layout, pool_bytes, reference_transfer
+from tests.helpers.checks import assert_round_trip
+from tests.reference import DEV, fill_random, filled_pools, model_layout, pool_bytes, reference_transfer
 
 
 def test_off_by_default_and_switches_back() -> None:
@@ -66,15 +67,9 @@ def test_strict_pool_round_trip_matches_reference() -> None:
     dev_layout, host_layout = model_layout("layer_first", 6), model_layout("page_first", 10)
     with pd.strict_alias(True), filled_pools(dev_layout, host_layout, DEV, chunk_blocks=3, seed=2) as (pool, host):
         assert host.memory.strict
-        before = host.buffer.view(torch.uint8).clone()
         src, dst = torch.tensor([0, 5, 9, 17, 23]), torch.tensor([39, 1, 2, 20, 33])
-        expected = reference_transfer(pool_bytes(pool), dev_layout, before, host_layout, src, dst)
-        host.backup(pool, src, dst)
-        assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), expected)
-        fill_pool(pool, 50)
-        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, dst, src)
-        host.load(pool, dst, src, backend="copy_engine")
-        assert torch.equal(pool_bytes(pool), expected)
+        assert_round_trip(pool, host, src, dst, poison_seed=50,
+                          load=lambda: host.load(pool, dst, src, backend="copy_engine"))
 
 
 def test_explain_knows_the_registered_twin_mapping() -> None:

@@ -50,10 +50,6 @@ DEV_LAYOUT = pd.KVLayout(kind="layer_first", num_pages=4, **MODEL)
 
 
 
-@pytest.fixture(autouse=True)
-def _checked_mode() -> Iterator[None]:
-    with checked.checked_mode(True):
-        yield
 
 
 # ---------------------------------------------------------------- helpers

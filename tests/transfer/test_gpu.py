@@ -11,7 +11,9 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.reference import filled_pools, as_bytes, fill_pool, fill_random, items, pool_bytes, pool_items, reference_transfer
+from tests.helpers.checks import assert_round_trip
+from tests.helpers.models import Model
+from tests.reference import as_bytes, fill_pool, fill_random, filled_pools, items, pool_items
 
 pytestmark = pytest.mark.gpu
 
@@ -20,10 +22,7 @@ def _dev() -> pd.Device:
     return pd.Device("cuda", 0)
 
 
-def layout(kind: str, pages: int, attention: str = "mha") -> pd.KVLayout:
-    heads, dim = (1, 576) if attention == "mla" else (8, 128)
-    return pd.KVLayout(kind=kind, attention=attention, num_layers=4, num_pages=pages, page_size=16,
-                       num_heads=heads, head_dim=dim, dtype="bfloat16")
+MODEL = Model(layers=4, page_size=16, mha=(8, 128), mla_dim=576)
 
 
 @pytest.mark.parametrize("attention", ["mha", "mla"])
@@ -31,25 +30,22 @@ def layout(kind: str, pages: int, attention: str = "mha") -> pd.KVLayout:
 @pytest.mark.parametrize("chunked", [False, True])
 def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked: bool) -> None:
     dev = _dev()
-    dev_layout = layout("layer_first", 24, attention)
-    host_layout = layout(kind, 40, attention)
+    dev_layout = MODEL.layout("layer_first", 24, attention)
+    host_layout = MODEL.layout(kind, 40, attention)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=7 if chunked else None, seed=0) as (pool, host):
-        before = as_bytes(host.buffer).clone()
         g = torch.Generator().manual_seed(1)
         dev_slots = torch.randperm(dev_layout.num_slots, generator=g)[:100]
         host_slots = torch.randperm(host_layout.num_slots, generator=g)[:100]
-        expected = reference_transfer(pool_bytes(pool), dev_layout, before, host_layout, dev_slots, host_slots)
-        host.backup(pool, dev_slots.cuda(), host_slots.cuda())
-        torch.cuda.synchronize()
-        assert torch.equal(as_bytes(host.buffer).reshape(-1), expected), "not the reference (moved items or the rest)"
         saved = [as_bytes(b).clone() for b in pool.buffers]
-        fill_pool(pool, 500)
-        # H2D per layer into a poisoned pool: moved items from the host, every other byte kept
-        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, host_slots, dev_slots)
-        for layer in range(4):
-            host.load_layer(pool, host_slots.cuda(), dev_slots.cuda(), layer)
-        torch.cuda.synchronize()
-        assert torch.equal(pool_bytes(pool), expected)
+
+        def load_per_layer() -> None:
+            for layer in range(4):
+                host.load_layer(pool, host_slots.cuda(), dev_slots.cuda(), layer)
+
+        # D2H, then H2D per layer into a poisoned pool: moved items from the host, every other byte kept
+        assert_round_trip(pool, host, dev_slots, host_slots, poison_seed=500, load=load_per_layer,
+                          backup=lambda: host.backup(pool, dev_slots.cuda(), host_slots.cuda()),
+                          sync=torch.cuda.synchronize)
         item = dev_layout.item_bytes
         fill_pool(pool, 900)
         host.load(pool, host_slots.cuda(), dev_slots.cuda(), max_ctas=2)
@@ -60,8 +56,8 @@ def test_gpu_round_trip_matches_cpu_reference(kind: str, attention: str, chunked
 
 def test_gpu_graph_capture_and_replay() -> None:
     dev = _dev()
-    dev_layout = layout("layer_first", 16)
-    host_layout = layout("page_first", 32)
+    dev_layout = MODEL.layout("layer_first", 16)
+    host_layout = MODEL.layout("page_first", 32)
     pool = pd.DeviceKVPool(dev_layout, dev)
     with pd.HostKVPool(host_layout, dev) as host:
         fill_random(host.buffer, 3)
@@ -89,8 +85,8 @@ def test_gpu_graph_capture_and_replay() -> None:
 
 def test_gpu_host_table_rejected_and_no_sticky_error() -> None:
     dev = _dev()
-    pool = pd.DeviceKVPool(layout("layer_first", 4), dev)
-    host_layout = layout("page_first", 4)
+    pool = pd.DeviceKVPool(MODEL.layout("layer_first", 4), dev)
+    host_layout = MODEL.layout("page_first", 4)
     with pd.HostKVPool(host_layout, dev) as host:
         idx = torch.arange(4, device="cuda")
         with pytest.raises(errors.DomainError):
@@ -122,8 +118,8 @@ def test_gpu_direct_cuda_register_conflict_reports_712() -> None:
 
 def test_gpu_stream_ordering_compute_then_offload() -> None:
     dev = _dev()
-    dev_layout = layout("layer_first", 64)
-    host_layout = layout("page_first", 64)
+    dev_layout = MODEL.layout("layer_first", 64)
+    host_layout = MODEL.layout("page_first", 64)
     pool = pd.DeviceKVPool(dev_layout, dev)
     compute, copy = torch.cuda.Stream(), torch.cuda.Stream()
     with pd.HostKVPool(host_layout, dev) as host:
@@ -168,8 +164,8 @@ def test_gpu_doctor_and_demo() -> None:
 @pytest.mark.parametrize("max_ctas", [1, 2, 4, pd.WHOLE_GPU])
 def test_gpu_backends_and_budgets_match_reference(kind: str, backend: str, max_ctas: pd.MaxCtas) -> None:
     dev = _dev()
-    dev_layout = layout("layer_first", 24, "mla")
-    host_layout = layout(kind, 40, "mla")
+    dev_layout = MODEL.layout("layer_first", 24, "mla")
+    host_layout = MODEL.layout(kind, 40, "mla")
     pool = pd.DeviceKVPool(dev_layout, dev)
     fill_pool(pool, 11)
     with pd.HostKVPool(host_layout, dev, max_chunk_bytes=host_layout.page_block_bytes() * 5) as host:

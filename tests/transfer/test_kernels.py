@@ -7,7 +7,8 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.reference import filled_pools, DEV, as_bytes, fill_pool, fill_random, items, model_layout, pool_bytes, pool_items, reference_transfer
+from tests.helpers.checks import assert_round_trip
+from tests.reference import DEV, as_bytes, fill_pool, fill_random, filled_pools, items, model_layout, pool_items
 
 
 def test_host_table_at_launch_raises_before_launch() -> None:
@@ -30,19 +31,16 @@ def test_round_trip_matches_reference(kind: str, attention: str, chunked: bool) 
     dev_layout = model_layout("layer_first", pages=6, attention=attention)
     host_layout = model_layout(kind, pages=10, attention=attention)
     with filled_pools(dev_layout, host_layout, DEV, chunk_blocks=3 if chunked else None, seed=0) as (pool, host):
-        host_before = as_bytes(host.buffer).clone()
         dev_slots = torch.tensor([0, 5, 23, 7, 12, 13])
         host_slots = torch.tensor([39, 2, 8, 17, 30, 31])
-        expected = reference_transfer(pool_bytes(pool), dev_layout, host_before, host_layout, dev_slots, host_slots)
-        host.backup(pool, dev_slots, host_slots)
-        # D2H: every moved item equals the device item; every other byte is unchanged
-        assert torch.equal(as_bytes(host.buffer).reshape(-1), expected)
-        # H2D per layer into a poisoned pool
-        fill_pool(pool, 1000)
-        expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, host_slots, dev_slots)
-        for layer in range(3):
-            host.load_layer(pool, host_slots, dev_slots, layer)
-        assert torch.equal(pool_bytes(pool), expected)
+
+        def load_per_layer() -> None:
+            for layer in range(3):
+                host.load_layer(pool, host_slots, dev_slots, layer)
+
+        # D2H: every moved item equals the device item, every other byte is unchanged; then H2D
+        # per layer into a poisoned pool
+        assert_round_trip(pool, host, dev_slots, host_slots, poison_seed=1000, load=load_per_layer)
 
 
 def test_per_layer_touches_one_layer() -> None:

@@ -23,6 +23,7 @@ import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.layouts import KVLayout, lower_pair
 from pointerdomain.transfer.plan import plan_for
+from tests.helpers.models import Model
 from tests.reference import DEV, fill_pool, fill_random
 
 POISON = 0xA5
@@ -30,14 +31,9 @@ PAGE = 4  # tokens per page
 LAYERS = 3
 
 
-def layout(kind: str, *, attention: str = "mha", heads: int = 4, groups: int = 1, pages: int = 5) -> KVLayout:
-    """A small model: 3 layers, pages of 4 tokens, bf16; MHA 4 heads of 8 (16-byte
-    heads, 64-byte items), MLA one latent of 40."""
-    dim = 40 if attention == "mla" else 8
-    return KVLayout.model_validate(
-        {"kind": kind, "attention": attention, "num_layers": LAYERS, "num_pages": pages, "page_size": PAGE,
-         "num_heads": 1 if attention == "mla" else heads, "head_dim": dim, "head_groups": groups}
-    )
+#: A small model: 3 layers, pages of 4 tokens, bf16; MHA 4 heads of 8 (16-byte heads, 64-byte
+#: items), MLA one latent of 40.
+MODEL = Model(layers=LAYERS, page_size=PAGE, mha=(4, 8), mla_dim=40, pages=5)
 
 
 def item(buffer: torch.Tensor, lay: KVLayout, kv: int, layer: int, slot: int) -> torch.Tensor:
@@ -176,7 +172,7 @@ def staged_supported(host: KVLayout) -> bool:
 @pytest.mark.parametrize("backend", ["kernel", "copy_engine", "staged", "auto"])
 @pytest.mark.parametrize("chunk_blocks", [None, 2])
 def test_device_layer_first_to_and_from_host(spec: dict[str, object], backend: str, chunk_blocks: int | None) -> None:
-    host_layout = layout(**spec, pages=5)  # type: ignore[arg-type]
+    host_layout = MODEL.layout(**spec, pages=5)  # type: ignore[arg-type]
     dev_layout = host_layout.replace(kind="layer_first", head_groups=1, num_pages=6)
     with device_side(dev_layout, 1) as dev, host_side(host_layout, 2, chunk_blocks=chunk_blocks) as host:
         if backend == "staged" and not staged_supported(host_layout):
@@ -208,8 +204,8 @@ def test_device_layer_first_to_and_from_host(spec: dict[str, object], backend: s
 )
 @pytest.mark.parametrize("backend", ["kernel", "copy_engine"])
 def test_host_to_host(src_spec: dict[str, object], dst_spec: dict[str, object], backend: str) -> None:
-    src_layout = layout(**src_spec)  # type: ignore[arg-type]
-    dst_layout = layout(**dst_spec)  # type: ignore[arg-type]
+    src_layout = MODEL.layout(**src_spec)  # type: ignore[arg-type]
+    dst_layout = MODEL.layout(**dst_spec)  # type: ignore[arg-type]
     dst_slots = dst_layout.num_slots
     with host_side(src_layout, 4, chunk_blocks=2) as src, host_side(dst_layout, 5) as dst:
         s = [0, 19, 6, 6, 13]
@@ -232,8 +228,8 @@ def test_host_to_host(src_spec: dict[str, object], dst_spec: dict[str, object], 
 def test_pairs_that_cannot_be_lowered_are_refused_before_anything_is_written(
     src_spec: dict[str, object], dst_spec: dict[str, object], why: str
 ) -> None:
-    src_layout = layout(**src_spec)  # type: ignore[arg-type]
-    dst_layout = layout(**dst_spec)  # type: ignore[arg-type]
+    src_layout = MODEL.layout(**src_spec)  # type: ignore[arg-type]
+    dst_layout = MODEL.layout(**dst_spec)  # type: ignore[arg-type]
     with pytest.raises(errors.LayoutError, match=why):
         lower_pair(src_layout, dst_layout)
     with host_side(src_layout, 6) as src, host_side(dst_layout, 7) as dst:
@@ -247,19 +243,19 @@ def test_pairs_that_cannot_be_lowered_are_refused_before_anything_is_written(
 def test_a_layer_first_table_cut_per_page_cannot_meet_head_groups() -> None:
     """A head group of a page_unified page is copied as a page of its own: a layer_first
     table with one entry per (kv, layer, page) does not hold those pages whole."""
-    dev_layout = layout("layer_first", pages=6)
+    dev_layout = MODEL.layout("layer_first", pages=6)
     flat = pd.device_empty((dev_layout.nbytes,), torch.uint8, DEV)
     n = dev_layout.num_kv * LAYERS * 6
     assert n in dev_layout.table_splits()
     size = dev_layout.nbytes // n
     per_page = pd.make_kernel_ptr_table([flat[i * size : (i + 1) * size] for i in range(n)], DEV)
-    with host_side(layout("page_unified", groups=2), 16) as host:
+    with host_side(MODEL.layout("page_unified", groups=2), 16) as host:
         poison(host)
         with pytest.raises(errors.LayoutError, match=r"36 entries \(one per page\).*Fix: build the table with 1 or 2 or 6"):
             pd.transfer_kv_all_layer(per_page, host.table, torch.tensor([1]), torch.tensor([2]), src_layout=dev_layout,
                                      dst_layout=host.layout)
         assert torch.equal(raw(host.buffer), torch.full_like(raw(host.buffer), POISON))
-    with host_side(layout("page_head"), 17) as host:  # page_head keeps the pages: the same table works
+    with host_side(MODEL.layout("page_head"), 17) as host:  # page_head keeps the pages: the same table works
         dev = Side(dev_layout, flat.view(torch.bfloat16).view(dev_layout.buffer_shape), per_page)
         fill_random(flat, 18)
         check_transfer(dev, host, [0, 23, 5], [19, 0, 7], layer=None, backend="kernel")
@@ -267,30 +263,30 @@ def test_a_layer_first_table_cut_per_page_cannot_meet_head_groups() -> None:
 
 def test_lower_pair_checks_its_arguments() -> None:
     with pytest.raises(errors.InvalidTypeError, match="dst: found a str"):
-        lower_pair(layout("page_head"), "page_first")  # type: ignore[arg-type]
+        lower_pair(MODEL.layout("page_head"), "page_first")  # type: ignore[arg-type]
     with pytest.raises(errors.LayoutError, match="differ in num_heads"):
-        lower_pair(layout("page_head"), layout("layer_first", heads=2))
+        lower_pair(MODEL.layout("page_head"), MODEL.layout("layer_first", heads=2))
 
 
 def test_lowering_only_where_an_item_is_split() -> None:
     """The existing kinds (and split kinds of one part) get no lowering: their plans and
     launches are what they were."""
     for kind in ("page_first", "page_first_direct", "layer_first"):
-        assert lower_pair(layout("layer_first"), layout(kind)) is None
-    assert lower_pair(layout("layer_first", heads=1), layout("page_head", heads=1)) is None
-    assert lower_pair(layout("layer_first"), layout("page_unified")) is None
-    assert lower_pair(layout("layer_first", attention="mla"), layout("page_head", attention="mla")) is None
-    with device_side(layout("layer_first", pages=6), 8) as dev, host_side(layout("page_first"), 9) as host:
+        assert lower_pair(MODEL.layout("layer_first"), MODEL.layout(kind)) is None
+    assert lower_pair(MODEL.layout("layer_first", heads=1), MODEL.layout("page_head", heads=1)) is None
+    assert lower_pair(MODEL.layout("layer_first"), MODEL.layout("page_unified")) is None
+    assert lower_pair(MODEL.layout("layer_first", attention="mla"), MODEL.layout("page_head", attention="mla")) is None
+    with device_side(MODEL.layout("layer_first", pages=6), 8) as dev, host_side(MODEL.layout("page_first"), 9) as host:
         plan = plan_for(dev.table, dev.layout, host.table, host.layout)
         assert plan.lowering is None and plan.src_layout is dev.layout and plan.dst_layout is host.layout
-    low = lower_pair(layout("layer_first", pages=6), layout("page_head"))
+    low = lower_pair(MODEL.layout("layer_first", pages=6), MODEL.layout("page_head"))
     assert low is not None and low.parts == 4 and (low.src_blocked, low.dst_blocked) == (False, True)
-    assert low.dst == layout("page_first", heads=1).replace(page_size=4 * PAGE)
-    assert low.src == layout("layer_first", heads=1, pages=6).replace(page_size=4 * PAGE)
-    low = lower_pair(layout("page_unified", groups=2), layout("layer_first", pages=6))
+    assert low.dst == MODEL.layout("page_first", heads=1).replace(page_size=4 * PAGE)
+    assert low.src == MODEL.layout("layer_first", heads=1, pages=6).replace(page_size=4 * PAGE)
+    low = lower_pair(MODEL.layout("page_unified", groups=2), MODEL.layout("layer_first", pages=6))
     assert low is not None and low.parts == 2 and (low.src_blocked, low.dst_blocked) == (True, False)
-    assert low.src == layout("page_unified", heads=2, pages=10)
-    assert low.dst == layout("layer_first", heads=2, pages=12)
+    assert low.src == MODEL.layout("page_unified", heads=2, pages=10)
+    assert low.dst == MODEL.layout("layer_first", heads=2, pages=12)
 
 
 def test_expanded_slots_name_each_part() -> None:
@@ -298,7 +294,7 @@ def test_expanded_slots_name_each_part() -> None:
     (page_head: head ``h`` of token ``t`` of page ``p`` is token ``h * ps + t`` of page
     ``p``), the other side's ``s * parts + h``; a slot out of range, parts all out of
     the lowered range (never wrapped into it)."""
-    with device_side(layout("layer_first", pages=6), 10) as dev, host_side(layout("page_head"), 11) as host:
+    with device_side(MODEL.layout("layer_first", pages=6), 10) as dev, host_side(MODEL.layout("page_head"), 11) as host:
         plan = plan_for(dev.table, dev.layout, host.table, host.layout)
         s = torch.tensor([0, 5, 23, 24, -3], dtype=torch.int64)
         d = torch.tensor([0, 6, 19, 2**62, -1], dtype=torch.int64)
@@ -314,7 +310,7 @@ def test_expanded_slots_name_each_part() -> None:
 
 
 def test_out_of_range_slot_is_reported_in_the_callers_slots_and_nothing_is_written() -> None:
-    with device_side(layout("layer_first", pages=6), 12) as dev, host_side(layout("page_head"), 13) as host:
+    with device_side(MODEL.layout("layer_first", pages=6), 12) as dev, host_side(MODEL.layout("page_head"), 13) as host:
         poison(host)
         for backend in ("kernel", "copy_engine", "staged"):
             with pytest.raises(errors.IndexValidationError, match=r"dst_indices: slot 20 outside \[0, 20\)"):
@@ -331,7 +327,7 @@ def test_out_of_range_slot_is_reported_in_the_callers_slots_and_nothing_is_writt
 
 
 def test_moves_inside_one_page_head_pool_follow_the_overlap_rule() -> None:
-    lay = layout("page_head")
+    lay = MODEL.layout("page_head")
     with host_side(lay, 14) as host:
         before = Side(lay, host.buffer.clone(), host.table)
         want = expected_after(before, host, [0, 1, 2], [9, 10, 11], list(range(LAYERS)))
@@ -373,7 +369,7 @@ def first_head(buffer: torch.Tensor, lay: KVLayout, kv: int, layer: int, slot: i
 
 @pytest.mark.parametrize("spec", ALL_KINDS)
 def test_byte_offset_and_host_va_match_torch_views(spec: dict[str, object]) -> None:
-    lay = layout(pages=3, **spec)  # type: ignore[arg-type]
+    lay = MODEL.layout(pages=3, **spec)  # type: ignore[arg-type]
     with pd.HostKVPool(lay, DEV) as pool:
         buffer = pool.buffer
         assert tuple(buffer.shape) == lay.buffer_shape
@@ -405,7 +401,7 @@ def test_byte_offset_and_host_va_match_torch_views(spec: dict[str, object]) -> N
 
 
 def test_byte_offset_bad_input_is_typed() -> None:
-    lay = layout("page_head")
+    lay = MODEL.layout("page_head")
     for bad in (True, 1.0, "1", None):
         with pytest.raises(errors.InvalidTypeError, match="expected an int"):
             lay.byte_offset(bad, 0, 0)  # type: ignore[arg-type]
@@ -418,7 +414,7 @@ def test_byte_offset_bad_input_is_typed() -> None:
     with pytest.raises(errors.IndexValidationError, match="token 4 outside"):
         lay.item_spans(0, 0, 0, token=4)
     with pytest.raises(errors.IndexValidationError, match="kv 1 outside"):
-        layout("page_unified", attention="mla").byte_offset(0, 0, 1)
+        MODEL.layout("page_unified", attention="mla").byte_offset(0, 0, 1)
     pool = pd.HostKVPool(lay, DEV)
     with pytest.raises(errors.InvalidTypeError):
         pool.host_va(0, False, 0)  # a bool is an int to the type checker, not here
@@ -429,18 +425,18 @@ def test_byte_offset_bad_input_is_typed() -> None:
 
 def test_head_groups_is_validated() -> None:
     with pytest.raises(errors.LayoutFieldError, match="head_groups") as info:
-        layout("page_unified", groups=3)
+        MODEL.layout("page_unified", groups=3)
     assert info.value.field == "head_groups"
     with pytest.raises(errors.LayoutFieldError, match="head_groups"):
-        layout("page_first", groups=2)
+        MODEL.layout("page_first", groups=2)
     with pytest.raises(errors.LayoutFieldError, match="head_groups"):
-        layout("page_unified", attention="mla", groups=2)
+        MODEL.layout("page_unified", attention="mla", groups=2)
     with pytest.raises(errors.LayoutFieldError, match="head_groups"):
-        layout("page_unified").replace(head_groups=0)
+        MODEL.layout("page_unified").replace(head_groups=0)
     with pytest.raises(errors.LayoutFieldError, match="kind"):
-        layout("page_unified").replace(kind="page_heads")  # type: ignore[arg-type]
-    assert layout("page_unified", groups=4).model_dump()["head_groups"] == 4
-    assert KVLayout.model_validate_json(layout("page_unified", groups=2).model_dump_json()) == layout(
+        MODEL.layout("page_unified").replace(kind="page_heads")  # type: ignore[arg-type]
+    assert MODEL.layout("page_unified", groups=4).model_dump()["head_groups"] == 4
+    assert KVLayout.model_validate_json(MODEL.layout("page_unified", groups=2).model_dump_json()) == MODEL.layout(
         "page_unified", groups=2)
 
 
@@ -450,7 +446,7 @@ def test_head_groups_is_validated() -> None:
 @pytest.mark.parametrize("spec", [dict(kind="page_head"), dict(kind="page_head", attention="mla"),
                                   dict(kind="page_unified"), dict(kind="page_unified", groups=2)])
 def test_page_metadata_is_the_pages_bytes(spec: dict[str, object]) -> None:
-    lay = layout(pages=3, **spec)  # type: ignore[arg-type]
+    lay = MODEL.layout(pages=3, **spec)  # type: ignore[arg-type]
     with pd.HostKVPool(lay, DEV) as pool:
         fill_random(pool.buffer, 15)
         flat = raw(pool.buffer)
@@ -488,7 +484,7 @@ def test_sglang_page_head_buffer_meta_formula() -> None:
     ``k_ptr = base + page_start * layer_num * head_num * head_dim * itemsize``, ``v_ptr =
     k_ptr + layer_num * size * head_num * head_dim * itemsize``, each ``layer_num *
     page_size * head_num * head_dim * itemsize`` bytes (pool_host/mha.py)."""
-    lay = layout("page_head")
+    lay = MODEL.layout("page_head")
     with pd.HostKVPool(lay, DEV) as pool:
         base, itemsize = pool.buffer.data_ptr(), 2
         per_token = LAYERS * 4 * 8 * itemsize

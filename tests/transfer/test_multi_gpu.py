@@ -19,6 +19,7 @@ from pointerdomain import errors
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
+from tests.helpers.models import Model
 from tests.reference import as_bytes, fill_pool, fill_random, pool_bytes, reference_transfer
 
 pytestmark = [
@@ -30,9 +31,7 @@ C0 = pd.Device("cuda", 0)
 C1 = pd.Device("cuda", 1)
 
 
-def layout(kind: str, pages: int) -> pd.KVLayout:
-    return pd.KVLayout(kind=kind, attention="mha", num_layers=4, num_pages=pages, page_size=16,
-                       num_heads=8, head_dim=128, dtype="bfloat16")
+MODEL = Model(layers=4, page_size=16, mha=(8, 128))
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +45,7 @@ def _device0_current() -> Iterator[None]:
 
 
 def pools(chunk_blocks: int | None = None) -> tuple[pd.DeviceKVPool, pd.DeviceKVPool, pd.HostKVPool]:
-    dev_layout, host_layout = layout("layer_first", 24), layout("page_first", 50)
+    dev_layout, host_layout = MODEL.layout("layer_first", 24), MODEL.layout("page_first", 50)
     p0, p1 = pd.DeviceKVPool(dev_layout, C0), pd.DeviceKVPool(dev_layout, C1)
     fill_pool(p0, 0)
     fill_pool(p1, 100)

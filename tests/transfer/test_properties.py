@@ -14,7 +14,6 @@ byte the transfer must not touch stays as it was, and the source is unchanged.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import pointerdomain as pd  # noqa: E402
-from pointerdomain import checked, errors  # noqa: E402
+from pointerdomain import errors  # noqa: E402
 from tests.reference import fill_random, reference_transfer, table_storage
 
 KINDS = ["layer_first", "page_first", "page_first_direct"]
@@ -36,10 +35,6 @@ SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 
 
 
-@pytest.fixture(autouse=True)
-def _checked_mode() -> Iterator[None]:
-    with checked.checked_mode(True):
-        yield
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pointerdomain._platform import backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.transfer.plan import plan_for
+from tests.helpers.models import Model
 from tests.reference import as_bytes, fill_pool, fill_random, filled_pools, pool_bytes, reference_transfer
 
 pytestmark = pytest.mark.gpu
@@ -31,10 +32,7 @@ def _dev() -> pd.Device:
     return pd.Device("cuda", 0)
 
 
-def layout(kind: str, slots: int, attention: str, page_size: int) -> pd.KVLayout:
-    heads, dim = (1, 576) if attention == "mla" else (8, 64)  # 1152 B MLA, 1 KiB MHA items (bf16)
-    return pd.KVLayout(kind=kind, attention=attention, num_layers=4, num_pages=slots // page_size,  # type: ignore[arg-type]
-                       page_size=page_size, num_heads=heads, head_dim=dim, dtype="bfloat16")
+MODEL = Model(layers=4, page_size=16, mha=(8, 64), mla_dim=576)  # 1 KiB MHA, 1152 B MLA items (bf16)
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +62,8 @@ def test_staged_d2h_and_h2d_match_the_reference(host_kind: str, page_size: int, 
     dev = _dev()
     if staging == "small":
         staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
-    dev_layout = layout("layer_first", 512, attention, page_size)
-    host_layout = layout(host_kind, 768, attention, page_size)
+    dev_layout = MODEL.layout("layer_first", 512 // page_size, attention, page_size=page_size)
+    host_layout = MODEL.layout(host_kind, 768 // page_size, attention, page_size=page_size)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=8 if chunked else None, seed=0) as (pool, host):
         d = _slots(dev_layout.num_slots, page_size, 300, 1, order)
         h = _slots(host_layout.num_slots, page_size, 300, 2, order)
@@ -89,7 +87,7 @@ def test_staged_takes_cpu_indices_without_a_sync_and_moves_the_reference(where: 
     dev = _dev()
     staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
     host_at, dev_at = where
-    dev_layout, host_layout = layout("layer_first", 512, "mha", 16), layout("page_first", 768, "mha", 16)
+    dev_layout, host_layout = MODEL.layout("layer_first", 32), MODEL.layout("page_first", 48)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=8, seed=6) as (pool, host):
         d = _slots(dev_layout.num_slots, 16, 300, 11, "tokens")
         h = _slots(host_layout.num_slots, 16, 300, 12, "pages")
@@ -117,7 +115,7 @@ def test_staged_takes_cpu_indices_without_a_sync_and_moves_the_reference(where: 
 
 def test_copy_engine_takes_cpu_indices() -> None:
     dev = _dev()
-    dev_layout, host_layout = layout("layer_first", 512, "mha", 16), layout("page_first", 768, "mha", 16)
+    dev_layout, host_layout = MODEL.layout("layer_first", 32), MODEL.layout("page_first", 48)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=7) as (pool, host):
         d = _slots(dev_layout.num_slots, 16, 256, 13, "pages")
         h = _slots(host_layout.num_slots, 16, 256, 14, "pages")
@@ -138,7 +136,7 @@ def _snapshot(pool: pd.DeviceKVPool, host: pd.HostKVPool) -> tuple[torch.Tensor,
 def test_staged_bad_index_is_refused_with_nothing_written(direction: str, side: str) -> None:
     dev = _dev()
     staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
-    dev_layout, host_layout = layout("layer_first", 256, "mha", 16), layout("page_first", 256, "mha", 16)
+    dev_layout, host_layout = MODEL.layout("layer_first", 16), MODEL.layout("page_first", 16)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=4) as (pool, host):
         before = _snapshot(pool, host)
         h, d = torch.arange(200), torch.arange(200).flip(0)
@@ -156,7 +154,7 @@ def test_native_staged_check_refuses_a_bad_host_index_with_nothing_written() -> 
     """The C++ side's own range check of the host indices (the Python layer's is bypassed)."""
     dev = _dev()
     staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
-    dev_layout, host_layout = layout("layer_first", 256, "mha", 16), layout("page_first", 256, "mha", 16)
+    dev_layout, host_layout = MODEL.layout("layer_first", 16), MODEL.layout("page_first", 16)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=5) as (pool, host):
         before = _snapshot(pool, host)
         plan = plan_for(host.kernel_table, host_layout, pool.table, dev_layout)
@@ -177,7 +175,7 @@ def test_native_staged_check_refuses_a_bad_host_index_with_nothing_written() -> 
 def test_staged_transfers_on_two_streams_share_the_ring_safely() -> None:
     dev = _dev()
     staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
-    dev_layout, host_layout = layout("layer_first", 1024, "mha", 16), layout("page_first", 1024, "mha", 16)
+    dev_layout, host_layout = MODEL.layout("layer_first", 64), MODEL.layout("page_first", 64)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=6) as (pool, host):
         torch.cuda.synchronize()
         perm = _slots(1024, 16, 1024, 7, "tokens")
@@ -195,7 +193,7 @@ def test_staged_transfers_on_two_streams_share_the_ring_safely() -> None:
 def test_auto_stages_outside_capture_and_uses_the_kernel_in_graph_capture_and_replay() -> None:
     dev = _dev()
     staged.set_staging(dev, nbytes=SMALL_STAGING, ring=2)
-    dev_layout, host_layout = layout("layer_first", 1024, "mha", 16), layout("page_first", 1024, "mha", 16)
+    dev_layout, host_layout = MODEL.layout("layer_first", 64), MODEL.layout("page_first", 64)
     n = 256
     assert n >= staged.STAGED_MIN_CHUNKS * staged.chunk_slots(staged.staging_config(dev), 2, 4 * 1024)
     with install_backend(FaultyBackend(backend_for(dev), {}), "cuda") as counting, \
@@ -238,7 +236,7 @@ def test_auto_stages_outside_capture_and_uses_the_kernel_in_graph_capture_and_re
 
 def test_staged_refuses_per_layer_and_page_first_direct_pages() -> None:
     dev = _dev()
-    dev_layout, host_layout = layout("layer_first", 256, "mha", 16), layout("page_first_direct", 256, "mha", 16)
+    dev_layout, host_layout = MODEL.layout("layer_first", 16), MODEL.layout("page_first_direct", 16)
     with filled_pools(dev_layout, host_layout, dev, chunk_blocks=None, seed=11) as (pool, host):
         before = _snapshot(pool, host)
         idx = torch.arange(64, device="cuda")
