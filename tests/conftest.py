@@ -1,3 +1,4 @@
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
@@ -7,12 +8,22 @@ from tests.helpers.fixtures import checked_launches  # noqa: F401 -- autouse for
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu-check on a GPU machine)")
+    """Skips, with the reason, what this machine cannot run: ``gpu`` tests without a CUDA
+    device, ``requires_module(name, ...)`` tests without one of those modules."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu-check on a GPU machine)")
+    cuda = torch.cuda.is_available()
+    installed: dict[str, bool] = {}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if not cuda and "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+        for mark in item.iter_markers("requires_module"):
+            for name in mark.args:
+                if name not in installed:
+                    installed[name] = importlib.util.find_spec(name) is not None
+            missing = [name for name in mark.args if not installed[name]]
+            if missing:
+                item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)}, not installed here (.ci/run "
+                                                        "installs it for its engines stage)"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -18,6 +18,9 @@ from pointerdomain import DeviceAlias, PointerTable, errors
 from pointerdomain.adapters import sglang
 from pointerdomain.compat.wrap import kernel_op
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 DEV = "emulated:0"
 POISON = 0xA5
 KINDS = ["layer_first", "page_first", "page_first_direct"]

@@ -120,6 +120,7 @@ def tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
 
+@pytest.mark.requires_module("mooncake")
 def test_two_process_pull_over_tcp(tmp_path: Path) -> None:
     reason = engine_unavailable()
     if reason is not None:

@@ -211,6 +211,7 @@ def _poisoned_device_pool() -> tuple[pd.DeviceKVPool, dict[str, torch.Tensor]]:
     return device_pool, poison
 
 
+@pytest.mark.requires_module("nixl")
 def test_two_processes_pull_pages_over_ucx(tmp_path: Path) -> None:
     _nixl_or_skip()
     a_dev_pages, a_host_pages = [2, 7, 4], [5, 0, 3]
@@ -256,6 +257,7 @@ def test_two_processes_pull_pages_over_ucx(tmp_path: Path) -> None:
             proc.wait()
 
 
+@pytest.mark.requires_module("nixl")
 def test_posix_backend_writes_pages_to_a_file_and_reads_them_back(tmp_path: Path) -> None:
     _nixl_or_skip()
     dev_layout, host_layout = layouts()

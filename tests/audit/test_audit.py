@@ -310,6 +310,7 @@ def _mypy(files: list[Path], cache: Path) -> tuple[int, str]:
     return rc, out + err
 
 
+@pytest.mark.slow
 def test_autofix_mypy(tmp_path: Path) -> None:
     pytest.importorskip("mypy")  # the GPU machine has none
     tensor_style = fix_source(FIX_SNIPPET, "tensor")

@@ -34,6 +34,8 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 
+pytestmark = pytest.mark.slow  # builds a third-party extension with CMake, then type-checks its stub
+
 DEV = "emulated:0"
 SOURCE = Path(__file__).resolve().parent / "native" / "toy_cache"
 CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")

@@ -87,6 +87,7 @@ def test_failed_copy_engine_run_raises_the_typed_error(pools: tuple[pd.DeviceKVP
     assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), before)
 
 
+@pytest.mark.slow
 def test_extension_missing_is_reported_on_first_use() -> None:
     code = textwrap.dedent("""
         import sys

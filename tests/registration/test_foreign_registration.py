@@ -16,6 +16,9 @@ from pointerdomain._platform.driver_faults import DriverFaults
 from pointerdomain._platform.testing import install_backend
 from tests.reference import DEV, EMU, fill_random
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 PAGE = 4096
 
 

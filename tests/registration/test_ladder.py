@@ -18,6 +18,9 @@ from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
 from pointerdomain._platform.testing import install_backend
 from tests.reference import DEV, fill_pool, fill_random, filled_pools, model_layout, pool_bytes, reference_transfer
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 PAGE = 4096
 DEGRADE = pd.RegistrationPolicy(on_failure="degrade", chunk_bytes=4 * PAGE)
 

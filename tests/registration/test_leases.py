@@ -171,6 +171,7 @@ _CRASH_REPRO = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", range(3))
 def test_close_while_another_thread_copies_does_not_crash(run: int) -> None:
     """The issue's repro (SIGSEGV 5/5 before leases): a child process closes the host pool

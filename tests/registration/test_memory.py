@@ -9,6 +9,9 @@ import pointerdomain as pd
 from pointerdomain import errors
 from tests.reference import DEV
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 
 def test_emulated_alias_differs_and_sees_host_writes() -> None:
     with pd.alloc_registered(1 << 16, DEV) as mem:

@@ -24,6 +24,9 @@ from pointerdomain.registration.strict import ENV_VAR
 from tests.helpers.checks import assert_round_trip
 from tests.reference import DEV, fill_random, filled_pools, model_layout, pool_bytes, reference_transfer
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 
 def test_off_by_default_and_switches_back() -> None:
     if os.environ.get(ENV_VAR) != "1":

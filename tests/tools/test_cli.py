@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pointerdomain", *args], capture_output=True, text=True, timeout=300)
@@ -22,6 +24,7 @@ def test_cli_demo_small_and_doctor() -> None:
     assert report["devices"][0]["self_test"]["alias_equals_va"] is False
 
 
+@pytest.mark.slow
 def test_cli_demo_refuses_bad_shapes_with_a_message() -> None:
     for args, needle in ((("--layers", "100000"), "GiB more host memory"), (("--layers", "0"), "--layers"),
                          (("--pages", "0"), "argument --pages"), (("--attention", "mla", "--heads", "8"), "--heads must be 1")):

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # Run the demo as the only child of a fresh interpreter, so RUSAGE_CHILDREN's ru_maxrss
 # (the largest finished child) is the demo's and not another test's subprocess.
 _MEASURE = """
@@ -18,6 +20,7 @@ print(json.dumps({"rc": out.returncode, "stdout": out.stdout, "stderr": out.stde
 """
 
 
+@pytest.mark.slow
 def test_demo_peak_rss_within_10_percent_of_the_estimate() -> None:
     # ~530 MiB of pools and copies over a ~250 MiB interpreter: the buffers dominate the peak.
     args = ["--device", "emulated:0", "--layers", "8", "--device-pages", "64", "--host-pages", "128", "--pages", "32"]

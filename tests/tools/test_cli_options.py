@@ -34,6 +34,7 @@ def test_every_flag_has_help_and_defaults_show() -> None:
     assert "(default: 32)" in text and "(default: page_first)" in text
 
 
+@pytest.mark.slow
 def test_version_and_demo_help() -> None:
     import pointerdomain
 
@@ -43,6 +44,7 @@ def test_version_and_demo_help() -> None:
     assert helped.returncode == 0 and "(default: 64)" in helped.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "needle"), [
     (("--device", "cpu"), "--device emulated:0"),
     (("--device", "emulated:99"), "--device emulated:99"),
@@ -70,6 +72,7 @@ def test_shape_errors_name_flags_not_model_fields() -> None:
     assert "num_layers" not in text and "page_size" not in text
 
 
+@pytest.mark.slow
 def test_demo_says_its_device_and_shows_progress() -> None:
     out = _cli("demo", "--layers", "2", "--device-pages", "4", "--host-pages", "6", "--pages", "3", "--progress", "always")
     assert out.returncode == 0, out.stderr
@@ -87,6 +90,7 @@ def test_demo_says_its_device_and_shows_progress() -> None:
     assert result["ok"] is True and result["device"] == "emulated:0" and result["device_choice"] == "--device"
 
 
+@pytest.mark.slow
 def test_module_entry_point_uses_the_same_conventions() -> None:
     out = subprocess.run([sys.executable, "-m", "pointerdomain.tools.cli", "demo", "--device", "cpu"], capture_output=True,
                          text=True, timeout=300)

@@ -7,6 +7,8 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
 from pointerdomain.tools import doctor
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.base import DeviceAttributeName
@@ -50,6 +52,7 @@ def test_doctor_json_matrix_on_the_emulated_device() -> None:
     assert versions["pointerdomain"] == pointerdomain.__version__ and versions["torch"] == torch.__version__
 
 
+@pytest.mark.slow
 def test_doctor_text_has_every_row_and_default_devices() -> None:
     out = _cli("doctor")
     assert out.returncode == 0, out.stderr

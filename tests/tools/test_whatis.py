@@ -14,6 +14,9 @@ import pointerdomain as pd
 from pointerdomain import errors
 from tests.reference import fill_pool, model_layout, table_storage
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 PAGE = 4096
 EMU = "emulated:0"
 
@@ -136,6 +139,7 @@ def test_checked_mode_domain_error_explains_the_host_va() -> None:
         assert explained.other_domain_address == host.kernel_table[0].value
 
 
+@pytest.mark.slow
 def test_whatis_cli_demo_pid_and_bad_address() -> None:
     demo = _cli("whatis", "--demo", "--json")
     assert demo.returncode == 0, demo.stderr
@@ -169,6 +173,7 @@ def test_whatis_cli_demo_pid_and_bad_address() -> None:
         assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_whatis_into_a_closed_pipe_exits_quietly() -> None:
     """`pointerdomain whatis ... --json | head -0`: the reader is gone before the output; no
     BrokenPipeError traceback, exit 1 (the output did not reach anyone)."""
@@ -188,6 +193,7 @@ def test_explain_refuses_what_is_not_a_pid() -> None:
         assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.slow
 def test_whatis_pid_of_no_process_is_a_usage_error() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: its pid names no process (reuse within this test is vanishingly unlikely)

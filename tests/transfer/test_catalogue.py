@@ -41,6 +41,9 @@ from pointerdomain._platform.testing import install_backend
 from pointerdomain.domains import HostVA
 from tests.reference import EMU, fill_pool, fill_random, items, same, table_storage
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 DEV = "emulated:0"
 DEV1 = "emulated:1"
 PAGE = mmap.PAGESIZE
@@ -269,6 +272,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_memlock_limit_gives_hint_and_rolls_back() -> None:
     env = dict(os.environ, POINTERDOMAIN_EMULATE_MEMLOCK="1", POINTERDOMAIN_CHECKED="1")
     proc = subprocess.run([sys.executable, "-c", _MEMLOCK_CHILD], env=env, capture_output=True, text=True, timeout=120)
@@ -735,6 +739,7 @@ def test_strided_buffer_in_a_host_table() -> None:
 # ---------------------------------------------------------------- lifetimes
 
 
+@pytest.mark.slow
 def test_table_keeps_its_memory_alive_after_the_caller_drops_it() -> None:
     layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=2, num_pages=2, page_size=4,
                          num_heads=1, head_dim=64, dtype="uint8")
@@ -814,6 +819,7 @@ def test_checked_entry_past_the_end_of_its_device_allocation(rig: Rig) -> None:
     still_usable()
 
 
+@pytest.mark.slow
 def test_checked_mode_is_off_by_default_and_switchable() -> None:
     env = {k: v for k, v in os.environ.items() if k != "POINTERDOMAIN_CHECKED"}
     code = "from pointerdomain import checked; print(checked.enabled())"

@@ -12,7 +12,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
 from tests import childenv
+
+pytestmark = pytest.mark.slow  # the long fuzzer run: .ci/run's fuzz stage
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMUM = {"ci": 2000, "dev": 200, "long": 20000}

@@ -10,6 +10,9 @@ from pointerdomain import errors
 from tests.helpers.checks import assert_round_trip
 from tests.reference import DEV, as_bytes, fill_pool, fill_random, filled_pools, items, model_layout, pool_items
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 
 def test_host_table_at_launch_raises_before_launch() -> None:
     pool = pd.DeviceKVPool(model_layout(), DEV)

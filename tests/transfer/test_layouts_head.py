@@ -26,6 +26,9 @@ from pointerdomain.transfer.plan import plan_for
 from tests.helpers.models import Model
 from tests.reference import DEV, fill_pool, fill_random
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 POISON = 0xA5
 PAGE = 4  # tokens per page
 LAYERS = 3

@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (it is on
 from pointerdomain.transfer.triton import kernel_table_arg, launch  # noqa: E402
 from tests.transfer.triton_pages import load_pages as _load_pages  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.requires_module("triton")]
 
 
 def _slots(pages: list[int], page_size: int, device: str) -> torch.Tensor:

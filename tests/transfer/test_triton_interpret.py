@@ -54,6 +54,7 @@ _SCRIPT = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.requires_module("triton")
 def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (CI installs it; the interpreter needs no GPU)")

@@ -328,6 +328,7 @@ def test_a_forked_childs_writes_do_not_reach_the_parent() -> None:
 
 # 9. environment variables -----------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["true", "yes", "2", "on"])
 def test_undocumented_checked_values_warn(value: str) -> None:
     proc = _run("""
@@ -342,6 +343,7 @@ def test_undocumented_checked_values_warn(value: str) -> None:
     assert "'0' or '1'" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("0", False), ("", False)])
 def test_documented_checked_values(value: str, on: bool) -> None:
     proc = _run("import pointerdomain as pd; print(pd.checked.enabled())", env={"POINTERDOMAIN_CHECKED": value})
