@@ -8,7 +8,7 @@ Before allocating, :func:`estimate` counts every buffer the run holds at its pea
 (the pools, the saved pages, the alias pages the copies touch, the bounded scratch of
 the fill and verify steps, and the process as it is now) and refuses a run that would
 not fit. The estimate is printed (``--json``: ``estimate.host_peak_bytes``) and
-tests/test_cli_memory.py holds the measured peak RSS within 10 % of it.
+tests/tools/test_cli_memory.py holds the measured peak RSS within 10 % of it.
 """
 
 from __future__ import annotations
