@@ -43,6 +43,7 @@ __all__ = [
     "extension_ops",
     "extension_path",
     "gpu_ops_built",
+    "host_pointer_fallback",
     "kernel_plan",
     "memory_device",
     "on_backend_change",
@@ -99,6 +100,16 @@ register_backend("emulated", _emulated)
 register_backend("cuda", _cuda)
 
 
+def _install_runtimes() -> None:
+    from pointerdomain import devices
+    from pointerdomain._platform.runtimes import runtimes
+
+    devices.install_runtimes(runtimes())
+
+
+_install_runtimes()
+
+
 def backend_for(device: Device) -> Backend:
     """The backend of ``device`` (built on first use, then cached).
 
@@ -134,6 +145,13 @@ def _swap(device_type: str, backend: Backend | None) -> Backend | None:
     for callback in _on_swap:
         callback()
     return previous
+
+
+def host_pointer_fallback(runtime: str) -> bool:
+    """True where ``runtime`` ("cuda", "hip") lets kernels use a registered host VA as its
+    device address when ``CanUseHostPointerForRegisteredMem`` is 1 (CUDA; HIP defines no
+    such guarantee), so a build without the alias op may fall back to it."""
+    return runtime != "hip"
 
 
 def gpu_ops_built() -> bool:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pointerdomain._platform.pointer_query import PointerInfo
     from pointerdomain.devices import Device
 
-__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator", "PointerQuery"]
+__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator", "PointerQuery", "RuntimeTraits"]
 
 #: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
 #: runtime's ``cudaDevAttr<Name>`` (HIP: ``hipDeviceAttribute<Name>``; HIP has no
@@ -47,12 +47,33 @@ class Backend(Protocol):
             (``cudaHostGetDevicePointer``); False means the alias policy may fall back.
         host_readable: the device's memory (kernel tables, indices) is readable from
             the CPU without a synchronisation (true only for the emulated backend).
+
+    What follows from the runtime alone (:class:`RuntimeTraits`): ``staged_auto``,
+    ``driver_attributes``, ``alias_is_mapping``.
     """
 
     name: str
     runtime: str
     has_alias_op: bool
     host_readable: bool
+
+    @property
+    def staged_auto(self) -> bool:
+        """``backend="auto"`` may pick the staged path (its crossover was measured on this
+        runtime: CUDA); elsewhere it runs only when asked."""
+        ...
+
+    @property
+    def driver_attributes(self) -> bool:
+        """``PageableMemoryAccess`` and its kin are read through the CUDA driver (strict
+        alias mode's capability, :mod:`.cuda_driver`)."""
+        ...
+
+    @property
+    def alias_is_mapping(self) -> bool:
+        """A device alias is this process's second mapping of the host pages (the emulated
+        driver), not an address the runtime hands out."""
+        ...
 
     # registration ------------------------------------------------------------
     def register(self, va: int, nbytes: int, device: Device) -> int:
@@ -225,6 +246,25 @@ class Backend(Protocol):
     def synchronize(self, device: Device) -> None:
         """Wait for the device's work (a no-op where launches are synchronous)."""
         ...
+
+
+class RuntimeTraits:
+    """The :class:`Backend` capabilities that follow from its ``runtime`` alone (a mixin of
+    every backend, so a wrapper that takes another runtime's name takes its traits too)."""
+
+    runtime: str
+
+    @property
+    def staged_auto(self) -> bool:
+        return self.runtime == "cuda"
+
+    @property
+    def driver_attributes(self) -> bool:
+        return self.runtime == "cuda"
+
+    @property
+    def alias_is_mapping(self) -> bool:
+        return self.runtime == "emulated"
 
 
 @runtime_checkable

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery
+from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery, RuntimeTraits
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["DelegatingBackend"]
 
 
-class DelegatingBackend:
+class DelegatingBackend(RuntimeTraits):
     """``inner``'s behaviour, call for call, under the name ``f"{label}({inner.name})"``."""
 
     def __init__(self, inner: Backend, label: str) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain import _C, env
-from pointerdomain._platform.base import DeviceAttributeName
+from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain.devices import current_device, current_ordinal
@@ -72,7 +72,7 @@ def _require_current(device: Device, what: str) -> None:
         )
 
 
-class EmulatedBackend:
+class EmulatedBackend(RuntimeTraits):
     """See the module docstring."""
 
     name = "emulated"

@@ -1218,7 +1218,7 @@ def pageable(t: torch.Tensor, device: Device) -> bool:
     tests :func:`pointerdomain.make_kernel_ptr_table` makes before it refuses host memory
     as unregistered: registered, closed, straddling and runtime-pinned memory keep the
     table path and its errors)."""
-    if t.device.type != "cpu" or _raw.memory_device_of("tensor", t) is not None:
+    if not t.is_cpu or _raw.memory_device_of("tensor", t) is not None:
         return False
     va, n = HostVA(t.data_ptr()), max(nbytes_of(t), 1)
     if (find_registration(va, 1) is not None or find_registration(va.offset(n - 1), 1) is not None

@@ -114,14 +114,14 @@ def strict_mode_capability(device: Device | str | torch.device) -> StrictCapabil
         InvalidDeviceError: the device does not exist.
     """
     dev = validate_device(device)
-    if dev.type == "emulated":
+    if dev.runtime.host_memory:
         return StrictCapability(dev, False, None, None,
                                 "emulated: the alias is always a distinct mapping, but the CPU kernel can read any "
                                 "mapped address; checked mode (not a fault) catches host VAs there")
     from pointerdomain._platform import backend_for
 
     backend = backend_for(dev)
-    if backend.runtime != "cuda":
+    if not backend.driver_attributes:
         return StrictCapability(dev, None, None, None,
                                 f"{backend.runtime}: PageableMemoryAccess is read through the CUDA driver only")
     from pointerdomain._platform.cuda_driver import device_attributes, load_error

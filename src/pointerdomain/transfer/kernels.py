@@ -97,11 +97,11 @@ def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False)
         raise IndexValidationError(f"{name}: shape {tuple(idx.shape)}, expected 1-D")
     if not idx.is_contiguous():
         raise IndexValidationError(f"{name}: not contiguous (stride {idx.stride()})")
-    if not tensor_on(idx, device) and not (host_read and idx.device.type == "cpu"):
+    if not tensor_on(idx, device) and not (host_read and idx.is_cpu):
         raise IndexValidationError(
             f"{name}: on {idx.device}, but the launch runs on {device} (indices must be on {device.torch_device})"
         )
-    if device.type == "emulated":  # CPU tensors all; emulated device memory must be this device's
+    if device.runtime.host_memory:  # CPU tensors all; emulated device memory must be this device's
         where = memory_device(idx)
         if where is not None and where != device:
             raise IndexValidationError(
@@ -169,7 +169,7 @@ def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
     if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
         return False
     device = plan.device
-    if device.type == "cuda":
+    if not device.runtime.host_memory:
         return s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal
     if s_idx.is_cuda or s_idx.is_meta or d_idx.is_cuda or d_idx.is_meta:
         return False
@@ -265,7 +265,7 @@ def _launch(
         raise InvalidArgumentError(
             "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
         )
-    if backend == "kernel" and device.type == "cuda" and not checked.enabled():
+    if backend == "kernel" and device.runtime.launch_sets_device and not checked.enabled():
         # The native launch sets and restores the device itself (and reads the capture
         # state of the launch stream there): no Python device switch on the hot path.
         _launch_on_device(plan, src, dst, src_indices, dst_indices, sp, dp, n, layer_begin, layer_count, stream,

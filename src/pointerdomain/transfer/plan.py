@@ -214,7 +214,7 @@ def _pattern(device: torch.device, parts: int, step: int) -> torch.Tensor:
     pattern = _patterns.get(key)
     if pattern is None:
         pattern = torch.arange(0, parts * step, step, dtype=torch.int64, device=device)
-        if device.type != "cuda":
+        if not pattern.is_cuda:
             _patterns[key] = pattern
         else:
             with torch.cuda.device(device):

@@ -231,7 +231,7 @@ def auto_picks_staged(
     layout, platform = plan.src_layout, plan.platform
     if layer_count != layout.num_layers or layout.item_bytes > STAGED_MAX_ITEM_BYTES or plan.lowering is not None:
         return False  # (per-part items of a lowered launch: not measured, so only when asked)
-    if 0 < ctas < STAGED_MIN_CTAS or platform.runtime != "cuda":
+    if 0 < ctas < STAGED_MIN_CTAS or not platform.staged_auto:
         return False  # the figures are CUDA's (H200); HIP runs it only when asked
     block = layout.num_layers * layout.item_bytes
     if n < STAGED_MIN_CHUNKS * chunk_slots(_config_of(plan.device), layout.num_kv, block):
