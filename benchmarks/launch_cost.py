@@ -1,7 +1,10 @@
 """Host cost of one public launch against the platform layer's bare launch, by how the
 destination table's buffers are allocated (issue 15 item 3: <= 5 us over the direct call).
 
-    python3 -m benchmarks.launch_cost [--calls N] [--device cuda:0|emulated:0] [--json OUT]
+    python3 -m benchmarks.launch_cost [--calls N] [--device cuda:0|emulated:0] [--steps] [--json OUT]
+
+``--steps`` also times the public launch's three steps one by one on the same call
+(``check_call``, ``choose_path``, ``run`` of :mod:`pointerdomain.transfer.kernels`).
 
 On ``emulated:0`` (the default without a GPU) the same calls run on the CPU stand-in:
 the host cost of the Python launch path, with a kernel that copies on the CPU.
@@ -52,7 +55,22 @@ def _median_us(fn: Callable[[], None], calls: int, dev: pd.Device) -> float:
     return statistics.median(times) / 1e3
 
 
-def measure(calls: int, dev: pd.Device) -> list[dict[str, Any]]:
+def _steps(src: Any, sl: pd.KVLayout, dst: Any, si: torch.Tensor, di: torch.Tensor, calls: int,
+           dev: pd.Device) -> dict[str, float]:
+    """Median host microseconds of each step of the public call (``max_ctas=2``, ``auto``)."""
+    from pointerdomain.transfer import kernels
+
+    call = (src, sl, dst, LAYOUT, si, di, 0, LAYOUT.num_layers, None, 2, "auto", True)
+    plan, options, args = kernels.check_call(*call)
+    path = kernels.choose_path(plan, src, dst, options, args)
+    return {
+        "check_call": _median_us(lambda: kernels.check_call(*call) and None, calls, dev),
+        "choose_path": _median_us(lambda: kernels.choose_path(plan, src, dst, options, args) and None, calls, dev),
+        "run": _median_us(lambda: kernels.run(plan, src, dst, si, di, args, path, options.check), calls, dev),
+    }
+
+
+def measure(calls: int, dev: pd.Device, steps: bool = False) -> list[dict[str, Any]]:
     """Rows of (table, public us, direct us, over): see the module docstring."""
     pool = pd.DeviceKVPool(LAYOUT, dev)
     host = pd.HostKVPool(LAYOUT.replace(kind="page_first"), dev)
@@ -91,7 +109,10 @@ def measure(calls: int, dev: pd.Device) -> list[dict[str, Any]]:
                                  LAYOUT.num_layers, dev, stream, 2)
 
         pub, dir_ = _median_us(public, calls, dev), _median_us(direct, calls, dev)
-        rows.append(dict(table=label, public_us=pub, direct_us=dir_, over_us=pub - dir_))
+        row: dict[str, Any] = dict(table=label, public_us=pub, direct_us=dir_, over_us=pub - dir_)
+        if steps:
+            row["steps_us"] = _steps(src, sl, dst, si, di, calls, dev)
+        rows.append(row)
     host.close()
     return rows
 
@@ -102,12 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--device", default=None,
                     help="cuda:N or emulated:N (default cuda:0 where a GPU with the GPU ops is, else emulated:0)")
+    ap.add_argument("--steps", action="store_true", help="also time the launch's steps one by one")
     args = ap.parse_args(argv)
     dev = pd.validate_device(args.device) if args.device else default_device()
-    rows = measure(args.calls, dev)
+    rows = measure(args.calls, dev, args.steps)
     print(f"{dev}: {'destination table':34s} {'public us':>10s} {'direct us':>10s} {'over':>7s}")
     for r in rows:
         print(f"{r['table']:42s} {r['public_us']:10.2f} {r['direct_us']:10.2f} {r['over_us']:+7.2f}")
+        for step, us in r.get("steps_us", {}).items():
+            print(f"    {step:38s} {us:10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

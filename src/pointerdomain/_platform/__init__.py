@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, PointerQuery
+from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery
 from pointerdomain._platform.pointer_query import PointerInfo
 from pointerdomain.errors import ExtensionUnavailableError
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "LaunchArgs",
     "backend_for",
     "default_device",
     "device_holding",

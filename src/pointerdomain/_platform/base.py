@@ -10,7 +10,7 @@ rolls back before it raises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, get_args, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +19,15 @@ if TYPE_CHECKING:
     from pointerdomain._platform.pointer_query import PointerInfo
     from pointerdomain.devices import Device
 
-__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator", "PointerQuery", "RuntimeTraits"]
+__all__ = [
+    "DEVICE_ATTRIBUTES",
+    "Backend",
+    "DeviceAttributeName",
+    "LaunchArgs",
+    "PinnedAllocator",
+    "PointerQuery",
+    "RuntimeTraits",
+]
 
 #: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
 #: runtime's ``cudaDevAttr<Name>`` (HIP: ``hipDeviceAttribute<Name>``; HIP has no
@@ -35,6 +43,21 @@ DeviceAttributeName = Literal[
     "PciDeviceId",
 ]
 DEVICE_ATTRIBUTES: tuple[DeviceAttributeName, ...] = get_args(DeviceAttributeName)
+
+
+class LaunchArgs(NamedTuple):
+    """One launch's per-call arguments, bound once by the launch path: ``backend.launch(plan,
+    *args)`` and ``backend.launch_recorded(plan, *args)`` take them in this order (the
+    runtime's own call, ``_C.gpu_transfer``, takes them flat)."""
+
+    src_idx: int  #: address of the ``n`` source slots (``int64``)
+    dst_idx: int  #: address of the ``n`` destination slots (``int64``)
+    n: int  #: slot pairs
+    layer_begin: int
+    layer_count: int
+    device: Device
+    stream: int  #: the stream as an int (0 where streams do not exist)
+    max_ctas: int  #: the CTA budget; <= 0 is the whole GPU
 
 
 class Backend(Protocol):
@@ -164,7 +187,8 @@ class Backend(Protocol):
         device: Device, stream: int, max_ctas: int,
     ) -> None:
         """Run the transfer kernel of ``plan`` on ``n`` slot pairs (index arrays by
-        address); ``max_ctas`` <= 0 is the whole GPU.
+        address) on ``stream``; ``max_ctas`` <= 0 is the whole GPU. The arguments after ``plan`` are a
+        :class:`LaunchArgs` (``launch(plan, *args)``).
 
         Raises:
             RuntimeCallError: the launch failed.

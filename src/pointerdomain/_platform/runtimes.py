@@ -16,7 +16,11 @@ if TYPE_CHECKING:
 
     from pointerdomain.devices import DeviceRuntime
 
-__all__ = ["CudaRuntime", "EmulatedRuntime", "runtimes"]
+__all__ = ["EMULATED_CURRENT", "CudaRuntime", "EmulatedRuntime", "runtimes"]
+
+#: The calling thread's current emulated device (``ordinal``; 0 where unset): the emulated
+#: runtime's state, read directly by the emulated backend's launch check.
+EMULATED_CURRENT = threading.local()
 
 
 class CudaRuntime:
@@ -73,19 +77,16 @@ class EmulatedRuntime:
     streams = False
     launch_sets_device = False
 
-    def __init__(self) -> None:
-        self._current = threading.local()
-
     def count(self) -> int:
         from pointerdomain.devices import emulated_device_count
 
         return emulated_device_count()
 
     def current_ordinal(self) -> int:
-        return int(getattr(self._current, "ordinal", 0))
+        return int(getattr(EMULATED_CURRENT, "ordinal", 0))
 
     def set_ordinal(self, ordinal: int) -> None:
-        self._current.ordinal = ordinal
+        EMULATED_CURRENT.ordinal = ordinal
 
     def bare_ordinal(self, text: str) -> int:
         return 0
