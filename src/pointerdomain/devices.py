@@ -13,13 +13,13 @@ thread.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from typing_extensions import final
 
+from pointerdomain import env
 from pointerdomain.errors import InvalidDeviceError
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ def emulated_device_count() -> int:
         InvalidDeviceError: the variable is set but not a positive decimal int (``"0"``,
             ``"two"``, ``"-1"``, ``" 2"``): a typo must not silently give another count.
     """
-    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES")
+    text = env.text(env.EMULATED_DEVICES)
     if text is None:
         return 2
     if not (text.isascii() and text.isdigit()) or int(text) < 1:

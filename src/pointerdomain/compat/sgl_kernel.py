@@ -119,7 +119,6 @@ call must be device memory of one device;
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -132,6 +131,7 @@ import pointerdomain as pd
 from pointerdomain.compat import _raw
 from pointerdomain.devices import Device, as_device
 from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain import env
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,
@@ -216,7 +216,7 @@ def _warps(value: object) -> None:
 
 def _env_quota(default: int) -> int:
     """Upstream's ``SGLANG_HICACHE_BLOCK_QUOTA`` override: an int, else ``default``."""
-    text = os.environ.get("SGLANG_HICACHE_BLOCK_QUOTA")
+    text = env.text(env.SGLANG_BLOCK_QUOTA)
     if text is None:
         return default
     try:
