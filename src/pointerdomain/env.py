@@ -75,7 +75,7 @@ VARIABLES: tuple[Variable, ...] = (
              "strict alias mode at import (`pointerdomain.strict_alias` at run time)"),
     Variable(REGISTRATION_API, "`driver`, `runtime`", "`driver`",
              "CUDA registrations through the driver API (`runtime`: the runtime API; HIP: always the runtime)"),
-    Variable(SGLANG_BLOCK_QUOTA, "an int; anything else is the default", "`2`",
+    Variable(SGLANG_BLOCK_QUOTA, "an int; anything else is the default", "`2` (HIP: `16`)",
              "upstream sgl-kernel's block quota, read by `pointerdomain.compat.sgl_kernel` as upstream reads it"),
 )
 
