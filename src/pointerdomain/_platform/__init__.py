@@ -9,7 +9,10 @@ module per backend:
 * ``cuda.py``: CUDA (HIP builds share it), and the torch-cudart stand-in for
   builds without the GPU ops;
 * ``faulty.py``: a fault-injecting wrapper for tests (the example of a new backend:
-  one file, installed with :func:`pointerdomain._platform.testing.install_backend`).
+  one file, installed with :func:`pointerdomain._platform.testing.install_backend`;
+  :mod:`pointerdomain.testing` is the public face of the doubles);
+* ``runtimes.py``: each device type's device state (current device, device count) and
+  the capabilities the layers above ask (``Device.runtime``) instead of a type's name.
 
 The backend for a device is chosen here, by :func:`backend_for`, and nowhere
 else. Backend modules import ``_C`` at their top (so mypy checks every call

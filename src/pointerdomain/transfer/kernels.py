@@ -18,6 +18,10 @@ Layouts whose items are split into several runs (``page_head`` with several head
 expands its indices to the parts' slots with torch ops on the indices' device and runs
 every backend on those. The other layouts' launches skip this.
 
+A launch runs in three steps: :func:`check_call` (every check above, and the call bound
+into its plan, :class:`LaunchOptions` and :class:`~pointerdomain._platform.LaunchArgs`),
+:func:`choose_path` (the :class:`Path` that runs it) and :func:`run`.
+
 Ordering (CUDA): the launch is enqueued on ``stream`` (default: the current
 stream of the tables' device) and is asynchronous. The caller orders it after
 the work that produced the source (same stream, or an event) and keeps the
