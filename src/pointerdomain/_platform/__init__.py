@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery
+from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery, StagedCopy
 from pointerdomain._platform.pointer_query import PointerInfo
 from pointerdomain.errors import ExtensionUnavailableError
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "LaunchArgs",
+    "StagedCopy",
     "backend_for",
     "default_device",
     "device_holding",

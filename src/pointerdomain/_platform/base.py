@@ -27,6 +27,7 @@ __all__ = [
     "PinnedAllocator",
     "PointerQuery",
     "RuntimeTraits",
+    "StagedCopy",
 ]
 
 #: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
@@ -239,6 +240,36 @@ class Backend(Protocol):
         """
         ...
 
+    def synchronize(self, device: Device) -> None:
+        """Wait for the device's work (a no-op where launches are synchronous)."""
+        ...
+
+
+class RuntimeTraits:
+    """The :class:`Backend` capabilities that follow from its ``runtime`` alone (a mixin of
+    every backend, so a wrapper that takes another runtime's name takes its traits too)."""
+
+    runtime: str
+
+    @property
+    def staged_auto(self) -> bool:
+        return self.runtime == "cuda"
+
+    @property
+    def driver_attributes(self) -> bool:
+        return self.runtime == "cuda"
+
+    @property
+    def alias_is_mapping(self) -> bool:
+        return self.runtime == "emulated"
+
+
+@runtime_checkable
+class StagedCopy(Protocol):
+    """A backend with the staged copy-engine path (``src/kernels/staged_gpu.cu``), or one that
+    stands in for it (the emulated device runs the plain kernel). Optional: without it,
+    ``backend="staged"`` raises ExtensionUnavailableError and ``"auto"`` never picks it."""
+
     def staged_available(self) -> bool:
         """True where :meth:`staged_transfer` runs the staged copy-engine path
         (``src/kernels/staged_gpu.cu``); False where it runs the plain kernel instead
@@ -266,29 +297,6 @@ class Backend(Protocol):
             RuntimeCallError: a runtime call failed.
         """
         ...
-
-    def synchronize(self, device: Device) -> None:
-        """Wait for the device's work (a no-op where launches are synchronous)."""
-        ...
-
-
-class RuntimeTraits:
-    """The :class:`Backend` capabilities that follow from its ``runtime`` alone (a mixin of
-    every backend, so a wrapper that takes another runtime's name takes its traits too)."""
-
-    runtime: str
-
-    @property
-    def staged_auto(self) -> bool:
-        return self.runtime == "cuda"
-
-    @property
-    def driver_attributes(self) -> bool:
-        return self.runtime == "cuda"
-
-    @property
-    def alias_is_mapping(self) -> bool:
-        return self.runtime == "emulated"
 
 
 @runtime_checkable

@@ -47,11 +47,11 @@ from typing import Any, Final
 
 import torch
 
-from pointerdomain._platform import LaunchArgs, backend_for
+from pointerdomain._platform import LaunchArgs, StagedCopy, backend_for
 from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import InvalidArgumentError, LayoutError, PointerDomainError
+from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError, LayoutError, PointerDomainError
 from pointerdomain.transfer.plan import TransferPlan
 from pointerdomain.registration.tables import PointerTable
 
@@ -236,7 +236,7 @@ def auto_picks_staged(
     block = layout.num_layers * layout.item_bytes
     if n < STAGED_MIN_CHUNKS * chunk_slots(_config_of(plan.device), layout.num_kv, block):
         return False
-    if not platform.staged_available() or platform.is_capturing(plan.device):
+    if not (isinstance(platform, StagedCopy) and platform.staged_available()) or platform.is_capturing(plan.device):
         return False
     return not isinstance(staged_refusal(plan, src, dst, layer_begin, layer_count), PointerDomainError)
 
@@ -303,7 +303,10 @@ def launch_staged(
     host_table = torch.tensor(plan.src_values if host_is_src else plan.dst_values, dtype=torch.uint64)
     config = _config_of(plan.device)
     staging = _staging_buffer(plan.device, config)
-    plan.platform.staged_transfer(
+    platform = plan.platform
+    if not isinstance(platform, StagedCopy):
+        raise ExtensionUnavailableError(f"the {platform.name} backend has no staged copy-engine path")
+    platform.staged_transfer(
         plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, host_is_src,
         host_table.data_ptr(), host_idx.data_ptr(), staging.data_ptr(), config.nbytes, config.ring, plan.device,
         stream, args.max_ctas,
