@@ -128,6 +128,7 @@ if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name stays a s
 
 
 from pointerdomain import errors as _errors  # torch-free
+from pointerdomain import _platform as _platform  # torch-free; installs each device type's runtime in devices
 
 
 def _explain_address(address: int) -> "Explanation":

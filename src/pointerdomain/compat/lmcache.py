@@ -281,11 +281,11 @@ def _host_slots(name: str, t: object, device: Device) -> torch.Tensor:
         raise IndexValidationError(f"{name}: dtype {slots.dtype}, expected torch.int64 (upstream reads int64 slots)")
     if slots.dim() != 1:
         raise IndexValidationError(f"{name}: shape {tuple(slots.shape)}, expected 1-D")
-    if slots.device.type == "cpu":
+    if slots.is_cpu:
         where = _raw.memory_device_of(name, slots)
         if where is not None and where != device:
             raise DeviceMismatchError(f"{name}: memory of {where}, but the launch runs on {device}")
-    elif not (device.type == "cuda" and slots.is_cuda and slots.get_device() == device.ordinal):
+    elif not (not device.runtime.host_memory and slots.is_cuda and slots.get_device() == device.ordinal):
         raise DeviceMismatchError(f"{name}: on {slots.device}, but the launch runs on {device}")
     return slots.detach().to("cpu")
 

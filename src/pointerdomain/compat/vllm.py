@@ -185,7 +185,7 @@ def _launch_device(src: torch.Tensor, dst: torch.Tensor) -> _Sides:
     s = _raw.memory_device_of("src", src)
     d = _raw.memory_device_of("dst", dst)
     for name, t, where in (("src", src, s), ("dst", dst, d)):
-        if where is None and t.device.type != "cpu":
+        if where is None and not t.is_cpu:
             raise DomainError(f"{name}: a tensor on {t.device}, expected host memory or device memory. Fix: pass a "
                               "tensor of the KV cache's device or its registered host copy")
     if s is None and d is None:
@@ -214,7 +214,7 @@ def _check_mapping(block_mapping: object) -> tuple[torch.Tensor, torch.Tensor]:
         raise IndexValidationError(
             f"block_mapping: shape {tuple(mapping.shape)}, expected [num_pairs, 2] (src block, dst block). Fix: "
             "torch.tensor(pairs, dtype=torch.int64).view(-1, 2)")
-    if mapping.device.type != "cpu" or _raw.memory_device_of("block_mapping", mapping) is not None:
+    if not mapping.is_cpu or _raw.memory_device_of("block_mapping", mapping) is not None:
         raise IndexValidationError(
             f"block_mapping: in memory of {_raw.memory_device_of('block_mapping', mapping) or mapping.device}, "
             "expected a CPU tensor in host memory (upstream: 'block_mapping must be on CPU'). Fix: build it on "
@@ -445,7 +445,7 @@ def _check_array(name: str, t: object, what: str) -> torch.Tensor:
         raise IndexValidationError(
             f"{name}: shape {tuple(arr.shape)}, expected a 1-D tensor of {what}, one per copy. Fix: .view(-1)")
     where = _raw.memory_device_of(name, arr)
-    if arr.device.type != "cpu" or where is not None:
+    if not arr.is_cpu or where is not None:
         raise DeviceMismatchError(
             f"{name}: in memory of {where or arr.device}, expected a CPU tensor in host memory (upstream: "
             f"'{name} must be on CPU'). Fix: build it on the CPU (.cpu())")

@@ -110,7 +110,7 @@ def estimate(device: Device, dev_layout: KVLayout, host_layout: KVLayout, pages:
     is written in full (poisoned), and the pages moved are touched a second time through
     their alias mapping (a second mapping of the same pages counts again in RSS)."""
     moved = pages * dev_layout.nbytes // dev_layout.num_pages
-    host_side = device.type == "emulated"  # emulated device memory and the saved copy are host memory
+    host_side = device.runtime.host_memory  # emulated device memory and the saved copy are host memory
     alias_touched = moved if host_side else 0
     scratch = 2 * SCRATCH_BYTES  # verify: a gathered block + its compare result (the fill is in place)
     baseline = _rss_bytes()
