@@ -106,3 +106,10 @@ class EmulatedRuntime:
 def runtimes() -> dict[str, DeviceRuntime]:
     """A runtime per device type, for :func:`pointerdomain.devices.install_runtimes`."""
     return {"cuda": CudaRuntime(), "emulated": EmulatedRuntime()}
+
+
+def names_one_device(spec: object) -> bool:
+    """A device argument (str or torch.device) that names one device whatever the current
+    device is: it has an ordinal, or it is ``"cpu"`` (the emulated device 0's other name)."""
+    text = str(spec)
+    return ":" in text or text == "cpu"

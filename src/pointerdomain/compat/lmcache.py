@@ -121,6 +121,7 @@ from typing import Final, NamedTuple, SupportsIndex
 import torch
 
 import pointerdomain as pd
+from pointerdomain._platform.runtimes import names_one_device
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device
@@ -530,7 +531,7 @@ _READY_MAX: Final = 256
 
 def _keyed_device(x: object) -> bool:
     """A device argument that names one device whatever the current device is."""
-    return isinstance(x, Device) or (isinstance(x, (str, torch.device)) and (":" in str(x) or str(x) == "cpu"))
+    return isinstance(x, Device) or (isinstance(x, (str, torch.device)) and names_one_device(x))
 
 
 #: per device the longest 0, 1, 2, ... index ramp made so far; every ramp ever made is kept

@@ -288,7 +288,7 @@ class _Swap(NamedTuple):
     dst: pd.PointerTable[pd.DeviceAlias]
     src_layout: pd.KVLayout
     dst_layout: pd.KVLayout
-    emulated: bool
+    host_device_memory: bool  # the device's memory is host memory: a mapping may lie in it
 
 
 _swaps: OrderedDict[tuple[object, ...], _Swap] = _raw.owned_cache()
@@ -303,7 +303,7 @@ def _swap_prepared(p: _Swap, block_mapping: object) -> bool:
     try:
         m = block_mapping
         if (type(m) is not torch.Tensor or m.dtype != torch.int64 or m.dim() != 2 or m.shape[1] != 2
-                or not m.is_cpu or (p.emulated and _raw.memory_device_of("block_mapping", m) is not None)):
+                or not m.is_cpu or (p.host_device_memory and _raw.memory_device_of("block_mapping", m) is not None)):
             return False
         n = m.shape[0]
         if n == 0:
@@ -430,7 +430,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
     if key is not None:
         with _flat_lock:
             _raw.remember(_swaps, key, _Swap(held(src, dst), src_table, dst_table, s_layout, d_layout,
-                                             device.type == "emulated"), _SWAPS_MAX)
+                                             device.runtime.host_memory), _SWAPS_MAX)
 
 
 # -- swap_blocks_batch -----------------------------------------------------------------
