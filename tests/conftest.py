@@ -1,28 +1,29 @@
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from pointerdomain import checked
+from tests.helpers.fixtures import checked_launches  # noqa: F401 -- autouse for every test
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu-check on a GPU machine)")
+    """Skips, with the reason, what this machine cannot run: ``gpu`` tests without a CUDA
+    device, ``requires_module(name, ...)`` tests without one of those modules."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu-check on a GPU machine)")
+    cuda = torch.cuda.is_available()
+    installed: dict[str, bool] = {}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _checked_mode() -> Iterator[None]:
-    """Every test launches in checked mode: each address a launch touches is verified
-    against the registry first (tests that measure or toggle it set it themselves)."""
-    previous = checked.enabled()
-    checked.set_enabled(True)
-    yield
-    checked.set_enabled(previous)
+        if not cuda and "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+        for mark in item.iter_markers("requires_module"):
+            for name in mark.args:
+                if name not in installed:
+                    installed[name] = importlib.util.find_spec(name) is not None
+            missing = [name for name in mark.args if not installed[name]]
+            if missing:
+                item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)}, not installed here (.ci/run "
+                                                        "installs it for its engines stage)"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,7 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(autouse=True)
 def _strict_alias_mode(request: pytest.FixtureRequest) -> Iterator[None]:
     """``--strict-alias`` switches strict alias mode on for every test (tests that set it
-    themselves, such as tests/test_strict_alias.py, do so inside)."""
+    themselves, such as tests/registration/test_strict_alias.py, do so inside)."""
     import pointerdomain as pd
 
     if not request.config.getoption("--strict-alias"):

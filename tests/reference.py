@@ -22,6 +22,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import DeviceKVPool, KVLayout
 from pointerdomain._platform import Backend, backend_for
+from tests.helpers.models import SMALL
 
 __all__ = [
     "DEV",
@@ -46,9 +47,7 @@ DEV = pd.Device("emulated", 0)
 
 def model_layout(kind: str = "layer_first", pages: int = 8, attention: str = "mha") -> KVLayout:
     """A small model: 3 layers, pages of 4 tokens, bf16 (MHA 2 x 16, MLA 1 x 40)."""
-    heads, dim = (1, 40) if attention == "mla" else (2, 16)
-    return KVLayout(kind=kind, attention=attention, num_layers=3, num_pages=pages, page_size=4,  # type: ignore[arg-type]
-                    num_heads=heads, head_dim=dim, dtype="bfloat16")
+    return SMALL.layout(kind, pages, attention)
 
 
 #: The emulated platform backend (raw registration, alias and allocation calls, as

@@ -17,7 +17,7 @@ about a second. It runs in a child interpreter, started in the background with
 pyright and the pass files, so the three overlap; a cold run in the pytest
 process itself would also leave millions of mypy objects behind for the garbage
 collector and for interpreter exit (measured: ~20 s at exit). That the checked-in extension stub (src/pointerdomain/_C.pyi)
-matches the built module is tests/test_stubs.py's job. See docs/typing.md.
+matches the built module is tests/platform/test_stubs.py's job. See docs/typing.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Run from the repository root::
     python -m benchmarks.transfer --quick         # smoke test (CI, CPU): a few MiB per point, 1 thread
     python benchmarks/transfer --help             # the same, as a directory
 
-Modules: :mod:`.harness` (pools, cases, poison / check / time one cell, the sweep),
+Modules: :mod:`.common` (sizes, formatting, a case's pools and their torch reference; it
+imports no other module here), :mod:`.harness` (poison / check / time one cell, the sweep),
 :mod:`.methods` (what is measured: bulk copy, per-item copies, the library's copy-engine
 and kernel paths at each CTA budget, torch indexing, two simple reference kernels),
 :mod:`.report` (tables, targets, peer reference figures, JSON, plot).

@@ -29,14 +29,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from benchmarks.transfer.harness import GiB, Skip, pd
-
-if TYPE_CHECKING:
-    from benchmarks.transfer.harness import Bench, Case
+from benchmarks.transfer.common import BenchView, Case, GiB, Skip, pd
 
 __all__ = ["Method", "build"]
 
@@ -57,7 +54,7 @@ class Method:
     check: bool = True
     skip: Optional[str] = None          # reason it does not run here
 
-    def sm_count(self, bench: "Bench") -> Optional[int]:
+    def sm_count(self, bench: BenchView) -> Optional[int]:
         if isinstance(self.ctas, int):
             return self.ctas
         if self.ctas == "GPU":
@@ -134,7 +131,7 @@ def _alias(side: Any) -> int:
     return int(side.flat.data_ptr())
 
 
-def build(bench: "Bench") -> list[Method]:
+def build(bench: BenchView) -> list[Method]:
     """The methods of this run, filtered by ``--methods`` ((a) always: the ratios need it)."""
     cuda = bench.cuda
     a = bench.args

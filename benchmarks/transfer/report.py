@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-from benchmarks.transfer.harness import DIRECTION_TEXT, DIRECTIONS, fmt_bytes, fmt_size, load_average, optional, \
-    run_date, versions
-
-if TYPE_CHECKING:
-    from benchmarks.transfer.harness import Bench
+from benchmarks.transfer.common import DIRECTION_TEXT, DIRECTIONS, BenchView, fmt_bytes, fmt_size, \
+    load_average, optional, run_date, versions
 
 __all__ = ["PEERS_H200_2026_12_01", "device_name", "plot", "report", "report_overhead", "report_targets",
            "save_json", "targets"]
@@ -55,7 +52,7 @@ _PEER_BUDGETS = (("1 CTA", "e1", "sglang JIT @1"), ("2 CTAs", "e2", "sglang JIT 
 _TARGET_ITEMS = ((1024, "mha", "1024"), (1152, "mla", "1152 MLA"), (2048, "mha", "2048"), (4096, "mha", "4096"))
 
 
-def device_name(bench: "Bench") -> str:
+def device_name(bench: BenchView) -> str:
     if bench.cuda:
         return f"{torch.cuda.get_device_name(bench.tdev)} ({bench.sms} SMs)"
     import platform
@@ -87,7 +84,7 @@ def print_table(title: str, header: list[str], rows: list[list[str]], footer: st
         print(footer)
 
 
-def _find(bench: "Bench", direction: str, item: int, attention: str, key: str) -> Optional[dict[str, Any]]:
+def _find(bench: BenchView, direction: str, item: int, attention: str, key: str) -> Optional[dict[str, Any]]:
     return next((r for r in bench.results if r["direction"] == direction and r["item_bytes"] == item
                  and r["attention"] == attention and r["method"] == key), None)
 
@@ -107,7 +104,7 @@ def _ctas(m: Any) -> str:
     return "CE" if m.ctas == 0 else ("-" if m.ctas is None else str(m.ctas))
 
 
-def report(bench: "Bench", configs: list[tuple[int, str]]) -> None:
+def report(bench: BenchView, configs: list[tuple[int, str]]) -> None:
     shown = [m for m in bench.methods if not m.skip]
     for direction in DIRECTIONS:
         rows = []
@@ -144,7 +141,7 @@ def report(bench: "Bench", configs: list[tuple[int, str]]) -> None:
                   f"{r.get('note', '')}")
 
 
-def report_overhead(bench: "Bench", ov: dict[str, Any]) -> None:
+def report_overhead(bench: BenchView, ov: dict[str, Any]) -> None:
     rows = []
     for r in ov.get("rows", []) + ov.get("graph", []):
         if "host_us" in r:
@@ -157,7 +154,7 @@ def report_overhead(bench: "Bench", ov: dict[str, Any]) -> None:
                 "host us: wall time of one Python call; stream us: CUDA-event time per launch, back to back")
 
 
-def targets(bench: "Bench") -> list[dict[str, Any]]:
+def targets(bench: BenchView) -> list[dict[str, Any]]:
     """The targets against this run (CUDA: 0.93 x bulk at 2 CTAs, and the peers at each
     budget), or the CPU target (0.75 x contiguous at 1 KiB)."""
     out: list[dict[str, Any]] = []
@@ -212,7 +209,7 @@ def report_targets(tg: list[dict[str, Any]]) -> None:
                                                                                 "verdict"], rows)
 
 
-def save_json(bench: "Bench", partial: bool = False, extra: Optional[dict[str, Any]] = None) -> str:
+def save_json(bench: BenchView, partial: bool = False, extra: Optional[dict[str, Any]] = None) -> str:
     a = bench.args
     os.makedirs(a.out, exist_ok=True)
     doc: dict[str, Any] = dict(
@@ -242,7 +239,7 @@ def save_json(bench: "Bench", partial: bool = False, extra: Optional[dict[str, A
     return path
 
 
-def plot(bench: "Bench", configs: list[tuple[int, str]]) -> Optional[str]:
+def plot(bench: BenchView, configs: list[tuple[int, str]]) -> Optional[str]:
     try:
         import matplotlib
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 # Imported on first use (PEP 562), so `pointerdomain.audit` and the CLI's audit command
 # start without torch. Each public name -> the module that defines it; keep it in step
-# with the imports above (tests/test_package.py checks both against __all__).
+# with the imports above (tests/values/test_package.py checks both against __all__).
 _LAZY = {
     "checked": "pointerdomain.transfer.checked",
     "errors": "pointerdomain.errors",
@@ -128,6 +128,7 @@ if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name stays a s
 
 
 from pointerdomain import errors as _errors  # torch-free
+from pointerdomain import _platform as _platform  # torch-free; installs each device type's runtime in devices
 
 
 def _explain_address(address: int) -> "Explanation":

@@ -13,34 +13,115 @@ thread.
 from __future__ import annotations
 
 import functools
-import os
-import threading
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from typing_extensions import final
 
+from pointerdomain import env
 from pointerdomain.errors import InvalidDeviceError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DEVICE_TYPES",
     "EMULATED_DEVICE_COUNT",
     "Device",
     "DeviceGuard",
+    "DeviceRuntime",
     "DeviceType",
     "as_device",
     "current_device",
     "current_ordinal",
     "emulated_device_count",
     "external_stream",
+    "install_runtimes",
+    "runtime_of",
     "tensor_on",
     "validate_device",
 ]
 
 DeviceType = Literal["cuda", "emulated"]
+DEVICE_TYPES: tuple[DeviceType, ...] = get_args(DeviceType)
+
+
+class DeviceRuntime(Protocol):
+    """What a device type's runtime answers about its devices: their state (the calling
+    thread's current device, the count) and what the layers above ask instead of
+    branching on the type's name. One per device type, installed by the platform layer
+    (:mod:`pointerdomain._platform.runtimes`) when the package is imported.
+
+    Attributes:
+        host_memory: the device's memory is host memory (the emulated device): the CPU
+            reads its tables and indices without a synchronisation, and the device has no
+            memory of its own to count, map for NIXL or place on a NUMA node.
+        streams: launches are asynchronous on streams, which may be captured into graphs.
+        launch_sets_device: the native kernel launch sets and restores the current device
+            itself (no Python device switch around it).
+    """
+
+    host_memory: bool
+    streams: bool
+    launch_sets_device: bool
+
+    def count(self) -> int:
+        """Number of devices of this type the process sees."""
+        ...
+
+    def current_ordinal(self) -> int:
+        """The calling thread's current device of this type."""
+        ...
+
+    def set_ordinal(self, ordinal: int) -> None:
+        """Make device ``ordinal`` of this type the calling thread's current one."""
+        ...
+
+    def bare_ordinal(self, text: str) -> int:
+        """The ordinal that ``text`` (the type's name without one) stands for.
+
+        Raises:
+            InvalidDeviceError: there is no device to pick.
+        """
+        ...
+
+    def torch_device(self, ordinal: int) -> torch.device:
+        """The torch device whose tensors hold device ``ordinal``'s memory."""
+        ...
+
+    def tensor_on(self, tensor: torch.Tensor, ordinal: int) -> bool:
+        """True when ``tensor``'s memory is where device ``ordinal``'s kernels read operands."""
+        ...
+
+    def external_stream(self, stream: int, ordinal: int) -> Any:
+        """``stream`` as the torch stream object of device ``ordinal``, or None where
+        launches are synchronous."""
+        ...
+
+
+_runtimes: dict[str, DeviceRuntime] = {}
+
+
+def install_runtimes(runtimes: dict[str, DeviceRuntime]) -> None:
+    """Install each device type's :class:`DeviceRuntime` (the platform layer does, on import)."""
+    missing = set(DEVICE_TYPES) - set(runtimes)
+    if missing:
+        raise InvalidDeviceError(f"no runtime for device type(s) {sorted(missing)}")
+    _runtimes.update(runtimes)
+    _torch_device.cache_clear()
+
+
+def runtime_of(kind: str) -> DeviceRuntime:
+    """The runtime of device type ``kind``.
+
+    Raises:
+        InvalidDeviceError: an unknown device type.
+    """
+    runtime = _runtimes.get(kind)
+    if runtime is None:
+        raise InvalidDeviceError(f"unknown device type {kind!r}; expected one of {', '.join(DEVICE_TYPES)}")
+    return runtime
 
 def emulated_device_count() -> int:
     """Number of emulated devices: ``POINTERDOMAIN_EMULATED_DEVICES`` (default 2), read at
@@ -50,7 +131,7 @@ def emulated_device_count() -> int:
         InvalidDeviceError: the variable is set but not a positive decimal int (``"0"``,
             ``"two"``, ``"-1"``, ``" 2"``): a typo must not silently give another count.
     """
-    text = os.environ.get("POINTERDOMAIN_EMULATED_DEVICES")
+    text = env.text(env.EMULATED_DEVICES)
     if text is None:
         return 2
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
@@ -88,7 +169,7 @@ class Device:
     ordinal: int
 
     def __post_init__(self) -> None:
-        if self.type not in ("cuda", "emulated"):
+        if self.type not in DEVICE_TYPES:
             raise InvalidDeviceError(f"unknown device type {self.type!r}; expected 'cuda' or 'emulated'")
         if type(self.ordinal) is not int or self.ordinal < 0:
             raise InvalidDeviceError(f"device ordinal must be an int >= 0, got {self.ordinal!r}")
@@ -101,12 +182,23 @@ class Device:
         """The torch device whose tensors hold this device's memory (``cpu`` when emulated)."""
         return _torch_device(self.type, self.ordinal)
 
+    @property
+    def runtime(self) -> DeviceRuntime:
+        """What this device's runtime answers (:class:`DeviceRuntime`): its capabilities and state."""
+        return _runtimes[self.type]
+
+    def same_type(self, other: Device) -> bool:
+        """True when ``other`` is a device of this one's type (the same runtime)."""
+        return self.runtime is other.runtime  # one runtime object per type
+
 
 @functools.lru_cache(maxsize=64)
 def _torch_device(kind: str, ordinal: int) -> torch.device:
-    import torch
+    return _runtimes[kind].torch_device(ordinal)
 
-    return torch.device("cuda", ordinal) if kind == "cuda" else torch.device("cpu")
+
+#: device texts without a runtime's own name: the host (``torch.device("cpu")``)
+_HOST_TEXTS: dict[str, tuple[DeviceType, int]] = {"cpu": ("emulated", 0)}
 
 
 def as_device(device: Device | str | torch.device) -> Device:
@@ -119,25 +211,16 @@ def as_device(device: Device | str | torch.device) -> Device:
         return device
     text = str(device)
     kind, _, ordinal = text.partition(":")
-    if kind == "cpu" and not ordinal:
-        return Device("emulated", 0)
-    if kind not in ("cuda", "emulated"):
+    host = _HOST_TEXTS.get(text)
+    if host is not None:
+        return Device(*host)
+    if kind not in DEVICE_TYPES:
         raise InvalidDeviceError(f"cannot use {text!r} as a device; expected 'cuda:N', 'emulated:N' or 'cpu'")
     if not ordinal:
-        if kind == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():  # torch would raise AssertionError / RuntimeError
-                raise InvalidDeviceError(
-                    f"device {text!r}: found no CUDA device (torch.cuda.is_available() is False: a CPU build of "
-                    "torch, or no GPU visible), expected one to pick the current CUDA device from. Fix: pass "
-                    "'emulated:0' (or 'cpu') on a machine without a GPU, or an explicit 'cuda:N' where one exists"
-                )
-            return Device("cuda", torch.cuda.current_device())
-        return Device("emulated", 0)
+        return Device(kind, runtime_of(kind).bare_ordinal(text))
     if not ordinal.isdigit():
         raise InvalidDeviceError(f"bad device ordinal in {text!r}")
-    return Device(kind, int(ordinal))  # type: ignore[arg-type]
+    return Device(kind, int(ordinal))
 
 
 def external_stream(device: Device, stream: int | None) -> Any:
@@ -157,28 +240,15 @@ def external_stream(device: Device, stream: int | None) -> Any:
             f"stream: found {stream!r}, expected a cudaStream_t as a non-negative int or None. "
             "Fix: pass torch.cuda.current_stream().cuda_stream"
         )
-    if stream is None or device.type != "cuda":
+    if stream is None:
         return None
-    import torch
-
-    return cast(Any, torch.cuda).ExternalStream(stream, device=device.torch_device)
+    return device.runtime.external_stream(stream, device.ordinal)
 
 
 def tensor_on(tensor: torch.Tensor, device: Device) -> bool:
     """True when ``tensor``'s memory is where ``device``'s kernels read operands
     (the CUDA device itself; the CPU for an emulated device)."""
-    if device.type == "cuda":
-        return tensor.get_device() == device.ordinal  # -1 for CPU tensors
-    return not (tensor.is_cuda or tensor.is_meta)  # attributes: ~10x cheaper than tensor.device
-
-
-_emulated = threading.local()
-
-
-def _cuda_device_count() -> int:
-    import torch
-
-    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    return _runtimes[device.type].tensor_on(tensor, device.ordinal)
 
 
 def validate_device(device: Device | str | torch.device) -> Device:
@@ -190,19 +260,19 @@ def validate_device(device: Device | str | torch.device) -> Device:
             (default 2) for emulated devices), or an invalid ``POINTERDOMAIN_EMULATED_DEVICES``.
     """
     dev = as_device(device)
-    count = _cuda_device_count() if dev.type == "cuda" else emulated_device_count()
+    count = dev.runtime.count()
     if dev.ordinal >= count:
         raise InvalidDeviceError(f"device {dev} does not exist: this process sees {count} {dev.type} device(s)")
     return dev
 
 
 def current_device(kind: str = "cuda") -> Device:
-    """The calling thread's current device of ``kind`` ("cuda" or "emulated")."""
-    if kind == "cuda":
-        import torch
+    """The calling thread's current device of ``kind`` ("cuda" or "emulated").
 
-        return Device("cuda", int(torch.cuda.current_device()))
-    return Device("emulated", int(getattr(_emulated, "ordinal", 0)))
+    Raises:
+        InvalidDeviceError: an unknown device type.
+    """
+    return Device(kind, runtime_of(kind).current_ordinal())  # type: ignore[arg-type]
 
 
 class DeviceGuard:
@@ -233,9 +303,10 @@ class DeviceGuard:
 
     def __enter__(self) -> Device:
         device = self.device
-        self._previous = previous = current_ordinal(device.type)  # ordinals: no Device built per launch
+        runtime = _runtimes[device.type]
+        self._previous = previous = runtime.current_ordinal()  # ordinals: no Device built per launch
         if previous != device.ordinal:
-            self._set(device.type, device.ordinal)
+            runtime.set_ordinal(device.ordinal)
         return device
 
     def __exit__(
@@ -243,23 +314,15 @@ class DeviceGuard:
     ) -> None:
         previous = self._previous
         assert previous is not None
-        if current_ordinal(self.device.type) != previous:
-            self._set(self.device.type, previous)
-
-    @staticmethod
-    def _set(kind: str, ordinal: int) -> None:
-        if kind == "cuda":
-            import torch
-
-            torch.cuda.set_device(ordinal)
-        else:
-            _emulated.ordinal = ordinal
+        runtime = _runtimes[self.device.type]
+        if runtime.current_ordinal() != previous:
+            runtime.set_ordinal(previous)
 
 
 def current_ordinal(kind: str = "cuda") -> int:
-    """``current_device(kind).ordinal`` without building a Device (the launch path)."""
-    if kind == "cuda":
-        import torch
+    """``current_device(kind).ordinal`` without building a Device (the launch path).
 
-        return int(torch.cuda.current_device())
-    return int(getattr(_emulated, "ordinal", 0))
+    Raises:
+        InvalidDeviceError: an unknown device type.
+    """
+    return runtime_of(kind).current_ordinal()

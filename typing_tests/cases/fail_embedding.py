@@ -1,7 +1,7 @@
 """Tables and descriptors for a cache's own kernels and for NIXL: a host-VA table or a raw
 tensor into a kernel argument, a device alias or a raw int into a DRAM descriptor, are
-static errors (and DomainError at run time, see tests/test_kernel_args.py and
-tests/test_nixl.py)."""
+static errors (and DomainError at run time, see tests/transfer/test_kernel_args.py and
+tests/adapters/test_nixl.py)."""
 
 from __future__ import annotations
 

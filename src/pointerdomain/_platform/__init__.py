@@ -9,7 +9,10 @@ module per backend:
 * ``cuda.py``: CUDA (HIP builds share it), and the torch-cudart stand-in for
   builds without the GPU ops;
 * ``faulty.py``: a fault-injecting wrapper for tests (the example of a new backend:
-  one file, installed with :func:`pointerdomain._platform.testing.install_backend`).
+  one file, installed with :func:`pointerdomain._platform.testing.install_backend`;
+  :mod:`pointerdomain.testing` is the public face of the doubles);
+* ``runtimes.py``: each device type's device state (current device, device count) and
+  the capabilities the layers above ask (``Device.runtime``) instead of a type's name.
 
 The backend for a device is chosen here, by :func:`backend_for`, and nowhere
 else. Backend modules import ``_C`` at their top (so mypy checks every call
@@ -25,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, PointerQuery
+from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery, StagedCopy
 from pointerdomain._platform.pointer_query import PointerInfo
 from pointerdomain.errors import ExtensionUnavailableError
 
@@ -37,12 +40,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "LaunchArgs",
+    "StagedCopy",
     "backend_for",
     "default_device",
     "device_holding",
     "extension_ops",
     "extension_path",
     "gpu_ops_built",
+    "host_pointer_fallback",
     "kernel_plan",
     "memory_device",
     "on_backend_change",
@@ -99,6 +105,16 @@ register_backend("emulated", _emulated)
 register_backend("cuda", _cuda)
 
 
+def _install_runtimes() -> None:
+    from pointerdomain import devices
+    from pointerdomain._platform.runtimes import runtimes
+
+    devices.install_runtimes(runtimes())
+
+
+_install_runtimes()
+
+
 def backend_for(device: Device) -> Backend:
     """The backend of ``device`` (built on first use, then cached).
 
@@ -134,6 +150,13 @@ def _swap(device_type: str, backend: Backend | None) -> Backend | None:
     for callback in _on_swap:
         callback()
     return previous
+
+
+def host_pointer_fallback(runtime: str) -> bool:
+    """True where ``runtime`` ("cuda", "hip") lets kernels use a registered host VA as its
+    device address when ``CanUseHostPointerForRegisteredMem`` is 1 (CUDA; HIP defines no
+    such guarantee), so a build without the alias op may fall back to it."""
+    return runtime != "hip"
 
 
 def gpu_ops_built() -> bool:

@@ -10,7 +10,7 @@ rolls back before it raises.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, get_args, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +19,16 @@ if TYPE_CHECKING:
     from pointerdomain._platform.pointer_query import PointerInfo
     from pointerdomain.devices import Device
 
-__all__ = ["DEVICE_ATTRIBUTES", "Backend", "DeviceAttributeName", "PinnedAllocator", "PointerQuery"]
+__all__ = [
+    "DEVICE_ATTRIBUTES",
+    "Backend",
+    "DeviceAttributeName",
+    "LaunchArgs",
+    "PinnedAllocator",
+    "PointerQuery",
+    "RuntimeTraits",
+    "StagedCopy",
+]
 
 #: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
 #: runtime's ``cudaDevAttr<Name>`` (HIP: ``hipDeviceAttribute<Name>``; HIP has no
@@ -37,6 +46,21 @@ DeviceAttributeName = Literal[
 DEVICE_ATTRIBUTES: tuple[DeviceAttributeName, ...] = get_args(DeviceAttributeName)
 
 
+class LaunchArgs(NamedTuple):
+    """One launch's per-call arguments, bound once by the launch path: ``backend.launch(plan,
+    *args)`` and ``backend.launch_recorded(plan, *args)`` take them in this order (the
+    runtime's own call, ``_C.gpu_transfer``, takes them flat)."""
+
+    src_idx: int  #: address of the ``n`` source slots (``int64``)
+    dst_idx: int  #: address of the ``n`` destination slots (``int64``)
+    n: int  #: slot pairs
+    layer_begin: int
+    layer_count: int
+    device: Device
+    stream: int  #: the stream as an int (0 where streams do not exist)
+    max_ctas: int  #: the CTA budget; <= 0 is the whole GPU
+
+
 class Backend(Protocol):
     """One platform (emulated CPU, CUDA/HIP runtime, ...). See the module docstring.
 
@@ -47,12 +71,33 @@ class Backend(Protocol):
             (``cudaHostGetDevicePointer``); False means the alias policy may fall back.
         host_readable: the device's memory (kernel tables, indices) is readable from
             the CPU without a synchronisation (true only for the emulated backend).
+
+    What follows from the runtime alone (:class:`RuntimeTraits`): ``staged_auto``,
+    ``driver_attributes``, ``alias_is_mapping``.
     """
 
     name: str
     runtime: str
     has_alias_op: bool
     host_readable: bool
+
+    @property
+    def staged_auto(self) -> bool:
+        """``backend="auto"`` may pick the staged path (its crossover was measured on this
+        runtime: CUDA); elsewhere it runs only when asked."""
+        ...
+
+    @property
+    def driver_attributes(self) -> bool:
+        """``PageableMemoryAccess`` and its kin are read through the CUDA driver (strict
+        alias mode's capability, :mod:`.cuda_driver`)."""
+        ...
+
+    @property
+    def alias_is_mapping(self) -> bool:
+        """A device alias is this process's second mapping of the host pages (the emulated
+        driver), not an address the runtime hands out."""
+        ...
 
     # registration ------------------------------------------------------------
     def register(self, va: int, nbytes: int, device: Device) -> int:
@@ -143,7 +188,8 @@ class Backend(Protocol):
         device: Device, stream: int, max_ctas: int,
     ) -> None:
         """Run the transfer kernel of ``plan`` on ``n`` slot pairs (index arrays by
-        address); ``max_ctas`` <= 0 is the whole GPU.
+        address) on ``stream``; ``max_ctas`` <= 0 is the whole GPU. The arguments after ``plan`` are a
+        :class:`LaunchArgs` (``launch(plan, *args)``).
 
         Raises:
             RuntimeCallError: the launch failed.
@@ -194,6 +240,36 @@ class Backend(Protocol):
         """
         ...
 
+    def synchronize(self, device: Device) -> None:
+        """Wait for the device's work (a no-op where launches are synchronous)."""
+        ...
+
+
+class RuntimeTraits:
+    """The :class:`Backend` capabilities that follow from its ``runtime`` alone (a mixin of
+    every backend, so a wrapper that takes another runtime's name takes its traits too)."""
+
+    runtime: str
+
+    @property
+    def staged_auto(self) -> bool:
+        return self.runtime == "cuda"
+
+    @property
+    def driver_attributes(self) -> bool:
+        return self.runtime == "cuda"
+
+    @property
+    def alias_is_mapping(self) -> bool:
+        return self.runtime == "emulated"
+
+
+@runtime_checkable
+class StagedCopy(Protocol):
+    """A backend with the staged copy-engine path (``src/kernels/staged_gpu.cu``), or one that
+    stands in for it (the emulated device runs the plain kernel). Optional: without it,
+    ``backend="staged"`` raises ExtensionUnavailableError and ``"auto"`` never picks it."""
+
     def staged_available(self) -> bool:
         """True where :meth:`staged_transfer` runs the staged copy-engine path
         (``src/kernels/staged_gpu.cu``); False where it runs the plain kernel instead
@@ -220,10 +296,6 @@ class Backend(Protocol):
             ExtensionUnavailableError: this build has no staged path.
             RuntimeCallError: a runtime call failed.
         """
-        ...
-
-    def synchronize(self, device: Device) -> None:
-        """Wait for the device's work (a no-op where launches are synchronous)."""
         ...
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pointerdomain import _C
-from pointerdomain._platform.base import DeviceAttributeName
+from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.pointer_query import PointerInfo, cuda_pointer_info
 from pointerdomain._platform.status import check, check_staged
@@ -78,7 +78,7 @@ def runtime_report() -> dict[str, object]:
 _raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-class _TorchDevice:
+class _TorchDevice(RuntimeTraits):
     """What both CUDA backends take from torch: device memory, streams, capture state."""
 
     host_readable = False

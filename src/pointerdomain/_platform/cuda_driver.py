@@ -18,10 +18,10 @@ Also the device attributes ``pointerdomain doctor`` reports (:func:`device_attri
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from pointerdomain import env
 from pointerdomain._platform.cuda import CudaBackend
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ def cuda_backend() -> CudaBackend:
     on CUDA when libcuda loads and ``POINTERDOMAIN_REGISTRATION_API`` is not ``runtime``,
     else the runtime one (always on HIP)."""
     base = CudaBackend()
-    if base.runtime != "cuda" or os.environ.get("POINTERDOMAIN_REGISTRATION_API", "driver") == "runtime":
+    if base.runtime != "cuda" or env.text(env.REGISTRATION_API) == "runtime":
         return base
     api = driver_api()
     return CudaDriverBackend(api) if api is not None else base

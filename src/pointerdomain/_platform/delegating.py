@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery
+from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery, RuntimeTraits, StagedCopy
+from pointerdomain.errors import ExtensionUnavailableError
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["DelegatingBackend"]
 
 
-class DelegatingBackend:
+class DelegatingBackend(RuntimeTraits):
     """``inner``'s behaviour, call for call, under the name ``f"{label}({inner.name})"``."""
 
     def __init__(self, inner: Backend, label: str) -> None:
@@ -108,15 +109,19 @@ class DelegatingBackend:
         self.inner.copy_runs(dsts, srcs, sizes, count, device, stream)
 
     def staged_available(self) -> bool:
-        return self.inner.staged_available()
+        inner = self.inner
+        return isinstance(inner, StagedCopy) and inner.staged_available()
 
     def staged_transfer(
         self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
         host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
         device: Device, stream: int, max_ctas: int,
     ) -> None:
-        self.inner.staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
-                                   host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
+        inner = self.inner
+        if not isinstance(inner, StagedCopy):
+            raise ExtensionUnavailableError(f"the {inner.name} backend has no staged copy-engine path")
+        inner.staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
+                              host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
 
     def synchronize(self, device: Device) -> None:
         self.inner.synchronize(device)

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain import _C, env
-from pointerdomain._platform.base import DeviceAttributeName
+from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
-from pointerdomain.devices import current_device, current_ordinal
+from pointerdomain._platform.runtimes import EMULATED_CURRENT
 from pointerdomain.errors import RuntimeCallError
 
 if TYPE_CHECKING:
@@ -63,8 +63,9 @@ _WRONG_DEVICE = 101
 def _require_current(device: Device, what: str) -> None:
     """The emulated form of "a kernel runs on the current device": work for ``device``
     while another emulated device is current would use that device's mappings."""
-    if current_ordinal("emulated") != device.ordinal:
-        current = current_device("emulated")
+    ordinal = getattr(EMULATED_CURRENT, "ordinal", 0)
+    if ordinal != device.ordinal:
+        current = f"emulated:{ordinal}"
         raise RuntimeCallError(
             f"emulated {what}", _WRONG_DEVICE,
             f"work for {device} while {current} is the calling thread's current device: the launch path must "
@@ -72,7 +73,7 @@ def _require_current(device: Device, what: str) -> None:
         )
 
 
-class EmulatedBackend:
+class EmulatedBackend(RuntimeTraits):
     """See the module docstring."""
 
     name = "emulated"

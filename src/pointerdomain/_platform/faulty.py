@@ -68,5 +68,5 @@ class FaultyBackend(DelegatingBackend):
         device: Device, stream: int, max_ctas: int,
     ) -> None:
         check_staged(self, self._fault("staged_transfer"))
-        self.inner.staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
-                                   host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
+        super().staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
+                                host_idx, staging, staging_bytes, ring, device, stream, max_ctas)

@@ -215,13 +215,13 @@ def vram_desc(tensor: torch.Tensor, device: pd.Device | str | torch.device) -> N
         NonContiguousError: a strided tensor.
     """
     dev = pd.as_device(device)
-    if dev.type != "cuda":
+    if dev.runtime.host_memory:
         raise errors.InvalidDeviceError(
             f"VRAM descriptors are CUDA device memory; {dev} is not a CUDA device (NIXL cannot reach emulated memory)"
         )
     if not isinstance(tensor, torch.Tensor):
         raise errors.DomainError(f"vram_desc takes a CUDA tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cuda":
+    if not tensor.is_cuda:
         raise errors.DomainError(
             f"memory on {tensor.device} is host memory, not VRAM: describe it as DRAM from HostVA metadata "
             "(dram_desc(BufferInfo)), never by a device alias"

@@ -137,7 +137,7 @@ def make_kernel_ptr_table(
         if not isinstance(cast(object, t), torch.Tensor):
             continue  # the core builder names the type
         where = memory_device(t)
-        is_host = where is None and t.device.type == "cpu"
+        is_host = where is None and t.is_cpu
         if host_memory_registered and not is_host:
             raise DomainError(
                 f"tensors[{i}]: memory of {where or t.device}, but host_memory_registered=True says the "

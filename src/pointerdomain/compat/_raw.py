@@ -273,7 +273,7 @@ def _span(name: str, addr: int, device: Device) -> _Span:
     try:
         if owner is not None:
             owner.check_open()
-            if owner.device.type != device.type:
+            if not owner.device.same_type(device):
                 raise DeviceMismatchError(
                     f"{addr:#x} lies in memory registered for {owner.device}, but the launch is on {device}")
             chunk = owner.chunk_of(va, 1)

@@ -121,6 +121,7 @@ from typing import Final, NamedTuple, SupportsIndex
 import torch
 
 import pointerdomain as pd
+from pointerdomain._platform.runtimes import names_one_device
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device
@@ -281,11 +282,11 @@ def _host_slots(name: str, t: object, device: Device) -> torch.Tensor:
         raise IndexValidationError(f"{name}: dtype {slots.dtype}, expected torch.int64 (upstream reads int64 slots)")
     if slots.dim() != 1:
         raise IndexValidationError(f"{name}: shape {tuple(slots.shape)}, expected 1-D")
-    if slots.device.type == "cpu":
+    if slots.is_cpu:
         where = _raw.memory_device_of(name, slots)
         if where is not None and where != device:
             raise DeviceMismatchError(f"{name}: memory of {where}, but the launch runs on {device}")
-    elif not (device.type == "cuda" and slots.is_cuda and slots.get_device() == device.ordinal):
+    elif not (not device.runtime.host_memory and slots.is_cuda and slots.get_device() == device.ordinal):
         raise DeviceMismatchError(f"{name}: on {slots.device}, but the launch runs on {device}")
     return slots.detach().to("cpu")
 
@@ -530,7 +531,7 @@ _READY_MAX: Final = 256
 
 def _keyed_device(x: object) -> bool:
     """A device argument that names one device whatever the current device is."""
-    return isinstance(x, Device) or (isinstance(x, (str, torch.device)) and (":" in str(x) or str(x) == "cpu"))
+    return isinstance(x, Device) or (isinstance(x, (str, torch.device)) and names_one_device(x))
 
 
 #: per device the longest 0, 1, 2, ... index ramp made so far; every ramp ever made is kept

@@ -531,7 +531,7 @@ def transfer_hicache_all_layer_mla(
 
 def _on(idx: torch.Tensor, device: Device) -> torch.Tensor:
     """``idx`` where a kernel of ``device`` reads indices (the CUDA device; the CPU when emulated)."""
-    if device.type == "cuda" and idx.device != device.torch_device:
+    if not device.runtime.host_memory and idx.device != device.torch_device:
         return idx.to(device.torch_device)
     return idx
 

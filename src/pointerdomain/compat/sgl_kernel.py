@@ -119,7 +119,6 @@ call must be device memory of one device;
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -133,6 +132,7 @@ from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device, as_device
 from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain import env
 from pointerdomain.errors import (
     ClosedError,
     DeviceMismatchError,
@@ -216,22 +216,9 @@ def _warps(value: object) -> None:
             f"({WARP_SIZE}-thread warps, at most 1024 threads a block)")
 
 
-_QUOTA_VAR: Final = "SGLANG_HICACHE_BLOCK_QUOTA"
-# os.environ's own store, read directly where it is the plain dict CPython keeps (a miss
-# through the Mapping API raises and catches a KeyError: about 1 us a call); os.environ
-# writes update it, so a change at run time is seen as upstream sees it.
-_ENV_STORE: Final = getattr(os.environ, "_data", None)
-_ENV_KEY: Final = getattr(os.environ, "encodekey", lambda k: k)(_QUOTA_VAR) if type(_ENV_STORE) is dict else None
-_ENV_DECODE: Final = getattr(os.environ, "decodevalue", str)
-
-
 def _env_quota(default: int) -> int:
-    """Upstream's ``SGLANG_HICACHE_BLOCK_QUOTA`` override, read per call: an int, else ``default``."""
-    if _ENV_KEY is not None:
-        raw = _ENV_STORE.get(_ENV_KEY)  # type: ignore[union-attr]
-        text = None if raw is None else _ENV_DECODE(raw)
-    else:
-        text = os.environ.get(_QUOTA_VAR)
+    """Upstream's ``SGLANG_HICACHE_BLOCK_QUOTA`` override: an int, else ``default``."""
+    text = env.text(env.SGLANG_BLOCK_QUOTA)
     if text is None:
         return default
     try:
@@ -1218,7 +1205,7 @@ def pageable(t: torch.Tensor, device: Device) -> bool:
     tests :func:`pointerdomain.make_kernel_ptr_table` makes before it refuses host memory
     as unregistered: registered, closed, straddling and runtime-pinned memory keep the
     table path and its errors)."""
-    if t.device.type != "cpu" or _raw.memory_device_of("tensor", t) is not None:
+    if not t.is_cpu or _raw.memory_device_of("tensor", t) is not None:
         return False
     va, n = HostVA.unsafe_from_int(t.data_ptr()), max(nbytes_of(t), 1)
     if (find_registration(va, 1) is not None or find_registration(va.offset(n - 1), 1) is not None

@@ -185,7 +185,7 @@ def _launch_device(src: torch.Tensor, dst: torch.Tensor) -> _Sides:
     s = _raw.memory_device_of("src", src)
     d = _raw.memory_device_of("dst", dst)
     for name, t, where in (("src", src, s), ("dst", dst, d)):
-        if where is None and t.device.type != "cpu":
+        if where is None and not t.is_cpu:
             raise DomainError(f"{name}: a tensor on {t.device}, expected host memory or device memory. Fix: pass a "
                               "tensor of the KV cache's device or its registered host copy")
     if s is None and d is None:
@@ -214,7 +214,7 @@ def _check_mapping(block_mapping: object) -> tuple[torch.Tensor, torch.Tensor]:
         raise IndexValidationError(
             f"block_mapping: shape {tuple(mapping.shape)}, expected [num_pairs, 2] (src block, dst block). Fix: "
             "torch.tensor(pairs, dtype=torch.int64).view(-1, 2)")
-    if mapping.device.type != "cpu" or _raw.memory_device_of("block_mapping", mapping) is not None:
+    if not mapping.is_cpu or _raw.memory_device_of("block_mapping", mapping) is not None:
         raise IndexValidationError(
             f"block_mapping: in memory of {_raw.memory_device_of('block_mapping', mapping) or mapping.device}, "
             "expected a CPU tensor in host memory (upstream: 'block_mapping must be on CPU'). Fix: build it on "
@@ -288,7 +288,7 @@ class _Swap(NamedTuple):
     dst: pd.PointerTable[pd.DeviceAlias]
     src_layout: pd.KVLayout
     dst_layout: pd.KVLayout
-    emulated: bool
+    host_device_memory: bool  # the device's memory is host memory: a mapping may lie in it
 
 
 _swaps: OrderedDict[tuple[object, ...], _Swap] = _raw.owned_cache()
@@ -303,7 +303,7 @@ def _swap_prepared(p: _Swap, block_mapping: object) -> bool:
     try:
         m = block_mapping
         if (type(m) is not torch.Tensor or m.dtype != torch.int64 or m.dim() != 2 or m.shape[1] != 2
-                or not m.is_cpu or (p.emulated and _raw.memory_device_of("block_mapping", m) is not None)):
+                or not m.is_cpu or (p.host_device_memory and _raw.memory_device_of("block_mapping", m) is not None)):
             return False
         n = m.shape[0]
         if n == 0:
@@ -430,7 +430,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
     if key is not None:
         with _flat_lock:
             _raw.remember(_swaps, key, _Swap(held(src, dst), src_table, dst_table, s_layout, d_layout,
-                                             device.type == "emulated"), _SWAPS_MAX)
+                                             device.runtime.host_memory), _SWAPS_MAX)
 
 
 # -- swap_blocks_batch -----------------------------------------------------------------
@@ -445,7 +445,7 @@ def _check_array(name: str, t: object, what: str) -> torch.Tensor:
         raise IndexValidationError(
             f"{name}: shape {tuple(arr.shape)}, expected a 1-D tensor of {what}, one per copy. Fix: .view(-1)")
     where = _raw.memory_device_of(name, arr)
-    if arr.device.type != "cpu" or where is not None:
+    if not arr.is_cpu or where is not None:
         raise DeviceMismatchError(
             f"{name}: in memory of {where or arr.device}, expected a CPU tensor in host memory (upstream: "
             f"'{name} must be on CPU'). Fix: build it on the CPU (.cpu())")

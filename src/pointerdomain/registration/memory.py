@@ -389,7 +389,7 @@ class RegisteredHostMemory(ProcessLocal):
     def note_alias_device(self, device: Device) -> None:
         """Record that an alias of this registration was asked for on ``device`` (the
         resolver calls this; handles from :meth:`acquire` share the record)."""
-        if device in self._alias_devices or device.type != self.device.type:
+        if device in self._alias_devices or not device.same_type(self.device):
             return
         with _registry._lock:
             self._alias_devices.setdefault(device)
@@ -540,7 +540,7 @@ def register_host_tensor(
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(f"register_host_tensor takes a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise DomainError(f"only CPU memory can be registered as host memory; got a tensor on {tensor.device}")
     where = memory_device(tensor)
     if where is not None:

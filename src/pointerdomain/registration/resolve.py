@@ -20,7 +20,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform import backend_for
+from pointerdomain._platform import backend_for, host_pointer_fallback
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.status import check
 from pointerdomain.devices import Device, validate_device
@@ -88,7 +88,7 @@ def decide_policy(runtime: str, has_op: bool, can_use_host_pointer: int | None) 
     """
     if has_op:
         return AliasPolicy.RUNTIME_OP
-    if runtime == "hip":
+    if not host_pointer_fallback(runtime):
         raise AliasOpMissingError(f"this pointerdomain build has no hipHostGetDevicePointer op; {BUILD_HINT}")
     if can_use_host_pointer == 1:
         return AliasPolicy.HOST_POINTER_FALLBACK
@@ -112,7 +112,7 @@ def policy_of(device: Device) -> AliasPolicy:
         AliasOpMissingError: see :func:`decide_policy`.
     """
     backend = backend_for(device)
-    if backend.runtime == "emulated":
+    if backend.alias_is_mapping:
         return AliasPolicy.EMULATED
     has_op = backend.has_alias_op
     return decide_policy(backend.runtime, has_op, None if has_op else backend.can_use_host_pointer(device))

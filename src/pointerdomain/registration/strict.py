@@ -26,13 +26,13 @@ entries and cudaHostRegister pins through the second one.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from pointerdomain.devices import Device, validate_device
+from pointerdomain import env
 from pointerdomain.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -41,10 +41,10 @@ if TYPE_CHECKING:
 __all__ = ["ENV_VAR", "StrictCapability", "strict_alias", "strict_alias_enabled", "strict_mode_capability"]
 
 #: The environment variable that turns strict mode on at import (``1``).
-ENV_VAR = "POINTERDOMAIN_STRICT_ALIAS"
+ENV_VAR = env.STRICT_ALIAS
 
 _lock = threading.Lock()
-_enabled = os.environ.get(ENV_VAR, "") == "1"
+_enabled = env.text(ENV_VAR) == "1"
 
 
 def strict_alias_enabled() -> bool:
@@ -114,14 +114,14 @@ def strict_mode_capability(device: Device | str | torch.device) -> StrictCapabil
         InvalidDeviceError: the device does not exist.
     """
     dev = validate_device(device)
-    if dev.type == "emulated":
+    if dev.runtime.host_memory:
         return StrictCapability(dev, False, None, None,
                                 "emulated: the alias is always a distinct mapping, but the CPU kernel can read any "
                                 "mapped address; checked mode (not a fault) catches host VAs there")
     from pointerdomain._platform import backend_for
 
     backend = backend_for(dev)
-    if backend.runtime != "cuda":
+    if not backend.driver_attributes:
         return StrictCapability(dev, None, None, None,
                                 f"{backend.runtime}: PageableMemoryAccess is read through the CUDA driver only")
     from pointerdomain._platform.cuda_driver import device_attributes, load_error

@@ -361,7 +361,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
         return t.data_ptr(), None
     if where is not None:
         raise DeviceMismatchError(f"{name}: device memory of {where}, but the table is for {device}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise DomainError(f"{name}: tensor on {t.device} is neither host memory nor memory of {device}")
     va = HostVA.unsafe_from_int(t.data_ptr())
     owner = find_registration(va, nbytes)
@@ -387,7 +387,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
             "allocate it with pointerdomain.alloc_registered or register it with register_host_tensor"
         )
     owner.check_open()
-    if owner.device.type != device.type:
+    if not owner.device.same_type(device):
         raise DeviceMismatchError(f"{name}: memory registered for {owner.device}, but the table is for {device}")
     try:
         owner.chunk_of(va, nbytes)
@@ -458,7 +458,7 @@ def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
     owners: list[RegisteredHostMemory] = []
     for i, t in enumerate(checked):
         where = memory_device(t)
-        if where is not None or t.device.type != "cpu":
+        if where is not None or not t.is_cpu:
             raise DomainError(
                 f"tensors[{i}]: memory of {where or t.device} is not host memory; device addresses must "
                 "never reach CPU code (memcpy, transfer engines): copy the data to host memory first"

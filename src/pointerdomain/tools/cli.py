@@ -52,6 +52,10 @@ class UsageError(Exception):
     """A command-line value that cannot be run as given (exit code 2); the message names the flag."""
 
 
+#: ``--device`` texts naming the plain CPU, which is no device here
+_PLAIN_CPU: frozenset[str] = frozenset({"cpu", "cpu:0"})
+
+
 def parse_device(text: str | None) -> tuple[Device, str]:
     """The device a ``--device`` flag names, and a phrase saying why it is the one used.
 
@@ -64,9 +68,9 @@ def parse_device(text: str | None) -> tuple[Device, str]:
 
     if text is None:
         dev = default_device()
-        why = "a GPU with the GPU ops is present" if dev.type == "cuda" else "no GPU with the GPU ops: the CPU stand-in"
+        why = "no GPU with the GPU ops: the CPU stand-in" if dev.runtime.host_memory else "a GPU with the GPU ops is present"
         return dev, f"default: {why}"
-    if text.strip().lower() in ("cpu", "cpu:0"):
+    if text.strip().lower() in _PLAIN_CPU:
         raise UsageError(
             f"--device {text}: there is no plain CPU device (registered memory needs a device to alias it). "
             "Use --device emulated:0, the CPU stand-in whose device aliases differ from host VAs, or cuda:N"

@@ -8,7 +8,7 @@ Before allocating, :func:`estimate` counts every buffer the run holds at its pea
 (the pools, the saved pages, the alias pages the copies touch, the bounded scratch of
 the fill and verify steps, and the process as it is now) and refuses a run that would
 not fit. The estimate is printed (``--json``: ``estimate.host_peak_bytes``) and
-tests/test_cli_memory.py holds the measured peak RSS within 10 % of it.
+tests/tools/test_cli_memory.py holds the measured peak RSS within 10 % of it.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def estimate(device: Device, dev_layout: KVLayout, host_layout: KVLayout, pages:
     is written in full (poisoned), and the pages moved are touched a second time through
     their alias mapping (a second mapping of the same pages counts again in RSS)."""
     moved = pages * dev_layout.nbytes // dev_layout.num_pages
-    host_side = device.type == "emulated"  # emulated device memory and the saved copy are host memory
+    host_side = device.runtime.host_memory  # emulated device memory and the saved copy are host memory
     alias_touched = moved if host_side else 0
     scratch = 2 * SCRATCH_BYTES  # verify: a gathered block + its compare result (the fill is in place)
     baseline = _rss_bytes()

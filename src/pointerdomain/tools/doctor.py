@@ -191,7 +191,7 @@ def pci_bus_id(device: Device) -> str | None:
 def gpu_numa_node(device: Device) -> Row:
     """The NUMA node of ``device`` (``/sys/bus/pci/devices/<bdf>/numa_node``; -1: the
     platform reports none, e.g. one node)."""
-    if device.type == "emulated":
+    if device.runtime.host_memory:
         return Row("NUMA node", "n/a (emulated device: CPU memory)")
     bdf = pci_bus_id(device)
     if bdf is None:

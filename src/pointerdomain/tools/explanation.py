@@ -128,7 +128,7 @@ def _pointer_attributes(address: int, device: Device | None) -> tuple[dict[str, 
     for dev in devices:
         try:
             backend = backend_for(dev)
-            emulated = dev.type == "emulated"
+            emulated = dev.runtime.host_memory
             status, alias = backend.alias(address, dev) if emulated or gpu_ops_built() else (None, 0)
             # the emulated pointer query is a constant False (no runtime pins memory behind
             # pointerdomain's back): the emulated driver's own record answers instead, i.e.

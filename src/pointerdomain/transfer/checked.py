@@ -280,7 +280,7 @@ class _Regions:
                     f"Fix: {_FIX_BUILD}"
                 )
         owner = find_registration(HostVA.unsafe_from_int(value))
-        if owner is not None and owner.device.type != self.device.type:
+        if owner is not None and not owner.device.same_type(self.device):
             return DeviceMismatchError(
                 f"{head}, found: host memory registered for {owner.device} (at {owner.host_va!r}, +{owner.nbytes} "
                 f"bytes), not for a {self.device.type} device; expected: {want}. Fix: register the memory for "
@@ -293,7 +293,7 @@ class _Regions:
                 f"VA (it is not a device address where CanUseHostPointerForRegisteredMem is 0). Fix: {_FIX_BUILD}"
             )
         for t in table.kept_tensors():
-            if t.device.type == "cpu":
+            if t.is_cpu:
                 storage = t.untyped_storage()
                 if storage.data_ptr() <= value < storage.data_ptr() + storage.nbytes():
                     return DomainError(
@@ -313,7 +313,7 @@ def _registry_alias_regions(device: Device) -> list[_Region]:
     regions: list[_Region] = []
     lookup = _alias_lookup(device)
     for owner in open_registrations():
-        if owner.device.type != device.type:
+        if not owner.device.same_type(device):
             continue
         for k, chunk in enumerate(owner.chunks):
             # unpinned memory is read by the copy engine at its host VA; strict: the registered mapping
@@ -348,7 +348,7 @@ def _device_region(t: torch.Tensor, lo: int, nbytes: int, device: Device) -> _Re
     where = memory_device(t, whole_storage=True)
     if where is not None:
         return _Region(lo, lo + nbytes, "device", where)
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return None
     if find_registration(HostVA.unsafe_from_int(lo)) is None and backend_for(device).pointer_is_host(lo):
         alias = _alias_lookup(device)(lo)
@@ -375,7 +375,7 @@ def _touched_pages(indices: torch.Tensor, layout: KVLayout) -> list[int]:
     """The pages the launch touches through ``indices`` (sorted), or every page of the
     layout when the indices live on a GPU (reading them would synchronise). Slots out
     of range are skipped by the kernels and touch nothing."""
-    if indices.device.type != "cpu":
+    if not indices.is_cpu:
         return list(range(layout.num_pages))
     page_size, num_pages = layout.page_size, layout.num_pages
     # The kernels skip slots outside [0, num_slots) (validate_indices=False lets them through).

@@ -18,6 +18,10 @@ Layouts whose items are split into several runs (``page_head`` with several head
 expands its indices to the parts' slots with torch ops on the indices' device and runs
 every backend on those. The other layouts' launches skip this.
 
+A launch runs in three steps: :func:`check_call` (every check above, and the call bound
+into its plan, :class:`LaunchOptions` and :class:`~pointerdomain._platform.LaunchArgs`),
+:func:`choose_path` (the :class:`Path` that runs it) and :func:`run`.
+
 Ordering (CUDA): the launch is enqueued on ``stream`` (default: the current
 stream of the tables' device) and is asynchronous. The caller orders it after
 the work that produced the source (same stream, or an event) and keeps the
@@ -29,13 +33,14 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
 
 import torch
 
 from pointerdomain.registration import leases
 from pointerdomain.transfer import checked, launch_errors, overlap, staged
-from pointerdomain._platform import memory_device
+from pointerdomain._platform import LaunchArgs, memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
@@ -54,11 +59,18 @@ __all__ = [
     "CE_MIN_RUN_BYTES_WHOLE_GPU",
     "DEFAULT_MAX_CTAS",
     "WHOLE_GPU",
+    "IndexCheck",
+    "LaunchOptions",
     "MaxCtas",
+    "Path",
     "TransferBackend",
     "ValidateIndices",
     "WholeGpu",
+    "check_call",
+    "choose_path",
     "index_tensor",
+    "launch_options",
+    "run",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
 ]
@@ -97,11 +109,11 @@ def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False)
         raise IndexValidationError(f"{name}: shape {tuple(idx.shape)}, expected 1-D")
     if not idx.is_contiguous():
         raise IndexValidationError(f"{name}: not contiguous (stride {idx.stride()})")
-    if not tensor_on(idx, device) and not (host_read and idx.device.type == "cpu"):
+    if not tensor_on(idx, device) and not (host_read and idx.is_cpu):
         raise IndexValidationError(
             f"{name}: on {idx.device}, but the launch runs on {device} (indices must be on {device.torch_device})"
         )
-    if device.type == "emulated":  # CPU tensors all; emulated device memory must be this device's
+    if device.runtime.host_memory:  # CPU tensors all; emulated device memory must be this device's
         where = memory_device(idx)
         if where is not None and where != device:
             raise IndexValidationError(
@@ -155,6 +167,7 @@ _Tensor: Final = torch.Tensor
 
 
 _UNIT = (1,)
+_CURRENT_STREAM: Final = -1  # LaunchArgs.stream until the launch asks the device's current stream
 _MAX_CTAS = 2**31 - 1  # a CUDA grid's x dimension (and the C++ int the budget travels in)
 
 
@@ -169,7 +182,7 @@ def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
     if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
         return False
     device = plan.device
-    if device.type == "cuda":
+    if not plan.host_memory:
         return s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal
     if s_idx.is_cuda or s_idx.is_meta or d_idx.is_cuda or d_idx.is_meta:
         return False
@@ -180,6 +193,214 @@ def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
         return False
     where = lookup(d_idx.data_ptr(), max(d_idx.numel() * 8, 1))
     return where < 0 or where == ordinal
+
+
+class Path(enum.Enum):
+    """How a launch moves bytes: the ``backend`` argument, validated (:class:`LaunchOptions`)."""
+
+    AUTO = "auto"
+    KERNEL = "kernel"
+    COPY_ENGINE = "copy_engine"
+    STAGED = "staged"
+
+
+class IndexCheck(enum.Enum):
+    """The ``validate_indices`` argument, validated: ``True``, ``"host"``, ``False``."""
+
+    DEFERRED = True  #: the kernel's error word (on the host right after the launch where it is host-readable)
+    HOST = "host"  #: on the host before the launch
+    OFF = False  #: skipped slots are not reported
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchOptions:
+    """A launch's options, validated once per distinct combination and cached
+    (:func:`launch_options`): the launch path compares enums, never strings."""
+
+    path: Path
+    ctas: int  #: the CTA budget for the native call; 0 is the whole GPU
+    check: IndexCheck
+
+
+_PATHS: Final = {p.value: p for p in Path}
+_CHECKS: Final = {True: IndexCheck.DEFERRED, False: IndexCheck.OFF}
+_options: dict[tuple[object, ...], LaunchOptions] = {}
+# the hot path's constants: module globals, not enum class attributes (a lookup each)
+_AUTO, _KERNEL, _COPY_ENGINE, _STAGED = Path.AUTO, Path.KERNEL, Path.COPY_ENGINE, Path.STAGED
+_CHECK_DEFERRED, _CHECK_HOST, _CHECK_OFF = IndexCheck.DEFERRED, IndexCheck.HOST, IndexCheck.OFF
+_new_args: Final = tuple.__new__  # LaunchArgs from a tuple without NamedTuple's Python-level __new__
+_options_lock = threading.Lock()
+_UNSET = object()  # matches no argument
+_last: tuple[object, object, object, LaunchOptions] = (_UNSET, _UNSET, _UNSET, LaunchOptions(Path.KERNEL, 0, IndexCheck.OFF))
+_OPTIONS_CACHE_MAX = 256
+
+
+def launch_options(max_ctas: object, backend: object, validate_indices: object, stream: object) -> LaunchOptions:
+    """``max_ctas``, ``backend`` and ``validate_indices`` validated, from a cache keyed by
+    value and type (``True`` is no CTA budget); ``stream`` is checked each call.
+
+    Raises:
+        InvalidArgumentError: a bad ``max_ctas``, ``backend``, ``stream`` or ``validate_indices``
+            (in that order).
+    """
+    last = _last
+    if max_ctas is last[0] and backend is last[1] and validate_indices is last[2]:  # the same objects: valid
+        options = last[3]
+    else:
+        options = _cached_options(max_ctas, backend, validate_indices, stream)
+    if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
+        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
+    return options
+
+
+def _cached_options(max_ctas: object, backend: object, validate_indices: object, stream: object) -> LaunchOptions:
+    global _last
+    key = (max_ctas, type(max_ctas), backend, type(backend), validate_indices, type(validate_indices))
+    try:
+        options = _options[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument, reported below
+        options = _validate_options(max_ctas, backend, validate_indices, stream)
+        if len(_options) < _OPTIONS_CACHE_MAX:
+            with _options_lock:
+                _options[key] = options
+    _last = (max_ctas, backend, validate_indices, options)  # one tuple, replaced whole: thread-safe to read
+    return options
+
+
+def _validate_options(max_ctas: object, backend: object, validate_indices: object, stream: object) -> LaunchOptions:
+    if type(max_ctas) is int and 0 < max_ctas <= _MAX_CTAS:
+        ctas = max_ctas
+    elif max_ctas is WHOLE_GPU:
+        ctas = 0  # the C++ side: the whole GPU
+    else:
+        raise InvalidArgumentError(
+            f"max_ctas must be an int in [1, {_MAX_CTAS}] or pointerdomain.WHOLE_GPU, got {max_ctas!r}"
+        )
+    path = _PATHS.get(backend) if isinstance(backend, str) else None
+    if path is None:
+        raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {backend!r}")
+    if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
+        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
+    if type(validate_indices) is bool:
+        check: IndexCheck | None = _CHECKS[validate_indices]
+    else:
+        check = IndexCheck.HOST if validate_indices == "host" else None
+    if check is None:
+        raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {validate_indices!r}")
+    return LaunchOptions(path, ctas, check)
+
+
+def check_call(
+    src: PointerTable[DeviceAlias],
+    src_layout: KVLayout,
+    dst: PointerTable[DeviceAlias],
+    dst_layout: KVLayout,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_count: int,
+    stream: int | None,
+    max_ctas: MaxCtas,
+    backend: TransferBackend,
+    validate_indices: ValidateIndices,
+) -> tuple[TransferPlan, LaunchOptions, LaunchArgs]:
+    """The launch's first step: every check of the call (tables, indices, options), and the
+    call bound into its plan, options and :class:`LaunchArgs`. Nothing is launched."""
+    # Every check below runs on every launch; the common case takes one combined test per
+    # group (plan.live, _indices_ok, the options cache) and only a failure runs the
+    # per-item checks that word the error.
+    plan = plan_for(src, src_layout, dst, dst_layout)
+    if not plan.live(src, dst):
+        for name, table in (("src", src), ("dst", dst)):
+            try:
+                table.check_live()
+            except ClosedError as exc:
+                raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
+    device = plan.device
+    if not _indices_ok(src_indices, dst_indices, plan):  # not both on the device: the worded checks
+        host_read = backend == "staged" or backend == "copy_engine"  # these may take CPU indices
+        _check_indices("src_indices", src_indices, device, host_read)
+        _check_indices("dst_indices", dst_indices, device, host_read)
+    n = src_indices.numel()
+    if n != dst_indices.numel():
+        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
+    sp, dp = (src_indices.data_ptr(), dst_indices.data_ptr()) if n else (0, 0)
+    if n and plan.dst_starts and plan.indices_in_dst(sp, dp, 8 * n):
+        raise OverlapError(
+            "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
+            "overwrite the indices it is reading, and later slots would land in the wrong place; nothing was "
+            "copied. Fix: keep index tensors in memory of their own"
+        )
+    last = _last  # launch_options, inlined: the last call's options where these are the same objects
+    if max_ctas is last[0] and backend is last[1] and validate_indices is last[2]:
+        options = last[3]
+        if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
+            raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
+    else:
+        options = launch_options(max_ctas, backend, validate_indices, stream)
+    return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device,
+                                                 _CURRENT_STREAM if stream is None else stream, options.ctas))
+
+
+def choose_path(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], options: LaunchOptions,
+    args: LaunchArgs,
+) -> Path:
+    """The launch's second step: the path that runs it (never :attr:`Path.AUTO`).
+
+    Raises:
+        UnpinnedMemoryError: a table over unpinned memory with a path other than the copy engine.
+        InvalidArgumentError: the copy engine or the staged path during graph capture.
+    """
+    path = options.path
+    unpinned = plan.unpinned  # a registration of either table that kernels cannot read
+    if unpinned is not None:
+        if path is _AUTO:
+            path = _COPY_ENGINE
+        elif path is not _COPY_ENGINE:
+            raise UnpinnedMemoryError(
+                f"host memory at {unpinned.host_va!r} (+{unpinned.nbytes} bytes) is not pinned (registration "
+                f"ladder rung 'unpinned': {'; '.join(unpinned.ladder_record) or 'allowed by the policy'}): kernels "
+                "cannot read it. Fix: backend='copy_engine' (or 'auto'), or register the memory pinned"
+            )
+    # The capture queries ask the tables' device's current stream (Backend.is_capturing),
+    # so they run before any device switch.
+    platform, device = plan.platform, plan.device
+    if path is _AUTO:  # the capture query only where it decides something
+        threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if args.max_ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
+        if plan.run_bytes >= threshold and not platform.is_capturing(device):
+            return _COPY_ENGINE
+        if args.n >= staged.STAGED_MIN_CHUNKS and staged.auto_picks_staged(plan, src, dst, args):
+            return _STAGED
+        return _KERNEL
+    if path is _STAGED and platform.is_capturing(device):
+        raise InvalidArgumentError(
+            "backend='staged' reads the indices on the host and cannot be captured in a CUDA graph; "
+            "use backend='kernel' (or 'auto', which falls back to it) inside capture"
+        )
+    if path is _COPY_ENGINE and platform.is_capturing(device):
+        raise InvalidArgumentError(
+            "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
+        )
+    return path
+
+
+def run(
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
+    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
+) -> None:
+    """The launch's last step: run ``path`` (from :func:`choose_path`) on the call bound by
+    :func:`check_call`."""
+    if path is _KERNEL and plan.launch_sets_device and not checked.enabled():
+        # The native launch sets and restores the device itself (and reads the capture
+        # state of the launch stream there): no Python device switch on the hot path.
+        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
+        return
+    # The rest (host copies of the indices, checked mode, the staged path's streams and
+    # events, the emulated kernels) on the tables' device; the caller's current device
+    # comes back afterwards, also on error.
+    with DeviceGuard.for_launch(plan.device):
+        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
 
 
 def _launch(
@@ -196,148 +417,74 @@ def _launch(
     backend: TransferBackend,
     validate_indices: ValidateIndices,
 ) -> None:
-    # Every check below runs on every launch; the common case takes one combined test per
-    # group (plan.live, _indices_ok) and only a failure runs the per-item checks that word
-    # the error.
-    plan = plan_for(src, src_layout, dst, dst_layout)
-    if not plan.live(src, dst):
-        for name, table in (("src", src), ("dst", dst)):
-            try:
-                table.check_live()
-            except ClosedError as exc:
-                raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
-    device, platform = plan.device, plan.platform
-    if not _indices_ok(src_indices, dst_indices, plan):  # not both on the device: the worded checks
-        host_read = backend == "staged" or backend == "copy_engine"  # these may take CPU indices
-        _check_indices("src_indices", src_indices, device, host_read)
-        _check_indices("dst_indices", dst_indices, device, host_read)
-    n = src_indices.numel()
-    if n != dst_indices.numel():
-        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
-    sp, dp = (src_indices.data_ptr(), dst_indices.data_ptr()) if n else (0, 0)
-    if n and plan.dst_starts and plan.indices_in_dst(sp, dp, 8 * n):
-        raise OverlapError(
-            "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
-            "overwrite the indices it is reading, and later slots would land in the wrong place; nothing was "
-            "copied. Fix: keep index tensors in memory of their own"
-        )
-    if type(max_ctas) is int and 0 < max_ctas <= _MAX_CTAS:
-        ctas = max_ctas
-    elif max_ctas is WHOLE_GPU:
-        ctas = 0  # the C++ side: the whole GPU
-    else:
-        raise InvalidArgumentError(
-            f"max_ctas must be an int in [1, {_MAX_CTAS}] or pointerdomain.WHOLE_GPU, got {max_ctas!r}"
-        )
-    if backend != "auto" and backend != "kernel" and backend != "copy_engine" and backend != "staged":
-        raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {backend!r}")
-    if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
-        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
-    if type(validate_indices) is not bool and validate_indices != "host":
-        raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {validate_indices!r}")
-    unpinned = plan.unpinned  # a registration of either table that kernels cannot read
-    if unpinned is not None:
-        if backend == "auto":
-            backend = "copy_engine"
-        elif backend != "copy_engine":
-            raise UnpinnedMemoryError(
-                f"host memory at {unpinned.host_va!r} (+{unpinned.nbytes} bytes) is not pinned (registration "
-                f"ladder rung 'unpinned': {'; '.join(unpinned.ladder_record) or 'allowed by the policy'}): kernels "
-                "cannot read it. Fix: backend='copy_engine' (or 'auto'), or register the memory pinned"
-            )
-    # The capture queries ask the tables' device's current stream (Backend.is_capturing),
-    # so they run before any device switch.
-    if backend == "auto":  # the capture query only where it decides something
-        threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
-        if plan.run_bytes >= threshold and not platform.is_capturing(device):
-            backend = "copy_engine"
-        elif n >= staged.STAGED_MIN_CHUNKS and staged.auto_picks_staged(plan, src, dst, n, layer_begin,
-                                                                        layer_count, ctas):
-            backend = "staged"
-        else:
-            backend = "kernel"
-    elif backend == "staged" and platform.is_capturing(device):
-        raise InvalidArgumentError(
-            "backend='staged' reads the indices on the host and cannot be captured in a CUDA graph; "
-            "use backend='kernel' (or 'auto', which falls back to it) inside capture"
-        )
-    elif backend == "copy_engine" and platform.is_capturing(device):
-        raise InvalidArgumentError(
-            "backend='copy_engine' reads the indices on the host and cannot be captured in a CUDA graph"
-        )
-    if backend == "kernel" and device.type == "cuda" and not checked.enabled():
-        # The native launch sets and restores the device itself (and reads the capture
-        # state of the launch stream there): no Python device switch on the hot path.
-        _launch_on_device(plan, src, dst, src_indices, dst_indices, sp, dp, n, layer_begin, layer_count, stream,
-                          ctas, backend, validate_indices)
-        return
-    # The rest (host copies of the indices, checked mode, the staged path's streams and
-    # events, the emulated kernels) on the tables' device; the caller's current device
-    # comes back afterwards, also on error.
-    with DeviceGuard.for_launch(device):
-        _launch_on_device(plan, src, dst, src_indices, dst_indices, sp, dp, n, layer_begin, layer_count, stream,
-                          ctas, backend, validate_indices)
+    """The launch: :func:`check_call`, :func:`choose_path`, :func:`run`."""
+    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,
+                                     layer_count, stream, max_ctas, backend, validate_indices)
+    path = choose_path(plan, src, dst, options, args)
+    run(plan, src, dst, src_indices, dst_indices, args, path, options.check)
 
 
-def _launch_on_device(
+def _run_on_device(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, sp: int, dp: int, n: int, layer_begin: int, layer_count: int, stream: int | None,
-    ctas: int, backend: TransferBackend, validate_indices: ValidateIndices,
+    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
 ) -> None:
-    """The launch of ``backend`` (resolved: never ``"auto"``) with checked arguments;
-    ``sp``, ``dp``: the index tensors' addresses (``data_ptr()``, read once by the caller)."""
+    """The launch of ``path`` (resolved: never AUTO) with checked arguments."""
     device, platform = plan.device, plan.platform
-    if backend == "copy_engine":
+    if path is _COPY_ENGINE:
         # Read the indices once: the copy validated is the copy the descriptors are built from,
         # so another thread changing an index meanwhile cannot move a copy outside the tables.
         s_idx = s_idx.to("cpu", copy=True)
         d_idx = d_idx.to("cpu", copy=True)
         _check_range(s_idx, d_idx, plan)
-    elif backend == "staged":
+    elif path is _STAGED:
         if plan.lowering is not None:  # launch_staged checks the parts' slots: report the caller's
             _check_range(s_idx, d_idx, plan)
-    elif validate_indices == "host" or (validate_indices is True and platform.host_readable):
+    elif check is _CHECK_HOST or (check is _CHECK_DEFERRED and platform.host_readable):
         # host-readable indices (emulated device): no sync, so check before launching
         # (staged: launch_staged checks its own host copies of the indices)
         _check_range(s_idx, d_idx, plan)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
-    if n == 0:
+    if args.n == 0:
         return
+    stream = args.stream
     if plan.lowering is not None:  # a layout that splits items: from here on, the parts' slots
-        s_idx, d_idx = plan.expand(s_idx, d_idx, stream)
-        n, sp, dp = s_idx.numel(), s_idx.data_ptr(), d_idx.data_ptr()
+        s_idx, d_idx = plan.expand(s_idx, d_idx, None if stream == _CURRENT_STREAM else stream)
+        args = args._replace(src_idx=s_idx.data_ptr(), dst_idx=d_idx.data_ptr(), n=s_idx.numel())
     if checked.enabled():
-        checked.verify_launch(plan, src, dst, s_idx, d_idx, layer_begin, layer_count)
-    if stream is None:
+        checked.verify_launch(plan, src, dst, s_idx, d_idx, args.layer_begin, args.layer_count)
+    if stream == _CURRENT_STREAM:  # asked here: after the host copies of the indices were taken
         stream = platform.current_stream(device)
-    kernel = plan.kernel if validate_indices is not False or plan.unchecked is None else plan.unchecked
+        if path is not _KERNEL:
+            args = _new_args(LaunchArgs, (args[0], args[1], args[2], args[3], args[4], device, stream, args[7]))
+    kernel = plan.kernel if check is not _CHECK_OFF or plan.unchecked is None else plan.unchecked
     # Lease the registrations both tables point into (device memory alone has none: a table
     # keeps its tensors alive); with leases, an event after the launch tells close() when
     # the GPU is past it.
     owners = plan.owners
-    tokens = leases.acquire_all(owners, ("transfer", n, device, threading.get_ident())) if owners else []
+    tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else []
     if tokens is None:
         for owner in owners:
             owner.check_open()  # the closed one raises ClosedError
         raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
     event = 0  # the backend's event recorded after the launch (0: none, e.g. synchronous or captured)
     try:
-        if backend == "staged":
-            staged.launch_staged(plan, src, dst, s_idx, d_idx, layer_begin, layer_count, stream, ctas)
-            event = platform.record_event(device, stream) if owners else 0
-        elif backend == "copy_engine":
-            dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, layer_begin, layer_count)
-            platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, stream)
-            event = platform.record_event(device, stream) if owners else 0
-        elif owners:  # launch and record in one native call on CUDA
-            event = platform.launch_recorded(kernel, sp, dp, n, layer_begin, layer_count, device, stream, ctas)
+        if path is _STAGED:
+            staged.launch_staged(plan, src, dst, s_idx, d_idx, args)
+            event = platform.record_event(device, args.stream) if owners else 0
+        elif path is _COPY_ENGINE:
+            dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, args.layer_begin, args.layer_count)
+            platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, args.stream)
+            event = platform.record_event(device, args.stream) if owners else 0
+        elif owners:  # launch and record in one native call on CUDA (args, with the stream asked above)
+            event = platform.launch_recorded(kernel, args[0], args[1], args[2], args[3], args[4], device, stream,
+                                             args[7])
         else:
-            platform.launch(kernel, sp, dp, n, layer_begin, layer_count, device, stream, ctas)
+            platform.launch(kernel, args[0], args[1], args[2], args[3], args[4], device, stream, args[7])
     finally:
         if owners:
             leases.release_all(owners, tokens, event, platform)
-    if backend != "copy_engine" and validate_indices is not False and platform.host_readable:
+    if path is not _COPY_ENGINE and check is not _CHECK_OFF and platform.host_readable:
         word = launch_errors.host_word(device)  # synchronous launch: a slot the kernel skipped (indices changed)
         if word is not None and word.value:
             launch_errors.raise_now(device)
@@ -446,8 +593,9 @@ def transfer_kv_all_layer(
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
     num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
-    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers, stream, max_ctas,
-            backend, validate_indices)
+    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
+                                     stream, max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args), options.check)
 
 
 def transfer_kv_per_layer(
@@ -477,5 +625,6 @@ def transfer_kv_per_layer(
         raise IndexValidationError(f"layer_id must be an int, got {layer_id!r}")
     if not 0 <= layer_id < src_layout.num_layers:
         raise IndexValidationError(f"layer_id {layer_id!r} outside [0, {src_layout.num_layers})")
-    _launch(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1, stream, max_ctas, backend,
-            validate_indices)
+    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
+                                     stream, max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args), options.check)

@@ -62,7 +62,7 @@ def ensure_error_word(device: Device) -> int:
                 # wait for it); elsewhere a device sync. Either way the word is zero before
                 # any launch on any stream can set it (during capture: ordered in the graph).
                 cuda: Any = torch.cuda  # Stream is untyped in torch's stubs
-                side = cuda.Stream(device=device.torch_device) if device.type == "cuda" and not capturing else None
+                side = cuda.Stream(device=device.torch_device) if device.runtime.streams and not capturing else None
                 with cuda.stream(side) if side is not None else contextlib.nullcontext():
                     word = device_empty((1,), torch.int32, device)
                     word.zero_()

@@ -73,6 +73,8 @@ class TransferPlan:
         unpinned: the first owner kernels cannot read (the ``unpinned`` rung), or None.
         lowering: how a launch between layouts that split items runs over per-part items
             (:func:`~pointerdomain.layouts.lower_pair`), or None (the common case).
+        host_memory, launch_sets_device: the device's :class:`~pointerdomain.devices.DeviceRuntime`
+            flags, read once per plan.
     """
 
     device: Device
@@ -96,6 +98,8 @@ class TransferPlan:
     dst_starts: tuple[int, ...] = ()
     dst_ends: tuple[int, ...] = ()
     lowering: Lowering | None = None
+    host_memory: bool = False
+    launch_sets_device: bool = False
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
@@ -214,7 +218,7 @@ def _pattern(device: torch.device, parts: int, step: int) -> torch.Tensor:
     pattern = _patterns.get(key)
     if pattern is None:
         pattern = torch.arange(0, parts * step, step, dtype=torch.int64, device=device)
-        if device.type != "cuda":
+        if not pattern.is_cuda:
             _patterns[key] = pattern
         else:
             with torch.cuda.device(device):
@@ -312,7 +316,8 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     starts, ends = _merged_ranges(dst.storage_spans())
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args),
-                        owners, same_memory, unpinned, starts, ends, lowering)
+                        owners, same_memory, unpinned, starts, ends, lowering, device.runtime.host_memory,
+                        device.runtime.launch_sets_device)
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:

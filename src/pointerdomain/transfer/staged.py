@@ -47,11 +47,11 @@ from typing import Any, Final
 
 import torch
 
-from pointerdomain._platform import backend_for
+from pointerdomain._platform import LaunchArgs, StagedCopy, backend_for
 from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import InvalidArgumentError, LayoutError, PointerDomainError
+from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError, LayoutError, PointerDomainError
 from pointerdomain.transfer.plan import TransferPlan
 from pointerdomain.registration.tables import PointerTable
 
@@ -220,8 +220,7 @@ def staged_refusal(
 
 
 def auto_picks_staged(
-    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], n: int,
-    layer_begin: int, layer_count: int, ctas: int,
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], args: LaunchArgs
 ) -> bool:
     """Whether ``backend="auto"`` takes the staged path (CUDA with the path built, not
     capturing, items <= :data:`STAGED_MAX_ITEM_BYTES`, a budget of at least
@@ -229,14 +228,15 @@ def auto_picks_staged(
     :data:`STAGED_MIN_CHUNKS` ring chunks of slots, and :func:`staged_refusal` none).
     The cheap tests first: the kernel launch path pays only for them."""
     layout, platform = plan.src_layout, plan.platform
+    n, layer_begin, layer_count, ctas = args.n, args.layer_begin, args.layer_count, args.max_ctas
     if layer_count != layout.num_layers or layout.item_bytes > STAGED_MAX_ITEM_BYTES or plan.lowering is not None:
         return False  # (per-part items of a lowered launch: not measured, so only when asked)
-    if 0 < ctas < STAGED_MIN_CTAS or platform.runtime != "cuda":
+    if 0 < ctas < STAGED_MIN_CTAS or not platform.staged_auto:
         return False  # the figures are CUDA's (H200); HIP runs it only when asked
     block = layout.num_layers * layout.item_bytes
     if n < STAGED_MIN_CHUNKS * chunk_slots(_config_of(plan.device), layout.num_kv, block):
         return False
-    if not platform.staged_available() or platform.is_capturing(plan.device):
+    if not (isinstance(platform, StagedCopy) and platform.staged_available()) or platform.is_capturing(plan.device):
         return False
     return not isinstance(staged_refusal(plan, src, dst, layer_begin, layer_count), PointerDomainError)
 
@@ -263,10 +263,11 @@ def _on_device(checked: torch.Tensor, device: Device, stream: int) -> torch.Tens
 
 def launch_staged(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
-    s_idx: torch.Tensor, d_idx: torch.Tensor, layer_begin: int, layer_count: int, stream: int, ctas: int,
+    s_idx: torch.Tensor, d_idx: torch.Tensor, args: LaunchArgs,
 ) -> None:
     """Run the staged transfer of the checked index tensors (``int64``, 1-D, contiguous,
-    equal length ``n`` > 0, each on the device or the CPU) on ``stream``.
+    equal length ``n`` > 0, each on the device or the CPU) for the call ``args`` (its
+    layer range, stream and CTA budget; the tensors' own addresses are read here).
 
     Raises:
         InvalidArgumentError, LayoutError: the path does not apply (:func:`staged_refusal`),
@@ -276,6 +277,7 @@ def launch_staged(
             free memory (nothing was copied).
         RuntimeCallError: a runtime call failed.
     """
+    layer_begin, layer_count, stream = args.layer_begin, args.layer_count, args.stream
     verdict = staged_refusal(plan, src, dst, layer_begin, layer_count)
     if isinstance(verdict, PointerDomainError):
         raise verdict
@@ -301,8 +303,11 @@ def launch_staged(
     host_table = torch.tensor(plan.src_values if host_is_src else plan.dst_values, dtype=torch.uint64)
     config = _config_of(plan.device)
     staging = _staging_buffer(plan.device, config)
-    plan.platform.staged_transfer(
+    platform = plan.platform
+    if not isinstance(platform, StagedCopy):
+        raise ExtensionUnavailableError(f"the {platform.name} backend has no staged copy-engine path")
+    platform.staged_transfer(
         plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, host_is_src,
         host_table.data_ptr(), host_idx.data_ptr(), staging.data_ptr(), config.nbytes, config.ring, plan.device,
-        stream, ctas,
+        stream, args.max_ctas,
     )

@@ -71,7 +71,7 @@ def _arg(name: str, value: object, device: pd.Device) -> object:
                 f"{name}: a raw uint64 tensor (an untyped pointer table?) reached a Triton launch; pass the "
                 "PointerTable[DeviceAlias] itself, launch() checks it and passes its aliases"
             )
-        if value.device.type == "cuda" and value.device.index != device.ordinal:
+        if value.is_cuda and value.device.index != device.ordinal:
             raise errors.DeviceMismatchError(f"{name}: a tensor on {value.device}, but the launch is on {device}")
     return value
 
@@ -112,7 +112,7 @@ def launch(kernel: Any, grid: Any, *args: object, device: pd.Device | str | torc
     kernel has run: keep the tables referenced, as for the library's own launches.
     """
     dev = pd.as_device(device)
-    if dev.type != "cuda":
+    if dev.runtime.host_memory:
         raise errors.InvalidDeviceError(f"Triton launches need a CUDA device, got {dev}")
     conv_args, conv_kwargs = launch_args(dev, args, kwargs)
     try:

@@ -1,0 +1,58 @@
+"""Test doubles for code that uses pointerdomain (the ``numpy.testing`` pattern): run a
+block with another backend for a device type, and backends that fail chosen calls.
+
+Example (fail the third registration call with status 2)::
+
+    import pointerdomain as pd
+    from pointerdomain.testing import FaultyBackend, backend_for, install_backend
+
+    dev = pd.Device("emulated", 0)
+    with install_backend(FaultyBackend(backend_for(dev), fail={"register": {3: 2}}), "emulated"):
+        ...  # every backend_for(Device("emulated", n)) returns the faulty backend
+
+A double is a :class:`Backend`; :class:`DelegatingBackend` forwards every call to another
+one, so a double overrides only the calls it changes. ``EmulatedBackend`` and
+``TorchCudartBackend`` need the extension and are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from pointerdomain._platform import backend_for
+from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArgs
+from pointerdomain._platform.delegating import DelegatingBackend
+from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
+from pointerdomain._platform.faulty import FaultyBackend
+from pointerdomain._platform.status import NOT_REGISTERED
+from pointerdomain._platform.testing import install_backend
+
+if TYPE_CHECKING:
+    from pointerdomain._platform.cuda import TorchCudartBackend
+    from pointerdomain._platform.emulated import EmulatedBackend
+
+__all__ = [
+    "NOT_REGISTERED",
+    "NOT_SUPPORTED",
+    "Backend",
+    "DelegatingBackend",
+    "DeviceAttributeName",
+    "DriverFaults",
+    "EmulatedBackend",
+    "FaultyBackend",
+    "LaunchArgs",
+    "TorchCudartBackend",
+    "backend_for",
+    "install_backend",
+]
+
+#: the doubles whose modules import the extension: loaded on first use
+_NATIVE = {"EmulatedBackend": "pointerdomain._platform.emulated", "TorchCudartBackend": "pointerdomain._platform.cuda"}
+
+
+def __getattr__(name: str) -> object:
+    module = _NATIVE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pointerdomain.testing' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,10 @@
+"""What the tests share besides the reference model (tests/reference.py):
+
+* :mod:`.fixtures`: the checked-mode fixture every test runs under (tests/conftest.py);
+* :mod:`.models`: :class:`~tests.helpers.models.Model`, the one layout builder of the
+  tests' model shapes;
+* :mod:`.checks`: :func:`~tests.helpers.checks.assert_round_trip`, a D2H and H2D round
+  trip compared byte for byte with the reference.
+
+Imported from the submodules (tests/reference.py itself uses :mod:`.models`).
+"""

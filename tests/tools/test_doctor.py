@@ -1,0 +1,89 @@
+"""`pointerdomain doctor`: the matrix rows against what the platform says, and its failure paths."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from pointerdomain.tools import doctor
+from pointerdomain._platform import backend_for
+from pointerdomain._platform.base import DeviceAttributeName
+from pointerdomain._platform.faulty import FaultyBackend
+from pointerdomain._platform.testing import install_backend
+from pointerdomain.devices import Device
+
+EMU = Device("emulated", 0)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pointerdomain", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_doctor_json_matrix_on_the_emulated_device() -> None:
+    out = _cli("doctor", "--json", "--device", "emulated:0")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] is True
+    (dev,) = report["devices"]
+    assert dev["attributes"] == {name: backend_for(EMU).device_attribute(name, EMU) for name in doctor.MATRIX}
+    assert dev["attributes"]["CanUseHostPointerForRegisteredMem"] == 0
+    assert dev["self_test"]["ok"] is True and dev["self_test"]["alias_equals_va"] is False
+    ladder = {row["name"]: row["value"] for row in dev["ladder"]}
+    assert ladder["rung: single"] == "works" and ladder["rung: chunked"] == "works"
+    assert ladder["alias check: single"] == "works" and ladder["alias check: chunked"] == "works"
+    assert {"rung: pinned_copy", "rung: unpinned"} <= set(ladder)
+    host = {row["name"]: row["value"] for row in report["host"]}
+    with open("/proc/version") as f:
+        assert host["WSL2"] == ("microsoft" in f.read().lower())
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    assert host["ulimit -l (RLIMIT_MEMLOCK bytes, soft/hard)"] == [
+        None if v == resource.RLIM_INFINITY else v for v in (soft, hard)]
+    assert "Confidential Computing" in host
+    engines = {row["name"] for row in report["transfer_engines"]}
+    assert engines == {"mooncake", "nixl"}
+    versions = {row["name"]: row["value"] for row in report["versions"]}
+    import pointerdomain
+    import torch
+
+    assert versions["pointerdomain"] == pointerdomain.__version__ and versions["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_doctor_text_has_every_row_and_default_devices() -> None:
+    out = _cli("doctor")
+    assert out.returncode == 0, out.stderr
+    for needle in (*doctor.MATRIX, "WSL2", "Confidential Computing", "ulimit -l", "NUMA node", "strict alias mode",
+                   "rung: single", "alias check: chunked", "self-test", "mooncake", "nixl", "torch", "all self-tests passed"):
+        assert needle in out.stdout, needle
+    assert _cli("doctor", "--device", "cuda:7").returncode == 2
+    assert _cli("doctor", "--device", "cpu").returncode == 2
+
+
+def test_ladder_rung_failure_is_reported_not_raised() -> None:
+    inner = backend_for(EMU)
+    with install_backend(FaultyBackend(inner, fail={"register": {1: 2}}), "emulated"):
+        rows = {r.name: r for r in doctor.ladder_rows(EMU)}
+    assert rows["rung: single"].value == "FAILS" and rows["rung: single"].detail
+    assert rows["rung: chunked"].value == "works" and rows["alias check: single"].value == "works"
+
+
+class _PciBackend(FaultyBackend):
+    """The emulated backend answering PCI attributes like a GPU at 0000:1b:00.0."""
+
+    def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
+        return {"PciDomainId": 0, "PciBusId": 0x1B, "PciDeviceId": 0, "PageableMemoryAccess": 1}.get(name)
+
+
+def test_pci_bus_id_numa_path_and_strict_prediction() -> None:
+    fake = _PciBackend(backend_for(EMU), fail={})
+    cuda = Device("cuda", 0)
+    with install_backend(fake, "cuda"):
+        assert doctor.pci_bus_id(cuda) == "0000:1b:00.0"
+        node = doctor.gpu_numa_node(cuda)
+    assert "/sys/bus/pci/devices/0000:1b:00.0/numa_node" in node.detail
+    assert doctor.strict_mode_row(EMU, doctor.device_attributes(EMU)).value == "cannot fault"
+    assert doctor.gpu_numa_node(EMU).value.startswith("n/a")
