@@ -61,7 +61,7 @@ int stream_capturing(int device, std::uint64_t stream, int *capturing);
 int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes, std::size_t count,
               int device, std::uint64_t stream, bool use_batch);
 bool has_batch_copy();
-// Staged copy-engine path (issue 15 item 2; staged_gpu.cu). The host side's moved items of
+// Staged copy-engine path (staged_gpu.cu). The host side's moved items of
 // one slot and kv must be one contiguous block (page_first with s_layer == item_bytes, or a
 // single layer): the copy engine then moves whole runs of consecutive host blocks between
 // the host pool and a device staging ring while a kernel of at most max_ctas CTAs scatters

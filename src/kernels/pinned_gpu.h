@@ -1,4 +1,4 @@
-// Rung 3 of the registration ladder (issue 16): memory the runtime allocates pinned
+// Rung 3 of the registration ladder: memory the runtime allocates pinned
 // (cudaHostAlloc / hipHostMalloc, portable | mapped) when registering pages fails.
 #pragma once
 #include <cstdint>

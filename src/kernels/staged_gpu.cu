@@ -1,4 +1,4 @@
-// Staged copy-engine path (issue 15 item 2): the copy engine moves whole contiguous host
+// Staged copy-engine path: the copy engine moves whole contiguous host
 // runs between the registered host pool and a device staging ring; a small kernel (the
 // ordinary transfer kernel, at most max_ctas CTAs) moves the items between the ring and
 // the device pool. Host reads and writes then go at copy-engine speed (large requests)

@@ -1,4 +1,4 @@
-// Strict alias mode (issue 16): host memory mapped twice, so that the address CPU code
+// Strict alias mode: host memory mapped twice, so that the address CPU code
 // uses (one mapping, never registered) and the address the device uses (the alias of
 // the other, registered mapping) differ on every platform, and a host VA that reaches
 // a kernel faults instead of working by accident (CanUseHostPointerForRegisteredMem = 1).

@@ -103,7 +103,7 @@ class Address:
 
     # Distance and ordering are defined on each final domain class, typed with that
     # class (not Self on the base): widened to Address, ``a - b`` and ``a < b`` are
-    # static errors instead of accepting the other domain (issue 11). Generic
+    # static errors instead of accepting the other domain. Generic
     # helpers use AddressT. The shared runtime checks are here.
     def _distance(self, other: object) -> int | Self:
         if type(other) is int:

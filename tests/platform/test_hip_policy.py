@@ -1,6 +1,6 @@
 """The alias policy on HIP, and the HIP-built extension on a machine without an AMD GPU.
 
-Rule under test (docs/design.md, "Fallback policy per platform"): on HIP a missing
+Rule under test (docs/platforms.md, "Alias policy per build"): on HIP a missing
 device-pointer op is a hard ``AliasOpMissingError`` when a device's policy is resolved,
 never a silent fallback; the CUDA rule "alias = host VA where
 CanUseHostPointerForRegisteredMem is 1" never applies to HIP, whatever the attribute says.

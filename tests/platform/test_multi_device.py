@@ -1,4 +1,4 @@
-"""Multi-device rules on the emulated backend (issue 14), in the normal CPU suite.
+"""Multi-device rules on the emulated backend, in the normal CPU suite.
 
 The emulated backend has ``POINTERDOMAIN_EMULATED_DEVICES`` devices (default 2, so
 ``emulated:0`` and ``emulated:1`` exist here); each device has its own alias mapping

@@ -1,5 +1,5 @@
 """The demo's memory pre-check counts every buffer: the measured peak RSS of a demo run
-is within 10 % of the estimate it prints (issue 16 item 9)."""
+is within 10 % of the estimate it prints."""
 
 from __future__ import annotations
 

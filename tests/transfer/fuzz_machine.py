@@ -1,4 +1,4 @@
-"""The stateful fuzzer (issue 10 item 10), run in a child process by
+"""The stateful fuzzer, run in a child process by
 tests/transfer/test_fuzz_stateful.py so that a crash is a test failure, not a dead pytest.
 
 Random sequences of: allocate a host pool (one piece or chunked) or a device pool,
@@ -15,8 +15,8 @@ invalid), call an engine's own transfer shapes through ``pointerdomain.compat`` 
   not the destination, are byte-identical to their snapshots.
 
 The rules that race ``close()`` or an index write against a launch need the launch
-leases and single index read of the "safety" work (``pointerdomain.registration.leases``); without
-that module they are skipped (a known crash, issue 10 items 1 and 3), not dropped.
+leases (``pointerdomain.registration.leases``) and the copy engine's single index read; without
+that module they are skipped (both races crashed the process before them), not dropped.
 
 Usage: ``python -m tests.transfer.fuzz_machine --profile ci --summary out.json``.
 """
@@ -47,8 +47,8 @@ GUARD = 4096
 #: The model every pool shares: 2 layers, 2-token pages, 1 head of 4 float32 (16-byte items).
 MODEL = pd.KVLayout(kind="layer_first", num_layers=2, num_pages=2, page_size=2, num_heads=1, head_dim=4,
                     dtype="float32")
-#: The race rules run with the safety work's leases, or when forced (``FUZZ_FORCE_RACES=1``,
-#: to reproduce the known crash before that work lands).
+#: The race rules run with the launch leases, or when forced (``FUZZ_FORCE_RACES=1``,
+#: to reproduce the crash on code without them).
 HAS_LEASES = importlib.util.find_spec("pointerdomain.registration.leases") is not None or os.environ.get("FUZZ_FORCE_RACES") == "1"
 
 settings.register_profile(
@@ -330,7 +330,7 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: HAS_LEASES and any(p.memory is not None and not p.closed for p in self.pools))
     @rule(data=st.data())
     def close_from_another_thread_during_a_launch(self, data: st.DataObject) -> None:
-        """Needs the launch leases (pointerdomain.registration.leases): before them this crashes (issue 10 item 1)."""
+        """Needs the launch leases (pointerdomain.registration.leases): before them this crashed."""
         STATS["races"] += 1
         host = data.draw(st.sampled_from([p for p in self.pools if p.memory is not None and not p.closed]))
         others = [p for p in self.pools if p is not host and not p.closed]
@@ -354,7 +354,7 @@ class KVMachine(RuleBasedStateMachine):
     def mutate_indices_during_a_launch(self, data: st.DataObject, backend: str) -> None:
         """Another thread writes out-of-range slots into the index tensor while the launch
         runs. The kernel re-checks each slot; the copy engine reads the indices once only
-        with the safety work (pointerdomain.registration.leases), so that backend waits for it."""
+        with the launch leases (pointerdomain.registration.leases), so that backend waits for them."""
         if backend == "copy_engine" and not HAS_LEASES:
             backend = "kernel"
         STATS["races"] += 1

@@ -473,7 +473,7 @@ def test_kv_page_block_straddling_a_chunk_boundary() -> None:
 def test_checked_page_running_past_its_chunk() -> None:
     """checked: an entry shifted inside its chunk so that a touched page would cross the chunk end.
     The shifted entry is reported first as what it is, an overwritten table array
-    (DomainError, as the checked module documents), not as a granularity problem (issue 10)."""
+    (DomainError, as the checked module documents), not as a granularity problem."""
     r = Rig(seed=2, max_chunk_bytes=HOST_LAYOUT.page_block_bytes())
     try:
         table = r.host.kernel_table
@@ -804,7 +804,7 @@ def test_layouts_of_different_models(rig: Rig) -> None:
 def test_checked_entry_past_the_end_of_its_device_allocation(rig: Rig) -> None:
     """checked: a device-memory entry moved so the last touched page would run past its allocation
     (the device pool's buffers are views of one allocation: its last entry); reported first
-    as what it is, an overwritten table array (DomainError, issue 10)."""
+    as what it is, an overwritten table array (DomainError)."""
     raw = table_storage(rig.dev.table)
     last = len(rig.dev.table) - 1
     raw[last] = int(raw[last]) + 2

@@ -1,4 +1,4 @@
-"""Two-GPU tests (issue 14): per-device tables from one portable registration, the
+"""Two-GPU tests: per-device tables from one portable registration, the
 launch device guard, and concurrent transfers on both GPUs from one host pool.
 
 Marked ``gpu`` (skipped without CUDA) and skipped unless ``torch.cuda.device_count() >= 2``.

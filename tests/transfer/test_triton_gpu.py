@@ -1,5 +1,5 @@
 """A Triton kernel that loads pointers from kernel tables moves KV pages from a registered
-host pool into a device pool (GPU only: run on the H200 by the coordinator).
+host pool into a device pool (GPU only: run on the H200 by scripts/gpu-check).
 
 The kernel reads the host pool only through its ``PointerTable[DeviceAlias]`` (the
 alias of the registration, from ``cudaHostGetDevicePointer``) and writes the device

@@ -1,4 +1,4 @@
-"""The error census (issue 10 item 7): every public function and class of
+"""The error census: every public function and class of
 ``pointerdomain.__all__`` and of the adapters' ``__all__`` is called with bad input of
 each kind; each call must raise a ``PointerDomainError`` that is also the matching
 builtin, and its message must name the argument, the value found, what was expected

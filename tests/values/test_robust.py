@@ -1,6 +1,6 @@
-"""Issue 10 items 4, 7 (cases), 8, 9: validated layouts, the one error tree, emulated
-parity with CUDA, strict environment variables. Each test fails on the code before
-the issue (verified against main) and passes after it."""
+"""Validated layouts, the one error tree, emulated parity with CUDA, strict environment
+variables (docs/reliability.md, "Layouts, the error tree"). Each test fails on the code
+before its fix (commit d9a3495) and passes after it."""
 
 from __future__ import annotations
 

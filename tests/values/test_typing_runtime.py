@@ -1,4 +1,4 @@
-"""The runtime side of issue 11's typing gaps: what the types now reject statically is
+"""The runtime side of the typing gaps (docs/typing.md, "Gaps closed"): what the types now reject statically is
 refused at run time as well (for untyped callers, casts and Any), and the new typed
 APIs behave as their annotations say. The static side is typing_tests/cases/
 fail_typing_gaps.py and pass_typing_gaps.py."""
@@ -156,7 +156,7 @@ def test_layout_replace_is_validated() -> None:
         ({"attention": "mla"}, "num_heads must be 1"),
         ({"num_page": 8}, "Extra inputs are not permitted"),
     ):
-        with pytest.raises(errors.LayoutFieldError, match=match):  # LayoutError + ValueError (issue 10)
+        with pytest.raises(errors.LayoutFieldError, match=match):  # LayoutError + ValueError
             untyped(**bad)
 
 

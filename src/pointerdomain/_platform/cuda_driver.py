@@ -1,4 +1,4 @@
-"""Registration through the CUDA driver API, loaded at run time (issue 16, item 3).
+"""Registration through the CUDA driver API, loaded at run time.
 
 ``cuMemHostRegister`` / ``cuMemHostUnregister`` / ``cuMemHostGetDevicePointer`` come
 from ``libcuda.so.1`` through ctypes (the module never links libcuda). A failed

@@ -1,5 +1,5 @@
-"""A backend that refuses registrations the way real drivers and kernels do (issue 16,
-item 6), so the registration ladder, rollback, ownership and messages are tested on
+"""A backend that refuses registrations the way real drivers and kernels do, so the
+registration ladder, rollback, ownership and messages are tested on
 CPU. Wraps another backend (normally the emulated one) and is installed with
 :func:`pointerdomain._platform.testing.install_backend`::
 

@@ -129,8 +129,9 @@ def make_kernel_ptr_table(
     Raises:
         DomainError: a tensor does not match ``host_memory_registered``, or host
             memory is not registered.
-        NonContiguousError, DeviceMismatchError, RegistrationSpanError,
-        ClosedError, InvalidDeviceError: as :func:`pointerdomain.make_kernel_ptr_table`.
+        PointerDomainError: as :func:`pointerdomain.make_kernel_ptr_table`
+            (NonContiguousError, DeviceMismatchError, RegistrationSpanError, ClosedError,
+            InvalidDeviceError).
     """
     dev = validate_device(target_device)
     for i, t in enumerate(tensors):

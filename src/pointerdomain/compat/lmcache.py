@@ -947,9 +947,10 @@ def load_and_reshape_flash(key_value: torch.Tensor, key_cache: torch.Tensor, val
         layer_idx: the layer of ``key_value``.
 
     Raises:
-        InvalidTypeError, LayoutError, NonContiguousError, IndexValidationError, DomainError,
-        DeviceMismatchError: as :func:`single_layer_kv_transfer` (``layer_idx`` outside ``[0, L)``:
-        IndexValidationError); everything :func:`pointerdomain.transfer_kv_all_layer` raises.
+        PointerDomainError: as :func:`single_layer_kv_transfer` (InvalidTypeError, LayoutError,
+            NonContiguousError, IndexValidationError, DomainError, DeviceMismatchError;
+            ``layer_idx`` outside ``[0, L)``: IndexValidationError); everything
+            :func:`pointerdomain.transfer_kv_all_layer` raises.
     """
     _flash(key_value, key_cache, value_cache, slot_mapping, layer_idx, to_paged=False)
 

@@ -379,10 +379,10 @@ def transfer_hicache_one_layer(
         block_quota: at most this many CTAs (default :data:`DEFAULT_BLOCK_QUOTA`).
 
     Raises:
-        InvalidTypeError, InvalidArgumentError, LayoutError, IndexValidationError,
-        DomainError, DeviceMismatchError, RegistrationSpanError, ClosedError, OverlapError:
-        before anything is written; and the launch errors of
-        :func:`pointerdomain.transfer_kv_all_layer`.
+        PointerDomainError: a bad argument, before anything is written (InvalidTypeError,
+            InvalidArgumentError, LayoutError, IndexValidationError, DomainError,
+            DeviceMismatchError, RegistrationSpanError, ClosedError, OverlapError); and the
+            launch errors of :func:`pointerdomain.transfer_kv_all_layer`.
     """
     _one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src, element_dim, unroll,
                block_quota, ("k_cache_dst", "v_cache_dst", "k_cache_src", "v_cache_src"))
@@ -661,8 +661,8 @@ def transfer_hicache_all_layer_staged_lf_pf(
         element_size: bytes a row (default the staging buffer's), a multiple of 16.
 
     Raises:
-        As :func:`transfer_hicache_all_layer`; DomainError for staging in host memory or a
-        destination in device memory.
+        DomainError: staging in host memory or a destination in device memory.
+        PointerDomainError: as :func:`transfer_hicache_all_layer`.
     """
     _staged_lf_pf(k_ptr_src, v_ptr_src, src_indices, dst_indices, (staging_k, staging_v), (dst_k, dst_v),
                   page_size, element_size, unroll, block_quota,
@@ -903,8 +903,8 @@ def transfer_hicache_one_layer_page_unified_lf(
         block_quota: at most this many CTAs (default :data:`DEFAULT_BLOCK_QUOTA`).
 
     Raises:
-        As :func:`transfer_hicache_one_layer`; DomainError for a destination in host memory
-        or a source in device memory.
+        DomainError: a destination in host memory or a source in device memory.
+        PointerDomainError: as :func:`transfer_hicache_one_layer`.
     """
     _load_back_page_unified(k_cache_dst, v_cache_dst, src, src_indices, dst_indices, layer_id, block_quota)
 

@@ -626,10 +626,10 @@ def transfer_kv_per_layer(
             library's kernel picks its own block size.
 
     Raises:
-        InvalidTypeError, InvalidArgumentError, NonContiguousError, LayoutError,
-        IndexValidationError, DomainError, DeviceMismatchError, RegistrationSpanError,
-        ClosedError, OverlapError: a bad argument, before anything is written; and the
-        launch errors of :func:`pointerdomain.transfer_kv_all_layer`.
+        PointerDomainError: a bad argument, before anything is written (InvalidTypeError,
+            InvalidArgumentError, NonContiguousError, LayoutError, IndexValidationError,
+            DomainError, DeviceMismatchError, RegistrationSpanError, ClosedError,
+            OverlapError); and the launch errors of :func:`pointerdomain.transfer_kv_all_layer`.
     """
     _per_layer_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, block_quota,
                   num_warps_per_block, ("src_k", "dst_k", "src_v", "dst_v"))
@@ -1291,8 +1291,8 @@ def transfer_kv_direct(
         page_size: > 0 (upstream's divisibility check; the runs merge within pages).
 
     Raises:
-        As :func:`transfer_kv_per_layer`; LayoutError for lists of different lengths,
-        shapes or dtypes.
+        LayoutError: lists of different lengths, shapes or dtypes.
+        PointerDomainError: as :func:`transfer_kv_per_layer`.
     """
     src = tensor_list("src_layers", src_layers)
     dst = tensor_list("dst_layers", dst_layers)

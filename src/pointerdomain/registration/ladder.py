@@ -1,4 +1,4 @@
-"""The registration ladder: what registration does when the driver refuses (issue 16, item 2).
+"""The registration ladder: what registration does when the driver refuses.
 
 Rungs, top to bottom (:class:`Rung`); each registration records the rung it took
 (:attr:`RegisteredHostMemory.rung <pointerdomain.RegisteredHostMemory>`) and why the

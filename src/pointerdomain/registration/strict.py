@@ -1,4 +1,4 @@
-"""Strict alias mode (issue 16, item 1): make a host VA handed to a kernel fault on
+"""Strict alias mode: make a host VA handed to a kernel fault on
 every GPU, not only where the device alias differs from the host VA.
 
 On NVIDIA cards with ``CanUseHostPointerForRegisteredMem`` = 1 the alias of registered

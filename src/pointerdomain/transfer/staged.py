@@ -1,4 +1,4 @@
-"""The staged copy-engine path (``backend="staged"``; issue 15 item 2).
+"""The staged copy-engine path (``backend="staged"``).
 
 For a registered host pool whose per-slot items are one contiguous block (``page_first``:
 all layers of a slot and kv are adjacent), the copy engine moves whole runs of host blocks
@@ -9,7 +9,7 @@ device pool at HBM speed; chunk k's copies overlap chunk k-1's kernel
 a ring slot) so the pipeline's fill and drain are short. Through the public API on the H200
 with CPU index tensors it gives 0.971-0.980 x bulk at 2 CTAs for 1 KiB and 1152 B MLA items
 in both directions (the default 64 MiB ring of 4 slots), above the 0.92-0.93 x ceiling of
-every SM-issued H2D copy (docs/performance.md, "Staged copy-engine path").
+every SM-issued H2D copy (docs/performance.md, "What bounds it").
 
 It reads the host pool's indices on the host and so can never be captured in a CUDA
 graph. Both index sets are copied to the host once and range-checked there, whatever
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 #: Default staging buffer: 64 MiB in 4 ring slots (16 MiB chunks), the best point measured
-#: through the public API at 2 CTAs (docs/performance.md, 2026-12-01: 0.971-0.980 x bulk at
+#: through the public API at 2 CTAs (docs/log/2026-12-01.md: 0.971-0.980 x bulk at
 #: 1 KiB and 1152 B MLA both ways, where 16 MiB in 2 slots gave H2D 0.967-0.969). 64 MiB is
 #: 0.05 % of an H200's memory; set_staging makes it smaller or larger.
 DEFAULT_STAGING_BYTES: Final = 64 << 20
