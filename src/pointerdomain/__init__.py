@@ -121,7 +121,9 @@ if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name stays a s
         return sorted(set(globals()) | set(_LAZY))
 
 
-__version__ = "0.1.0"
+from pointerdomain.buildinfo import version as _version
+
+__version__: str = _version()  # from the git tag at build time (pointerdomain.buildinfo)
 
 
 def get_include() -> str:
