@@ -14,8 +14,6 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
-from pointerdomain.errors import GpuRuntimeMismatchError
-
 __all__ = ["BuildFacts", "build_facts", "build_rows", "check_torch_runtime", "version", "version_text"]
 
 
@@ -132,6 +130,7 @@ def check_torch_runtime(facts: BuildFacts, torch_cuda: str | None, torch_hip: st
     """
     if facts.gpu == "none" or (torch_cuda is None and torch_hip is None):
         return
+    from pointerdomain.errors import GpuRuntimeMismatchError  # pydantic: not for `import pointerdomain`
     built = "CUDA" if facts.gpu == "cuda" else "HIP"
     torch_name, torch_version = ("HIP", torch_hip) if torch_hip is not None else ("CUDA", torch_cuda)
     major = facts.runtime_major
