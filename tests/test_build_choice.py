@@ -4,6 +4,7 @@ Configure runs only (no compile); a stub nvidia-smi stands in for a visible NVID
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -49,7 +50,7 @@ def test_auto_without_a_visible_gpu_builds_cpu_kernels(tmp_path: Path) -> None:
     bin_dir.mkdir()
     log = _configure(tmp_path, bin_dir)
     assert "pointerdomain: POINTERDOMAIN_GPU=auto chose none: no visible GPU" in log, log
-    assert (tmp_path / "build" / "_build_facts.py").read_text().count('gpu = "none"') == 1
+    assert json.loads((tmp_path / "build" / "_build_facts.json").read_text())["gpu"] == "none"
 
 
 def test_auto_with_a_gpu_but_no_compiler_says_so(tmp_path: Path) -> None:
@@ -68,4 +69,4 @@ def test_explicit_cuda_without_a_compiler_stops(tmp_path: Path) -> None:
     bin_dir.mkdir()
     log = _configure(tmp_path, bin_dir, POINTERDOMAIN_GPU="cuda")
     assert "POINTERDOMAIN_GPU=cuda but no CUDA compiler was found" in log, log
-    assert not (tmp_path / "build" / "_build_facts.py").exists()
+    assert not (tmp_path / "build" / "_build_facts.json").exists()

@@ -4,8 +4,8 @@ imported (facts faked here, so it runs without a GPU)."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
+import json
 import subprocess
 import sys
 
@@ -69,8 +69,11 @@ def test_facts_summary_and_commit_text() -> None:
 def test_installed_facts_match_the_build() -> None:
     """The facts file the build wrote agrees with the distribution's metadata and the extension."""
     facts = buildinfo.build_facts()
-    generated = importlib.import_module("pointerdomain._build_facts")
-    assert facts.version == generated.version == importlib.metadata.version("pointerdomain") == pointerdomain.__version__
+    path = buildinfo.facts_path()
+    assert path is not None
+    generated = json.loads(path.read_text())
+    assert facts.version == generated["version"] == importlib.metadata.version("pointerdomain") == pointerdomain.__version__
+    assert facts.archs == tuple(a for a in generated["archs"].split(";") if a) and facts.dirty is generated["dirty"]
     assert facts.gpu in ("cuda", "hip", "none") and facts.gpu_why.startswith("POINTERDOMAIN_GPU=")
     assert facts.commit == "unknown" or (len(facts.commit) == 40 and int(facts.commit, 16) >= 0)
     assert _platform.gpu_ops_built() == (facts.gpu != "none")

@@ -1,20 +1,21 @@
 """What this installation of pointerdomain is: its version, the commit it was built from,
 and the GPU runtime and architectures its ops were built for.
 
-The build writes the facts into ``pointerdomain/_build_facts.py`` (CMakeLists.txt); this
-module reads them without importing torch or the extension, so ``pointerdomain --version``
+The build writes the facts into ``_build_facts.json`` next to the extension module
+(CMakeLists.txt); this module reads them without importing torch or the extension, so ``pointerdomain --version``
 and a failed extension import can say what was installed.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.metadata
 import importlib.util
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["BuildFacts", "build_facts", "build_rows", "check_torch_runtime", "version", "version_text"]
+__all__ = ["BuildFacts", "build_facts", "build_rows", "facts_path", "check_torch_runtime", "version", "version_text"]
 
 
 @dataclass(frozen=True)
@@ -73,23 +74,35 @@ def _installed_version() -> str:
         return "0.0.0+unknown"
 
 
+def facts_path() -> Path | None:
+    """Where the build facts of the extension found on ``sys.path`` lie (not imported), or
+    None without an extension."""
+    spec = importlib.util.find_spec("pointerdomain._C")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).with_name("_build_facts.json")
+
+
 @functools.cache
 def build_facts() -> BuildFacts:
     """The facts of this installation (read once). A tree used without a build (no
-    ``_build_facts.py``) gives the installed distribution's version and nothing else."""
+    ``_build_facts.json``) gives the installed distribution's version and nothing else."""
+    path = facts_path()
     try:
-        mod = importlib.import_module("pointerdomain._build_facts")
-    except ImportError:
+        raw = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        raw = None
+    if not isinstance(raw, dict):
         return BuildFacts(version=_installed_version(), gpu_why="no build facts (pointerdomain was not built here)")
-    archs = str(getattr(mod, "archs", ""))
+    archs = str(raw.get("archs", ""))
     return BuildFacts(
-        version=str(getattr(mod, "version", "")) or _installed_version(),
-        commit=str(getattr(mod, "commit", "unknown")),
-        dirty=bool(getattr(mod, "dirty", False)),
-        gpu=str(getattr(mod, "gpu", "none")),
-        gpu_why=str(getattr(mod, "gpu_why", "")),
-        runtime_version=str(getattr(mod, "runtime_version", "")),
-        runtime_link=str(getattr(mod, "runtime_link", "")),
+        version=str(raw.get("version", "")) or _installed_version(),
+        commit=str(raw.get("commit", "unknown")),
+        dirty=bool(raw.get("dirty", False)),
+        gpu=str(raw.get("gpu", "none")),
+        gpu_why=str(raw.get("gpu_why", "")),
+        runtime_version=str(raw.get("runtime_version", "")),
+        runtime_link=str(raw.get("runtime_link", "")),
         archs=tuple(a for a in archs.split(";") if a),
     )
 
