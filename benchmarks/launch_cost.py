@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import pointerdomain as pd
-from pointerdomain.plan import plan_for
+from pointerdomain.transfer.plan import plan_for
 
 LAYOUT = pd.KVLayout(kind="layer_first", num_layers=32, num_pages=64, page_size=16, num_heads=8, head_dim=64,
                      dtype="bfloat16")

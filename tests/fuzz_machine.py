@@ -15,7 +15,7 @@ invalid), call an engine's own transfer shapes through ``pointerdomain.compat`` 
   not the destination, are byte-identical to their snapshots.
 
 The rules that race ``close()`` or an index write against a launch need the launch
-leases and single index read of the "safety" work (``pointerdomain.leases``); without
+leases and single index read of the "safety" work (``pointerdomain.registration.leases``); without
 that module they are skipped (a known crash, issue 10 items 1 and 3), not dropped.
 
 Usage: ``python -m tests.fuzz_machine --profile ci --summary out.json``.
@@ -49,7 +49,7 @@ MODEL = pd.KVLayout(kind="layer_first", num_layers=2, num_pages=2, page_size=2, 
                     dtype="float32")
 #: The race rules run with the safety work's leases, or when forced (``FUZZ_FORCE_RACES=1``,
 #: to reproduce the known crash before that work lands).
-HAS_LEASES = importlib.util.find_spec("pointerdomain.leases") is not None or os.environ.get("FUZZ_FORCE_RACES") == "1"
+HAS_LEASES = importlib.util.find_spec("pointerdomain.registration.leases") is not None or os.environ.get("FUZZ_FORCE_RACES") == "1"
 
 settings.register_profile(
     "ci", max_examples=2000, stateful_step_count=10, deadline=None, database=None,
@@ -330,7 +330,7 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: HAS_LEASES and any(p.memory is not None and not p.closed for p in self.pools))
     @rule(data=st.data())
     def close_from_another_thread_during_a_launch(self, data: st.DataObject) -> None:
-        """Needs the launch leases (pointerdomain.leases): before them this crashes (issue 10 item 1)."""
+        """Needs the launch leases (pointerdomain.registration.leases): before them this crashes (issue 10 item 1)."""
         STATS["races"] += 1
         host = data.draw(st.sampled_from([p for p in self.pools if p.memory is not None and not p.closed]))
         others = [p for p in self.pools if p is not host and not p.closed]
@@ -354,7 +354,7 @@ class KVMachine(RuleBasedStateMachine):
     def mutate_indices_during_a_launch(self, data: st.DataObject, backend: str) -> None:
         """Another thread writes out-of-range slots into the index tensor while the launch
         runs. The kernel re-checks each slot; the copy engine reads the indices once only
-        with the safety work (pointerdomain.leases), so that backend waits for it."""
+        with the safety work (pointerdomain.registration.leases), so that backend waits for it."""
         if backend == "copy_engine" and not HAS_LEASES:
             backend = "kernel"
         STATS["races"] += 1

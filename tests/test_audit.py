@@ -266,7 +266,7 @@ def test_no_torch_import(tmp_path: Path) -> None:
 
 
 def test_cli_subcommand_registered(tmp_path: Path) -> None:
-    from pointerdomain.cli import main as pd_main
+    from pointerdomain.tools.cli import main as pd_main
 
     (tmp_path / "a.py").write_text("x = 1\n")
     assert pd_main(["audit", "--progress", "none", str(tmp_path / "a.py")]) == 0
@@ -402,7 +402,7 @@ def test_flake8_entry_point_and_run(tmp_path: Path) -> None:
 
 def test_main_cli_without_libcst(capsys: pytest.CaptureFixture[str]) -> None:
     # doctor/demo must not need the `audit` extra; `audit` then says what to install.
-    code = ("import sys\nsys.modules['libcst'] = None\nfrom pointerdomain.cli import main\n"
+    code = ("import sys\nsys.modules['libcst'] = None\nfrom pointerdomain.tools.cli import main\n"
             "sys.exit(main(['audit', 'x']))\n")
     env = dict(os.environ, PYTHONPATH=childenv.pythonpath())
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -33,7 +33,8 @@ import pytest
 import torch
 
 import pointerdomain as pd
-from pointerdomain import checked, errors, memory
+from pointerdomain import checked, errors
+from pointerdomain.registration import memory
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
@@ -244,7 +245,8 @@ _MEMLOCK_CHILD = textwrap.dedent(
     """
     import json, resource, torch
     import pointerdomain as pd
-    from pointerdomain import errors, memory
+    from pointerdomain import errors
+    from pointerdomain.registration import memory
     from pointerdomain._platform import backend_for
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))

@@ -1,4 +1,4 @@
-"""The command line (pointerdomain.cli): demo and doctor."""
+"""The command line (pointerdomain.tools.cli): demo and doctor."""
 
 from __future__ import annotations
 

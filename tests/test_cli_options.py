@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pointerdomain import cli, demo
+from pointerdomain.tools import cli, demo
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -88,6 +88,6 @@ def test_demo_says_its_device_and_shows_progress() -> None:
 
 
 def test_module_entry_point_uses_the_same_conventions() -> None:
-    out = subprocess.run([sys.executable, "-m", "pointerdomain.cli", "demo", "--device", "cpu"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pointerdomain.tools.cli", "demo", "--device", "cpu"], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 2 and "--device emulated:0" in out.stderr and "Traceback" not in out.stderr

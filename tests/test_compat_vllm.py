@@ -13,7 +13,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.compat import vllm as ops
-from pointerdomain.memory import open_registrations
+from pointerdomain.registration.memory import open_registrations
 
 DEV = pd.validate_device("emulated:0")
 POISON = 0xA5

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import pointerdomain as pd
-from pointerdomain import checked, errors, memory
+from pointerdomain import checked, errors
+from pointerdomain.registration import memory
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend

@@ -23,7 +23,7 @@ from pointerdomain import checked, errors
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
-from pointerdomain.plan import plan_for
+from pointerdomain.transfer.plan import plan_for
 from tests.reference import DEV, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer, same
 from tests import childenv
 

@@ -7,7 +7,7 @@ import resource
 import subprocess
 import sys
 
-from pointerdomain import doctor
+from pointerdomain.tools import doctor
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.base import DeviceAttributeName
 from pointerdomain._platform.faulty import FaultyBackend

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import pointerdomain as pd
-from pointerdomain import errors, memory
+from pointerdomain import errors
+from pointerdomain.registration import memory
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.driver_faults import DriverFaults
 from pointerdomain._platform.testing import install_backend

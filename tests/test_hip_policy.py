@@ -39,7 +39,7 @@ from pointerdomain._platform import Backend
 from pointerdomain._platform.cuda import TorchCudartBackend
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
-from pointerdomain.resolve import decide_policy
+from pointerdomain.registration.resolve import decide_policy
 from tests.reference import EMU
 
 GPU = pd.Device("cuda", 0)
@@ -230,7 +230,7 @@ def test_hip_runtime_reports_no_device_and_calls_fail_cleanly() -> None:
 
 @hip_build
 def test_doctor_reports_no_device() -> None:
-    out = subprocess.run([sys.executable, "-m", "pointerdomain.cli", "doctor", "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pointerdomain.tools.cli", "doctor", "--json"], capture_output=True,
                          text=True, timeout=300, env=os.environ.copy())
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr

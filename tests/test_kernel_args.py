@@ -11,8 +11,8 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain.kernel_args import check_kernel_table, kernel_table_tensor
-from pointerdomain.triton import kernel_table_arg, launch, launch_args
+from pointerdomain.transfer.kernel_args import check_kernel_table, kernel_table_tensor
+from pointerdomain.transfer.triton import kernel_table_arg, launch, launch_args
 
 DEV = "emulated:0"
 
@@ -79,7 +79,7 @@ def test_launch_arguments_are_checked_before_triton() -> None:
 def test_importing_pointerdomain_never_imports_triton() -> None:
     code = (
         "import sys, torch; before = 'triton' in sys.modules; "
-        "import pointerdomain, pointerdomain.triton, pointerdomain.kernel_args, pointerdomain.adapters.nixl; "
+        "import pointerdomain, pointerdomain.transfer.triton, pointerdomain.transfer.kernel_args, pointerdomain.adapters.nixl; "
         "assert ('triton' in sys.modules) == before, 'triton imported'; "
         "assert 'nixl' not in sys.modules and 'nixl._api' not in sys.modules, 'nixl imported'"
     )

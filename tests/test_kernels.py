@@ -1,4 +1,4 @@
-"""The launch functions (pointerdomain.kernels) against the torch reference (tests/reference.py)."""
+"""The launch functions (pointerdomain.transfer.kernels) against the torch reference (tests/reference.py)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_copy_engine_path_matches_kernel(kind: str, chunked: bool) -> None:
 
 
 def test_copy_runs_merge_consecutive_slots_within_pages() -> None:
-    from pointerdomain.plan import plan_for
+    from pointerdomain.transfer.plan import plan_for
 
     dev_layout = model_layout("layer_first", pages=6)
     host_layout = model_layout("page_first_direct", pages=10)

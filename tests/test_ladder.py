@@ -1,4 +1,4 @@
-"""The registration ladder (pointerdomain.ladder) against driver-like refusals injected
+"""The registration ladder (pointerdomain.registration.ladder) against driver-like refusals injected
 on the emulated backend (pointerdomain._platform.driver_faults.DriverFaults)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import pointerdomain as pd
-from pointerdomain import errors, ladder, memory
+from pointerdomain import errors, ladder
+from pointerdomain.registration import memory
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
 from pointerdomain._platform.testing import install_backend

@@ -22,7 +22,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.layouts import KVLayout, lower_pair
-from pointerdomain.plan import plan_for
+from pointerdomain.transfer.plan import plan_for
 from tests.reference import DEV, fill_pool, fill_random
 
 POISON = 0xA5

@@ -1,4 +1,4 @@
-"""Registration (pointerdomain.memory) and alias resolution (pointerdomain.resolve) on the emulated backend."""
+"""Registration (pointerdomain.registration.memory) and alias resolution (pointerdomain.registration.resolve) on the emulated backend."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_close_is_idempotent_and_blocks_use() -> None:
 
 
 def test_resolver_policy_and_fallback() -> None:
-    from pointerdomain.resolve import decide_policy
+    from pointerdomain.registration.resolve import decide_policy
 
     assert pd.alias_policy(DEV) is pd.AliasPolicy.EMULATED
     assert decide_policy("cuda", True, None) is pd.AliasPolicy.RUNTIME_OP

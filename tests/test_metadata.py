@@ -1,4 +1,4 @@
-"""Transfer-engine metadata (pointerdomain.metadata): HostVA only, JSON."""
+"""Transfer-engine metadata (pointerdomain.registration.metadata): HostVA only, JSON."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The overlap rule (pointerdomain.overlap): a launch never reads and writes the same
+"""The overlap rule (pointerdomain.transfer.overlap): a launch never reads and writes the same
 bytes. One memory with one geometry: src and dst slot sets must be disjoint; memory
 shared with different geometries: refused. Both launch backends, CPU and CUDA."""
 
@@ -73,7 +73,7 @@ def test_separate_pools_pay_nothing_and_work() -> None:
     with pd.HostKVPool(model_layout("page_first"), DEV) as host:
         idx = torch.tensor([0, 1])
         host.backup(pool, idx, idx.flip(0))  # same slot numbers on both sides: different memory, fine
-        from pointerdomain.plan import plan_for
+        from pointerdomain.transfer.plan import plan_for
         assert not plan_for(pool.table, pool.layout, host.kernel_table, host.layout).same_memory
 
 

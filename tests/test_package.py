@@ -22,7 +22,9 @@ def _static_imports() -> dict[str, str]:
     for node in block.body:
         assert isinstance(node, ast.ImportFrom) and node.module is not None
         for alias in node.names:
-            out[alias.name] = f"{node.module}.{alias.name}" if node.module == "pointerdomain" else node.module
+            # `from pointerdomain.transfer import checked`: the name is a module of that package
+            folder = INIT.parent.joinpath(*node.module.split(".")[1:])
+            out[alias.name] = f"{node.module}.{alias.name}" if (folder / f"{alias.name}.py").exists() else node.module
     return out
 
 

@@ -1,4 +1,4 @@
-"""The platform seam (pointerdomain._platform), the launch plan (pointerdomain.plan),
+"""The platform seam (pointerdomain._platform), the launch plan (pointerdomain.transfer.plan),
 devices and the layout helpers the adapters use, on the emulated backend.
 
 Faults are injected through the documented hook (``_platform.testing.install_backend``
@@ -19,7 +19,7 @@ from pointerdomain import checked, errors
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
-from pointerdomain.plan import TransferPlan, plan_for
+from pointerdomain.transfer.plan import TransferPlan, plan_for
 from tests.reference import EMU, fill_pool, fill_random, reference_transfer
 
 DEV = pd.Device("emulated", 0)

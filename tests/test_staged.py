@@ -250,7 +250,7 @@ def test_a_build_without_the_gpu_ops_reports_not_built() -> None:
 
 
 def _plan_kernel(pool: pd.DeviceKVPool) -> KernelPlan:
-    from pointerdomain.plan import plan_for
+    from pointerdomain.transfer.plan import plan_for
 
     return plan_for(pool.table, pool.layout, pool.table, pool.layout).kernel
 

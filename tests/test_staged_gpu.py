@@ -15,7 +15,7 @@ from pointerdomain import errors, staged
 from pointerdomain._platform import backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
-from pointerdomain.plan import plan_for
+from pointerdomain.transfer.plan import plan_for
 from tests.reference import as_bytes, fill_pool, fill_random, filled_pools, pool_bytes, reference_transfer
 
 pytestmark = pytest.mark.gpu

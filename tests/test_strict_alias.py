@@ -1,4 +1,4 @@
-"""Strict alias mode (pointerdomain.strict): the host VA of library-allocated memory is a
+"""Strict alias mode (pointerdomain.registration.strict): the host VA of library-allocated memory is a
 never-registered second mapping; aliases come from the registered mapping.
 
 CPU tests run on the emulated backend (host mapping, registered mapping and the emulated
@@ -19,8 +19,8 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain._platform import backend_for
-from pointerdomain.resolve import can_use_host_pointer
-from pointerdomain.strict import ENV_VAR
+from pointerdomain.registration.resolve import can_use_host_pointer
+from pointerdomain.registration.strict import ENV_VAR
 from tests.reference import DEV, fill_pool, fill_random, filled_pools, model_layout, pool_bytes, reference_transfer
 
 
@@ -113,7 +113,7 @@ _CHILD = textwrap.dedent("""
     import pointerdomain as pd
     from pointerdomain import _C
     from pointerdomain._platform import kernel_plan
-    from pointerdomain.plan import plan_for
+    from pointerdomain.transfer.plan import plan_for
     strict = sys.argv[1] == "1"
     dev = pd.Device("cuda", 0)
     lay = pd.KVLayout(kind="page_first", attention="mha", num_layers=2, num_pages=8, page_size=16,

@@ -1,4 +1,4 @@
-"""Pointer tables (pointerdomain.tables): what a kernel table and a host table accept."""
+"""Pointer tables (pointerdomain.registration.tables): what a kernel table and a host table accept."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain.allocation import memory_device
+from pointerdomain.registration.allocation import memory_device
 from tests.reference import DEV, as_bytes, fill_random, items, pool_items, model_layout
 
 

@@ -3,7 +3,7 @@ host pool into a device pool (GPU only: run on the H200 by the coordinator).
 
 The kernel reads the host pool only through its ``PointerTable[DeviceAlias]`` (the
 alias of the registration, from ``cudaHostGetDevicePointer``) and writes the device
-pool through its table; :func:`pointerdomain.triton.launch` checks both tables
+pool through its table; :func:`pointerdomain.transfer.triton.launch` checks both tables
 (domain, device, open registration) before the launch. The moved bytes are compared
 with plain torch indexing on the host side, and every slot not addressed must keep its
 poison. Skipped without triton or without CUDA.
@@ -19,7 +19,7 @@ from pointerdomain import errors
 
 triton = pytest.importorskip("triton", reason="triton is not installed (it is on the GPU machine)")
 
-from pointerdomain.triton import kernel_table_arg, launch  # noqa: E402
+from pointerdomain.transfer.triton import kernel_table_arg, launch  # noqa: E402
 from tests.triton_pages import load_pages as _load_pages  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """The Triton kernel of tests/test_triton_gpu.py under Triton's interpreter
 (``TRITON_INTERPRET=1``, CPU): it loads the emulated device's aliases from the checked
-tables (:func:`pointerdomain.triton.launch_args`) and must move exactly the addressed
+tables (:func:`pointerdomain.transfer.triton.launch_args`) and must move exactly the addressed
 items. On the emulated device the aliases differ from the host VAs, so a kernel given
 host VAs for aliases would read other memory. Skipped, with the reason, without triton.
 """
@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent("""\
     import torch
     import triton
     import pointerdomain as pd
-    from pointerdomain.triton import launch_args
+    from pointerdomain.transfer.triton import launch_args
     from tests.triton_pages import load_pages
 
     DEV = "emulated:0"

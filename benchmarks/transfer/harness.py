@@ -512,7 +512,7 @@ class Bench:
 
         # Baseline: the platform layer's launch of the same plan, no checks at all (what the
         # public call costs over it is the typed layer's overhead; target <= 5 us).
-        from pointerdomain.plan import plan_for
+        from pointerdomain.transfer.plan import plan_for
 
         plan = plan_for(src.table, src.layout, dst.table, dst.layout)
         stream = int(self.stream.cuda_stream) if self.cuda else 0
@@ -614,7 +614,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="stop a launch-cost measurement after this many seconds (default 2; 0.5 with --quick)")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--staging", default=None, metavar="MIB:RING",
-                    help="staging buffer of the staged path (pointerdomain.staged.set_staging), e.g. 64:4; "
+                    help="staging buffer of the staged path (pointerdomain.transfer.staged.set_staging), e.g. 64:4; "
                          "default the library's (16 MiB in 2 ring slots)")
     ap.add_argument("--progress", choices=("auto", "tqdm", "plain", "none"), default="auto",
                     help="auto: tqdm on a terminal, plain lines otherwise")

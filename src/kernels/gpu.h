@@ -32,7 +32,7 @@ int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, 
 // wait for that work; the library calls this when a device's first kernel table is built.
 int preload_kernels(int device);
 int staged_preload();  // staged_gpu.cu's own kernels (the device current already)
-// Launch leases (pointerdomain.leases): one event per (device, stream) that every launch
+// Launch leases (pointerdomain.registration.leases): one event per (device, stream) that every launch
 // on the stream re-records, so close() of registered memory can wait for the GPU work.
 // Events cross as integers (the gpuEvent_t), are made with timing disabled and live
 // for the process (one per stream a launch used).

@@ -28,7 +28,7 @@ using Geometry = std::array<std::int64_t, 8>;  // e_kv, e_layer, e_page, s_kv, s
 using HostBytes = nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // The part of a launch that depends only on the tables and layouts, built once by
-// pointerdomain.plan.TransferPlan and bound as _C.KernelPlan, so a launch crosses
+// pointerdomain.transfer.plan.TransferPlan and bound as _C.KernelPlan, so a launch crosses
 // the binding with one object instead of two geometries and a dozen ints.
 struct KernelPlan {
     pd::Side src{}, dst{};
@@ -68,7 +68,7 @@ NB_MODULE(_C, m) {
     m.attr("gpu_built") = false;
 #endif
 
-    nb::class_<KernelPlan>(m, "KernelPlan", "Tables and geometry of one launch plan (see pointerdomain.plan).")
+    nb::class_<KernelPlan>(m, "KernelPlan", "Tables and geometry of one launch plan (see pointerdomain.transfer.plan).")
         .def(
             "__init__",
             [](KernelPlan *p, std::uint64_t src_table, const Geometry &src_geometry, std::uint64_t dst_table,

@@ -8,10 +8,12 @@ See docs/design.md for the two address domains and the rules.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pointerdomain import checked, errors, ladder, staged
+    from pointerdomain import errors
+    from pointerdomain.registration import ladder
+    from pointerdomain.transfer import checked, staged
     from pointerdomain.devices import Device, DeviceGuard, as_device, external_stream, validate_device
     from pointerdomain.domains import Address, AddressT, DeviceAlias, HostVA
-    from pointerdomain.kernels import (
+    from pointerdomain.transfer.kernels import (
         DEFAULT_MAX_CTAS,
         WHOLE_GPU,
         MaxCtas,
@@ -21,18 +23,20 @@ if TYPE_CHECKING:
         transfer_kv_all_layer,
         transfer_kv_per_layer,
     )
-    from pointerdomain.allocation import alloc_registered, device_empty, memory_device, memory_device_at
-    from pointerdomain.explanation import Explanation, explain
-    from pointerdomain.launch_errors import check_errors, synchronize
-    from pointerdomain.ladder import RegistrationPolicy, Rung
+    from pointerdomain.registration.allocation import alloc_registered, device_empty, memory_device, memory_device_at
+    from pointerdomain.explained import Explanation
+    from pointerdomain.tools.explanation import explain
+    from pointerdomain.transfer.launch_errors import check_errors, synchronize
+    from pointerdomain.registration.ladder import RegistrationPolicy, Rung
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
-    from pointerdomain.memory import RegisteredHostMemory, find_registration, register_host_tensor
-    from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
-    from pointerdomain.pools import DeviceKVPool, DevicePool, HostKVPool
-    from pointerdomain.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
-    from pointerdomain.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
-    from pointerdomain.tables import (
+    from pointerdomain.registration.memory import RegisteredHostMemory, find_registration, register_host_tensor
+    from pointerdomain.registration.metadata import BufferInfo, BufferInfoChanges, buffer_infos, page_buffer_meta
+    from pointerdomain.transfer.pools import DeviceKVPool, DevicePool, HostKVPool
+    from pointerdomain.registration.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
+    from pointerdomain.registration.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
+    from pointerdomain.registration.tables import (
         PointerTable,
+        has_domain,
         host_ptr_table,
         is_host_table,
         is_kernel_table,
@@ -44,16 +48,16 @@ if TYPE_CHECKING:
 # start without torch. Each public name -> the module that defines it; keep it in step
 # with the imports above (tests/test_package.py checks both against __all__).
 _LAZY = {
-    "checked": "pointerdomain.checked",
+    "checked": "pointerdomain.transfer.checked",
     "errors": "pointerdomain.errors",
-    "ladder": "pointerdomain.ladder",
-    "staged": "pointerdomain.staged",
-    "RegistrationPolicy": "pointerdomain.ladder",
-    "Rung": "pointerdomain.ladder",
-    "StrictCapability": "pointerdomain.strict",
-    "strict_alias": "pointerdomain.strict",
-    "strict_alias_enabled": "pointerdomain.strict",
-    "strict_mode_capability": "pointerdomain.strict",
+    "ladder": "pointerdomain.registration.ladder",
+    "staged": "pointerdomain.transfer.staged",
+    "RegistrationPolicy": "pointerdomain.registration.ladder",
+    "Rung": "pointerdomain.registration.ladder",
+    "StrictCapability": "pointerdomain.registration.strict",
+    "strict_alias": "pointerdomain.registration.strict",
+    "strict_alias_enabled": "pointerdomain.registration.strict",
+    "strict_mode_capability": "pointerdomain.registration.strict",
     "Device": "pointerdomain.devices",
     "DeviceGuard": "pointerdomain.devices",
     "as_device": "pointerdomain.devices",
@@ -63,44 +67,46 @@ _LAZY = {
     "AddressT": "pointerdomain.domains",
     "DeviceAlias": "pointerdomain.domains",
     "HostVA": "pointerdomain.domains",
-    "DEFAULT_MAX_CTAS": "pointerdomain.kernels",
-    "WHOLE_GPU": "pointerdomain.kernels",
-    "MaxCtas": "pointerdomain.kernels",
-    "TransferBackend": "pointerdomain.kernels",
-    "WholeGpu": "pointerdomain.kernels",
-    "index_tensor": "pointerdomain.kernels",
-    "transfer_kv_all_layer": "pointerdomain.kernels",
-    "transfer_kv_per_layer": "pointerdomain.kernels",
-    "alloc_registered": "pointerdomain.allocation",
-    "device_empty": "pointerdomain.allocation",
-    "memory_device": "pointerdomain.allocation",
-    "memory_device_at": "pointerdomain.allocation",
-    "Explanation": "pointerdomain.explanation",
-    "explain": "pointerdomain.explanation",
-    "check_errors": "pointerdomain.launch_errors",
-    "synchronize": "pointerdomain.launch_errors",
+    "DEFAULT_MAX_CTAS": "pointerdomain.transfer.kernels",
+    "WHOLE_GPU": "pointerdomain.transfer.kernels",
+    "MaxCtas": "pointerdomain.transfer.kernels",
+    "TransferBackend": "pointerdomain.transfer.kernels",
+    "WholeGpu": "pointerdomain.transfer.kernels",
+    "index_tensor": "pointerdomain.transfer.kernels",
+    "transfer_kv_all_layer": "pointerdomain.transfer.kernels",
+    "transfer_kv_per_layer": "pointerdomain.transfer.kernels",
+    "alloc_registered": "pointerdomain.registration.allocation",
+    "device_empty": "pointerdomain.registration.allocation",
+    "memory_device": "pointerdomain.registration.allocation",
+    "memory_device_at": "pointerdomain.registration.allocation",
+    "Explanation": "pointerdomain.explained",
+    "explain": "pointerdomain.tools.explanation",
+    "check_errors": "pointerdomain.transfer.launch_errors",
+    "synchronize": "pointerdomain.transfer.launch_errors",
     "KVLayout": "pointerdomain.layouts",
     "KVLayoutChanges": "pointerdomain.layouts",
-    "RegisteredHostMemory": "pointerdomain.memory",
-    "find_registration": "pointerdomain.memory",
-    "register_host_tensor": "pointerdomain.memory",
-    "BufferInfo": "pointerdomain.metadata",
-    "buffer_infos": "pointerdomain.metadata",
-    "page_buffer_meta": "pointerdomain.metadata",
-    "DeviceKVPool": "pointerdomain.pools",
-    "DevicePool": "pointerdomain.pools",
-    "HostKVPool": "pointerdomain.pools",
-    "AliasPolicy": "pointerdomain.resolve",
-    "alias_policy": "pointerdomain.resolve",
-    "fallback_count": "pointerdomain.resolve",
-    "reset_resolver_cache": "pointerdomain.resolve",
-    "resolve_alias": "pointerdomain.resolve",
-    "PointerTable": "pointerdomain.tables",
-    "host_ptr_table": "pointerdomain.tables",
-    "is_host_table": "pointerdomain.tables",
-    "is_kernel_table": "pointerdomain.tables",
-    "make_kernel_ptr_table": "pointerdomain.tables",
-    "require_domain": "pointerdomain.tables",
+    "RegisteredHostMemory": "pointerdomain.registration.memory",
+    "find_registration": "pointerdomain.registration.memory",
+    "register_host_tensor": "pointerdomain.registration.memory",
+    "BufferInfo": "pointerdomain.registration.metadata",
+    "BufferInfoChanges": "pointerdomain.registration.metadata",
+    "buffer_infos": "pointerdomain.registration.metadata",
+    "page_buffer_meta": "pointerdomain.registration.metadata",
+    "DeviceKVPool": "pointerdomain.transfer.pools",
+    "DevicePool": "pointerdomain.transfer.pools",
+    "HostKVPool": "pointerdomain.transfer.pools",
+    "AliasPolicy": "pointerdomain.registration.resolve",
+    "alias_policy": "pointerdomain.registration.resolve",
+    "fallback_count": "pointerdomain.registration.resolve",
+    "reset_resolver_cache": "pointerdomain.registration.resolve",
+    "resolve_alias": "pointerdomain.registration.resolve",
+    "PointerTable": "pointerdomain.registration.tables",
+    "host_ptr_table": "pointerdomain.registration.tables",
+    "has_domain": "pointerdomain.registration.tables",
+    "is_host_table": "pointerdomain.registration.tables",
+    "is_kernel_table": "pointerdomain.registration.tables",
+    "make_kernel_ptr_table": "pointerdomain.registration.tables",
+    "require_domain": "pointerdomain.registration.tables",
 }
 
 
@@ -120,6 +126,19 @@ if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt name stays a s
     def __dir__() -> list[str]:
         return sorted(set(globals()) | set(_LAZY))
 
+
+from pointerdomain import errors as _errors  # torch-free
+
+
+def _explain_address(address: int) -> "Explanation":
+    """``PointerDomainError.explain()``'s lookup: errors, on the ground floor, import no
+    tools, so the package installs it (the lookup imports torch on first use only)."""
+    from pointerdomain.tools.explanation import explain as _explain
+
+    return _explain(address)
+
+
+_errors.set_explainer(_explain_address)
 
 from pointerdomain.buildinfo import version as _version
 
@@ -141,6 +160,7 @@ __all__ = [
     "AddressT",
     "AliasPolicy",
     "BufferInfo",
+    "BufferInfoChanges",
     "DEFAULT_MAX_CTAS",
     "Device",
     "DeviceAlias",
@@ -175,6 +195,7 @@ __all__ = [
     "fallback_count",
     "find_registration",
     "get_include",
+    "has_domain",
     "host_ptr_table",
     "index_tensor",
     "is_host_table",

@@ -1,3 +1,3 @@
-from pointerdomain.cli import main
+from pointerdomain.tools.cli import main
 
 raise SystemExit(main())

@@ -4,7 +4,7 @@
 variable                                  values                                           default
 ========================================  ==============================================  =========
 ``POINTERDOMAIN_CHECKED``                 ``0`` (off) or ``1`` (checked mode on, read at   ``0``
-                                          import; :mod:`pointerdomain.checked`)
+                                          import; :mod:`pointerdomain.transfer.checked`)
 ``POINTERDOMAIN_EMULATE_MEMLOCK``         ``0`` or ``1`` (the emulated backend counts      ``0``
                                           registered bytes against RLIMIT_MEMLOCK)
 ``POINTERDOMAIN_EMULATED_DEVICES``        a positive int (number of emulated devices;     ``2``

@@ -9,11 +9,13 @@ could corrupt memory.
 
 from __future__ import annotations
 
-import pydantic
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import pydantic
+
 if TYPE_CHECKING:
-    from pointerdomain.explanation import Explanation
+    from pointerdomain.explained import Explanation
 
 __all__ = [
     "PointerDomainError",
@@ -63,9 +65,20 @@ class PointerDomainError(Exception):
         the registrations at the time of the call), or None for an error without one."""
         if self.address is None:
             return None
-        from pointerdomain.explanation import explain
+        if _explainer is None:  # the package installs it on import; only a broken install lacks it
+            raise ExtensionUnavailableError("no address lookup is installed: import pointerdomain")
+        return _explainer(self.address)
 
-        return explain(self.address)
+
+#: ``explain(address)``, installed by the package (``pointerdomain/__init__.py``): the lookup
+#: lives with the tools, above everything, and this module imports nothing above it.
+_explainer: Callable[[int], Explanation] | None = None
+
+
+def set_explainer(explainer: Callable[[int], Explanation]) -> None:
+    """Install the lookup behind :meth:`PointerDomainError.explain` (the package does, on import)."""
+    global _explainer
+    _explainer = explainer
 
 
 E = TypeVar("E", bound=PointerDomainError)

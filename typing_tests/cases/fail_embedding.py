@@ -9,8 +9,8 @@ import torch
 
 from pointerdomain import BufferInfo, DeviceAlias, HostKVPool, HostVA, PointerTable
 from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc, vram_desc
-from pointerdomain.kernel_args import kernel_table_tensor
-from pointerdomain.triton import kernel_table_arg
+from pointerdomain.transfer.kernel_args import kernel_table_tensor
+from pointerdomain.transfer.triton import kernel_table_arg
 
 
 def kernels(kernel: PointerTable[DeviceAlias], host: PointerTable[HostVA], raw: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from pointerdomain import (
     page_buffer_meta,
     resolve_alias,
 )
-from pointerdomain.memory import Chunk, find_registration
+from pointerdomain.registration.memory import Chunk, find_registration
 
 
 def metadata(kernel: PointerTable[DeviceAlias], host: PointerTable[HostVA], layout: KVLayout, alias: DeviceAlias) -> None:

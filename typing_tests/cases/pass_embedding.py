@@ -8,8 +8,8 @@ from typing_extensions import assert_type
 
 import pointerdomain as pd
 from pointerdomain.adapters.nixl import NixlDesc, dram_desc, file_desc
-from pointerdomain.kernel_args import check_kernel_table, kernel_table_tensor
-from pointerdomain.triton import kernel_table_arg
+from pointerdomain.transfer.kernel_args import check_kernel_table, kernel_table_tensor
+from pointerdomain.transfer.triton import kernel_table_arg
 
 DEV = "emulated:0"
 layout = pd.KVLayout(kind="page_first", num_layers=2, num_pages=4, page_size=2, num_heads=1, head_dim=16)

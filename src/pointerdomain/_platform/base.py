@@ -155,7 +155,7 @@ class Backend(Protocol):
         device: Device, stream: int, max_ctas: int,
     ) -> int:
         """:meth:`launch`, then :meth:`record_event` on the same stream (CUDA: one native
-        call). The launch leases use it (:mod:`pointerdomain.leases`).
+        call). The launch leases use it (:mod:`pointerdomain.registration.leases`).
 
         Returns:
             The event to wait on with :meth:`event_done`, or 0 where there is nothing to
@@ -231,7 +231,7 @@ class Backend(Protocol):
 class PinnedAllocator(Protocol):
     """A backend that can allocate pinned host memory itself (``cudaHostAlloc`` /
     ``hipHostMalloc``): the third rung of the registration ladder
-    (:mod:`pointerdomain.ladder`). Optional: a backend without it skips that rung."""
+    (:mod:`pointerdomain.registration.ladder`). Optional: a backend without it skips that rung."""
 
     def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
         """(status, a uint8 tensor of ``nbytes`` pinned, device-mapped bytes or None); the

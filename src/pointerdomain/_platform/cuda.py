@@ -141,7 +141,7 @@ class CudaBackend(_TorchDevice):
         # at a time, and a call on another stream waits for the previous one (see staged_transfer).
         self._staged_lock = threading.Lock()
         self._staged_last: dict[int, tuple[int, Any]] = {}
-        # The launch leases' events (pointerdomain.leases): one per (ordinal, stream), made on
+        # The launch leases' events (pointerdomain.registration.leases): one per (ordinal, stream), made on
         # first use and kept for the process (a few bytes of driver state per stream used).
         self._events: dict[tuple[int, int], int] = {}
 
@@ -270,7 +270,7 @@ def _cudart() -> Any:
 class TorchCudartBackend(_TorchDevice):
     """Registration through torch's cudart binding, for builds without the GPU ops.
     It has no alias op and no kernels: the alias policy decides whether host VAs may
-    stand in (pointerdomain.resolve), and launches raise ExtensionUnavailableError."""
+    stand in (pointerdomain.registration.resolve), and launches raise ExtensionUnavailableError."""
 
     name = "torch-cudart"
     has_alias_op = False

@@ -65,7 +65,7 @@ _ENGINE_ROOTS = ("mooncake", "nixl", "_nixl", "rixl")
 _TRITON_JIT = frozenset({"triton.jit", "triton.language.jit", "triton.runtime.jit", "triton.runtime.jit.jit"})
 _POINTERDOMAIN_TABLE_CALLS = frozenset({
     "pointerdomain.make_kernel_ptr_table", "pointerdomain.host_ptr_table",
-    "pointerdomain.tables.make_kernel_ptr_table", "pointerdomain.tables.host_ptr_table",
+    "pointerdomain.registration.tables.make_kernel_ptr_table", "pointerdomain.registration.tables.host_ptr_table",
 })
 _TABLE_ATTRS = frozenset({"kernel_table", "host_table", "table"})
 _HANDLE_WORDS = re.compile(r"(?i)stream|handle|event|module|func|ctx|context|comm|graph")

@@ -74,11 +74,11 @@ from typing import Generic, Literal, NamedTuple, ParamSpec, TypeVar, cast
 import torch
 
 from pointerdomain._platform import backend_for
-from pointerdomain.allocation import device_empty
+from pointerdomain.registration.allocation import device_empty
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError
-from pointerdomain.tables import PointerTable, require_domain
+from pointerdomain.registration.tables import PointerTable, require_domain
 
 __all__ = ["KernelOp", "TableTensor", "cached_table_tensor", "kernel_op"]
 

@@ -12,7 +12,7 @@ On a machine without a GPU the emulated device's rows are shown (its attributes 
 what the emulation does, see ``_platform/emulated.py``).
 
 Each row comes from one small function below (strict-mode capability and the rung
-self-tests from :mod:`pointerdomain.strict` and :mod:`pointerdomain.ladder`); a row this
+self-tests from :mod:`pointerdomain.registration.strict` and :mod:`pointerdomain.registration.ladder`); a row this
 build cannot answer says :data:`NOT_AVAILABLE`.
 """
 
@@ -207,9 +207,9 @@ def gpu_numa_node(device: Device) -> Row:
 
 
 def strict_mode_row(device: Device, attributes: dict[str, int | None]) -> Row:
-    """Strict alias mode capability of ``device`` (:func:`pointerdomain.strict.strict_mode_capability`:
+    """Strict alias mode capability of ``device`` (:func:`pointerdomain.registration.strict.strict_mode_capability`:
     PageableMemoryAccess 0 -> a never-registered host VA faults, 1 -> HMM/ATS reads it)."""
-    from pointerdomain.strict import strict_mode_capability
+    from pointerdomain.registration.strict import strict_mode_capability
 
     cap = strict_mode_capability(device)
     value = {True: "can fault", False: "cannot fault", None: "unknown"}[cap.can_fault]
@@ -219,7 +219,7 @@ def strict_mode_row(device: Device, attributes: dict[str, int | None]) -> Row:
 def _rung_test(device: Device, nbytes: int, max_chunk_bytes: int) -> tuple[bool, str]:
     """Register ``nbytes`` (chunks of ``max_chunk_bytes``), check every chunk's alias
     (and, where device memory is host-readable, the bytes through it), unregister."""
-    from pointerdomain.allocation import alloc_registered
+    from pointerdomain.registration.allocation import alloc_registered
 
     with alloc_registered(nbytes, device, max_chunk_bytes=max_chunk_bytes) as mem:
         backend = backend_for(device)
@@ -239,10 +239,10 @@ def _rung_test(device: Device, nbytes: int, max_chunk_bytes: int) -> tuple[bool,
 
 
 def ladder_rows(device: Device) -> list[Row]:
-    """A self-test per registration-ladder rung (:func:`pointerdomain.ladder.probe_rungs`:
+    """A self-test per registration-ladder rung (:func:`pointerdomain.registration.ladder.probe_rungs`:
     single, chunked, pinned_copy, unpinned), plus this module's check of the bytes through
     every chunk's alias for the single and chunked rungs."""
-    from pointerdomain.ladder import probe_rungs
+    from pointerdomain.registration.ladder import probe_rungs
 
     rows = [Row(f"rung: {rung}", "works" if result == "ok" else "FAILS" if rung in ("single", "chunked") else result,
                 "" if result == "ok" else result)
@@ -261,7 +261,7 @@ def self_test(device: Device) -> dict[str, Any]:
     """Register a small pool (8 KiB), write it through the host VA, copy it into device
     memory with the transfer kernel through the device alias, and compare the bytes."""
     from pointerdomain.layouts import KVLayout
-    from pointerdomain.pools import DeviceKVPool, HostKVPool
+    from pointerdomain.transfer.pools import DeviceKVPool, HostKVPool
 
     layout = KVLayout(kind="page_first", num_layers=2, num_pages=4, page_size=16, num_heads=1, head_dim=64,
                       attention="mla", dtype="uint8")
@@ -283,7 +283,7 @@ def self_test(device: Device) -> dict[str, Any]:
 
 def device_report(device: Device) -> dict[str, Any]:
     """Every row of one device (errors become an ``error`` entry, never an exception)."""
-    from pointerdomain.resolve import alias_policy
+    from pointerdomain.registration.resolve import alias_policy
 
     entry: dict[str, Any] = {"device": str(device)}
     try:
@@ -375,7 +375,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``pointerdomain doctor``: 0 when every self-test passed, 1 otherwise."""
-    from pointerdomain.cli import parse_device
+    from pointerdomain.tools.cli import parse_device
 
     devices = [parse_device(args.device)[0]] if args.device else None
     report = collect(devices)

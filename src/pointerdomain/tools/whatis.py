@@ -18,8 +18,8 @@ import argparse
 import json
 import os
 
-from pointerdomain.cli import EXIT_OK, UsageError, parse_device
-from pointerdomain.explanation import Explanation, explain
+from pointerdomain.tools.cli import EXIT_OK, UsageError, parse_device
+from pointerdomain.tools.explanation import Explanation, explain
 
 __all__ = ["add_arguments", "check_pid", "parse_address", "run"]
 
@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
         check_pid(args.pid)
     found: list[Explanation] = []
     if args.demo:
-        from pointerdomain.allocation import alloc_registered
-        from pointerdomain.resolve import resolve_alias
+        from pointerdomain.registration.allocation import alloc_registered
+        from pointerdomain.registration.resolve import resolve_alias
 
         device, _why = parse_device(args.device)
         with alloc_registered(3 * 4096, device, max_chunk_bytes=4096) as mem:

@@ -34,15 +34,15 @@ from pointerdomain.errors import (
     NotRegisteredError,
     RegistrationSpanError,
 )
-from pointerdomain.allocation import device_empty, memory_device
+from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.launch_errors import ensure_error_word
 from pointerdomain.layouts import KVLayout
-from pointerdomain.memory import RegisteredHostMemory, find_closed_registration, find_registration
-from pointerdomain.resolve import alias_of
+from pointerdomain.registration.memory import RegisteredHostMemory, find_closed_registration, find_registration
+from pointerdomain.registration.resolve import alias_of
 
-__all__ = ["PointerTable", "host_ptr_table", "is_host_table", "is_kernel_table", "make_kernel_ptr_table", "require_domain"]
+__all__ = ["PointerTable", "has_domain", "host_ptr_table", "is_host_table", "is_kernel_table", "make_kernel_ptr_table",
+           "require_domain"]
 
 #: The address domain of a table. Invariant on purpose: a PointerTable[HostVA]
 #: is not a PointerTable[DeviceAlias], nor a table of the base Address.
@@ -181,8 +181,8 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         value = self._values[index]
         if self._domain is DeviceAlias:
             assert self._device is not None
-            return DeviceAlias(value, self._device)  # type: ignore[return-value]
-        return HostVA(value)  # type: ignore[return-value]
+            return DeviceAlias.unsafe_from_int(value, self._device)  # type: ignore[return-value]
+        return HostVA.unsafe_from_int(value)  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[D]:
         return (self[i] for i in range(len(self)))
@@ -283,6 +283,15 @@ def is_host_table(table: object) -> TypeIs[PointerTable[HostVA]]:
     return isinstance(table, PointerTable) and table.domain is HostVA
 
 
+def has_domain(table: object, domain: type[D]) -> TypeIs[PointerTable[D]]:
+    """True if ``table`` is a ``PointerTable`` of ``domain`` (``HostVA`` or ``DeviceAlias``):
+    ``if has_domain(t, DeviceAlias):`` narrows ``t`` in both branches under mypy and
+    pyright. Use it where ``t.domain is DeviceAlias`` would be written: that compares the
+    value but narrows nothing under pyright (it does not narrow on a class held by an
+    attribute)."""
+    return isinstance(table, PointerTable) and table.domain is domain
+
+
 def require_domain(name: str, table: object, domain: type[D], use: str, why: str) -> PointerTable[D]:
     """``table`` if it is a ``PointerTable[domain]``: the one table-domain check of the
     launch, metadata and adapter paths (checked mode repeats it on purpose).
@@ -354,7 +363,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
         raise DeviceMismatchError(f"{name}: device memory of {where}, but the table is for {device}")
     if t.device.type != "cpu":
         raise DomainError(f"{name}: tensor on {t.device} is neither host memory nor memory of {device}")
-    va = HostVA(t.data_ptr())
+    va = HostVA.unsafe_from_int(t.data_ptr())
     owner = find_registration(va, nbytes)
     if owner is None:
         partial = find_registration(va, 1) or find_registration(va + (nbytes - 1), 1)
@@ -429,7 +438,6 @@ def make_kernel_ptr_table(
     sizes = tuple(_tensor_bytes(t) for t in checked)
     if layout is not None:
         layout.geometry(len(values), sizes, "tensors")
-    ensure_error_word(dev)  # allocated outside any graph capture, before the first launch
     return PointerTable(_TOKEN, DeviceAlias, dev, tuple(values), sizes, checked, tuple(owners), layout)
 
 
@@ -455,7 +463,7 @@ def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
                 f"tensors[{i}]: memory of {where or t.device} is not host memory; device addresses must "
                 "never reach CPU code (memcpy, transfer engines): copy the data to host memory first"
             )
-        owner = find_registration(HostVA(t.data_ptr()), _tensor_bytes(t))
+        owner = find_registration(HostVA.unsafe_from_int(t.data_ptr()), _tensor_bytes(t))
         if owner is not None and all(o is not owner for o in owners):
             owners.append(owner)
     return PointerTable(
@@ -481,7 +489,6 @@ def resolved_kernel_table(
     to keep alive, ``owners`` the registrations the entries lie in (launches then
     refuse the table once one is closed), ``regions`` the other alias ranges (device
     memory, runtime-pinned memory) the entries were checked against."""
-    ensure_error_word(device)  # allocated outside any graph capture, before the first launch
     table = PointerTable(_TOKEN, DeviceAlias, device, tuple(values), tuple(sizes), (), tuple(owners))
     table._resolved = tuple(regions)  # noqa: SLF001 -- set once, before the table is handed out
     return table

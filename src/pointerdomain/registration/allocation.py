@@ -16,9 +16,9 @@ from pointerdomain._platform import memory_device as _memory_device
 from pointerdomain._platform.numa import bind_to_node, device_node, node_count
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
-from pointerdomain.ladder import RegistrationPolicy, warn_degraded
-from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
-from pointerdomain.strict import strict_alias_enabled
+from pointerdomain.registration.ladder import RegistrationPolicy, warn_degraded
+from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
+from pointerdomain.registration.strict import strict_alias_enabled
 
 __all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
 
@@ -34,7 +34,7 @@ def alloc_registered(
 ) -> RegisteredHostMemory:
     """Allocate ``nbytes`` of page-aligned host memory and register it for ``device``.
 
-    In strict alias mode (:mod:`pointerdomain.strict`) the memory is one memfd mapped
+    In strict alias mode (:mod:`pointerdomain.registration.strict`) the memory is one memfd mapped
     twice: the owner's ``tensor`` / ``host_va`` is the never-registered mapping and device
     aliases come from the registered one.
 
@@ -44,11 +44,11 @@ def alloc_registered(
         granularity: chunks are cut on multiples of this many bytes from the start;
             pass the KV page size in bytes so no page spans two registrations.
         max_chunk_bytes: largest single registration call (rounded down to the granularity).
-        policy: what to do when the driver refuses (:class:`pointerdomain.ladder.RegistrationPolicy`;
-            default: :func:`pointerdomain.ladder.default_policy`, which fails).
+        policy: what to do when the driver refuses (:class:`pointerdomain.registration.ladder.RegistrationPolicy`;
+            default: :func:`pointerdomain.registration.ladder.default_policy`, which fails).
         numa: ``"local"`` moves the pages to the device's NUMA node before registering
             (mbind; a no-op on a one-node machine or where the node is unknown, and a
-            :class:`~pointerdomain.ladder.RegistrationDegradedWarning` where mbind is refused).
+            :class:`~pointerdomain.registration.ladder.RegistrationDegradedWarning` where mbind is refused).
 
     Raises:
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not

@@ -1,5 +1,5 @@
 """Checked kernel-table arguments for a cache's own kernels that take tensors (torch
-custom ops, Triton kernels through :mod:`pointerdomain.triton`).
+custom ops, Triton kernels through :mod:`pointerdomain.transfer.triton`).
 
 Such kernels receive a table as a ``uint64`` (or ``int64``) tensor of addresses, which
 carries no domain: the check has to happen at the boundary, in Python, before the op

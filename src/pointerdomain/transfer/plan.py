@@ -7,7 +7,7 @@ device and its platform backend, both :class:`~pointerdomain.layouts.Geometry`,
 the copy word width, the longest contiguous run (for the copy engine) and the
 bound launch struct (``_C.KernelPlan``) the backend hands to C++ in one piece.
 Per call only the indices, the layer range, the stream and the SM budget vary.
-Checked mode (:mod:`pointerdomain.checked`) verifies a plan; it does not
+Checked mode (:mod:`pointerdomain.transfer.checked`) verifies a plan; it does not
 recompute it.
 
 Where a layout splits its items into several runs (``page_head``, ``page_unified``
@@ -32,11 +32,11 @@ from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backen
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import DeviceMismatchError, IndexValidationError, InvalidArgumentError, LayoutError
-from pointerdomain.launch_errors import error_word_address
+from pointerdomain.transfer.launch_errors import error_word_address
 from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
-from pointerdomain.memory import RegisteredHostMemory
-from pointerdomain.overlap import shared_memory
-from pointerdomain.tables import PointerTable, require_domain
+from pointerdomain.registration.memory import RegisteredHostMemory
+from pointerdomain.transfer.overlap import shared_memory
+from pointerdomain.registration.tables import PointerTable, require_domain
 
 if TYPE_CHECKING:
     from pointerdomain._platform.native import KernelPlan
@@ -63,11 +63,11 @@ class TransferPlan:
         run_bytes: longest contiguous run a page gives on both sides (``page_size *
             item_bytes`` when both token strides equal the item, else ``item_bytes``).
         kernel: the bound struct passed to C++ (tables, geometries, sizes, word width),
-            with the device's error word (:mod:`pointerdomain.launch_errors`).
+            with the device's error word (:mod:`pointerdomain.transfer.launch_errors`).
         unchecked: the same without the error word (``validate_indices=False``).
         owners: the registrations both tables point into (leased by every launch).
         same_memory: src and dst are the same memory with the same geometry, so a
-            launch must not read and write one slot (see :mod:`pointerdomain.overlap`).
+            launch must not read and write one slot (see :mod:`pointerdomain.transfer.overlap`).
         dst_starts, dst_ends: the byte ranges of the storages of dst's buffers, sorted and
             merged (:meth:`indices_in_dst`; empty where the table keeps no tensors).
         unpinned: the first owner kernels cannot read (the ``unpinned`` rung), or None.

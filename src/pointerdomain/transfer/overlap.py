@@ -38,7 +38,7 @@ from pointerdomain.errors import OverlapError
 if TYPE_CHECKING:
     from pointerdomain.domains import DeviceAlias
     from pointerdomain.layouts import Geometry
-    from pointerdomain.tables import PointerTable
+    from pointerdomain.registration.tables import PointerTable
 
 __all__ = ["check_slots", "shared_memory"]
 

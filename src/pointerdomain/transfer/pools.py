@@ -15,11 +15,11 @@ from typing import Literal, Protocol, cast
 
 import torch
 
-from pointerdomain.allocation import alloc_registered, device_empty
+from pointerdomain.registration.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, LayoutError
-from pointerdomain.kernels import (
+from pointerdomain.transfer.kernels import (
     DEFAULT_MAX_CTAS,
     MaxCtas,
     TransferBackend,
@@ -27,13 +27,14 @@ from pointerdomain.kernels import (
     transfer_kv_all_layer,
     transfer_kv_per_layer,
 )
-from pointerdomain.ladder import RegistrationPolicy
+from pointerdomain.registration.ladder import RegistrationPolicy
 from pointerdomain.layouts import KVLayout
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S
-from pointerdomain.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
-from pointerdomain.metadata import BufferInfo, buffer_infos, page_buffer_meta
-from pointerdomain.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
+from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S
+from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
+from pointerdomain.registration.metadata import BufferInfo, buffer_infos, page_buffer_meta
+from pointerdomain.registration.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
+from pointerdomain.transfer.launch_errors import ensure_error_word
 
 __all__ = ["DeviceKVPool", "DevicePool", "HostKVPool"]
 
@@ -98,6 +99,7 @@ class DeviceKVPool(ProcessLocal):
         whole = device_empty((layout.num_kv * layout.num_layers, *shape), layout.torch_dtype, self.device)
         self.buffers = list(whole.unbind(0))
         self.table: PointerTable[DeviceAlias] = make_kernel_ptr_table(self.buffers, self.device, layout=layout)
+        ensure_error_word(self.device)  # the device readied for launches now, outside the first launch
 
     def buffer(self, kv: int, layer: int) -> torch.Tensor:
         """The ``[num_slots, num_heads, head_dim]`` buffer of K (kv=0) or V (kv=1) of ``layer``."""
@@ -144,6 +146,7 @@ class HostKVPool(ProcessLocal):
         self.buffer = self.memory.tensor[: layout.nbytes].view(layout.torch_dtype).view(layout.buffer_shape)
         entries = [self.buffer] if len(self.memory.chunks) == 1 else layout.page_block_views(self.buffer)
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(entries, self.device, layout=layout)
+        ensure_error_word(self.device)  # the device readied for launches now, outside the first launch
         self.host_table: PointerTable[HostVA] = host_ptr_table([self.buffer])
         self._close_hooks: list[Callable[[], None]] = []
         self._entries = entries
@@ -168,6 +171,7 @@ class HostKVPool(ProcessLocal):
             table = self._tables.get(dev)
             if table is None:
                 table = make_kernel_ptr_table(self._entries, dev, layout=self.layout)
+                ensure_error_word(dev)
                 self._tables[dev] = table
         return table
 

@@ -1,9 +1,11 @@
 """Deferred launch errors: the per-device error word the transfer kernels set.
 
 Design: one ``uint32`` word per device, in that device's memory (emulated devices:
-emulated device memory, i.e. host memory), allocated and zeroed when the first kernel
-table for the device is built (never during a graph capture; the device's kernels are
-loaded then too, :meth:`Backend.load_kernels`) and kept for the life of
+emulated device memory, i.e. host memory), allocated and zeroed ahead of the device's
+first launch: when a pool builds its first kernel table on the device
+(:mod:`pointerdomain.transfer.pools`), else at the device's first launch plan
+(:mod:`pointerdomain.transfer.plan`). The device's kernels are loaded then too
+(:meth:`Backend.load_kernels`), outside a graph capture only. The word is kept for the life of
 the process, so a captured graph that holds its address never sees it freed. Every
 launch plan binds the word's address (``_C.KernelPlan.oob``); a kernel that skips a
 slot pair for being outside ``[0, num_slots)`` of its table stores 1 there
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 
 from pointerdomain._platform import backend_for
-from pointerdomain.allocation import device_empty
+from pointerdomain.registration.allocation import device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import IndexValidationError
 
@@ -51,8 +53,9 @@ def ensure_error_word(device: Device) -> int:
                 platform = backend_for(device)
                 capturing = platform.is_capturing(device)
                 if not capturing:
-                    # Here, not at the first launch: lazy module loading would load each kernel
-                    # there, and loading may wait for all work queued on the device.
+                    # Ahead of the launch where a pool called this: lazy module loading would load
+                    # each kernel at the first launch, and loading may wait for all work queued on
+                    # the device.
                     platform.load_kernels(device)
                 # CUDA: zeroed on a private stream and waited for there, since the caller's
                 # streams may hold queued work (a first launch queued behind compute must not
@@ -74,7 +77,8 @@ def ensure_error_word(device: Device) -> int:
 
 
 def error_word_address(device: Device) -> int:
-    """Alias of :func:`ensure_error_word` for the plan builder."""
+    """Alias of :func:`ensure_error_word` for the plan builder (a device's first plan
+    makes its word and loads its kernels where no pool did before)."""
     return ensure_error_word(device)
 
 

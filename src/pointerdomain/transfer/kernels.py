@@ -6,15 +6,15 @@ their registrations are still open and their storage unchanged, that each table
 fits its layout exactly (so every address the kernel forms lies inside a table
 entry's buffer), the index tensors (``int64``, 1-D, contiguous, on the launch
 device or, for the paths that read them on the host, the CPU; equal length) and the
-overlap rule (:mod:`pointerdomain.overlap`). The
+overlap rule (:mod:`pointerdomain.transfer.overlap`). The
 kernels skip out-of-range slots themselves and record them in the device's error
-word (:mod:`pointerdomain.launch_errors`), so a kernel never reads or writes outside
+word (:mod:`pointerdomain.transfer.launch_errors`), so a kernel never reads or writes outside
 the tables it was given, CUDA graph replays with new indices included. A launch
-leases the registrations it uses (:mod:`pointerdomain.leases`).
+leases the registrations it uses (:mod:`pointerdomain.registration.leases`).
 
 Layouts whose items are split into several runs (``page_head`` with several heads,
 ``page_unified`` with head groups) are lowered once per plan to per-part items
-(:func:`pointerdomain.layouts.lower_pair`, :mod:`pointerdomain.plan`); each launch then
+(:func:`pointerdomain.layouts.lower_pair`, :mod:`pointerdomain.transfer.plan`); each launch then
 expands its indices to the parts' slots with torch ops on the indices' device and runs
 every backend on those. The other layouts' launches skip this.
 
@@ -33,7 +33,8 @@ from typing import Any, Final, Literal, cast
 
 import torch
 
-from pointerdomain import checked, launch_errors, leases, overlap, staged
+from pointerdomain.registration import leases
+from pointerdomain.transfer import checked, launch_errors, overlap, staged
 from pointerdomain._platform import memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
@@ -45,8 +46,8 @@ from pointerdomain.errors import (
     UnpinnedMemoryError,
 )
 from pointerdomain.layouts import KVLayout
-from pointerdomain.plan import TransferPlan, plan_for
-from pointerdomain.tables import PointerTable
+from pointerdomain.transfer.plan import TransferPlan, plan_for
+from pointerdomain.registration.tables import PointerTable
 
 __all__ = [
     "CE_MIN_RUN_BYTES_SMALL_BUDGET",
@@ -87,7 +88,7 @@ def index_tensor(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
 def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False) -> torch.Tensor:
     """``idx`` checked for a launch on ``device``; ``host_read``: the backend reads these
     indices on the host only (the copy engine; the staged path's host side, which
-    :func:`~pointerdomain.staged.launch_staged` tells apart), so a CPU tensor is fine too."""
+    :func:`~pointerdomain.transfer.staged.launch_staged` tells apart), so a CPU tensor is fine too."""
     if not isinstance(idx, torch.Tensor):
         raise IndexValidationError(f"{name}: expected an int64 tensor, got {type(idx).__name__}")
     if idx.dtype != torch.int64:
@@ -393,7 +394,7 @@ def transfer_kv_all_layer(
             both layouts give runs of at least 512 KiB (1 MiB with the whole GPU) and
             not capturing, else the staged path where it wins, else the kernel (faster
             than the engine up to 64 KiB runs even at 2 CTAs, measured on the H200).
-            ``"staged"`` (:mod:`pointerdomain.staged`): the copy engine moves whole host
+            ``"staged"`` (:mod:`pointerdomain.transfer.staged`): the copy engine moves whole host
             runs of a ``page_first`` pool through a small device staging ring while the
             kernel (``max_ctas`` CTAs) scatters or gathers the items; all layers only,
             reads the indices on the host (always checks them, whatever
@@ -408,7 +409,7 @@ def transfer_kv_all_layer(
             read right after it; on CUDA no host work at all: the kernel records the
             skip in the device's error word and :func:`pointerdomain.check_errors` /
             :func:`pointerdomain.synchronize` raise ``IndexValidationError`` later
-            (graph replays included; see :mod:`pointerdomain.launch_errors`).
+            (graph replays included; see :mod:`pointerdomain.transfer.launch_errors`).
             ``"host"``: check on the host before launching (a device sync for CUDA
             indices; skipped during capture, the error word still covers it), so the
             launch raises before anything is copied. ``False``: skipped slots are not
@@ -430,7 +431,7 @@ def transfer_kv_all_layer(
         IndexValidationError: bad dtype, shape, device, lengths; a slot out of range
             (when: see ``validate_indices``).
         OverlapError: src and dst share memory and a slot is both read and written
-            (rules in :mod:`pointerdomain.overlap`), or an index tensor lies in the storage
+            (rules in :mod:`pointerdomain.transfer.overlap`), or an index tensor lies in the storage
             of a buffer of the dst table (the copy would overwrite its own indices).
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
             ``max_ctas``, ``backend`` or ``validate_indices``; ``backend="staged"`` or
@@ -441,7 +442,7 @@ def transfer_kv_all_layer(
         RuntimeCallError: the launch failed.
 
     While the copy can run (the CPU call; on CUDA until the stream reaches it) the
-    registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.leases`).
+    registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.registration.leases`).
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
     num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0

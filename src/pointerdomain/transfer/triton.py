@@ -21,7 +21,7 @@ In the kernel, an entry becomes a pointer with a cast (Triton: int -> pointer)::
         tl.store(dst + offs, tl.load(base + offs))
 
 Importing this module does not import Triton; :func:`launch` does. The checks are
-plain Python (:mod:`pointerdomain.kernel_args`) and run without Triton or a GPU.
+plain Python (:mod:`pointerdomain.transfer.kernel_args`) and run without Triton or a GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain.kernel_args import kernel_table_tensor
+from pointerdomain.transfer.kernel_args import kernel_table_tensor
 
 __all__ = ["TritonUnavailableError", "kernel_table_arg", "launch", "launch_args"]
 

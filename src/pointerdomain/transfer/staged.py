@@ -48,12 +48,12 @@ from typing import Any, Final
 import torch
 
 from pointerdomain._platform import backend_for
-from pointerdomain.allocation import device_empty, memory_device
+from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import InvalidArgumentError, LayoutError, PointerDomainError
-from pointerdomain.plan import TransferPlan
-from pointerdomain.tables import PointerTable
+from pointerdomain.transfer.plan import TransferPlan
+from pointerdomain.registration.tables import PointerTable
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",

@@ -26,11 +26,11 @@ import pydantic
 import torch
 
 from pointerdomain._platform import backend_for
-from pointerdomain.cli import EXIT_FAILURE, EXIT_OK, UsageError, parse_device
+from pointerdomain.tools.cli import EXIT_FAILURE, EXIT_OK, UsageError, parse_device
 from pointerdomain.devices import Device
 from pointerdomain.layouts import DType, KVLayout, LayoutKind
-from pointerdomain.pools import DeviceKVPool, HostKVPool
-from pointerdomain.resolve import alias_policy
+from pointerdomain.transfer.pools import DeviceKVPool, HostKVPool
+from pointerdomain.registration.resolve import alias_policy
 
 __all__ = ["Estimate", "add_arguments", "estimate", "run"]
 

@@ -18,7 +18,7 @@ What it checks, for the ``src`` and the ``dst`` table:
 2. **Every entry is looked up**, for each table, in
 
    * the registrations the table holds: each must still be open and in
-     :mod:`pointerdomain.memory`'s registry (``find_registration``), and each of
+     :mod:`pointerdomain.registration.memory`'s registry (``find_registration``), and each of
      its chunks is taken in **device-alias space**: the alias of the chunk is asked
      of the backend again at every launch (``emu_get_device_pointer`` /
      ``cudaHostGetDevicePointer``; the host VA itself under the host-pointer
@@ -96,13 +96,13 @@ from pointerdomain.errors import (
     RegistrationSpanError,
 )
 from pointerdomain.errors import with_address
-from pointerdomain.memory import RegisteredHostMemory, find_registration, open_registrations
-from pointerdomain.resolve import AliasPolicy, cached_policy
+from pointerdomain.registration.memory import RegisteredHostMemory, find_registration, open_registrations
+from pointerdomain.registration.resolve import AliasPolicy, cached_policy
 
 if TYPE_CHECKING:
     from pointerdomain.layouts import Geometry, KVLayout
-    from pointerdomain.plan import TransferPlan
-    from pointerdomain.tables import PointerTable
+    from pointerdomain.transfer.plan import TransferPlan
+    from pointerdomain.registration.tables import PointerTable
 
 __all__ = ["checked_mode", "enabled", "set_enabled", "verify_launch"]
 
@@ -279,7 +279,7 @@ class _Regions:
                     f"hold (it can be closed under the launch); expected: {want} of memory the table holds. "
                     f"Fix: {_FIX_BUILD}"
                 )
-        owner = find_registration(HostVA(value))
+        owner = find_registration(HostVA.unsafe_from_int(value))
         if owner is not None and owner.device.type != self.device.type:
             return DeviceMismatchError(
                 f"{head}, found: host memory registered for {owner.device} (at {owner.host_va!r}, +{owner.nbytes} "
@@ -350,7 +350,7 @@ def _device_region(t: torch.Tensor, lo: int, nbytes: int, device: Device) -> _Re
         return _Region(lo, lo + nbytes, "device", where)
     if t.device.type != "cpu":
         return None
-    if find_registration(HostVA(lo)) is None and backend_for(device).pointer_is_host(lo):
+    if find_registration(HostVA.unsafe_from_int(lo)) is None and backend_for(device).pointer_is_host(lo):
         alias = _alias_lookup(device)(lo)
         if alias is not None:
             return _Region(alias, alias + nbytes, "pinned", device)

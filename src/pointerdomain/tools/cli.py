@@ -40,9 +40,9 @@ class Command(NamedTuple):
 
 COMMANDS: tuple[Command, ...] = (
     Command("doctor", "platform matrix per device: attributes, NUMA, ladder rungs, self-test (--json for bug reports)",
-            "pointerdomain.doctor"),
-    Command("demo", "back up random KV pages to registered host memory, clobber, load, verify", "pointerdomain.demo"),
-    Command("whatis", "what an address is: registration, alias, device memory, memory-map line", "pointerdomain.whatis"),
+            "pointerdomain.tools.doctor"),
+    Command("demo", "back up random KV pages to registered host memory, clobber, load, verify", "pointerdomain.tools.demo"),
+    Command("whatis", "what an address is: registration, alias, device memory, memory-map line", "pointerdomain.tools.whatis"),
     Command("audit", "find raw integer addresses (PD rules); CI gate (docs/audit.md)", "pointerdomain.audit.cli",
             extra="audit"),
 )
@@ -131,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m pointerdomain.cli`: run the imported module's main, so the subcommands'
+    # `python -m pointerdomain.tools.cli`: run the imported module's main, so the subcommands'
     # UsageError is the class main catches (this file runs as __main__, a second copy).
-    from pointerdomain.cli import main as _main
+    from pointerdomain.tools.cli import main as _main
 
     raise SystemExit(_main())

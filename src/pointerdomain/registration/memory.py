@@ -32,7 +32,7 @@ from pointerdomain._platform.status import ALREADY_REGISTERED, registration_erro
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
+from pointerdomain.registration.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     BusyError,
@@ -45,7 +45,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
-from pointerdomain.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
+from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -136,7 +136,7 @@ def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | Non
     if type(va) is not HostVA:
         raise DomainError(
             f"va: found a {type(va).__name__} ({va!r:.40}), expected a HostVA: registrations are found by host "
-            "address. Fix: pass pointerdomain.HostVA(tensor.data_ptr()) for host memory"
+            "address. Fix: pass pointerdomain.HostVA.unsafe_from_int(tensor.data_ptr()) for host memory"
         )
     if type(nbytes) is not int or nbytes < 0:
         raise InvalidArgumentError(f"nbytes: found {nbytes!r}, expected an int >= 0. Fix: pass the range's size in bytes")
@@ -238,7 +238,7 @@ class RegisteredHostMemory(ProcessLocal):
         nbytes: length in bytes.
         device: the device the registration was made for.
         chunks: the registration calls, in address order.
-        rung: how it was registered (:class:`pointerdomain.ladder.Rung`: single, chunked,
+        rung: how it was registered (:class:`pointerdomain.registration.ladder.Rung`: single, chunked,
             pinned_copy, unpinned, foreign).
         ladder_record: why each rung above ``rung`` failed (empty when none did).
         owner: ``"pointerdomain"``, or ``"foreign"`` (another owner registered the range;
@@ -248,11 +248,11 @@ class RegisteredHostMemory(ProcessLocal):
         numa_node: NUMA node of the first page (None if unknown).
 
         alias_devices: the devices aliases were asked for (``device`` first).
-        leases: the launches using it now (:class:`pointerdomain.leases.LeaseSet`).
+        leases: the launches using it now (:class:`pointerdomain.registration.leases.LeaseSet`).
 
     Use as a context manager or call :meth:`close`; closing twice is a no-op.
     Tables built on this memory keep it alive and refuse to launch once it is closed;
-    :meth:`close` waits for launches that use it (see :mod:`pointerdomain.leases`).
+    :meth:`close` waits for launches that use it (see :mod:`pointerdomain.registration.leases`).
     """
 
     def __init__(
@@ -274,11 +274,11 @@ class RegisteredHostMemory(ProcessLocal):
             other = _registry.overlapping(tensor.data_ptr(), nbytes)
             if other is not None:
                 raise AlreadyRegisteredError(
-                    f"[{HostVA(tensor.data_ptr())!r}, +{nbytes}) overlaps a registration at {other.host_va!r} "
-                    f"(+{other.nbytes} bytes); close that one first or reuse it"
+                    f"[{HostVA.unsafe_from_int(tensor.data_ptr())!r}, +{nbytes}) overlaps a registration at "
+                    f"{other.host_va!r} (+{other.nbytes} bytes); close that one first or reuse it"
                 )
             self.tensor: torch.Tensor = tensor
-            self.host_va: HostVA = HostVA(tensor.data_ptr())
+            self.host_va: HostVA = HostVA.unsafe_from_int(tensor.data_ptr())
             self.nbytes: int = nbytes
             record: list[str] = []
             rung, chunks, self._registered = self._climb(
@@ -308,7 +308,7 @@ class RegisteredHostMemory(ProcessLocal):
         self, backend: Backend, registered: torch.Tensor | None, granularity: int, max_chunk_bytes: int,
         policy: RegistrationPolicy, library_owned: bool, record: list[str],
     ) -> tuple[Rung, tuple[Chunk, ...], torch.Tensor | None]:
-        """Register down the ladder (pointerdomain.ladder); called with the registry lock held."""
+        """Register down the ladder (pointerdomain.registration.ladder); called with the registry lock held."""
         base = self.host_va.value if registered is None else registered.data_ptr()
         reg_va = None if registered is None else base
         if backend.pointer_is_host(base) and backend.pointer_is_host(base + self.nbytes - 1):
@@ -341,7 +341,7 @@ class RegisteredHostMemory(ProcessLocal):
             if status == 0 and pinned is not None:
                 pinned.copy_(self.tensor)
                 self.tensor = pinned[: self.nbytes]
-                self.host_va = HostVA(pinned.data_ptr())
+                self.host_va = HostVA.unsafe_from_int(pinned.data_ptr())
                 self._degraded(record, Rung.PINNED_COPY, "pinned_copy")
                 return Rung.PINNED_COPY, (Chunk(self.host_va, self.nbytes, owned=False),), None
             record.append(f"pinned_copy: the runtime's pinned allocation failed: {backend.describe(status)} "
@@ -529,7 +529,7 @@ def register_host_tensor(
     any overlap is :class:`AlreadyRegisteredError`. The ladder's ``pinned_copy`` rung is
     never used here (the caller's memory cannot be replaced). In strict alias mode the
     caller's memory cannot be mapped twice in place: it is registered as usual and the
-    registration records ``strict=False`` (pointerdomain.strict).
+    registration records ``strict=False`` (pointerdomain.registration.strict).
 
     Raises:
         DomainError: ``tensor`` is not in CPU memory (a CUDA tensor, or emulated device memory).
