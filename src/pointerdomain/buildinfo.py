@@ -54,12 +54,16 @@ class BuildFacts:
         ``CPU kernels only``."""
         if self.gpu == "none":
             return "CPU kernels only"
-        name = "CUDA" if self.gpu == "cuda" else "HIP"
+        name = _RUNTIME_TITLE[self.gpu]
         return f"{name} {self.runtime_version} ops for {';'.join(self.archs)} ({self.runtime_link} runtime)"
 
     def commit_text(self) -> str:
         """The commit's first 12 digits (``+dirty`` when built from a modified tree)."""
         return self.commit[:12] + ("+dirty" if self.dirty else "")
+
+
+#: how each GPU back-end of the build names its runtime (the ``gpu`` fact: cuda or hip)
+_RUNTIME_TITLE: dict[str, str] = {"cuda": "CUDA", "hip": "HIP"}
 
 
 def _major(text: str | None) -> int | None:
@@ -144,7 +148,7 @@ def check_torch_runtime(facts: BuildFacts, torch_cuda: str | None, torch_hip: st
     if facts.gpu == "none" or (torch_cuda is None and torch_hip is None):
         return
     from pointerdomain.errors import GpuRuntimeMismatchError  # pydantic: not for `import pointerdomain`
-    built = "CUDA" if facts.gpu == "cuda" else "HIP"
+    built = _RUNTIME_TITLE[facts.gpu]
     torch_name, torch_version = ("HIP", torch_hip) if torch_hip is not None else ("CUDA", torch_cuda)
     major = facts.runtime_major
     if torch_name == built and (major is None or _major(torch_version) == major):
