@@ -40,12 +40,13 @@ def expected(path: Path) -> Counter[tuple[int, str]]:
 
 
 def found(path: Path, config: AuditConfig | None = None) -> Counter[tuple[int, str]]:
-    config = config or AuditConfig(root=CASES, kernel_ops=KERNEL_OPS)
+    # every rule, the opt-in PD103 included
+    config = config or AuditConfig(root=CASES, kernel_ops=KERNEL_OPS, select=("PD", "PD103"))
     findings, _ = audit_file(path, config)
     return Counter((f.line, f.code) for f in findings)
 
 
-@pytest.mark.parametrize("case", sorted(p.name for p in CASES.iterdir() if p.suffix in (".py", ".cu")))
+@pytest.mark.parametrize("case", sorted(p.name for p in CASES.iterdir() if p.suffix in (".py", ".cu", ".cpp")))
 def test_rule_cases(case: str) -> None:
     path = CASES / case
     want = expected(path)
@@ -105,7 +106,7 @@ def test_cpp_suppression(tmp_path: Path) -> None:
     f = tmp_path / "k.cu"
     f.write_text("struct D {\n  uintptr_t a;  // pointerdomain: ignore[PD103] host VA for the engine, by contract\n"
                  "  uintptr_t b;  // pointerdomain: ignore[PD103]\n};\n")
-    findings, suppressed = audit_file(f, AuditConfig(root=tmp_path))
+    findings, suppressed = audit_file(f, AuditConfig(root=tmp_path, select=("PD", "PD103")))
     assert suppressed == 1
     assert Counter((x.line, x.code) for x in findings) == Counter({(3, "PD103"): 1, (3, "PD900"): 1})
 

@@ -49,8 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fix-style", choices=["table", "tensor"], default="table",
                         help="table: a typed PointerTable (default); tensor: ...as_uint64_tensor(), a drop-in tensor")
     parser.add_argument("--jobs", "-j", type=int, default=0, help="worker processes (default: config, else CPUs)")
-    parser.add_argument("--progress", choices=["auto", "bar", "none"], default="auto",
-                        help="progress bar on stderr (auto: only when stderr is a terminal)")
+    parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
+                        help="progress on stderr (auto: a bar on a terminal, else a line per 500 files)")
+    parser.add_argument("--max-file-kb", type=int, help="skip (and report) files larger than this (default: "
+                        "config max_file_kb, else 1024)")
+    parser.add_argument("--file-timeout", type=float, help="seconds per file before it is skipped and reported "
+                        "(default: config file_timeout, else 60)")
     parser.add_argument("--list-rules", action="store_true", help="print the rule catalogue and exit")
 
 
@@ -68,12 +72,16 @@ def _config(args: argparse.Namespace) -> AuditConfig:
         update["select"] = _codes(args.select)
     if args.ignore is not None:
         update["ignore"] = config.ignore + _codes(args.ignore)
+    if getattr(args, "max_file_kb", None) is not None:
+        update["max_file_kb"] = args.max_file_kb
+    if getattr(args, "file_timeout", None) is not None:
+        update["file_timeout"] = float(args.file_timeout)
     if update:
         try:
             config = AuditConfig.model_validate(config.model_dump() | update | {"root": config.root,
                                                                                   "source": config.source})
         except ValueError as exc:
-            raise ConfigError(f"--select/--ignore: {exc}") from None
+            raise ConfigError(f"--select/--ignore/--max-file-kb/--file-timeout: {exc}") from None
     return config
 
 
@@ -136,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pointerdomain audit: wrote {len(result.findings)} finding(s) to {args.write_baseline}", file=sys.stderr)
         return EXIT_CLEAN
     summary = Summary(result.files, len(result.new), len(result.baselined), result.suppressed, result.stale,
-                      result.seconds)
-    report = render(cast(Format, args.format), result.new, summary, _VERSION)
+                      result.seconds, len(result.skipped))
+    report = render(cast(Format, args.format), result.new, summary, _VERSION, result.per_file)
     if args.output is not None:
         args.output.write_text(report, encoding="utf-8")
         print(summary.line(), file=sys.stderr)

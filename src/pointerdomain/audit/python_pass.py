@@ -24,7 +24,8 @@ from collections.abc import Iterable, Sequence
 
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
-from libcst.metadata import Assignment, CodeRange, MetadataWrapper, PositionProvider, Scope, ScopeProvider
+from libcst.metadata import (Assignment, CodeRange, MetadataWrapper, PositionProvider, QualifiedNameSource, Scope,
+                             ScopeProvider)
 
 from pointerdomain.audit.rules import RULES, Finding
 
@@ -33,7 +34,7 @@ __all__ = ["PythonRules", "audit_python_source", "slice_source", "trigger_words"
 _BASE_TRIGGERS = (
     "data_ptr", "HostRegister", "HostUnregister", "hostRegister", "register_memory", "register_buffer",
     "deregister_memory", "transfer_sync", "transfer_submit", "transfer_async", "transfer_read_on", "transfer_write_on",
-    "xfer_desc", "reg_desc", "xfer_dlist", "pointer_type", "c_void_p", "addressof",
+    "xfer_desc", "reg_desc", "xfer_dlist", "pointer_type", "c_void_p", "addressof", "ctypes.data",
     # constructors of transfer-engine objects, so `self.engine = TransferEngine()` is analysed
     "TransferEngine", "nixl_agent", "MooncakeDistributedStore",
 )
@@ -68,10 +69,30 @@ _POINTERDOMAIN_TABLE_CALLS = frozenset({
     "pointerdomain.tables.make_kernel_ptr_table", "pointerdomain.tables.host_ptr_table",
 })
 _TABLE_ATTRS = frozenset({"kernel_table", "host_table", "table"})
-_HANDLE_WORDS = re.compile(r"(?i)stream|handle|event|module|func|ctx|context|comm|graph")
-_GPU_ENTRY = re.compile(r"^(cuda[A-Z]|cu[A-Z]|hip[A-Z])")
+_HANDLE_WORDS = re.compile(r"(?i)stream|handle|event|module|func|ctx|context|comm|graph|reqh|backend|mvh|_side\b|"
+                           r"agent|\bfd\b|library|lib\b")
+_GPU_ENTRY = re.compile(r"^(cuda[A-Z]|cu[A-Z]|hip[A-Z]|nccl[A-Z]|hccl[A-Z]|Hccl[A-Z]|acl[a-z]*[A-Z]|rccl[A-Z])")
+# PD008: callables that take an int for what it is (formatting, containers, logging, checks), and
+# the one-argument ctypes/handle wrappers whose result is checked at the call that receives it.
+_NOT_NATIVE = frozenset({
+    "int", "hex", "str", "repr", "format", "print", "hash", "id", "len", "min", "max", "abs", "divmod", "sorted",
+    "set", "list", "tuple", "dict", "frozenset", "isinstance", "append", "extend", "insert", "add", "get", "pop",
+    "setdefault", "index", "count", "remove", "discard", "update", "join", "debug", "info", "warning", "warn",
+    "error", "exception", "critical", "write", "range", "enumerate", "zip", "map", "filter", "any", "all",
+    "round", "bool", "float", "super", "append_left", "appendleft", "add_note", "fail", "skipTest", "__init__",
+    "tensor", "as_tensor", "asarray", "array", "fromiter", "Tensor", "LongTensor", "full", "empty", "zeros",
+    "data_ptr", "item", "to_bytes", "from_bytes", "pack", "pack_into", "dumps", "setattr", "getattr", "type",
+    "itemgetter", "sum", "next", "iter", "reversed", "hasattr", "callable", "bin", "oct", "chr", "ord",
+})
+_NOT_NATIVE_RECEIVERS = frozenset({"logger", "logging", "log", "LOG", "LOGGER", "_logger", "math", "os", "sys"})
+_WRAPPERS = frozenset({"c_void_p", "c_uint64", "c_int64", "c_size_t", "c_ulonglong", "c_longlong", "buffer_type",
+                       "c_char_p", "cast", "POINTER", "pointer"})
+# Python-level APIs that take an int as an int (PD008 looks for native code that dereferences it).
+_PY_ROOTS = frozenset({"torch", "numpy", "builtins", "math", "os", "sys", "struct", "pickle", "json", "logging",
+                       "itertools", "functools", "operator", "collections", "typing", "warnings", "time",
+                       "pytest", "unittest", "ctypes", "dataclasses", "weakref", "threading", "multiprocessing"})
 _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
-_MAX_DEPTH = 6
+_MAX_DEPTH = 16
 
 
 def _is_triton_jit(qualname: str) -> bool:
@@ -131,6 +152,15 @@ def _names(node: ast.AST) -> tuple[set[str], set[str]]:
     return stores, loads
 
 
+_DSL_KERNEL = re.compile(r"\bcute\b.*\bkernel\b")
+
+
+def _device_dsl_kernel(node: ast.stmt) -> bool:
+    """A CuTe DSL device function (``@cute.kernel``, ``@cute.experimental.kernel``): its
+    ``x.data_ptr()`` is a typed shared-memory pointer of the DSL, not an integer."""
+    return any(_DSL_KERNEL.search(ast.unparse(d)) for d in getattr(node, "decorator_list", []))
+
+
 def slice_source(source: str, triggers: Sequence[str]) -> str:
     """``source`` with the code no rule can report on blanked out, line for line, so every
     kept line and column is the original's.
@@ -162,8 +192,20 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
         body = fn.body
         if body[0].lineno == fn.lineno:
             return  # a one-line def: keep as is
-        info = [(st, _has_trigger(segment(st), triggers), *_names(st)) for st in body]
+        # A nested def or class is its own scope: sliced on its own when it holds a trigger,
+        # dropped otherwise, and outside this body's data flow (a factory function holding
+        # a whole module of classes was analysed whole: 2,700 lines kept for one data_ptr()).
+        nested = [isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for st in body]
+        info = [(st, not inner and _has_trigger(segment(st), triggers), *(_names(st) if not inner else (set(), set())))
+                for st, inner in zip(body, nested)]
         kept = [seed for _, seed, _, _ in info]
+        for i, st in enumerate(body):
+            if nested[i] and _has_trigger(segment(st), triggers) and not _device_dsl_kernel(st):
+                kept[i] = True
+                if isinstance(st, ast.ClassDef):
+                    visit_body(st.body, False)
+                else:
+                    visit_function(st)
         tainted: set[str] = set()
         needed: set[str] = set()
         for (_, seed, stores, loads) in info:
@@ -174,7 +216,7 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
         while changed:
             changed = False
             for i, (_, _, stores, loads) in enumerate(info):
-                if not kept[i] and (loads & tainted or stores & needed):
+                if not kept[i] and not nested[i] and (loads & tainted or stores & needed):
                     kept[i] = changed = True
                     tainted |= stores
                     needed |= loads
@@ -185,7 +227,9 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
     def visit_body(body: Sequence[ast.stmt], module_level: bool) -> None:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if _has_trigger(segment(node), triggers):
+                if _device_dsl_kernel(node):
+                    drop.append(node)
+                elif _has_trigger(segment(node), triggers):
                     visit_function(node)
                 else:
                     drop.append(node)
@@ -232,6 +276,10 @@ class _Collector(cst.CSTVisitor):
     """First pass: the value bound by each ``name = value`` / ``self.x = value``."""
 
     def __init__(self) -> None:
+        # (receiver, element) for `x.append(v)`, `x.insert(i, v)`, `x.add(v)`, `x[k] = v`;
+        # (receiver, collection) for `x.extend(v)`: a container filled after it was bound empty
+        self.stores: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []
+        self.extends: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []
         self.values: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> value
         self.annotations: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> annotation
         self.attrs: dict[str, list[cst.BaseExpression]] = {}  # "self.x" -> values
@@ -255,16 +303,47 @@ class _Collector(cst.CSTVisitor):
             if len(target.elements) == len(value.elements):
                 for t, v in zip(target.elements, value.elements):
                     self._bind(t.value, v.value)
+        elif isinstance(target, (cst.Tuple, cst.List)) and value is not None:
+            # `addrs, lens = zip(*pairs)`: each name is a column of `pairs`; `a, n = pair`: an element
+            column = value
+            if isinstance(value, cst.Call) and _call_name(value) == "zip" and len(value.args) == 1 \
+                    and value.args[0].star == "*":
+                column = cst.List([cst.Element(_element_of(value.args[0].value))])
+                for t in target.elements:
+                    self._bind(t.value, column)
+                return
+            for t in target.elements:
+                self._bind(t.value, _element_of(column))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
             self._bind(t.target, node.value)
+            if isinstance(t.target, cst.Subscript):
+                self.stores.append((t.target.value, node.value))
+
+    def visit_For(self, node: cst.For) -> None:
+        # `for t in X`: t is an element of X; `for a, n in X`: each name an element of an element
+        self._bind(node.target, _element_of(node.iter))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Attribute) and node.args:
+            method = node.func.attr.value
+            if method in ("append", "add", "insert", "appendleft"):
+                self.stores.append((node.func.value, node.args[-1].value))
+            elif method == "extend":
+                self.extends.append((node.func.value, node.args[-1].value))
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         self._bind(node.target, node.value, node.annotation.annotation)
 
     def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
         self._bind(node.target, node.value)
+
+
+def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """A stand-in expression for one element of ``expr`` (``expr[0]``): the rules read an
+    element of an address collection as an address."""
+    return cst.Subscript(expr, [cst.SubscriptElement(cst.Index(cst.Integer("0")))])
 
 
 def _call_name(node: cst.Call) -> str | None:
@@ -303,6 +382,13 @@ class _Auditor(cst.CSTVisitor):
         self._covered: set[int] = set()  # nodes already reported as part of another finding
         self._device_chain: dict[int, cst.Call] = {}  # id(inner table call) -> `.to(dev)` / `.cuda()` call
         self._triton_depth = 0
+        self._fill_index: dict[tuple[int, str], tuple[list[cst.BaseExpression], list[cst.BaseExpression]]] | None \
+            = None
+        self._assert_depth = 0
+        self._memo: dict[tuple[int, int], bool] = {}
+        # the functions and methods of the file (from the unsliced text: a helper without a
+        # trigger word is blanked before parsing)
+        self.defined = set(re.findall(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", "\n".join(lines), re.M))
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -363,11 +449,38 @@ class _Auditor(cst.CSTVisitor):
         return []
 
     def is_address(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        # Memoised per node: names bound in loops and containers filled in many places made the
+        # plain recursion exponential (30 s on one 2,800-line file). A node met again while
+        # it is being decided (x = x + off) counts as no address on that path.
+        key = (id(expr), 0)
+        memo = self._memo.get(key)
+        if memo is None:
+            self._memo[key] = False
+            memo = self._memo[key] = self._is_address(expr, depth)
+        return memo
+
+    def is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        """A list/tuple/set/dict/comprehension of addresses (or of tuples holding one),
+        ``list(...)``/``zip(...)``/``d.values()`` of one, an element of a collection of
+        tuples, a name/attribute bound to one or filled with addresses after it was bound."""
+        key = (id(expr), 1)
+        memo = self._memo.get(key)
+        if memo is None:
+            self._memo[key] = False
+            memo = self._memo[key] = self._is_address_collection(expr, depth)
+        return memo
+
+    def _is_address(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         """An int that is a raw address: ``x.data_ptr()``, ``ctypes.addressof(x)``,
         arithmetic on one, ``int(...)`` of one, an element of an address collection, or a
         name/attribute bound to one."""
         if depth > _MAX_DEPTH:
             return False
+        if isinstance(expr, cst.Attribute) and expr.attr.value == "data" and isinstance(expr.value, cst.Attribute) \
+                and expr.value.attr.value == "ctypes":
+            return True  # numpy `a.ctypes.data`
+        if isinstance(expr, cst.IfExp):
+            return self.is_address(expr.body, depth + 1) or self.is_address(expr.orelse, depth + 1)
         if isinstance(expr, cst.Call):
             name = _call_name(expr)
             if name == "data_ptr":
@@ -380,6 +493,8 @@ class _Auditor(cst.CSTVisitor):
                 return False
             return False
         if isinstance(expr, cst.BinaryOperation):
+            if isinstance(expr.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
+                return False  # an offset in a page, an alignment, a count: no longer an address
             return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
         if isinstance(expr, cst.Subscript):
             return self.is_address_collection(expr.value, depth + 1)
@@ -406,20 +521,53 @@ class _Auditor(cst.CSTVisitor):
             return any(self.is_address(e.value, depth + 1) for e in expr.elements)
         return False
 
-    def is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
-        """A list/tuple/set/dict/comprehension of addresses (or of tuples holding one),
-        ``list(...)``/``tuple(...)`` of one, or a name/attribute bound to one."""
+    def _is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         if depth > _MAX_DEPTH:
             return False
         if isinstance(expr, _COLLECTIONS):
             return any(self._holds_address(e, depth + 1) for e in self._element_exprs(expr))
-        if isinstance(expr, cst.Call) and _call_name(expr) in ("list", "tuple", "sorted") and expr.args:
-            return self.is_address_collection(expr.args[0].value, depth + 1)
+        if isinstance(expr, cst.Call):
+            name = _call_name(expr)
+            if name in ("list", "tuple", "sorted", "reversed", "set", "zip", "enumerate") and expr.args:
+                return any(self.is_address_collection(a.value, depth + 1) for a in expr.args)
+            if name in ("values", "items") and isinstance(expr.func, cst.Attribute):
+                return self.is_address_collection(expr.func.value, depth + 1)
+            return False
+        if isinstance(expr, cst.Subscript):
+            # an element of a collection of (addr, len) tuples, or a slice of an address list
+            return self.is_address_collection(expr.value, depth + 1)
         if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
             return self.is_address_collection(expr.left, depth + 1) or self.is_address_collection(expr.right, depth + 1)
         if isinstance(expr, (cst.Name, cst.Attribute)):
-            return any(self.is_address_collection(v, depth + 1) for v in self._values_of(expr))
+            if any(self.is_address_collection(v, depth + 1) for v in self._values_of(expr)):
+                return True
+            filled, extended = self._filled(expr)
+            return any(self._holds_address(v, depth + 1) for v in filled) or \
+                any(self.is_address_collection(v, depth + 1) for v in extended)
         return False
+
+    def _filled(self, expr: cst.Name | cst.Attribute) -> tuple[list[cst.BaseExpression], list[cst.BaseExpression]]:
+        """What was put into the container ``expr`` after it was bound (``.append``, ``[k] =``,
+        ``.extend``): elements and collections. A name counts in its own scope only."""
+        if self._fill_index is None:
+            index: dict[tuple[int, str], tuple[list[cst.BaseExpression], list[cst.BaseExpression]]] = {}
+            for i, pairs in enumerate((self.c.stores, self.c.extends)):
+                for recv, value in pairs:
+                    key = self._fill_key(recv)
+                    if key is not None:
+                        index.setdefault(key, ([], []))[i].append(value)
+            self._fill_index = index
+        key = self._fill_key(expr)
+        return self._fill_index.get(key, ([], [])) if key is not None else ([], [])
+
+    def _fill_key(self, expr: cst.BaseExpression) -> tuple[int, str] | None:
+        if isinstance(expr, cst.Name):
+            scope = self.get_metadata(ScopeProvider, expr, None)
+            return (id(scope), expr.value) if scope is not None else None
+        if isinstance(expr, cst.Attribute):
+            name = get_full_name_for_node(expr)
+            return (0, name) if name else None
+        return None
 
     def _is_int_descriptor_list(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         """NIXL's ``[(addr, len, dev_id, meta), ...]``: a list of tuples (or a name bound to one)."""
@@ -485,10 +633,25 @@ class _Auditor(cst.CSTVisitor):
 
     # -- rules --------------------------------------------------------------------------
 
+    def _method_alias(self, node: cst.Call) -> cst.Attribute | None:
+        """``engine.register_memory`` for ``reg(...)`` after ``reg = engine.register_memory``."""
+        if isinstance(node.func, cst.Name):
+            for v in self._bound_values(node.func):
+                if isinstance(v, cst.Attribute) and v.attr.value in _ENGINE_REGISTER_METHODS | _MOONCAKE_TRANSFERS \
+                        | _NIXL_DESC_METHODS:
+                    return v
+        return None
+
     def visit_Call(self, node: cst.Call) -> None:
         name = _call_name(node)
         if name is None:
             return
+        if name.startswith("assert"):
+            self._assert_depth += 1  # `self.assertEqual(a.data_ptr() + n, b.data_ptr())`: a test's check
+        func: cst.BaseExpression = node.func
+        alias = self._method_alias(node)
+        if alias is not None:
+            func, name = alias, alias.attr.value
         # `.to(device)` / `.cuda()` after a table build: remember the target for PD001's fix.
         if name in ("to", "cuda") and isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call):
             self._device_chain[id(node.func.value)] = node
@@ -496,16 +659,136 @@ class _Auditor(cst.CSTVisitor):
             self._check_table(node)
         if name in _REGISTER_FUNCS or name in ("hostRegister", "hostUnregister"):
             self._check_runtime_registration(node, name)
-        elif name in _ENGINE_REGISTER_METHODS and isinstance(node.func, cst.Attribute):
-            self._check_engine_registration(node, name)
-        if (name in _MOONCAKE_TRANSFERS or name in _NIXL_DESC_METHODS) and isinstance(node.func, cst.Attribute):
-            self._check_transfer(node, name)
+        elif name in _ENGINE_REGISTER_METHODS and isinstance(func, cst.Attribute):
+            self._check_engine_registration(node, name, func.value)
+        if (name in _MOONCAKE_TRANSFERS or name in _NIXL_DESC_METHODS) and isinstance(func, cst.Attribute):
+            self._check_transfer(node, name, func.value)
         if _GPU_ENTRY.match(name):
             self._check_c_void_p(node, name)
         if self.rules.kernel_ops:
             self._check_kernel_op(node)
         if self._triton_depth and name in ("to", "cast"):
             self._check_triton_cast(node, name)
+        if "PD008" in self.rules.enabled:
+            self._check_address_argument(node, name)
+
+    def leave_Call(self, original_node: cst.Call) -> None:
+        name = _call_name(original_node)
+        if name is not None and name.startswith("assert"):
+            self._assert_depth -= 1
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        self._assert_depth += 1
+
+    def leave_Assert(self, original_node: cst.Assert) -> None:
+        self._assert_depth -= 1
+
+    def visit_Return(self, node: cst.Return) -> None:
+        # `return ctypes.c_void_p(t.data_ptr())`: the address leaves the function untyped
+        if node.value is not None and id(node.value) not in self._covered and self._wraps_address(node.value):
+            self._report(node.value, "PD008", "a data_ptr() address is returned as a ctypes pointer: the caller "
+                         "cannot tell its domain", self._domain_fix(node.value))
+            self._cover_subtree(node.value)
+
+    def _wraps_address(self, expr: cst.BaseExpression) -> bool:
+        return isinstance(expr, cst.Call) and _call_name(expr) in _WRAPPERS and len(expr.args) == 1 \
+            and self.is_address(expr.args[0].value)
+
+    def _carries_address(self, expr: cst.BaseExpression) -> bool:
+        """An argument that is an address, a ctypes/handle wrapper of one, or a tuple/list
+        holding one (``(addr, nbytes)`` sent to a peer)."""
+        if self.is_address(expr):
+            return True
+        if isinstance(expr, cst.Call) and len(expr.args) == 1 and _call_name(expr) not in _NOT_NATIVE:
+            return self.is_address(expr.args[0].value)
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            return any(self.is_address(e.value) for e in expr.elements)
+        return False
+
+    def _check_address_argument(self, node: cst.Call, name: str) -> None:
+        if name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or _call_name(node) in _WRAPPERS \
+                or id(node) in self._covered:
+            return
+        if isinstance(node.func, cst.Attribute):
+            recv = get_full_name_for_node(node.func.value) or ""
+            if recv.rsplit(".", 1)[-1] in _NOT_NATIVE_RECEIVERS or (recv in ("self", "cls") and name in self.defined):
+                return  # logging, or a Python helper of this file (its own calls are checked)
+        elif isinstance(node.func, cst.Name):
+            if not self._imported(node.func):
+                return  # a local function or a parameter: Python code, followed where it is defined
+        args = [a.value for a in node.args if id(a.value) not in self._covered]
+        hits = [a for a in args if self._carries_address(a)]
+        if not hits:
+            return
+        qns = self._qualnames(node.func)
+        if any(q.split(".", 1)[0] in _PY_ROOTS and not q.startswith("torch.ops.") for q in qns):
+            return  # torch / numpy / stdlib Python APIs (torch.tensor is PD001's)
+        self._report(node, "PD008", f"data_ptr() address passed as an int to {name}(): the callee cannot tell a "
+                     "host VA from a device address", self._domain_fix(hits[0]))
+        self._cover_subtree(node)
+
+    def _imported(self, name: cst.Name) -> bool:
+        scope = self.get_metadata(ScopeProvider, name, None)
+        if scope is None:
+            return False
+        try:
+            return any(q.source == QualifiedNameSource.IMPORT for q in scope.get_qualified_names_for(name))
+        except Exception:
+            return False
+
+    def _tensor_of(self, expr: cst.BaseExpression, depth: int = 0) -> cst.BaseExpression | None:
+        """The tensor whose ``data_ptr()`` ``expr`` is (through names and wrappers), or None."""
+        if depth > _MAX_DEPTH:
+            return None
+        if isinstance(expr, cst.Call):
+            if _call_name(expr) == "data_ptr" and isinstance(expr.func, cst.Attribute):
+                return expr.func.value
+            for a in expr.args:
+                t = self._tensor_of(a.value, depth + 1)
+                if t is not None:
+                    return t
+            return None
+        if isinstance(expr, cst.BinaryOperation):
+            return self._tensor_of(expr.left, depth + 1) or self._tensor_of(expr.right, depth + 1)
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            for e in expr.elements:
+                t = self._tensor_of(e.value, depth + 1)
+                if t is not None:
+                    return t
+            return None
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            for v in self._values_of(expr):
+                t = self._tensor_of(v, depth + 1)
+                if t is not None:
+                    return t
+        return None
+
+    def memory_domain(self, expr: cst.BaseExpression) -> str | None:
+        """"device" / "host" for the memory behind the address ``expr``, from how its tensor
+        was made (``device="cuda"``, ``.cuda()``, ``pin_memory``, ``device="cpu"``), else None."""
+        tensor = self._tensor_of(expr)
+        if tensor is None:
+            return None
+        texts = [cst.Module([]).code_for_node(v) for v in [tensor, *self._values_of(tensor)]] \
+            if isinstance(tensor, (cst.Name, cst.Attribute)) else [cst.Module([]).code_for_node(tensor)]
+        text = " ".join(texts)
+        if re.search(r"pin_memory|[\"']cpu[\"']|\.cpu\(\)|numpy|mmap|ctypes", text):
+            return "host"
+        if re.search(r"cuda|[\"'](?:npu|xpu|hip|musa)|\.npu\(|device\s*=", text):
+            return "device"
+        return None
+
+    def _domain_fix(self, expr: cst.BaseExpression) -> str:
+        domain = self.memory_domain(expr)
+        if domain == "device":
+            return ("device memory: its address is a device address, valid only for that device's kernels and "
+                    "device-memory registrations; keep it typed (pass the tensor, or a make_kernel_ptr_table "
+                    "table), never as a HostVA")
+        if domain == "host":
+            return ("host memory: pass a HostVA (pointerdomain.HostVA / host_ptr_table) to CPU code and engines, "
+                    "and the device alias (make_kernel_ptr_table) to kernels")
+        return ("say the domain in the type: a HostVA for host memory read by CPU code or engines, a device "
+                "address (make_kernel_ptr_table / the tensor itself) for device memory and kernels")
 
     def _check_table(self, node: cst.Call) -> None:
         data = _arg(node, 0, "data")
@@ -538,12 +821,30 @@ class _Auditor(cst.CSTVisitor):
         via = next((q for q in sorted(qns) if "<locals>" not in q), None) or get_full_name_for_node(node.func) or name
         self._covered.update(id(v) for v in self._arg_values(node))
         self._report(node, "PD003", f"raw host-memory {what} {via}(): its return code and the alias of the "
-                     "range are not checked by the caller's types")
+                     "range are not checked by the caller's types")  # host memory by definition: HostVA fix
 
-    def _check_engine_registration(self, node: cst.Call, name: str) -> None:
-        assert isinstance(node.func, cst.Attribute)
-        receiver = node.func.value
+    def _file_descriptors(self, node: cst.Call) -> bool:
+        """NIXL ``"FILE"`` / ``"OBJ"`` descriptors hold (offset, len, fd/key), no address."""
+        mem = _arg(node, 1, "mem_type")
+        if isinstance(mem, cst.Name):
+            mem = next(iter(self._bound_values(mem)), mem)
+        return isinstance(mem, cst.SimpleString) and mem.evaluated_value in ("FILE", "OBJ")
+
+    def _registration_fix(self, args: Sequence[cst.BaseExpression]) -> str:
+        domain = next((d for d in (self.memory_domain(a) for a in args) if d is not None), None)
+        if domain == "device":
+            return ("this registers device memory: its metadata is a device address (the tensor's own "
+                    "data_ptr() on its device), never a HostVA or a host alias; pass the tensor or a typed "
+                    "table of that device")
+        if domain == "host":
+            return RULES["PD003"].fix
+        return ("host memory: HostVA metadata (pointerdomain.register_host_tensor, adapters.mooncake."
+                "HostTransferEngine.register_memory); device memory: its device address, never a HostVA")
+
+    def _check_engine_registration(self, node: cst.Call, name: str, receiver: cst.BaseExpression) -> None:
         args = self._arg_values(node)
+        if self._file_descriptors(node):
+            return
         if name.startswith(("register", "batch_register")) and args and self._is_int_descriptor_list(args[0]) \
                 and self.is_engine(receiver):
             self._covered.update(id(v) for v in args)
@@ -557,13 +858,15 @@ class _Auditor(cst.CSTVisitor):
             return  # e.g. nn.Module.register_buffer, NIXL given tensors, a typed wrapper
         self._covered.update(id(v) for v in args)
         why = "with data_ptr() ints" if fed_ints else "on a raw Mooncake object (it takes int addresses)"
-        self._report(node, "PD003", f"transfer-engine {name}() {why}: registration metadata must be a HostVA")
+        self._report(node, "PD003", f"transfer-engine {name}() {why}: its metadata carries no domain",
+                     self._registration_fix(args))
 
-    def _check_transfer(self, node: cst.Call, name: str) -> None:
-        assert isinstance(node.func, cst.Attribute)
+    def _check_transfer(self, node: cst.Call, name: str, receiver: cst.BaseExpression) -> None:
+        if self._file_descriptors(node):
+            return
         args = self._arg_values(node)
         fed = [a for a in args if self.is_address(a) or self.is_address_collection(a) or self._is_int_descriptor_list(a)]
-        engine = self.engine_kind(node.func.value) == "mooncake"
+        engine = self.engine_kind(receiver) == "mooncake"
         if not fed and not (engine and name in _MOONCAKE_TRANSFERS):
             return
         self._covered.update(id(v) for v in args)
@@ -574,6 +877,8 @@ class _Auditor(cst.CSTVisitor):
         if depth > _MAX_DEPTH:
             return False
         if isinstance(expr, cst.Call):
+            if _call_name(expr) != "c_void_p" and len(expr.args) == 1 and self.is_address(expr.args[0].value):
+                return True  # `buffer_type(t.data_ptr())` with `buffer_type = ctypes.c_void_p` in another module
             if _call_name(expr) == "c_void_p":
                 # c_void_p() is an out-parameter for a handle; c_void_p(stream) wraps a handle
                 if not expr.args or _HANDLE_WORDS.search(cst.Module([]).code_for_node(expr.args[0].value)):
@@ -590,6 +895,7 @@ class _Auditor(cst.CSTVisitor):
 
     def _check_c_void_p(self, node: cst.Call, name: str) -> None:
         if any(self._is_c_void_p(a) for a in self._arg_values(node)):
+            self._cover_subtree(node)
             self._report(node, "PD006", f"ctypes.c_void_p address passed to {name}(): the callee cannot tell a "
                          "host VA from a device alias")
 
@@ -607,8 +913,8 @@ class _Auditor(cst.CSTVisitor):
     # PD002 -----------------------------------------------------------------------------
 
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
-        if id(node) in self._covered or isinstance(node.operator, cst.Modulo):
-            return True  # `addr % align` is an alignment/offset check, not a new address
+        if id(node) in self._covered or isinstance(node.operator, cst.Modulo) or self._assert_depth:
+            return True  # `addr % align` is an alignment/offset check; `assert b - a == stride` a test's check
         if self.is_address(node.left) or self.is_address(node.right):
             self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
                          "(an alias offset must stay inside one registration)")
@@ -627,7 +933,7 @@ class _Auditor(cst.CSTVisitor):
             stack.extend(n.children)
 
     def _check_collection(self, node: cst.BaseExpression, kind: str) -> None:
-        if id(node) in self._covered:
+        if id(node) in self._covered or self._assert_depth:
             return
         if any(self._holds_address(e, 0) for e in self._element_exprs(node)):
             self._report(node, "PD002", f"data_ptr() addresses collected into a {kind}: an untyped pointer table")
@@ -638,12 +944,6 @@ class _Auditor(cst.CSTVisitor):
 
     def visit_ListComp(self, node: cst.ListComp) -> None:
         self._check_collection(node, "list")
-
-    def visit_Set(self, node: cst.Set) -> None:
-        self._check_collection(node, "set")
-
-    def visit_SetComp(self, node: cst.SetComp) -> None:
-        self._check_collection(node, "set")
 
     def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
         self._check_collection(node, "generator")
@@ -657,7 +957,7 @@ class _Auditor(cst.CSTVisitor):
     def visit_Expr(self, node: cst.Expr) -> None:
         # `ptrs.append(t.data_ptr())` / `.extend(...)` / `.insert(i, ...)`
         call = node.value
-        if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert", "add"):
+        if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert"):
             args = self._arg_values(call)
             if args and (self._holds_address(args[-1], 0) or self.is_address_collection(args[-1])):
                 self._report(call, "PD002", f"data_ptr() address collected with .{_call_name(call)}()")
@@ -665,20 +965,23 @@ class _Auditor(cst.CSTVisitor):
 
     def visit_Assign(self, node: cst.Assign) -> None:
         # `table[k] = t.data_ptr()`
-        if any(isinstance(t.target, cst.Subscript) for t in node.targets) and self.is_address(node.value) \
+        if any(isinstance(t.target, cst.Subscript) for t in node.targets) and self._holds_address(node.value, 0) \
                 and id(node.value) not in self._covered:
             self._report(node, "PD002", "data_ptr() address stored into a container by subscript")
             self._cover_subtree(node.value)
 
     # PD005 -----------------------------------------------------------------------------
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool | None:
+        if any(_DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in node.decorators):
+            return False  # CuTe DSL device code: data_ptr() there is a typed DSL pointer
         for d in node.decorators:
             target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
             if any(_is_triton_jit(q) for q in self._qualnames(target)):
                 self._triton_depth += 1
                 self._jit_nodes = getattr(self, "_jit_nodes", set()) | {id(node)}
-                return
+                return None
+        return None
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         if id(original_node) in getattr(self, "_jit_nodes", set()):

@@ -1,0 +1,49 @@
+# Cases for PD008 (raw addresses handed to native code, collectives and peers as ints).
+import ctypes
+import logging
+
+import torch
+from deep_ep_like import ep_ops
+from some_ext import launch_copy
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticBuffer:
+    def __init__(self, group) -> None:
+        self.runtime = ep_ops.Buffer(group)
+
+    def dispatch(self, x, topk_idx, recv_x, scales=None):
+        handle = self.runtime.dispatch(  # expect[PD008]
+            x.data_ptr(),
+            topk_idx.data_ptr(),
+            x.size(0),
+            0 if scales is None else scales.data_ptr(),
+            recv_x.data_ptr(),
+        )
+        return handle
+
+    def combine(self, x, out):
+        src = x.data_ptr()
+        torch.ops.ep_kernels.combine(src, out.data_ptr(), x.numel())  # expect[PD008]
+        launch_copy(src, out.data_ptr(), x.nbytes)  # expect[PD008]
+
+    def stream_ptr(self, buf):
+        return ctypes.c_void_p(buf.data_ptr())  # expect[PD008]
+
+    def announce(self, sock, buf):
+        sock.send_pyobj((buf.data_ptr(), buf.nbytes))  # expect[PD008]
+
+    # negatives: logging, a helper of this file, formatting, identity, an alignment check
+    def _helper(self, addr: int) -> int:
+        return addr
+
+    def quiet(self, buf, other, f):
+        logger.debug("buffer at %x", buf.data_ptr())
+        self._helper(buf.data_ptr())
+        f(buf.data_ptr())
+        name = f"{buf.data_ptr():#x}"
+        same = int(buf.data_ptr()) == other.data_ptr()
+        torch.testing.assert_close(buf, other)
+        aligned = launch_copy(buf.data_ptr() % 16)
+        return name, same, aligned

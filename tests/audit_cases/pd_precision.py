@@ -1,0 +1,26 @@
+# Negative cases: what looks like an address site and is not one (PD002, PD004).
+from nixl._api import nixl_agent
+
+
+def identity(tensors, a, b, stride):
+    seen = set()
+    for t in tensors:
+        seen.add(t.data_ptr())  # negative: an identity set, never dereferenced
+    unique = {t.data_ptr() for t in tensors}  # negative: an identity set
+    assert b.data_ptr() - a.data_ptr() == stride  # negative: a test's stride check
+    ordered = [t.data_ptr() for t in tensors]  # expect[PD002] a list, in table order
+    return seen, unique, ordered
+
+
+class Check:
+    def test_views(self, a, b, n):
+        self.assertEqual(b.data_ptr(), a.data_ptr() + n)  # negative: a test assertion
+
+
+def files(fd, size, keys):
+    agent = nixl_agent("a")
+    file_list = [(0, size, fd, "b.bin")]
+    agent.register_memory(file_list, "FILE")  # negative: (offset, len, fd) descriptors
+    agent.get_xfer_descs([(0, size, fd)], "FILE")  # negative
+    kind = "OBJ"
+    agent.get_xfer_descs([(0, size, k) for k in keys], mem_type=kind)  # negative
