@@ -204,7 +204,7 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
                 kept[i] = True
                 if isinstance(st, ast.ClassDef):
                     visit_body(st.body, False)
-                else:
+                elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     visit_function(st)
         tainted: set[str] = set()
         needed: set[str] = set()
