@@ -17,7 +17,7 @@ from typing import cast
 
 import libcst as cst
 
-from pointerdomain.audit.autofix import FixStyle, fix_source
+from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source
 from pointerdomain.audit.baseline import write_baseline
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
 from pointerdomain.audit.engine import Progress, audit_paths, discover
@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record every current finding in FILE and exit 0")
     parser.add_argument("--select", help="comma-separated code prefixes to run (overrides the config)")
     parser.add_argument("--ignore", help="comma-separated code prefixes to skip (added to the config)")
-    parser.add_argument("--fix", action="store_true", help="rewrite fixable PD001 sites in place, then report")
-    parser.add_argument("--diff", action="store_true", help="with --fix: print the rewrite as a diff, write nothing")
+    parser.add_argument("--fix", action="store_true", help="rewrite fixable PD001 sites in place (each file checked: it re-parses and mypy "
+                        "--check-untyped-defs reports no new error), then report")
+    parser.add_argument("--diff", action="store_true", help="with --fix: print the checked rewrite as a diff, write nothing (a dry run)")
     parser.add_argument("--fix-style", choices=["table", "tensor"], default="table",
                         help="table: a typed PointerTable (default); tensor: ...as_uint64_tensor(), a drop-in tensor")
     parser.add_argument("--jobs", "-j", type=int, default=0, help="worker processes (default: config, else CPUs)")
@@ -97,13 +98,21 @@ def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool
             result = fix_source(text, style)
         except cst.ParserSyntaxError:
             continue
+        rel = config.relative(path)
+        for line, reason in result.refused:
+            print(f"{rel}:{line}: not fixed: {reason}", file=sys.stderr)
         if not result.fixes:
+            continue
+        check = check_fix(text, result.code, path.name)
+        if not check.ok:
+            print(f"{rel}: {result.fixes} fix(es) refused: {check.reason}", file=sys.stderr)
+            for message in check.new_errors:
+                print(f"    {message}", file=sys.stderr)
             continue
         total += result.fixes
         if diff:
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(keepends=True),
-                                                       result.code.splitlines(keepends=True),
-                                                       f"a/{config.relative(path)}", f"b/{config.relative(path)}"))
+                                                       result.code.splitlines(keepends=True), f"a/{rel}", f"b/{rel}"))
         else:
             path.write_text(result.code, encoding="utf-8")
     print(f"pointerdomain audit --fix: {total} site(s) {'would be ' if diff else ''}rewritten", file=sys.stderr)
