@@ -47,3 +47,21 @@ class ElasticBuffer:
         torch.testing.assert_close(buf, other)
         aligned = launch_copy(buf.data_ptr() % 16)
         return name, same, aligned
+
+
+def fill_args(native_ep, x, out):
+    args = native_ep.DispatchArgs()
+    args.x_ptr = x.data_ptr()  # expect[PD008]
+    args.out_ptr = out.data_ptr()  # expect[PD008]
+    args.num_tokens = x.size(0)
+    return args
+
+
+def allocate(n):
+    t = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    ptr = t.data_ptr()
+    return ptr, t  # expect[PD008]
+
+
+def pinned_copy(dst, src_array, n):
+    ctypes.memmove(dst.data_ptr(), src_array.ctypes.data, n)  # expect[PD008]

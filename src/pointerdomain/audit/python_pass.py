@@ -90,7 +90,7 @@ _WRAPPERS = frozenset({"c_void_p", "c_uint64", "c_int64", "c_size_t", "c_ulonglo
 # Python-level APIs that take an int as an int (PD008 looks for native code that dereferences it).
 _PY_ROOTS = frozenset({"torch", "numpy", "builtins", "math", "os", "sys", "struct", "pickle", "json", "logging",
                        "itertools", "functools", "operator", "collections", "typing", "warnings", "time",
-                       "pytest", "unittest", "ctypes", "dataclasses", "weakref", "threading", "multiprocessing"})
+                       "pytest", "unittest", "dataclasses", "weakref", "threading", "multiprocessing"})
 _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
 _MAX_DEPTH = 16
 
@@ -344,6 +344,10 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
     """A stand-in expression for one element of ``expr`` (``expr[0]``): the rules read an
     element of an address collection as an address."""
     return cst.Subscript(expr, [cst.SubscriptElement(cst.Index(cst.Integer("0")))])
+
+
+def _code_of(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node).strip()
 
 
 def _call_name(node: cst.Call) -> str | None:
@@ -684,11 +688,21 @@ class _Auditor(cst.CSTVisitor):
         self._assert_depth -= 1
 
     def visit_Return(self, node: cst.Return) -> None:
-        # `return ctypes.c_void_p(t.data_ptr())`: the address leaves the function untyped
-        if node.value is not None and id(node.value) not in self._covered and self._wraps_address(node.value):
-            self._report(node.value, "PD008", "a data_ptr() address is returned as a ctypes pointer: the caller "
-                         "cannot tell its domain", self._domain_fix(node.value))
-            self._cover_subtree(node.value)
+        # `return ctypes.c_void_p(t.data_ptr())`, `return ptr, tensor`: the address leaves the
+        # function untyped
+        value = node.value
+        if value is None or id(value) in self._covered or isinstance(value, cst.BinaryOperation):
+            return  # `return base + off` is PD002's
+        if self._wraps_address(value):
+            what = "as a ctypes pointer"
+        elif self.is_address(value) or (isinstance(value, cst.Tuple) and any(
+                self.is_address(e.value) for e in value.elements)):
+            what = "as an int"
+        else:
+            return
+        self._report(value, "PD008", f"a raw address is returned {what}: the caller cannot tell its domain",
+                     self._domain_fix(value))
+        self._cover_subtree(value)
 
     def _wraps_address(self, expr: cst.BaseExpression) -> bool:
         return isinstance(expr, cst.Call) and _call_name(expr) in _WRAPPERS and len(expr.args) == 1 \
@@ -964,6 +978,16 @@ class _Auditor(cst.CSTVisitor):
                 self._cover_subtree(call)
 
     def visit_Assign(self, node: cst.Assign) -> None:
+        # `args.x_ptr = x.data_ptr()`: a field of another object (a native argument struct)
+        for t in node.targets:
+            target = t.target
+            if isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name) \
+                    and target.value.value not in ("self", "cls") and id(node.value) not in self._covered \
+                    and self.is_address(node.value):
+                self._report(node, "PD008", f"a raw address is stored in {_code_of(target)}, a field of another "
+                             "object: the receiver cannot tell its domain", self._domain_fix(node.value))
+                self._cover_subtree(node.value)
+                return
         # `table[k] = t.data_ptr()`
         if any(isinstance(t.target, cst.Subscript) for t in node.targets) and self._holds_address(node.value, 0) \
                 and id(node.value) not in self._covered:
