@@ -65,3 +65,15 @@ def allocate(n):
 
 def pinned_copy(dst, src_array, n):
     ctypes.memmove(dst.data_ptr(), src_array.ctypes.data, n)  # expect[PD008]
+
+
+class KernelArgs(ctypes.Structure):
+    _fields_ = [("x_ptr", ctypes.c_void_p), ("n", ctypes.c_int)]
+
+
+def launch_dsl(t):
+    from cutlass_like.runtime import make_ptr
+
+    p = make_ptr(8, t.data_ptr())  # expect[PD008]
+    args = KernelArgs(t.data_ptr(), 4)  # expect[PD008]
+    return p, args

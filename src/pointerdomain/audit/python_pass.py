@@ -142,7 +142,9 @@ def _names(node: ast.AST) -> tuple[set[str], set[str]]:
     stores: set[str] = set()
     loads: set[str] = set()
     for n in ast.walk(node):
-        if isinstance(n, ast.Name):
+        if isinstance(n, ast.alias):  # a function-level import binds the name it imports
+            stores.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, ast.Name):
             (stores if isinstance(n.ctx, ast.Store) else loads).add(n.id)
         elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
             if isinstance(n.ctx, ast.Store):
@@ -728,8 +730,9 @@ class _Auditor(cst.CSTVisitor):
             if recv.rsplit(".", 1)[-1] in _NOT_NATIVE_RECEIVERS or (recv in ("self", "cls") and name in self.defined):
                 return  # logging, or a Python helper of this file (its own calls are checked)
         elif isinstance(node.func, cst.Name):
-            if not self._imported(node.func):
-                return  # a local function or a parameter: Python code, followed where it is defined
+            if not self._imported(node.func) and not node.func.value[:1].isupper():
+                return  # a local function or a parameter: Python code (a class, e.g. a ctypes struct of
+                # kernel arguments, is reported: the address is stored in its field)
         args = [a.value for a in node.args if id(a.value) not in self._covered]
         hits = [a for a in args if self._carries_address(a)]
         if not hits:
