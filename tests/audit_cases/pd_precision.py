@@ -24,3 +24,24 @@ def files(fd, size, keys):
     agent.get_xfer_descs([(0, size, fd)], "FILE")  # negative
     kind = "OBJ"
     agent.get_xfer_descs([(0, size, k) for k in keys], mem_type=kind)  # negative
+
+
+def malformed_lists(agent):
+    bad_list = [(1, 2, 3)]
+    return agent.get_reg_descs(bad_list, "DRAM")  # negative: literal ints, an API test of bad input
+
+
+def offsets_and_ranges(q, k, parts, lo, hi, es):
+    k_off = (k.data_ptr() - q.data_ptr()) // es  # negative: an offset between two views
+    inside = all(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for p in parts)  # negative: a range check
+    sources = tuple((w, w.data_ptr(), w._version) for w in parts)  # negative: identity keys
+    return k_off, inside, sources
+
+
+import cutlass.cute as cute  # noqa: E402
+
+
+@cute.jit
+def dsl_device(storage, idx):
+    ptr = storage.buf.data_ptr()
+    (ptr + idx).store(0)  # negative: a typed DSL pointer

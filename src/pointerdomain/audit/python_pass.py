@@ -154,12 +154,13 @@ def _names(node: ast.AST) -> tuple[set[str], set[str]]:
     return stores, loads
 
 
-_DSL_KERNEL = re.compile(r"\bcute\b.*\bkernel\b")
+_DSL_KERNEL = re.compile(r"\bcute\b.*\b(?:kernel|jit)\b")
 
 
 def _device_dsl_kernel(node: ast.stmt) -> bool:
-    """A CuTe DSL device function (``@cute.kernel``, ``@cute.experimental.kernel``): its
-    ``x.data_ptr()`` is a typed shared-memory pointer of the DSL, not an integer."""
+    """A CuTe DSL function (``@cute.kernel``, ``@cute.experimental.kernel``, ``@cute.jit``):
+    its ``x.data_ptr()`` is a typed pointer of the DSL (shared memory, a DSL tensor), not an
+    integer, and arithmetic on it stays typed."""
     return any(_DSL_KERNEL.search(ast.unparse(d)) for d in getattr(node, "decorator_list", []))
 
 
@@ -348,6 +349,10 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
     return cst.Subscript(expr, [cst.SubscriptElement(cst.Index(cst.Integer("0")))])
 
 
+# what makes a tuple holding an address a tensor's identity (a cache key) rather than a descriptor
+_IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\.stride\(|\bid\(|\.is_inference\(")
+
+
 def _code_of(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node).strip()
 
@@ -501,6 +506,9 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.BinaryOperation):
             if isinstance(expr.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
                 return False  # an offset in a page, an alignment, a count: no longer an address
+            if isinstance(expr.operator, cst.Subtract) and self.is_address(expr.left, depth + 1) \
+                    and self.is_address(expr.right, depth + 1):
+                return False  # the distance between two addresses is an offset
             return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
         if isinstance(expr, cst.Subscript):
             return self.is_address_collection(expr.value, depth + 1)
@@ -581,7 +589,9 @@ class _Auditor(cst.CSTVisitor):
             return False
         if isinstance(expr, (cst.List, cst.ListComp, cst.GeneratorExp)):
             elts = self._element_exprs(expr)
-            return bool(elts) and all(isinstance(e, cst.Tuple) and len(e.elements) >= 3 for e in elts)
+            # `[(1, 2, 3)]` in an API test of malformed lists holds no address
+            return bool(elts) and all(isinstance(e, cst.Tuple) and len(e.elements) >= 3 for e in elts) and not all(
+                isinstance(e, cst.Tuple) and isinstance(e.elements[0].value, cst.Integer) for e in elts)
         if isinstance(expr, (cst.Name, cst.Attribute)):
             return any(self._is_int_descriptor_list(v, depth + 1) for v in self._values_of(expr))
         return False
@@ -718,7 +728,7 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.Call) and len(expr.args) == 1 and _call_name(expr) not in _NOT_NATIVE:
             return self.is_address(expr.args[0].value)
         if isinstance(expr, (cst.Tuple, cst.List)):
-            return any(self.is_address(e.value) for e in expr.elements)
+            return not _IDENTITY_KEY.search(_code_of(expr)) and any(self.is_address(e.value) for e in expr.elements)
         return False
 
     def _check_address_argument(self, node: cst.Call, name: str) -> None:
@@ -874,7 +884,7 @@ class _Auditor(cst.CSTVisitor):
         if not engine and not fed_ints:
             return  # e.g. nn.Module.register_buffer, NIXL given tensors, a typed wrapper
         self._covered.update(id(v) for v in args)
-        why = "with data_ptr() ints" if fed_ints else "on a raw Mooncake object (it takes int addresses)"
+        why = "with raw int addresses" if fed_ints else "on a raw Mooncake object (it takes int addresses)"
         self._report(node, "PD003", f"transfer-engine {name}() {why}: its metadata carries no domain",
                      self._registration_fix(args))
 
@@ -929,9 +939,16 @@ class _Auditor(cst.CSTVisitor):
 
     # PD002 -----------------------------------------------------------------------------
 
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        # `lo <= other.data_ptr() + n <= hi`: a range check, no address is made
+        self._cover_subtree(node)
+
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
-        if id(node) in self._covered or isinstance(node.operator, cst.Modulo) or self._assert_depth:
+        if id(node) in self._covered or self._assert_depth or isinstance(
+                node.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
             return True  # `addr % align` is an alignment/offset check; `assert b - a == stride` a test's check
+        if isinstance(node.operator, cst.Subtract) and self.is_address(node.left) and self.is_address(node.right):
+            return True  # `k.data_ptr() - q.data_ptr()`: an offset between two views, not an address
         if self.is_address(node.left) or self.is_address(node.right):
             self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
                          "(an alias offset must stay inside one registration)")
@@ -952,7 +969,14 @@ class _Auditor(cst.CSTVisitor):
     def _check_collection(self, node: cst.BaseExpression, kind: str) -> None:
         if id(node) in self._covered or self._assert_depth:
             return
-        if any(self._holds_address(e, 0) for e in self._element_exprs(node)):
+        if isinstance(node, cst.Tuple) and _IDENTITY_KEY.search(_code_of(node)):
+            self._cover_subtree(node)  # `(t.data_ptr(), t.shape, t._version)`: a cache key, never dereferenced
+            return
+        elts = self._element_exprs(node)
+        if any(isinstance(e, cst.Tuple) and _IDENTITY_KEY.search(_code_of(e)) for e in elts):
+            self._cover_subtree(node)
+            return
+        if any(self._holds_address(e, 0) for e in elts):
             self._report(node, "PD002", f"data_ptr() addresses collected into a {kind}: an untyped pointer table")
             self._cover_subtree(node)
 
