@@ -77,3 +77,13 @@ def launch_dsl(t):
     p = make_ptr(8, t.data_ptr())  # expect[PD008]
     args = KernelArgs(t.data_ptr(), 4)  # expect[PD008]
     return p, args
+
+
+class Offload:
+    def __init__(self, ids_cpu, slots_cpu):
+        self.ids_ptr = ids_cpu.data_ptr()
+        self.slots_ptr = slots_cpu.data_ptr()
+
+    def step(self, host_ops, n):
+        args = (n, self.ids_ptr, self.slots_ptr)
+        host_ops.onload(args)  # expect[PD008]

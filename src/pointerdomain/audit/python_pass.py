@@ -729,6 +729,10 @@ class _Auditor(cst.CSTVisitor):
             return self.is_address(expr.args[0].value)
         if isinstance(expr, (cst.Tuple, cst.List)):
             return not _IDENTITY_KEY.search(_code_of(expr)) and any(self.is_address(e.value) for e in expr.elements)
+        if isinstance(expr, cst.Name):
+            # `args = (n, self.req_ids_ptr, ...)` then `op(args)`: a list/tuple of addresses
+            return any(not (isinstance(v, cst.Tuple) and _IDENTITY_KEY.search(_code_of(v)))
+                       for v in self._values_of(expr)) and self.is_address_collection(expr)
         return False
 
     def _check_address_argument(self, node: cst.Call, name: str) -> None:
