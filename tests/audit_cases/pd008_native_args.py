@@ -87,3 +87,11 @@ class Offload:
     def step(self, host_ops, n):
         args = (n, self.ids_ptr, self.slots_ptr)
         host_ops.onload(args)  # expect[PD008]
+
+
+def io_buffers(native, bufs, parts):
+    vals = native.IOBuffers()
+    for b in bufs:
+        vals.append(b.data_ptr(), b.nbytes, True)  # expect[PD008]
+    strided = [(t.data_ptr(), t.stride(0) * 2) for t in parts]  # expect[PD002] descriptors, not keys
+    return vals, strided

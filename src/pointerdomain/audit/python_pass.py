@@ -350,7 +350,7 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
 
 
 # what makes a tuple holding an address a tensor's identity (a cache key) rather than a descriptor
-_IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\.stride\(|\bid\(|\.is_inference\(")
+_IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\bid\(|\.is_inference\(")
 
 
 def _code_of(node: cst.CSTNode) -> str:
@@ -736,7 +736,10 @@ class _Auditor(cst.CSTVisitor):
         return False
 
     def _check_address_argument(self, node: cst.Call, name: str) -> None:
-        if name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or _call_name(node) in _WRAPPERS \
+        positional = [a for a in node.args if a.keyword is None and not a.star]
+        if name in ("append", "add") and len(positional) > 1 or name == "insert" and len(positional) > 2:
+            name = f"{name} (a native method: a Python container takes one item)"  # `iobufs.append(ptr, n, True)`
+        elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or _call_name(node) in _WRAPPERS \
                 or id(node) in self._covered:
             return
         if isinstance(node.func, cst.Attribute):
