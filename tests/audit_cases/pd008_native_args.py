@@ -95,3 +95,9 @@ def io_buffers(native, bufs, parts):
         vals.append(b.data_ptr(), b.nbytes, True)  # expect[PD008]
     strided = [(t.data_ptr(), t.stride(0) * 2) for t in parts]  # expect[PD002] descriptors, not keys
     return vals, strided
+
+
+def jit_module_call(module, lib, group, out, stream):
+    func = module["moe_output_memset_bf16"]
+    func(out.data_ptr(), out.size(0), stream)  # expect[PD008]
+    lib._funcs["ncclEpTensorCreate"](group, 3, ctypes.c_void_p(out.data_ptr()))  # expect[PD006]

@@ -358,12 +358,18 @@ def _code_of(node: cst.CSTNode) -> str:
 
 
 def _call_name(node: cst.Call) -> str | None:
-    """The last component of the called name (``a.b.c(...)`` -> ``c``)."""
+    """The last component of the called name (``a.b.c(...)`` -> ``c``; ``lib._funcs["ncclSend"](...)``
+    -> ``ncclSend``)."""
     func = node.func
     if isinstance(func, cst.Attribute):
         return func.attr.value
     if isinstance(func, cst.Name):
         return func.value
+    if isinstance(func, cst.Subscript) and len(func.slice) == 1:
+        index = func.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+            value = index.value.evaluated_value
+            return value if isinstance(value, str) and value.isidentifier() else None
     return None
 
 
@@ -747,7 +753,8 @@ class _Auditor(cst.CSTVisitor):
             if recv.rsplit(".", 1)[-1] in _NOT_NATIVE_RECEIVERS or (recv in ("self", "cls") and name in self.defined):
                 return  # logging, or a Python helper of this file (its own calls are checked)
         elif isinstance(node.func, cst.Name):
-            if not self._imported(node.func) and not node.func.value[:1].isupper():
+            if not self._imported(node.func) and not node.func.value[:1].isupper() \
+                    and not self._bound_to_loaded_callable(node.func):
                 return  # a local function or a parameter: Python code (a class, e.g. a ctypes struct of
                 # kernel arguments, is reported: the address is stored in its field)
         args = [a.value for a in node.args if id(a.value) not in self._covered]
@@ -760,6 +767,12 @@ class _Auditor(cst.CSTVisitor):
         self._report(node, "PD008", f"data_ptr() address passed as an int to {name}(): the callee cannot tell a "
                      "host VA from a device address", self._domain_fix(hits[0]))
         self._cover_subtree(node)
+
+    def _bound_to_loaded_callable(self, name: cst.Name) -> bool:
+        """``func = module["flashinfer_moe_permute"]`` / ``fn = lib.get_function(...)``: a callable
+        taken out of a loaded module or library, not a Python function of this file."""
+        return any(isinstance(v, (cst.Subscript, cst.Call, cst.Attribute)) and not isinstance(v, cst.Lambda)
+                   for v in self._bound_values(name))
 
     def _imported(self, name: cst.Name) -> bool:
         scope = self.get_metadata(ScopeProvider, name, None)
