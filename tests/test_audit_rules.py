@@ -29,11 +29,14 @@ def test_pd103_is_opt_in(tmp_path: Path) -> None:
 
 def test_pd104_fix_by_where_the_table_is_read() -> None:
     host = audit_file(CASES / "pd104_host_table.cpp", AuditConfig(root=CASES))[0]
-    assert [f.code for f in host] == ["PD104"]
-    assert "host code" in host[0].message and "host VAs" in host[0].fix and "host_ptr_table" in host[0].fix
+    assert [f.code for f in host] == ["PD104", "PD104"]
+    assert "host code:" in host[0].message and "host VAs" in host[0].fix and "host_ptr_table" in host[0].fix
+    # read on the CPU but handed to cudaMemset: device addresses, and the rule's own fix
+    assert "GPU runtime" in host[1].message and "device addresses" in host[1].message
+    assert "host VAs" not in host[1].fix
     device = [f for f in audit_file(CASES / "pd1xx_kernels.cu", AuditConfig(root=CASES))[0] if f.code == "PD104"]
     # line 22 is in a host function of the .cu file, the other in a __global__ kernel
-    assert [("host code" in f.message, "host VAs" in f.fix) for f in device] == [(True, True), (False, False)]
+    assert [("host code:" in f.message, "host VAs" in f.fix) for f in device] == [(True, True), (False, False)]
     assert "device code" in device[1].message and "device aliases" in device[1].fix
 
 

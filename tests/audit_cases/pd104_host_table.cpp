@@ -9,3 +9,10 @@ void copy_all(const std::vector<uint64_t>& buffer_addrs, const std::vector<size_
     dst += sizes[i];
   }
 }
+
+void set_peers(const int64_t* ipc_ptrs, int rank, size_t n, void* const* buffer_ptrs) {
+  cudaMemset(reinterpret_cast<void*>(ipc_ptrs[rank]), 0, n);  // expect[PD104] handed to the runtime
+  auto* sig = reinterpret_cast<int*>(buffer_ptrs[rank]);  // negative: an array of pointers
+  std::array<int8_t*, 4> pointers{};
+  auto* shapes = reinterpret_cast<float*>(pointers[0]);  // negative: std::array of pointers
+}

@@ -54,9 +54,12 @@ _INT_PTR_DECL = re.compile(
     rf"|vector\s*<\s*{_INT_T}\s*>\s*&?\s*(?P<vec>\w+)"
 )
 # `void* ptrs[N]`, and `void** ptrs` / `T** ptrs` (parameters and members): arrays of typed pointers
-_PTR_ARRAY_DECL = re.compile(r"\*\s*(?P<name>\w+)\s*\[|\*\s*(?:const\s+|__restrict__\s+)?\*\s*(?:const\s+|__restrict__\s+)?"
-                             r"(?P<pp>\w+)\b")
+_PTR_ARRAY_DECL = re.compile(r"\*\s*(?P<name>\w+)\s*\[|\*\s*(?:const\b\s*|__restrict__\b\s*)?\*\s*"
+                             r"(?:const\b\s*|__restrict__\b\s*)?(?P<pp>\w+)\b"
+                             r"|(?:array|vector)\s*<\s*[\w:]+(?:\s+const)?\s*\*+\s*(?:const\s*)?(?:,[^>]*)?>\s*&?\s*(?P<arr>\w+)")
 _DEVICE_CODE = re.compile(r"__global__|__device__")
+# a host statement that hands the pointer to device code: a CUDA/HIP runtime call, a launch, kernel params
+_TO_DEVICE = re.compile(r"\b(?:cuda|hip)[A-Z]\w*\s*\(|\bcu[A-Z]\w*\s*\(|<<<|\bparams?\b|\bargs\.|ipc|peer")
 _TABLE_INDEX = re.compile(r"\s*(?P<name>\w+)\s*\[")
 _INT_TYPE_ONLY = re.compile(rf"^\s*(?:const\s+)?{_INT_T}\s*$")
 
@@ -159,7 +162,8 @@ def _balanced_arg(code: str, open_paren: int) -> str:
 def _sites(code: str) -> Iterator[tuple[int, str, str]]:
     """(offset, code, message) for each site in comment-free ``code``."""
     int_tables = {m.group("name") or m.group("arr") or m.group("vec") for m in _INT_PTR_DECL.finditer(code)}
-    pointer_arrays = {m.group("name") or m.group("pp") for m in _PTR_ARRAY_DECL.finditer(code)} - int_tables
+    pointer_arrays = {m.group("name") or m.group("pp") or m.group("arr")
+                      for m in _PTR_ARRAY_DECL.finditer(code)} - int_tables
     for m in _DATA_PTR_INT.finditer(code):
         t = m.group("t")
         # `int64_t* key_ptrs = key_ptrs_t.data_ptr<int64_t>()`: the receiver and the bound name
@@ -189,8 +193,14 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
                 yield m.start(), "PD104", f"integer {table}[...] cast to {target} in device code: the table must " \
                     "hold device aliases"
             else:
-                yield m.start(), "PD104", f"integer {table}[...] cast to {target} in host code: a table read on " \
-                    "the CPU must hold host VAs"
+                stmt = code[max(code.rfind(";", 0, m.start()), code.rfind("{", 0, m.start())) + 1:
+                            code.find(";", m.start()) + 1]
+                if _TO_DEVICE.search(stmt):
+                    yield m.start(), "PD104", f"integer {table}[...] cast to {target} in host code and handed to " \
+                        "the GPU runtime or a kernel's parameters: the table must hold device addresses"
+                else:
+                    yield m.start(), "PD104", f"integer {table}[...] cast to {target} in host code: a table read " \
+                        "on the CPU must hold host VAs"
     for m in _C_CAST_INT.finditer(code):
         yield m.start(), "PD102", "C-style integer cast of data_ptr()"
     for m in _INT_DECL.finditer(code):
@@ -216,7 +226,7 @@ def audit_cpp_source(path: str, text: str, enabled: frozenset[str]) -> list[Find
         line, col = lines.pos(offset)
         snippet = src_lines[line - 1].strip() if 0 < line <= len(src_lines) else ""
         fix = RULES[rule_code].fix
-        if rule_code == "PD104" and "host code" in message:
+        if rule_code == "PD104" and "host code:" in message:
             fix = ("a table read on the CPU holds host VAs: build it with host_ptr_table (PointerTable[HostVA]); "
                    "only a table read by kernels holds device aliases (make_kernel_ptr_table)")
         out.append(Finding(path, line, col, rule_code, message, fix, snippet))
