@@ -42,3 +42,10 @@ __global__ void gather(const uint64_t* src_addrs, float* out) {
   const float* s = reinterpret_cast<const float*>(src_addrs[threadIdx.x]);  // expect[PD104] device code
   out[threadIdx.x] = s[0];
 }
+
+bool checks(torch::Tensor q, torch::Tensor k, torch::Tensor view) {
+  const auto bits = reinterpret_cast<uintptr_t>(q.data_ptr()) |
+                    reinterpret_cast<uintptr_t>(k.data_ptr());  // negative: an alignment check (bits % 16)
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(view.data_ptr());  // expect[PD103] (opt-in) but no PD102: a range end
+  return (bits % 16 == 0) && begin != 0;
+}

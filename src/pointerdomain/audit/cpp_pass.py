@@ -58,6 +58,8 @@ _PTR_ARRAY_DECL = re.compile(r"\*\s*(?P<name>\w+)\s*\[|\*\s*(?:const\b\s*|__rest
                              r"(?:const\b\s*|__restrict__\b\s*)?(?P<pp>\w+)\b"
                              r"|(?:array|vector)\s*<\s*[\w:]+(?:\s+const)?\s*\*+\s*(?:const\s*)?(?:,[^>]*)?>\s*&?\s*(?P<arr>\w+)")
 _DEVICE_CODE = re.compile(r"__global__|__device__")
+# `const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr())`: the ends of a range for an overlap check
+_RANGE_NAME = re.compile(r"(?i)^(?:begin|end|start|stop|lo|hi|lower|upper|first|last)\w*$|\w*_(?:begin|end|start|lo|hi)$")
 # a host statement that hands the pointer to device code: a CUDA/HIP runtime call, a launch, kernel params
 _TO_DEVICE = re.compile(r"\b(?:cuda|hip)[A-Z]\w*\s*\(|\bcu[A-Z]\w*\s*\(|<<<|\bparams?\b|\bargs\.|ipc|peer")
 _TABLE_INDEX = re.compile(r"\s*(?P<name>\w+)\s*\[")
@@ -179,8 +181,11 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
         if re.search(r"\bdata_ptr\s*(?:<[^>]*>)?\s*\(", arg):
             rest = code[m.end() - 1 + len(arg) + 2: m.end() + len(arg) + 40].lstrip()
             bound = re.search(r"(\w+)\s*=\s*$", code[max(0, m.start() - 80): m.start()])
-            alignment = rest.startswith("%") or (rest.startswith("&") and not rest.startswith("&&")) or (
-                bound is not None and re.search(rf"\b{bound.group(1)}\s*(?:%|&(?!&))", code) is not None)
+            before = code[max(0, m.start() - 40): m.start()].rstrip()
+            alignment = rest.startswith(("%", "|")) or (rest.startswith("&") and not rest.startswith("&&")) or (
+                before.endswith("|") and not before.endswith("||")) or (
+                bound is not None and (re.search(rf"\b{bound.group(1)}\s*(?:%|&(?!&))", code) is not None
+                                       or _RANGE_NAME.match(bound.group(1)) is not None))
             if target.replace(" ", "").endswith("**") or (_INT_TYPE_ONLY.match(target) and not alignment):
                 kind = "a pointer table" if target.replace(" ", "").endswith("**") else "an integer"
                 yield m.start(), "PD102", f"reinterpret_cast<{target}> of data_ptr() reads it as {kind}"
