@@ -27,3 +27,10 @@ def collectives(hccl, nccl, comm, stream, t, out, n):
     hccl.HcclBroadcast(ctypes.c_void_p(t.data_ptr()), n, 0, 0, comm, stream)  # expect[PD006]
     hccl.aclrtMemcpy(ctypes.c_void_p(out.data_ptr()), n, ctypes.c_void_p(t.data_ptr()), n, 1)  # expect[PD006]
     hccl.hcclCommDestroy(ctypes.c_void_p(comm))  # negative: a communicator handle
+
+
+def launch(hip, fn, args, extra, stream, t):
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+    hip.hipModuleLaunchKernel(fn, 1, 1, 1, 64, 1, 1, 0, stream, params, None)  # negative: host kernarg buffer
+    hip.hipModuleLaunchKernel(fn, 1, 1, 1, 64, 1, 1, 0, stream, None, ctypes.cast(extra, ctypes.c_void_p))  # negative
+    hip.hipMemsetAsync(ctypes.cast(t.data_ptr(), ctypes.c_void_p), 0, 4, stream)  # expect[PD006]

@@ -353,6 +353,11 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
 _IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\bid\(|\.is_inference\(")
 
 
+def _is_host_struct_address(expr: cst.BaseExpression) -> bool:
+    """``ctypes.addressof(x)`` / ``ctypes.byref(x)``: the address of a ctypes object in host memory."""
+    return isinstance(expr, cst.Call) and _call_name(expr) in ("addressof", "byref")
+
+
 def _code_of(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node).strip()
 
@@ -924,6 +929,8 @@ class _Auditor(cst.CSTVisitor):
         if depth > _MAX_DEPTH:
             return False
         if isinstance(expr, cst.Call):
+            if expr.args and _is_host_struct_address(expr.args[0].value):
+                return False  # `(c_void_p * 1)(ctypes.addressof(args))`: the launch API's host kernel-argument buffer
             if _call_name(expr) != "c_void_p" and len(expr.args) == 1 and self.is_address(expr.args[0].value):
                 return True  # `buffer_type(t.data_ptr())` with `buffer_type = ctypes.c_void_p` in another module
             if _call_name(expr) == "c_void_p":
@@ -932,7 +939,8 @@ class _Auditor(cst.CSTVisitor):
                     return False
                 return "ctypes.c_void_p" in self._qualnames(expr.func)
             if _call_name(expr) == "cast" and len(expr.args) >= 2:
-                return "ctypes.c_void_p" in self._qualnames(expr.args[1].value)
+                # `ctypes.cast(t.data_ptr(), c_void_p)`; a cast of a ctypes array or struct is a host buffer
+                return "ctypes.c_void_p" in self._qualnames(expr.args[1].value) and self.is_address(expr.args[0].value)
             if _call_name(expr) == "byref" and expr.args:
                 return False
             return False
