@@ -45,3 +45,10 @@ import cutlass.cute as cute  # noqa: E402
 def dsl_device(storage, idx):
     ptr = storage.buf.data_ptr()
     (ptr + idx).store(0)  # negative: a typed DSL pointer
+
+
+def lengths(engine, src_list, dst_list, len_list, block_ids, block_len, state, start_addr):
+    for src, dst, n in zip(src_list, dst_list, len_list):
+        length = len(block_ids) * n  # negative: n is a length, not an address
+    byte_offset = start_addr - state.data_ptr()  # negative: an offset
+    return length, byte_offset

@@ -325,8 +325,19 @@ class _Collector(cst.CSTVisitor):
                 self.stores.append((t.target.value, node.value))
 
     def visit_For(self, node: cst.For) -> None:
-        # `for t in X`: t is an element of X; `for a, n in X`: each name an element of an element
-        self._bind(node.target, _element_of(node.iter))
+        # `for t in X`: t is an element of X; `for a, n in X`: each name an element of an element;
+        # `for a, n in zip(A, N)`: a an element of A, n of N; `for i, t in enumerate(X)`: t of X
+        it, target = node.iter, node.target
+        if isinstance(target, (cst.Tuple, cst.List)) and isinstance(it, cst.Call) and not any(a.star for a in it.args):
+            name = _call_name(it)
+            if name == "zip" and len(it.args) == len(target.elements):
+                for t, a in zip(target.elements, it.args):
+                    self._bind(t.value, _element_of(a.value))
+                return
+            if name == "enumerate" and it.args and len(target.elements) == 2:
+                self._bind(target.elements[1].value, _element_of(it.args[0].value))
+                return
+        self._bind(target, _element_of(it))
 
     def visit_Call(self, node: cst.Call) -> None:
         if isinstance(node.func, cst.Attribute) and node.args:
@@ -517,9 +528,8 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.BinaryOperation):
             if isinstance(expr.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
                 return False  # an offset in a page, an alignment, a count: no longer an address
-            if isinstance(expr.operator, cst.Subtract) and self.is_address(expr.left, depth + 1) \
-                    and self.is_address(expr.right, depth + 1):
-                return False  # the distance between two addresses is an offset
+            if isinstance(expr.operator, cst.Subtract) and self.is_address(expr.right, depth + 1):
+                return False  # `x - base`: the distance from an address is an offset
             return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
         if isinstance(expr, cst.Subscript):
             return self.is_address_collection(expr.value, depth + 1)
@@ -718,8 +728,8 @@ class _Auditor(cst.CSTVisitor):
             return  # `return base + off` is PD002's
         if self._wraps_address(value):
             what = "as a ctypes pointer"
-        elif self.is_address(value) or (isinstance(value, cst.Tuple) and any(
-                self.is_address(e.value) for e in value.elements)):
+        elif self.is_address(value) or (isinstance(value, cst.Tuple) and not _IDENTITY_KEY.search(_code_of(value))
+                                        and any(self.is_address(e.value) for e in value.elements)):
             what = "as an int"
         else:
             return
@@ -975,8 +985,9 @@ class _Auditor(cst.CSTVisitor):
         if id(node) in self._covered or self._assert_depth or isinstance(
                 node.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
             return True  # `addr % align` is an alignment/offset check; `assert b - a == stride` a test's check
-        if isinstance(node.operator, cst.Subtract) and self.is_address(node.left) and self.is_address(node.right):
-            return True  # `k.data_ptr() - q.data_ptr()`: an offset between two views, not an address
+        if isinstance(node.operator, cst.Subtract) and self.is_address(node.right):
+            self._cover_subtree(node)  # `k.data_ptr() - q.data_ptr()`, `(p + n) - start`: an offset or a length
+            return True
         if self.is_address(node.left) or self.is_address(node.right):
             self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
                          "(an alias offset must stay inside one registration)")
