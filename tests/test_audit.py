@@ -55,7 +55,7 @@ def test_rule_cases(case: str) -> None:
 
 
 def test_every_rule_has_a_positive_case() -> None:
-    codes = {code for p in CASES.iterdir() for _, code in expected(p)}
+    codes = {code for p in CASES.iterdir() if p.is_file() for _, code in expected(p)}
     assert codes >= {c for c in RULES if c not in ("PD900", "PD901")}
 
 
