@@ -141,7 +141,9 @@ def _explain_address(address: int) -> "Explanation":
 
 _errors.set_explainer(_explain_address)
 
-__version__ = "0.1.0"
+from pointerdomain.buildinfo import version as _version
+
+__version__: str = _version()  # from the git tag at build time (pointerdomain.buildinfo)
 
 
 def get_include() -> str:

@@ -34,6 +34,7 @@ __all__ = [
     "RegistrationSpanError",
     "ClosedError",
     "ExtensionUnavailableError",
+    "GpuRuntimeMismatchError",
     "AliasOpMissingError",
     "RuntimeCallError",
     "InvalidTypeError",
@@ -227,3 +228,14 @@ class OverlapError(PointerDomainError, ValueError):
 class UnpinnedMemoryError(PointerDomainError, ValueError):
     """A kernel was asked to read host memory that the registration ladder left
     unpinned (rung ``unpinned``): only the copy engine may read it."""
+
+
+class GpuRuntimeMismatchError(ExtensionUnavailableError):
+    """The extension's GPU ops were built for another GPU runtime or major version than the
+    torch in this process (a CUDA 13 wheel under a torch built for CUDA 12); it is not
+    imported. Attributes: ``built`` (``CUDA 13.0.88``) and ``torch`` (``CUDA 12.8``)."""
+
+    def __init__(self, message: str, built: str, torch: str) -> None:
+        super().__init__(message)
+        self.built = built
+        self.torch = torch

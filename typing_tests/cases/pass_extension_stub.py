@@ -11,7 +11,6 @@ from typing_extensions import assert_type
 from pointerdomain import HostVA, _C
 
 assert_type(_C.gpu_built, bool)
-assert_type(_C.gpu_runtime, str)
 
 # Emulated host memory, registered: the stub takes and returns raw ints; the
 # typed layer wraps them in HostVA / DeviceAlias.
@@ -34,7 +33,9 @@ assert _C.emu_device_lookup(va.value, 1) == -1
 
 
 def gpu_ops(device: int, va: HostVA) -> None:
-    """Only type-checked here (no GPU): the GPU ops take the ordinal and raw ints."""
+    """Only type-checked here (no GPU; a CPU-only build has none of these names): the GPU
+    ops take the ordinal and raw ints."""
+    assert_type(_C.gpu_runtime, str)
     assert_type(_C.gpu_device_count(), tuple[int, int])
     assert_type(_C.gpu_runtime_version(), tuple[int, int])
     assert_type(_C.gpu_host_register(va.value, 4096, device), int)

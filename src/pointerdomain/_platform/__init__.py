@@ -65,12 +65,19 @@ _on_swap: list[Callable[[], None]] = []  # caches of backend-derived state (laun
 
 
 def _import(name: str) -> object:
+    import torch
+
+    from pointerdomain.buildinfo import build_facts, check_torch_runtime
+
+    facts = build_facts()
+    # GPU ops built for another runtime major than torch's: a typed error, not a loader failure
+    check_torch_runtime(facts, torch.version.cuda, getattr(torch.version, "hip", None))
     try:
         return importlib.import_module(name)
     except ImportError as exc:
         raise ExtensionUnavailableError(
-            f"pointerdomain._C could not be imported ({exc}); reinstall with `pip install .` from a source "
-            "checkout so the extension is built for this Python"
+            f"pointerdomain._C ({facts.gpu_summary()}) could not be imported ({exc}); reinstall with "
+            "`pip install .` from a source checkout so the extension is built for this Python"
         ) from exc
 
 

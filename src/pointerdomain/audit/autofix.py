@@ -1,4 +1,5 @@
-"""``pointerdomain audit --fix``: rewrite PD001 raw pointer tables to pointerdomain tables.
+"""``pointerdomain audit --fix``: rewrite PD001 raw pointer tables to pointerdomain tables,
+and only where the rewrite cannot break the code around it.
 
 Rewritten forms (``torch`` resolved by qualified name, any import alias)::
 
@@ -9,42 +10,74 @@ Rewritten forms (``torch`` resolved by qualified name, any import alias)::
     torch.tensor([a.data_ptr(), b.data_ptr()], ...)  ->  ...([a, b], ...)
 
 ``torch.as_tensor`` is treated the same; ``dtype`` may be any integer dtype or absent.
-``X`` is wrapped in ``list(...)`` when it is a call (``d.values()``, ``zip(...)``), since the
-builders take a ``Sequence``. The import (``from pointerdomain import ...``) is added.
+``X`` is passed as is only when it is known to be a list/tuple of tensors (a list display
+or comprehension, ``list(...)``, or a name annotated ``list[...]``/``Sequence[...]``/
+``tuple[...]``); otherwise it becomes ``list(X)``: the same items the comprehension
+iterated, so a 2-D tensor gives its rows (``unbind(0)``) and a dict its keys.
 
-With ``style="tensor"`` the rewrite ends in ``.as_uint64_tensor()``, so the value keeps its
-type (a ``uint64`` tensor on D) and code that consumes it needs no change: a drop-in fix
-that still resolves aliases and checks registrations. With ``style="table"`` (default) the
-value becomes a typed ``PointerTable``; mypy then points at every consumer to update.
+A site is left alone (the finding stays, the reason is in :attr:`FixResult.refused`) when:
 
-Anything else (a filter in the comprehension, ``.to(device)`` after the call, extra
-keyword arguments) is left for a person: the finding stays.
+* the comprehension has a filter or arithmetic, or the call has other keyword arguments
+  (``pin_memory=``) or a ``.to(device)`` chain;
+* the enclosing function mentions a device other than CUDA/HIP (``npu``, ``xpu``, ``musa``,
+  ``mlu``, ``hpu``, ``mps``) or the module imports such a back-end (``torch_npu``, ...): the
+  pointerdomain builders raise there;
+* a consumer of the value would break with a ``PointerTable`` (``style="table"``):
+  arithmetic, indexing, a method other than ``as_uint64_tensor()``, an element of a list or
+  tuple (``torch.cat([t1, t2])``), or an argument of a ``torch``/``numpy`` call; with
+  ``style="tensor"`` the same consumers are refused when the original dtype was not
+  ``torch.uint64`` (the rewrite changes it).
+
+The builders are imported by name (``from pointerdomain import ...``) unless a name of the
+module already binds one of them to something else (sglang has its own
+``make_kernel_ptr_table``): then ``import pointerdomain as pd`` (or ``import pointerdomain``
+when ``pd`` is taken too) and qualified calls.
+
+:func:`check_fix` re-parses the result and runs mypy (``--check-untyped-defs``) on the
+file before and after; the CLI writes a file only when that check passes.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
+import sys
+import tempfile
+from pathlib import Path
 from typing import Literal
 
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
-from libcst.metadata import MetadataWrapper, ScopeProvider
+from libcst.metadata import (MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider,
+                             ScopeProvider)
 
-__all__ = ["FixResult", "FixStyle", "fix_source"]
+__all__ = ["FixCheck", "FixResult", "FixStyle", "check_fix", "fix_source"]
 
 FixStyle = Literal["table", "tensor"]
 _BUILDERS = frozenset({"torch.tensor", "torch.as_tensor"})
 _ALLOWED_KWARGS = frozenset({"dtype", "device"})
 _CPU = frozenset({"'cpu'", '"cpu"', "torch.device('cpu')", 'torch.device("cpu")'})
+_NAMES = ("make_kernel_ptr_table", "host_ptr_table")
+_OTHER_DEVICE = re.compile(r"\b(?:npu|xpu|musa|mlu|hpu|mps)\b|is_npu|is_xpu|is_musa|torch_npu|torch_musa")
+_OTHER_BACKEND_IMPORT = re.compile(r"^\s*(?:import|from)\s+(?:torch_npu|torch_musa|torch_mlu|habana_frameworks|"
+                                   r"intel_extension_for_pytorch)\b", re.M)
+_SEQUENCE_ANNOTATION = re.compile(r"^(?:typing\.)?(?:list|List|tuple|Tuple|Sequence|abc\.Sequence|"
+                                  r"collections\.abc\.Sequence)\b")
+# consumers of a table value that keep working with a PointerTable
+_TABLE_METHODS = frozenset({"as_uint64_tensor"})
+_TABLE_ATTRS = frozenset({"device", "domain", "layout"})
 
 
 @dataclasses.dataclass(frozen=True)
 class FixResult:
-    """The rewritten source and how many call sites were rewritten."""
+    """The rewritten source, how many call sites were rewritten, and the sites left alone
+    as ``(line, reason)``."""
 
     code: str
     fixes: int
+    refused: tuple[tuple[int, str], ...] = ()
 
 
 def _data_ptr_receiver(expr: cst.BaseExpression) -> cst.BaseExpression | None:
@@ -55,41 +88,179 @@ def _data_ptr_receiver(expr: cst.BaseExpression) -> cst.BaseExpression | None:
     return None
 
 
-def _tensors_expr(data: cst.BaseExpression) -> cst.BaseExpression | None:
-    """The tensors ``X`` of a rewritable table argument, or None."""
-    if isinstance(data, cst.ListComp):
-        comp = data.for_in
-        if comp.ifs or comp.inner_for_in is not None or comp.asynchronous is not None:
-            return None
-        recv = _data_ptr_receiver(data.elt)
-        if not (isinstance(comp.target, cst.Name) and isinstance(recv, cst.Name) and recv.value == comp.target.value):
-            return None
-        it = comp.iter
-        if isinstance(it, cst.Call) and not (isinstance(it.func, cst.Name) and it.func.value in ("list", "tuple")):
-            return cst.Call(cst.Name("list"), [cst.Arg(it)])
-        return it.with_changes(lpar=[], rpar=[]) if isinstance(it, (cst.Name, cst.Attribute)) else it
-    if isinstance(data, cst.List) and data.elements:
-        receivers = [_data_ptr_receiver(e.value) for e in data.elements]
-        if any(r is None or isinstance(e, cst.StarredElement) for r, e in zip(receivers, data.elements)):
-            return None
-        return cst.List([cst.Element(r) for r in receivers if r is not None])
-    return None
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node).strip()
 
 
 class _Rewriter(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (ScopeProvider,)
+    METADATA_DEPENDENCIES = (ScopeProvider, ParentNodeProvider, QualifiedNameProvider)
 
-    def __init__(self, context: CodemodContext, style: FixStyle) -> None:
+    def __init__(self, context: CodemodContext, style: FixStyle, module_code: str, qualified: str | None) -> None:
         super().__init__()
         self.context = context
         self.style = style
         self.fixes = 0
+        self.refused: list[tuple[int, str]] = []
+        self.qualified = qualified  # "pd" / "pointerdomain" when the plain names are taken
+        self.other_backend = _OTHER_BACKEND_IMPORT.search(module_code) is not None
+        self._functions: list[cst.FunctionDef] = []
+        self._lines: dict[int, int] = {}
+        self._attribute_nodes: dict[str, list[cst.CSTNode]] = {}
+
+    # -- context ------------------------------------------------------------------------
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self._functions.append(node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
+        self._functions.pop()
+        return updated_node
+
+    def _qualnames(self, node: cst.CSTNode) -> set[str]:
+        try:
+            return {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
+        except Exception:  # libcst raises on a few odd nodes; then the name is unknown
+            return set()
 
     def _is_builder(self, node: cst.Call) -> bool:
-        scope = self.get_metadata(ScopeProvider, node.func, None)
+        return bool(self._qualnames(node.func) & _BUILDERS)
+
+    def _bound_values(self, name: cst.Name) -> tuple[list[cst.BaseExpression], list[cst.BaseExpression]]:
+        """(values, annotations) bound to ``name`` where it is used."""
+        scope = self.get_metadata(ScopeProvider, name, None)
+        values: list[cst.BaseExpression] = []
+        annotations: list[cst.BaseExpression] = []
         if scope is None:
-            return False
-        return any(q.name in _BUILDERS for q in scope.get_qualified_names_for(node.func))
+            return values, annotations
+        for a in scope[name.value]:
+            node = getattr(a, "node", None)
+            if isinstance(node, cst.Param) and node.annotation is not None:
+                annotations.append(node.annotation.annotation)
+            parent = self.get_metadata(ParentNodeProvider, node, None) if node is not None else None
+            if isinstance(parent, cst.AnnAssign):
+                annotations.append(parent.annotation.annotation)
+                if parent.value is not None:
+                    values.append(parent.value)
+            elif isinstance(parent, cst.AssignTarget):
+                assign = self.get_metadata(ParentNodeProvider, parent, None)
+                if isinstance(assign, cst.Assign):
+                    values.append(assign.value)
+        return values, annotations
+
+    def _known_sequence(self, it: cst.BaseExpression) -> bool:
+        if isinstance(it, (cst.List, cst.ListComp, cst.Tuple)):
+            return True
+        if isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value in ("list", "tuple"):
+            return True
+        if isinstance(it, cst.Name):
+            values, annotations = self._bound_values(it)
+            if any(_SEQUENCE_ANNOTATION.match(_code(a)) for a in annotations):
+                return True
+            return bool(values) and all(self._known_sequence(v) for v in values)
+        return False
+
+    def _tensors_expr(self, data: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The tensors ``X`` of a rewritable table argument, or None."""
+        if isinstance(data, cst.ListComp):
+            comp = data.for_in
+            if comp.ifs or comp.inner_for_in is not None or comp.asynchronous is not None:
+                return None
+            recv = _data_ptr_receiver(data.elt)
+            if not (isinstance(comp.target, cst.Name) and isinstance(recv, cst.Name)
+                    and recv.value == comp.target.value):
+                return None
+            it = comp.iter
+            if self._known_sequence(it):
+                return it.with_changes(lpar=[], rpar=[]) if isinstance(it, (cst.Name, cst.Attribute)) else it
+            # a dict view, a generator, an attribute of unknown type, a 2-D tensor: the items
+            # the comprehension iterated (a tensor's rows), as a list
+            return cst.Call(cst.Name("list"), [cst.Arg(it.with_changes(lpar=[], rpar=[]))])
+        if isinstance(data, cst.List) and data.elements:
+            receivers = [_data_ptr_receiver(e.value) for e in data.elements]
+            if any(r is None or isinstance(e, cst.StarredElement) for r, e in zip(receivers, data.elements)):
+                return None
+            return cst.List([cst.Element(r) for r in receivers if r is not None])
+        return None
+
+    # -- consumers ----------------------------------------------------------------------
+
+    def _uses(self, call: cst.Call) -> list[cst.CSTNode] | None:
+        """The expressions that read the value of ``call``: the call itself when used inline,
+        the reads of the name or ``self.attr`` it is bound to. None: bound to something
+        this pass does not follow (a subscript, a tuple target)."""
+        parent = self.get_metadata(ParentNodeProvider, call, None)
+        if isinstance(parent, (cst.Assign, cst.AnnAssign)):
+            targets = [t.target for t in parent.targets] if isinstance(parent, cst.Assign) else [parent.target]
+            uses: list[cst.CSTNode] = []
+            for target in targets:
+                if isinstance(target, cst.Name):
+                    scope = self.get_metadata(ScopeProvider, target, None)
+                    if scope is None:
+                        return None
+                    for a in scope.assignments[target.value]:
+                        uses.extend(access.node for access in a.references)
+                elif isinstance(target, cst.Attribute):
+                    uses.extend(self._attribute_reads(_code(target)))
+                else:
+                    return None
+            return uses
+        return [call]
+
+    def _attribute_reads(self, dotted: str) -> list[cst.CSTNode]:
+        return [n for n in self._attribute_nodes.get(dotted, []) if not self._is_store(n)]
+
+    def _is_store(self, node: cst.CSTNode) -> bool:
+        parent = self.get_metadata(ParentNodeProvider, node, None)
+        return isinstance(parent, (cst.AssignTarget, cst.AnnAssign)) and getattr(parent, "target", None) is node
+
+    def _breaking_use(self, use: cst.CSTNode, uint64: bool) -> str | None:
+        """Why this read of the table value would break after the rewrite, or None."""
+        parent = self.get_metadata(ParentNodeProvider, use, None)
+        tensor_style = self.style == "tensor"
+        if isinstance(parent, (cst.Return, cst.Expr)) or parent is None:
+            return None
+        if isinstance(parent, cst.Attribute) and parent.value is use:
+            attr = parent.attr.value
+            if attr in _TABLE_METHODS or attr in _TABLE_ATTRS or tensor_style:
+                return None
+            return f"its value is used as a tensor (.{attr})"
+        if isinstance(parent, (cst.BinaryOperation, cst.AugAssign, cst.UnaryOperation)):
+            return None if tensor_style and uint64 else "arithmetic on its value"
+        if isinstance(parent, cst.Subscript):
+            return None if tensor_style else "its value is indexed"
+        if isinstance(parent, cst.Element):
+            return None if tensor_style and uint64 else "its value is put in a list or tuple (torch.cat of tables)"
+        if isinstance(parent, cst.Arg):
+            call = self.get_metadata(ParentNodeProvider, parent, None)
+            if isinstance(call, cst.Call):
+                roots = {q.split(".", 1)[0] for q in self._qualnames(call.func)}
+                if roots & {"torch", "numpy"} and not (tensor_style and uint64):
+                    return f"its value is passed to {_code(call.func)}()"
+            return None
+        if isinstance(parent, cst.Comparison):
+            return None
+        if isinstance(parent, (cst.Assign, cst.AnnAssign, cst.AssignTarget)):
+            return None  # re-bound: mypy (check_fix) follows it further
+        return None if tensor_style and uint64 else f"its value is used in a {type(parent).__name__}"
+
+    # -- the rewrite --------------------------------------------------------------------
+
+    def visit_Module(self, node: cst.Module) -> None:
+        index: dict[str, list[cst.CSTNode]] = collections.defaultdict(list)
+
+        class _Attrs(cst.CSTVisitor):
+            def visit_Attribute(self, n: cst.Attribute) -> None:
+                if isinstance(n.value, cst.Name) and n.value.value in ("self", "cls"):
+                    index[_code(n)].append(n)
+
+        node.visit(_Attrs())
+        self._attribute_nodes = dict(index)
+
+    def _refuse(self, node: cst.CSTNode, reason: str) -> None:
+        self.refused.append((self._line(node), reason))
+
+    def _line(self, node: cst.CSTNode) -> int:
+        return self._lines.get(id(node), 0)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not isinstance(original_node.func, (cst.Attribute, cst.Name)) or not original_node.args:
@@ -100,32 +271,145 @@ class _Rewriter(cst.CSTTransformer):
         kwargs = {a.keyword.value: a.value for a in original_node.args[1:] if a.keyword is not None}
         if len(kwargs) != len(original_node.args) - 1 or not set(kwargs) <= _ALLOWED_KWARGS:
             return updated_node
-        tensors = _tensors_expr(first.value)
+        tensors = self._tensors_expr(first.value)
         if tensors is None or not self._is_builder(original_node):
             return updated_node
+        # comments do not run: "keyed by device type ("npu"/"musa")" in a comment is no npu path
+        function_text = re.sub(r"#[^\n]*", "", _code(self._functions[-1])) if self._functions else ""
+        if self.other_backend or _OTHER_DEVICE.search(function_text):
+            self._refuse(original_node, "the code runs on a non-CUDA/HIP device (npu/xpu/musa/...) here, where the "
+                         "pointerdomain builders raise")
+            return updated_node
+        dtype = kwargs.get("dtype")
+        uint64 = dtype is not None and _code(dtype).endswith("uint64")
+        uses = self._uses(original_node)
+        if uses is None:
+            self._refuse(original_node, "its value is bound to a target the fix cannot follow")
+            return updated_node
+        for use in uses:
+            why = self._breaking_use(use, uint64)
+            if why is not None:
+                self._refuse(original_node, why)
+                return updated_node
         device = kwargs.get("device")
-        device_code = cst.Module([]).code_for_node(device).strip() if device is not None else ""
+        device_code = _code(device) if device is not None else ""
         if device is None or device_code in _CPU:
             name, args = "host_ptr_table", [cst.Arg(tensors)]
         else:
             name = "make_kernel_ptr_table"
             args = [cst.Arg(tensors, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), cst.Arg(device)]
-        AddImportsVisitor.add_needed_import(self.context, "pointerdomain", name)
+        func: cst.BaseExpression
+        if self.qualified is None:
+            AddImportsVisitor.add_needed_import(self.context, "pointerdomain", name)
+            func = cst.Name(name)
+        else:
+            if self.qualified == "pd":
+                AddImportsVisitor.add_needed_import(self.context, "pointerdomain", asname="pd")
+            else:
+                AddImportsVisitor.add_needed_import(self.context, "pointerdomain")
+            func = cst.Attribute(cst.Name(self.qualified), cst.Name(name))
         self.fixes += 1
-        call: cst.BaseExpression = cst.Call(cst.Name(name), args)
+        call: cst.BaseExpression = cst.Call(func, args)
         if self.style == "tensor":
             call = cst.Call(cst.Attribute(call, cst.Name("as_uint64_tensor")), [])
         return call
 
 
+def _taken_names(module: cst.Module) -> set[str]:
+    """Names of the module scope (and any function scope) bound to something other than
+    pointerdomain's own export."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    scopes = set(wrapper.resolve(ScopeProvider).values())
+    taken: set[str] = set()
+    for scope in scopes:
+        if scope is None:
+            continue
+        for name in (*_NAMES, "pd", "pointerdomain"):
+            for a in scope.assignments[name] if name in scope.assignments else ():
+                node = getattr(a, "node", None)
+                if isinstance(node, cst.ImportFrom) and _code(node.module or cst.Name("")) == "pointerdomain" \
+                        and name in _NAMES:
+                    continue  # already pointerdomain's
+                if isinstance(node, cst.Import) and name == "pointerdomain":
+                    continue
+                if isinstance(node, cst.Import) and name == "pd" and "pointerdomain as pd" in _code(node):
+                    continue
+                taken.add(name)
+    return taken
+
+
 def fix_source(source: str, style: FixStyle = "table") -> FixResult:
-    """Rewrite every fixable PD001 site in ``source``. Raises libcst.ParserSyntaxError
-    when ``source`` does not parse."""
+    """Rewrite every fixable PD001 site in ``source``; see the module docstring for what is
+    left alone. Raises libcst.ParserSyntaxError when ``source`` does not parse."""
     module = cst.parse_module(source)
+    taken = _taken_names(module)
+    qualified: str | None = None
+    if taken & set(_NAMES):
+        qualified = "pd" if "pd" not in taken else "pointerdomain"
     context = CodemodContext()
     wrapper = MetadataWrapper(module)
-    rewriter = _Rewriter(context, style)
+    rewriter = _Rewriter(context, style, source, qualified)
+    positions = wrapper.resolve(PositionProvider)
+    rewriter._lines = {id(n): p.start.line for n, p in positions.items() if isinstance(n, cst.Call)}
     fixed = wrapper.visit(rewriter)
     if rewriter.fixes:
         fixed = AddImportsVisitor(context).transform_module(fixed)
-    return FixResult(fixed.code, rewriter.fixes)
+    return FixResult(fixed.code, rewriter.fixes, tuple(rewriter.refused))
+
+
+@dataclasses.dataclass(frozen=True)
+class FixCheck:
+    """The verdict of :func:`check_fix`: ``ok`` when the fixed file parses and mypy reports
+    no error that the original did not have; ``new_errors`` lists those it did."""
+
+    ok: bool
+    new_errors: tuple[str, ...] = ()
+    reason: str = ""
+
+
+_MYPY_LINE = re.compile(r"^[^:]+:\d+(?::\d+)?: (?P<rest>(?:error|note): .*)$")
+
+
+def _mypy_messages(code: str, name: str, cache: Path | None) -> list[str] | None:
+    try:
+        from mypy import api
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / name
+        path.write_text(code, encoding="utf-8")
+        args = ["--check-untyped-defs", "--ignore-missing-imports", "--follow-imports=silent", "--no-error-summary",
+                "--show-error-codes", "--no-pretty", "--python-executable", sys.executable, str(path)]
+        if cache is not None:
+            args[:0] = ["--cache-dir", str(cache)]
+        out, err, _ = api.run(args)
+    msgs = []
+    for line in out.splitlines():
+        m = _MYPY_LINE.match(line)
+        if m and m.group("rest").startswith("error"):
+            msgs.append(m.group("rest"))
+    return msgs
+
+
+def check_fix(before: str, after: str, name: str = "module.py", cache: Path | None = None) -> FixCheck:
+    """Check a rewrite: ``after`` must parse (libcst and :func:`compile`) and mypy
+    (``--check-untyped-defs``, imports it cannot find treated as Any) must report no error
+    on it that it did not report on ``before`` (compared without line numbers, since the
+    fix adds an import). Refused when mypy is not installed."""
+    try:
+        cst.parse_module(after)
+        compile(after, name, "exec")
+    except (cst.ParserSyntaxError, SyntaxError) as exc:
+        return FixCheck(False, (), f"the fixed code does not parse: {exc}")
+    old = _mypy_messages(before, name, cache)
+    new = _mypy_messages(after, name, cache)
+    if old is None or new is None:
+        return FixCheck(False, (), "mypy is not installed (pip install mypy): the fix is checked with it")
+    remaining = collections.Counter(old)
+    added = []
+    for m in new:
+        if remaining[m]:
+            remaining[m] -= 1
+        else:
+            added.append(m)
+    return FixCheck(not added, tuple(added), "mypy reports new errors" if added else "")

@@ -17,7 +17,7 @@ from typing import cast
 
 import libcst as cst
 
-from pointerdomain.audit.autofix import FixStyle, fix_source
+from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source
 from pointerdomain.audit.baseline import write_baseline
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
 from pointerdomain.audit.engine import Progress, audit_paths, discover
@@ -44,13 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="record every current finding in FILE and exit 0")
     parser.add_argument("--select", help="comma-separated code prefixes to run (overrides the config)")
     parser.add_argument("--ignore", help="comma-separated code prefixes to skip (added to the config)")
-    parser.add_argument("--fix", action="store_true", help="rewrite fixable PD001 sites in place, then report")
-    parser.add_argument("--diff", action="store_true", help="with --fix: print the rewrite as a diff, write nothing")
+    parser.add_argument("--fix", action="store_true", help="rewrite fixable PD001 sites in place (each file checked: it re-parses and mypy "
+                        "--check-untyped-defs reports no new error), then report")
+    parser.add_argument("--diff", action="store_true", help="with --fix: print the checked rewrite as a diff, write nothing (a dry run)")
     parser.add_argument("--fix-style", choices=["table", "tensor"], default="table",
                         help="table: a typed PointerTable (default); tensor: ...as_uint64_tensor(), a drop-in tensor")
     parser.add_argument("--jobs", "-j", type=int, default=0, help="worker processes (default: config, else CPUs)")
-    parser.add_argument("--progress", choices=["auto", "bar", "none"], default="auto",
-                        help="progress bar on stderr (auto: only when stderr is a terminal)")
+    parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
+                        help="progress on stderr (auto: a bar on a terminal, else a line per 500 files)")
+    parser.add_argument("--max-file-kb", type=int, help="skip (and report) files larger than this (default: "
+                        "config max_file_kb, else 1024)")
+    parser.add_argument("--file-timeout", type=float, help="seconds per file before it is skipped and reported "
+                        "(default: config file_timeout, else 60)")
     parser.add_argument("--list-rules", action="store_true", help="print the rule catalogue and exit")
 
 
@@ -68,12 +73,16 @@ def _config(args: argparse.Namespace) -> AuditConfig:
         update["select"] = _codes(args.select)
     if args.ignore is not None:
         update["ignore"] = config.ignore + _codes(args.ignore)
+    if getattr(args, "max_file_kb", None) is not None:
+        update["max_file_kb"] = args.max_file_kb
+    if getattr(args, "file_timeout", None) is not None:
+        update["file_timeout"] = float(args.file_timeout)
     if update:
         try:
             config = AuditConfig.model_validate(config.model_dump() | update | {"root": config.root,
                                                                                   "source": config.source})
         except ValueError as exc:
-            raise ConfigError(f"--select/--ignore: {exc}") from None
+            raise ConfigError(f"--select/--ignore/--max-file-kb/--file-timeout: {exc}") from None
     return config
 
 
@@ -89,13 +98,21 @@ def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool
             result = fix_source(text, style)
         except cst.ParserSyntaxError:
             continue
+        rel = config.relative(path)
+        for line, reason in result.refused:
+            print(f"{rel}:{line}: not fixed: {reason}", file=sys.stderr)
         if not result.fixes:
+            continue
+        check = check_fix(text, result.code, path.name)
+        if not check.ok:
+            print(f"{rel}: {result.fixes} fix(es) refused: {check.reason}", file=sys.stderr)
+            for message in check.new_errors:
+                print(f"    {message}", file=sys.stderr)
             continue
         total += result.fixes
         if diff:
             sys.stdout.writelines(difflib.unified_diff(text.splitlines(keepends=True),
-                                                       result.code.splitlines(keepends=True),
-                                                       f"a/{config.relative(path)}", f"b/{config.relative(path)}"))
+                                                       result.code.splitlines(keepends=True), f"a/{rel}", f"b/{rel}"))
         else:
             path.write_text(result.code, encoding="utf-8")
     print(f"pointerdomain audit --fix: {total} site(s) {'would be ' if diff else ''}rewritten", file=sys.stderr)
@@ -136,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pointerdomain audit: wrote {len(result.findings)} finding(s) to {args.write_baseline}", file=sys.stderr)
         return EXIT_CLEAN
     summary = Summary(result.files, len(result.new), len(result.baselined), result.suppressed, result.stale,
-                      result.seconds)
-    report = render(cast(Format, args.format), result.new, summary, _VERSION)
+                      result.seconds, len(result.skipped))
+    report = render(cast(Format, args.format), result.new, summary, _VERSION, result.per_file)
     if args.output is not None:
         args.output.write_text(report, encoding="utf-8")
         print(summary.line(), file=sys.stderr)

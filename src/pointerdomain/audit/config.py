@@ -13,6 +13,8 @@ Keys (all optional)::
     baseline = "audit-baseline.json"    # findings recorded here do not fail (relative to the config file)
     jobs = 0                            # worker processes; 0 = os.cpu_count()
     cpp = true                          # run the PD1xx pass on .cpp/.cc/.cu/.cuh/.h/.hpp files
+    max_file_kb = 1024                  # larger files (generated kernels, tables) are skipped and reported
+    file_timeout = 60.0                 # seconds per file; a file past it is reported as skipped
 
 Unknown keys and wrong types are errors (exit status 2), not silently ignored.
 """
@@ -26,7 +28,7 @@ from typing import Any
 
 import pydantic
 
-from pointerdomain.audit.rules import RULES
+from pointerdomain.audit.rules import OPT_IN, RULES
 from pointerdomain.validated import ValidatedModel
 
 if sys.version_info >= (3, 11):
@@ -60,6 +62,8 @@ class AuditConfig(ValidatedModel, frozen=True):
     baseline: str | None = None
     jobs: int = pydantic.Field(default=0, ge=0)
     cpp: bool = True
+    max_file_kb: int = pydantic.Field(default=1024, gt=0)
+    file_timeout: float = pydantic.Field(default=60.0, gt=0)
     root: Path = pydantic.Field(default_factory=Path.cwd, exclude=True)
     source: Path | None = pydantic.Field(default=None, exclude=True)
 
@@ -79,9 +83,12 @@ class AuditConfig(ValidatedModel, frozen=True):
         return v
 
     def enabled(self) -> frozenset[str]:
-        """The codes that run: ``select`` (default all) minus ``ignore``. PD900 (a
-        suppression with no reason) cannot be ignored."""
-        selected = {c for c in RULES if not self.select or any(c.startswith(p) for p in self.select)}
+        """The codes that run: ``select`` (default all) minus ``ignore``. An opt-in rule
+        (:data:`~pointerdomain.audit.rules.OPT_IN`) runs only when ``select`` names its
+        full code. PD900 (a suppression with no reason) cannot be ignored."""
+        selected = {c for c in RULES if (c not in OPT_IN and (not self.select or any(c.startswith(p)
+                                                                                     for p in self.select)))
+                    or c in self.select}
         selected -= {c for c in RULES if any(c.startswith(p) for p in self.ignore)}
         return frozenset(selected | {"PD900"})
 

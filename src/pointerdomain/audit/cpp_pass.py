@@ -39,7 +39,8 @@ _ADDR_NAME_RE = re.compile(r"(?i)^(?!num_|n_)\w*(?:ptr|ptrs|addr|addrs|address|a
 # A table of addresses is named in the plural (`key_cache_ptrs`); `*_ptr` alone names any typed pointer.
 _TABLE_NAME_RE = re.compile(r"(?i)^\w*(?:ptrs|addrs|pointers|addresses|ptr_table|addr_table)\w*$")
 # Opaque handles held as integers are not memory addresses a kernel dereferences.
-_HANDLE_NAME_RE = re.compile(r"(?i)(?:stream|handle|event|comm|fd\b|_fn\b)")
+_HANDLE_NAME_RE = re.compile(r"(?i)(?:stream|handle|event|comm|fd\b|_fn\b|reqh|backend|mvh|_side\b|^side_|agent|"
+                             r"\bh_|_h\b|key\b|_id\b|^id_)")
 
 _DATA_PTR_INT = re.compile(r"\b(?:mutable_|const_)?data_ptr\s*<\s*(?:std::)?(?P<t>u?intptr_t|u?int64_t)\s*>\s*\(\s*\)")
 _REINTERPRET = re.compile(r"\breinterpret_cast\s*<(?P<t>[^<>;]*(?:<[^<>;]*>[^<>;]*)?)>\s*\(")
@@ -52,7 +53,15 @@ _INT_PTR_DECL = re.compile(
     rf"\b{_INT_T}\s*(?:const\s*)?(?:\*+\s*(?:const\s+|__restrict__\s+)?(?P<name>\w+)|\s+(?P<arr>\w+)\s*\[)"
     rf"|vector\s*<\s*{_INT_T}\s*>\s*&?\s*(?P<vec>\w+)"
 )
-_PTR_ARRAY_DECL = re.compile(r"\*\s*(?P<name>\w+)\s*\[")
+# `void* ptrs[N]`, and `void** ptrs` / `T** ptrs` (parameters and members): arrays of typed pointers
+_PTR_ARRAY_DECL = re.compile(r"\*\s*(?P<name>\w+)\s*\[|\*\s*(?:const\b\s*|__restrict__\b\s*)?\*\s*"
+                             r"(?:const\b\s*|__restrict__\b\s*)?(?P<pp>\w+)\b"
+                             r"|(?:array|vector)\s*<\s*[\w:]+(?:\s+const)?\s*\*+\s*(?:const\s*)?(?:,[^>]*)?>\s*&?\s*(?P<arr>\w+)")
+_DEVICE_CODE = re.compile(r"__global__|__device__")
+# `const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr())`: the ends of a range for an overlap check
+_RANGE_NAME = re.compile(r"(?i)^(?:begin|end|start|stop|lo|hi|lower|upper|first|last)\w*$|\w*_(?:begin|end|start|lo|hi)$")
+# a host statement that hands the pointer to device code: a CUDA/HIP runtime call, a launch, kernel params
+_TO_DEVICE = re.compile(r"\b(?:cuda|hip)[A-Z]\w*\s*\(|\bcu[A-Z]\w*\s*\(|<<<|\bparams?\b|\bargs\.|ipc|peer")
 _TABLE_INDEX = re.compile(r"\s*(?P<name>\w+)\s*\[")
 _INT_TYPE_ONLY = re.compile(rf"^\s*(?:const\s+)?{_INT_T}\s*$")
 
@@ -155,7 +164,8 @@ def _balanced_arg(code: str, open_paren: int) -> str:
 def _sites(code: str) -> Iterator[tuple[int, str, str]]:
     """(offset, code, message) for each site in comment-free ``code``."""
     int_tables = {m.group("name") or m.group("arr") or m.group("vec") for m in _INT_PTR_DECL.finditer(code)}
-    pointer_arrays = {m.group("name") for m in _PTR_ARRAY_DECL.finditer(code)} - int_tables
+    pointer_arrays = {m.group("name") or m.group("pp") or m.group("arr")
+                      for m in _PTR_ARRAY_DECL.finditer(code)} - int_tables
     for m in _DATA_PTR_INT.finditer(code):
         t = m.group("t")
         # `int64_t* key_ptrs = key_ptrs_t.data_ptr<int64_t>()`: the receiver and the bound name
@@ -171,8 +181,11 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
         if re.search(r"\bdata_ptr\s*(?:<[^>]*>)?\s*\(", arg):
             rest = code[m.end() - 1 + len(arg) + 2: m.end() + len(arg) + 40].lstrip()
             bound = re.search(r"(\w+)\s*=\s*$", code[max(0, m.start() - 80): m.start()])
-            alignment = rest.startswith("%") or (rest.startswith("&") and not rest.startswith("&&")) or (
-                bound is not None and re.search(rf"\b{bound.group(1)}\s*(?:%|&(?!&))", code) is not None)
+            before = code[max(0, m.start() - 40): m.start()].rstrip()
+            alignment = rest.startswith(("%", "|")) or (rest.startswith("&") and not rest.startswith("&&")) or (
+                before.endswith("|") and not before.endswith("||")) or (
+                bound is not None and (re.search(rf"\b{bound.group(1)}\s*(?:%|&(?!&))", code) is not None
+                                       or _RANGE_NAME.match(bound.group(1)) is not None))
             if target.replace(" ", "").endswith("**") or (_INT_TYPE_ONLY.match(target) and not alignment):
                 kind = "a pointer table" if target.replace(" ", "").endswith("**") else "an integer"
                 yield m.start(), "PD102", f"reinterpret_cast<{target}> of data_ptr() reads it as {kind}"
@@ -181,8 +194,18 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
         table = idx.group("name") if idx else ""
         if idx and target.rstrip().endswith("*") and (table in int_tables or (
                 _TABLE_NAME_RE.match(table) and table not in pointer_arrays)):
-            yield m.start(), "PD104", f"integer {idx.group('name')}[...] cast to {target}: the table must hold " \
-                "device aliases"
+            if _DEVICE_CODE.search(code, max(0, m.start() - 4000), m.start()):
+                yield m.start(), "PD104", f"integer {table}[...] cast to {target} in device code: the table must " \
+                    "hold device aliases"
+            else:
+                stmt = code[max(code.rfind(";", 0, m.start()), code.rfind("{", 0, m.start())) + 1:
+                            code.find(";", m.start()) + 1]
+                if _TO_DEVICE.search(stmt):
+                    yield m.start(), "PD104", f"integer {table}[...] cast to {target} in host code and handed to " \
+                        "the GPU runtime or a kernel's parameters: the table must hold device addresses"
+                else:
+                    yield m.start(), "PD104", f"integer {table}[...] cast to {target} in host code: a table read " \
+                        "on the CPU must hold host VAs"
     for m in _C_CAST_INT.finditer(code):
         yield m.start(), "PD102", "C-style integer cast of data_ptr()"
     for m in _INT_DECL.finditer(code):
@@ -207,5 +230,9 @@ def audit_cpp_source(path: str, text: str, enabled: frozenset[str]) -> list[Find
         seen.add((offset, rule_code))
         line, col = lines.pos(offset)
         snippet = src_lines[line - 1].strip() if 0 < line <= len(src_lines) else ""
-        out.append(Finding(path, line, col, rule_code, message, RULES[rule_code].fix, snippet))
+        fix = RULES[rule_code].fix
+        if rule_code == "PD104" and "host code:" in message:
+            fix = ("a table read on the CPU holds host VAs: build it with host_ptr_table (PointerTable[HostVA]); "
+                   "only a table read by kernels holds device aliases (make_kernel_ptr_table)")
+        out.append(Finding(path, line, col, rule_code, message, fix, snippet))
     return sorted(out)

@@ -4,8 +4,9 @@ per-file ignores and the baseline.
 Files are audited in a :mod:`multiprocessing` pool (``fork`` from the CLI; see
 ``_results`` for when the forkserver is used instead); trees of fewer than
 ``_SERIAL_BELOW`` candidate files run in-process, where a pool costs more than it
-saves. Progress goes to stderr through rich, only when stderr is a terminal (or when
-asked for).
+saves. Progress goes to stderr: a rich bar when stderr is a terminal, else a line every
+``_LINE_EVERY`` files. A file above ``max_file_kb`` is not read, one that runs past
+``file_timeout`` seconds is abandoned; both are reported as skipped, and the run goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -27,10 +29,23 @@ from pointerdomain.audit.python_pass import PythonRules, audit_python_source
 from pointerdomain.audit.rules import RULES, Finding
 from pointerdomain.audit.suppressions import apply_suppressions, python_comments
 
-__all__ = ["AuditRun", "Progress", "audit_file", "audit_paths", "discover"]
+__all__ = ["AuditRun", "FileResult", "Progress", "audit_file", "audit_paths", "discover"]
 
-Progress = Literal["auto", "bar", "none"]
+Progress = Literal["auto", "bar", "lines", "none"]
 _SERIAL_BELOW = 48
+_LINE_EVERY = 500
+
+
+@dataclasses.dataclass(frozen=True)
+class FileResult:
+    """One file's outcome: its findings (suppressions applied), the number suppressed, the
+    seconds spent on it, and why it was skipped (None when it was audited)."""
+
+    path: str
+    findings: tuple[Finding, ...]
+    suppressed: int
+    seconds: float
+    skipped: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +60,12 @@ class AuditRun:
     suppressed: int
     stale: int
     seconds: float
+    per_file: tuple[FileResult, ...] = ()
+
+    @property
+    def skipped(self) -> tuple[FileResult, ...]:
+        """Files not audited: above the size cap, or past the per-file timeout."""
+        return tuple(r for r in self.per_file if r.skipped is not None)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -102,6 +123,43 @@ def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None
     return sorted(kept), suppressed
 
 
+class _FileTimeout(Exception):
+    pass
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise _FileTimeout
+
+
+def timed_audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None) -> FileResult:
+    """:func:`audit_file` with the size cap and the per-file timeout of ``config`` applied,
+    and the time taken. The timeout needs SIGALRM and the main thread (the CLI and the pool
+    workers); elsewhere a file runs to its end."""
+    rel = config.relative(path)
+    t0 = time.perf_counter()
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0  # audit_file reports the unreadable file
+    if size > config.max_file_kb * 1024:
+        return FileResult(rel, (), 0, 0.0, f"{size / 1024:.0f} KiB, above max_file_kb = {config.max_file_kb}")
+    armed = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    previous = None
+    if armed:
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, config.file_timeout)
+    try:
+        found, suppressed = audit_file(path, config, rules)
+    except _FileTimeout:
+        return FileResult(rel, (), 0, time.perf_counter() - t0,
+                          f"not finished within file_timeout = {config.file_timeout:g} s")
+    finally:
+        if armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return FileResult(rel, tuple(found), suppressed, time.perf_counter() - t0)
+
+
 # -- the pool -------------------------------------------------------------------------------
 
 _worker_config: AuditConfig | None = None
@@ -112,16 +170,16 @@ def _init_worker(config: AuditConfig) -> None:
     _worker_config = config
 
 
-def _work(path: Path) -> tuple[list[Finding], int]:
+def _work(path: Path) -> FileResult:
     assert _worker_config is not None
-    return audit_file(path, _worker_config)
+    return timed_audit_file(path, _worker_config)
 
 
-def _results(files: Sequence[Path], config: AuditConfig, jobs: int) -> Iterator[tuple[list[Finding], int]]:
+def _results(files: Sequence[Path], config: AuditConfig, jobs: int) -> Iterator[FileResult]:
     if jobs <= 1 or len(files) < _SERIAL_BELOW:
         rules = PythonRules(config.enabled(), frozenset(config.kernel_ops))
         for f in files:
-            yield audit_file(f, config, rules)
+            yield timed_audit_file(f, config, rules)
         return
     # `fork` starts workers in milliseconds and is what the CLI uses (it imports no torch and
     # runs no threads). In a process with torch loaded or threads running (pytest, a
@@ -136,14 +194,34 @@ def _results(files: Sequence[Path], config: AuditConfig, jobs: int) -> Iterator[
         if "forkserver" in methods:
             ctx.set_forkserver_preload([__name__])
     # Big files first, so the last worker to finish is not the one holding the largest file.
-    order = sorted(files, key=lambda f: -f.stat().st_size)
+    order = sorted(files, key=lambda f: -_size(f))
     with ctx.Pool(jobs, initializer=_init_worker, initargs=(config,)) as pool:
         yield from pool.imap_unordered(_work, order, chunksize=4)
 
 
-def _progress(items: Iterable[tuple[list[Finding], int]], total: int, mode: Progress) -> Iterable[tuple[list[Finding], int]]:
-    if mode == "none" or (mode == "auto" and not sys.stderr.isatty()):
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _lines(items: Iterable[FileResult], total: int, every: int) -> Iterator[FileResult]:
+    t0 = time.perf_counter()
+    done = 0
+    for r in items:
+        done += 1
+        if done % every == 0 or done == total:
+            print(f"pointerdomain audit: {done}/{total} files, {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
+        yield r
+
+
+def _progress(items: Iterable[FileResult], total: int, mode: Progress) -> Iterable[FileResult]:
+    if mode == "none":
         return items
+    if mode == "lines" or (mode == "auto" and not sys.stderr.isatty()):
+        return _lines(items, total, _LINE_EVERY)
     from rich.console import Console  # only when drawn: rich's import is not free
     from rich.progress import track
 
@@ -165,9 +243,13 @@ def audit_paths(paths: Sequence[Path], config: AuditConfig, *, jobs: int | None 
     n_jobs = jobs if jobs else (config.jobs or os.cpu_count() or 1)
     findings: list[Finding] = []
     suppressed = 0
-    for found, n_sup in _progress(_results(files, config, n_jobs), len(files), progress):
-        findings.extend(found)
-        suppressed += n_sup
+    per_file: list[FileResult] = []
+    for r in _progress(_results(files, config, n_jobs), len(files), progress):
+        findings.extend(r.findings)
+        suppressed += r.suppressed
+        per_file.append(r)
     findings.sort()
+    per_file.sort(key=lambda r: r.path)
     new, old, stale = split_baselined(findings, known) if known is not None else (findings, [], 0)
-    return AuditRun(len(files), tuple(new), tuple(old), suppressed, stale, time.perf_counter() - t0)
+    return AuditRun(len(files), tuple(new), tuple(old), suppressed, stale, time.perf_counter() - t0,
+                    tuple(per_file))

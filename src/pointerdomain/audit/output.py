@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pointerdomain.audit.baseline import fingerprints
+from pointerdomain.audit.engine import FileResult
 from pointerdomain.audit.rules import RULES, Finding
 
 __all__ = ["FORMATS", "Format", "Summary", "render"]
@@ -29,7 +30,7 @@ SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 @dataclasses.dataclass(frozen=True)
 class Summary:
     """Counts for a run: files read, new / baselined findings, suppressed findings,
-    stale baseline entries, wall time in seconds."""
+    stale baseline entries, wall time in seconds, files skipped (size cap, timeout)."""
 
     files: int
     new: int
@@ -37,26 +38,31 @@ class Summary:
     suppressed: int
     stale: int
     seconds: float
+    skipped: int = 0
 
     def line(self) -> str:
         return (f"pointerdomain audit: {self.new} new finding(s), {self.baselined} baselined, "
                 f"{self.suppressed} suppressed, in {self.files} file(s), {self.seconds:.1f} s"
+                + (f"; {self.skipped} file(s) skipped" if self.skipped else "")
                 + (f"; {self.stale} baseline entr{'y' if self.stale == 1 else 'ies'} no longer found"
                    if self.stale else ""))
 
 
-def _text(findings: Sequence[Finding], summary: Summary) -> str:
+def _text(findings: Sequence[Finding], summary: Summary, per_file: Sequence[FileResult]) -> str:
     lines = [f"{f.path}:{f.line}:{f.col}: {f.code} {f.message}\n    fix: {f.fix}" for f in findings]
+    lines += [f"{r.path}: skipped: {r.skipped}" for r in per_file if r.skipped is not None]
     return "\n".join([*lines, summary.line()]) + "\n"
 
 
-def _json(findings: Sequence[Finding], summary: Summary, version: str) -> str:
+def _json(findings: Sequence[Finding], summary: Summary, version: str, per_file: Sequence[FileResult]) -> str:
     items = [{"path": f.path, "line": f.line, "col": f.col, "end_line": f.end_line or f.line,
               "end_col": f.end_col or f.col, "code": f.code, "rule": f.rule.name, "level": f.rule.level,
               "message": f.message, "fix": f.fix, "snippet": f.snippet, "fingerprint": fp}
              for f, fp in zip(findings, fingerprints(findings))]
+    files = [{"path": r.path, "seconds": round(r.seconds, 4), "findings": len(r.findings), "skipped": r.skipped}
+             for r in per_file]
     return json.dumps({"tool": "pointerdomain-audit", "version": version, "findings": items,
-                       "summary": dataclasses.asdict(summary)}, indent=1) + "\n"
+                       "files": files, "summary": dataclasses.asdict(summary)}, indent=1) + "\n"
 
 
 def _sarif(findings: Sequence[Finding], version: str) -> str:
@@ -86,10 +92,12 @@ def _sarif(findings: Sequence[Finding], version: str) -> str:
     return json.dumps(log, indent=1) + "\n"
 
 
-def render(fmt: Format, findings: Sequence[Finding], summary: Summary, version: str) -> str:
-    """The report of ``findings`` (the new ones) in format ``fmt``."""
+def render(fmt: Format, findings: Sequence[Finding], summary: Summary, version: str,
+           per_file: Sequence[FileResult] = ()) -> str:
+    """The report of ``findings`` (the new ones) in format ``fmt``. ``per_file`` adds each
+    file's time and skip reason (JSON ``files``; skipped files as lines of the text report)."""
     if fmt == "json":
-        return _json(findings, summary, version)
+        return _json(findings, summary, version, per_file)
     if fmt == "sarif":
         return _sarif(findings, version)
-    return _text(findings, summary)
+    return _text(findings, summary, per_file)

@@ -24,7 +24,8 @@ from collections.abc import Iterable, Sequence
 
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
-from libcst.metadata import Assignment, CodeRange, MetadataWrapper, PositionProvider, Scope, ScopeProvider
+from libcst.metadata import (Assignment, CodeRange, MetadataWrapper, PositionProvider, QualifiedNameSource, Scope,
+                             ScopeProvider)
 
 from pointerdomain.audit.rules import RULES, Finding
 
@@ -33,7 +34,7 @@ __all__ = ["PythonRules", "audit_python_source", "slice_source", "trigger_words"
 _BASE_TRIGGERS = (
     "data_ptr", "HostRegister", "HostUnregister", "hostRegister", "register_memory", "register_buffer",
     "deregister_memory", "transfer_sync", "transfer_submit", "transfer_async", "transfer_read_on", "transfer_write_on",
-    "xfer_desc", "reg_desc", "xfer_dlist", "pointer_type", "c_void_p", "addressof",
+    "xfer_desc", "reg_desc", "xfer_dlist", "pointer_type", "c_void_p", "addressof", "ctypes.data",
     # constructors of transfer-engine objects, so `self.engine = TransferEngine()` is analysed
     "TransferEngine", "nixl_agent", "MooncakeDistributedStore",
 )
@@ -68,10 +69,30 @@ _POINTERDOMAIN_TABLE_CALLS = frozenset({
     "pointerdomain.registration.tables.make_kernel_ptr_table", "pointerdomain.registration.tables.host_ptr_table",
 })
 _TABLE_ATTRS = frozenset({"kernel_table", "host_table", "table"})
-_HANDLE_WORDS = re.compile(r"(?i)stream|handle|event|module|func|ctx|context|comm|graph")
-_GPU_ENTRY = re.compile(r"^(cuda[A-Z]|cu[A-Z]|hip[A-Z])")
+_HANDLE_WORDS = re.compile(r"(?i)stream|handle|event|module|func|ctx|context|comm|graph|reqh|backend|mvh|_side\b|"
+                           r"agent|\bfd\b|library|lib\b")
+_GPU_ENTRY = re.compile(r"^(cuda[A-Z]|cu[A-Z]|hip[A-Z]|nccl[A-Z]|hccl[A-Z]|Hccl[A-Z]|acl[a-z]*[A-Z]|rccl[A-Z])")
+# PD008: callables that take an int for what it is (formatting, containers, logging, checks), and
+# the one-argument ctypes/handle wrappers whose result is checked at the call that receives it.
+_NOT_NATIVE = frozenset({
+    "int", "hex", "str", "repr", "format", "print", "hash", "id", "len", "min", "max", "abs", "divmod", "sorted",
+    "set", "list", "tuple", "dict", "frozenset", "isinstance", "append", "extend", "insert", "add", "get", "pop",
+    "setdefault", "index", "count", "remove", "discard", "update", "join", "debug", "info", "warning", "warn",
+    "error", "exception", "critical", "write", "range", "enumerate", "zip", "map", "filter", "any", "all",
+    "round", "bool", "float", "super", "append_left", "appendleft", "add_note", "fail", "skipTest", "__init__",
+    "tensor", "as_tensor", "asarray", "array", "fromiter", "Tensor", "LongTensor", "full", "empty", "zeros",
+    "data_ptr", "item", "to_bytes", "from_bytes", "pack", "pack_into", "dumps", "setattr", "getattr", "type",
+    "itemgetter", "sum", "next", "iter", "reversed", "hasattr", "callable", "bin", "oct", "chr", "ord",
+})
+_NOT_NATIVE_RECEIVERS = frozenset({"logger", "logging", "log", "LOG", "LOGGER", "_logger", "math", "os", "sys"})
+_WRAPPERS = frozenset({"c_void_p", "c_uint64", "c_int64", "c_size_t", "c_ulonglong", "c_longlong", "buffer_type",
+                       "c_char_p", "cast", "POINTER", "pointer"})
+# Python-level APIs that take an int as an int (PD008 looks for native code that dereferences it).
+_PY_ROOTS = frozenset({"torch", "numpy", "builtins", "math", "os", "sys", "struct", "pickle", "json", "logging",
+                       "itertools", "functools", "operator", "collections", "typing", "warnings", "time",
+                       "pytest", "unittest", "dataclasses", "weakref", "threading", "multiprocessing"})
 _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
-_MAX_DEPTH = 6
+_MAX_DEPTH = 16
 
 
 def _is_triton_jit(qualname: str) -> bool:
@@ -121,7 +142,9 @@ def _names(node: ast.AST) -> tuple[set[str], set[str]]:
     stores: set[str] = set()
     loads: set[str] = set()
     for n in ast.walk(node):
-        if isinstance(n, ast.Name):
+        if isinstance(n, ast.alias):  # a function-level import binds the name it imports
+            stores.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, ast.Name):
             (stores if isinstance(n.ctx, ast.Store) else loads).add(n.id)
         elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
             if isinstance(n.ctx, ast.Store):
@@ -129,6 +152,16 @@ def _names(node: ast.AST) -> tuple[set[str], set[str]]:
             else:
                 loads.add(f"{n.value.id}.{n.attr}")
     return stores, loads
+
+
+_DSL_KERNEL = re.compile(r"\bcute\b.*\b(?:kernel|jit)\b")
+
+
+def _device_dsl_kernel(node: ast.stmt) -> bool:
+    """A CuTe DSL function (``@cute.kernel``, ``@cute.experimental.kernel``, ``@cute.jit``):
+    its ``x.data_ptr()`` is a typed pointer of the DSL (shared memory, a DSL tensor), not an
+    integer, and arithmetic on it stays typed."""
+    return any(_DSL_KERNEL.search(ast.unparse(d)) for d in getattr(node, "decorator_list", []))
 
 
 def slice_source(source: str, triggers: Sequence[str]) -> str:
@@ -162,8 +195,20 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
         body = fn.body
         if body[0].lineno == fn.lineno:
             return  # a one-line def: keep as is
-        info = [(st, _has_trigger(segment(st), triggers), *_names(st)) for st in body]
+        # A nested def or class is its own scope: sliced on its own when it holds a trigger,
+        # dropped otherwise, and outside this body's data flow (a factory function holding
+        # a whole module of classes was analysed whole: 2,700 lines kept for one data_ptr()).
+        nested = [isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for st in body]
+        info = [(st, not inner and _has_trigger(segment(st), triggers), *(_names(st) if not inner else (set(), set())))
+                for st, inner in zip(body, nested)]
         kept = [seed for _, seed, _, _ in info]
+        for i, st in enumerate(body):
+            if nested[i] and _has_trigger(segment(st), triggers) and not _device_dsl_kernel(st):
+                kept[i] = True
+                if isinstance(st, ast.ClassDef):
+                    visit_body(st.body, False)
+                elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    visit_function(st)
         tainted: set[str] = set()
         needed: set[str] = set()
         for (_, seed, stores, loads) in info:
@@ -174,7 +219,7 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
         while changed:
             changed = False
             for i, (_, _, stores, loads) in enumerate(info):
-                if not kept[i] and (loads & tainted or stores & needed):
+                if not kept[i] and not nested[i] and (loads & tainted or stores & needed):
                     kept[i] = changed = True
                     tainted |= stores
                     needed |= loads
@@ -185,7 +230,9 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
     def visit_body(body: Sequence[ast.stmt], module_level: bool) -> None:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if _has_trigger(segment(node), triggers):
+                if _device_dsl_kernel(node):
+                    drop.append(node)
+                elif _has_trigger(segment(node), triggers):
                     visit_function(node)
                 else:
                     drop.append(node)
@@ -232,6 +279,10 @@ class _Collector(cst.CSTVisitor):
     """First pass: the value bound by each ``name = value`` / ``self.x = value``."""
 
     def __init__(self) -> None:
+        # (receiver, element) for `x.append(v)`, `x.insert(i, v)`, `x.add(v)`, `x[k] = v`;
+        # (receiver, collection) for `x.extend(v)`: a container filled after it was bound empty
+        self.stores: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []
+        self.extends: list[tuple[cst.BaseExpression, cst.BaseExpression]] = []
         self.values: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> value
         self.annotations: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> annotation
         self.attrs: dict[str, list[cst.BaseExpression]] = {}  # "self.x" -> values
@@ -255,10 +306,46 @@ class _Collector(cst.CSTVisitor):
             if len(target.elements) == len(value.elements):
                 for t, v in zip(target.elements, value.elements):
                     self._bind(t.value, v.value)
+        elif isinstance(target, (cst.Tuple, cst.List)) and value is not None:
+            # `addrs, lens = zip(*pairs)`: each name is a column of `pairs`; `a, n = pair`: an element
+            column = value
+            if isinstance(value, cst.Call) and _call_name(value) == "zip" and len(value.args) == 1 \
+                    and value.args[0].star == "*":
+                column = cst.List([cst.Element(_element_of(value.args[0].value))])
+                for t in target.elements:
+                    self._bind(t.value, column)
+                return
+            for t in target.elements:
+                self._bind(t.value, _element_of(column))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
             self._bind(t.target, node.value)
+            if isinstance(t.target, cst.Subscript):
+                self.stores.append((t.target.value, node.value))
+
+    def visit_For(self, node: cst.For) -> None:
+        # `for t in X`: t is an element of X; `for a, n in X`: each name an element of an element;
+        # `for a, n in zip(A, N)`: a an element of A, n of N; `for i, t in enumerate(X)`: t of X
+        it, target = node.iter, node.target
+        if isinstance(target, (cst.Tuple, cst.List)) and isinstance(it, cst.Call) and not any(a.star for a in it.args):
+            name = _call_name(it)
+            if name == "zip" and len(it.args) == len(target.elements):
+                for t, a in zip(target.elements, it.args):
+                    self._bind(t.value, _element_of(a.value))
+                return
+            if name == "enumerate" and it.args and len(target.elements) == 2:
+                self._bind(target.elements[1].value, _element_of(it.args[0].value))
+                return
+        self._bind(target, _element_of(it))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Attribute) and node.args:
+            method = node.func.attr.value
+            if method in ("append", "add", "insert", "appendleft"):
+                self.stores.append((node.func.value, node.args[-1].value))
+            elif method == "extend":
+                self.extends.append((node.func.value, node.args[-1].value))
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         self._bind(node.target, node.value, node.annotation.annotation)
@@ -267,13 +354,38 @@ class _Collector(cst.CSTVisitor):
         self._bind(node.target, node.value)
 
 
+def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """A stand-in expression for one element of ``expr`` (``expr[0]``): the rules read an
+    element of an address collection as an address."""
+    return cst.Subscript(expr, [cst.SubscriptElement(cst.Index(cst.Integer("0")))])
+
+
+# what makes a tuple holding an address a tensor's identity (a cache key) rather than a descriptor
+_IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\bid\(|\.is_inference\(")
+
+
+def _is_host_struct_address(expr: cst.BaseExpression) -> bool:
+    """``ctypes.addressof(x)`` / ``ctypes.byref(x)``: the address of a ctypes object in host memory."""
+    return isinstance(expr, cst.Call) and _call_name(expr) in ("addressof", "byref")
+
+
+def _code_of(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node).strip()
+
+
 def _call_name(node: cst.Call) -> str | None:
-    """The last component of the called name (``a.b.c(...)`` -> ``c``)."""
+    """The last component of the called name (``a.b.c(...)`` -> ``c``; ``lib._funcs["ncclSend"](...)``
+    -> ``ncclSend``)."""
     func = node.func
     if isinstance(func, cst.Attribute):
         return func.attr.value
     if isinstance(func, cst.Name):
         return func.value
+    if isinstance(func, cst.Subscript) and len(func.slice) == 1:
+        index = func.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString):
+            value = index.value.evaluated_value
+            return value if isinstance(value, str) and value.isidentifier() else None
     return None
 
 
@@ -303,6 +415,13 @@ class _Auditor(cst.CSTVisitor):
         self._covered: set[int] = set()  # nodes already reported as part of another finding
         self._device_chain: dict[int, cst.Call] = {}  # id(inner table call) -> `.to(dev)` / `.cuda()` call
         self._triton_depth = 0
+        self._fill_index: dict[tuple[int, str], tuple[list[cst.BaseExpression], list[cst.BaseExpression]]] | None \
+            = None
+        self._assert_depth = 0
+        self._memo: dict[tuple[int, int], bool] = {}
+        # the functions and methods of the file (from the unsliced text: a helper without a
+        # trigger word is blanked before parsing)
+        self.defined = set(re.findall(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", "\n".join(lines), re.M))
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -363,11 +482,38 @@ class _Auditor(cst.CSTVisitor):
         return []
 
     def is_address(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        # Memoised per node: names bound in loops and containers filled in many places made the
+        # plain recursion exponential (30 s on one 2,800-line file). A node met again while
+        # it is being decided (x = x + off) counts as no address on that path.
+        key = (id(expr), 0)
+        memo = self._memo.get(key)
+        if memo is None:
+            self._memo[key] = False
+            memo = self._memo[key] = self._is_address(expr, depth)
+        return memo
+
+    def is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
+        """A list/tuple/set/dict/comprehension of addresses (or of tuples holding one),
+        ``list(...)``/``zip(...)``/``d.values()`` of one, an element of a collection of
+        tuples, a name/attribute bound to one or filled with addresses after it was bound."""
+        key = (id(expr), 1)
+        memo = self._memo.get(key)
+        if memo is None:
+            self._memo[key] = False
+            memo = self._memo[key] = self._is_address_collection(expr, depth)
+        return memo
+
+    def _is_address(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         """An int that is a raw address: ``x.data_ptr()``, ``ctypes.addressof(x)``,
         arithmetic on one, ``int(...)`` of one, an element of an address collection, or a
         name/attribute bound to one."""
         if depth > _MAX_DEPTH:
             return False
+        if isinstance(expr, cst.Attribute) and expr.attr.value == "data" and isinstance(expr.value, cst.Attribute) \
+                and expr.value.attr.value == "ctypes":
+            return True  # numpy `a.ctypes.data`
+        if isinstance(expr, cst.IfExp):
+            return self.is_address(expr.body, depth + 1) or self.is_address(expr.orelse, depth + 1)
         if isinstance(expr, cst.Call):
             name = _call_name(expr)
             if name == "data_ptr":
@@ -380,6 +526,10 @@ class _Auditor(cst.CSTVisitor):
                 return False
             return False
         if isinstance(expr, cst.BinaryOperation):
+            if isinstance(expr.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
+                return False  # an offset in a page, an alignment, a count: no longer an address
+            if isinstance(expr.operator, cst.Subtract) and self.is_address(expr.right, depth + 1):
+                return False  # `x - base`: the distance from an address is an offset
             return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
         if isinstance(expr, cst.Subscript):
             return self.is_address_collection(expr.value, depth + 1)
@@ -406,20 +556,53 @@ class _Auditor(cst.CSTVisitor):
             return any(self.is_address(e.value, depth + 1) for e in expr.elements)
         return False
 
-    def is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
-        """A list/tuple/set/dict/comprehension of addresses (or of tuples holding one),
-        ``list(...)``/``tuple(...)`` of one, or a name/attribute bound to one."""
+    def _is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         if depth > _MAX_DEPTH:
             return False
         if isinstance(expr, _COLLECTIONS):
             return any(self._holds_address(e, depth + 1) for e in self._element_exprs(expr))
-        if isinstance(expr, cst.Call) and _call_name(expr) in ("list", "tuple", "sorted") and expr.args:
-            return self.is_address_collection(expr.args[0].value, depth + 1)
+        if isinstance(expr, cst.Call):
+            name = _call_name(expr)
+            if name in ("list", "tuple", "sorted", "reversed", "set", "zip", "enumerate") and expr.args:
+                return any(self.is_address_collection(a.value, depth + 1) for a in expr.args)
+            if name in ("values", "items") and isinstance(expr.func, cst.Attribute):
+                return self.is_address_collection(expr.func.value, depth + 1)
+            return False
+        if isinstance(expr, cst.Subscript):
+            # an element of a collection of (addr, len) tuples, or a slice of an address list
+            return self.is_address_collection(expr.value, depth + 1)
         if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Add):
             return self.is_address_collection(expr.left, depth + 1) or self.is_address_collection(expr.right, depth + 1)
         if isinstance(expr, (cst.Name, cst.Attribute)):
-            return any(self.is_address_collection(v, depth + 1) for v in self._values_of(expr))
+            if any(self.is_address_collection(v, depth + 1) for v in self._values_of(expr)):
+                return True
+            filled, extended = self._filled(expr)
+            return any(self._holds_address(v, depth + 1) for v in filled) or \
+                any(self.is_address_collection(v, depth + 1) for v in extended)
         return False
+
+    def _filled(self, expr: cst.Name | cst.Attribute) -> tuple[list[cst.BaseExpression], list[cst.BaseExpression]]:
+        """What was put into the container ``expr`` after it was bound (``.append``, ``[k] =``,
+        ``.extend``): elements and collections. A name counts in its own scope only."""
+        if self._fill_index is None:
+            index: dict[tuple[int, str], tuple[list[cst.BaseExpression], list[cst.BaseExpression]]] = {}
+            for i, pairs in enumerate((self.c.stores, self.c.extends)):
+                for recv, value in pairs:
+                    key = self._fill_key(recv)
+                    if key is not None:
+                        index.setdefault(key, ([], []))[i].append(value)
+            self._fill_index = index
+        key = self._fill_key(expr)
+        return self._fill_index.get(key, ([], [])) if key is not None else ([], [])
+
+    def _fill_key(self, expr: cst.BaseExpression) -> tuple[int, str] | None:
+        if isinstance(expr, cst.Name):
+            scope = self.get_metadata(ScopeProvider, expr, None)
+            return (id(scope), expr.value) if scope is not None else None
+        if isinstance(expr, cst.Attribute):
+            name = get_full_name_for_node(expr)
+            return (0, name) if name else None
+        return None
 
     def _is_int_descriptor_list(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
         """NIXL's ``[(addr, len, dev_id, meta), ...]``: a list of tuples (or a name bound to one)."""
@@ -427,7 +610,9 @@ class _Auditor(cst.CSTVisitor):
             return False
         if isinstance(expr, (cst.List, cst.ListComp, cst.GeneratorExp)):
             elts = self._element_exprs(expr)
-            return bool(elts) and all(isinstance(e, cst.Tuple) and len(e.elements) >= 3 for e in elts)
+            # `[(1, 2, 3)]` in an API test of malformed lists holds no address
+            return bool(elts) and all(isinstance(e, cst.Tuple) and len(e.elements) >= 3 for e in elts) and not all(
+                isinstance(e, cst.Tuple) and isinstance(e.elements[0].value, cst.Integer) for e in elts)
         if isinstance(expr, (cst.Name, cst.Attribute)):
             return any(self._is_int_descriptor_list(v, depth + 1) for v in self._values_of(expr))
         return False
@@ -485,10 +670,25 @@ class _Auditor(cst.CSTVisitor):
 
     # -- rules --------------------------------------------------------------------------
 
+    def _method_alias(self, node: cst.Call) -> cst.Attribute | None:
+        """``engine.register_memory`` for ``reg(...)`` after ``reg = engine.register_memory``."""
+        if isinstance(node.func, cst.Name):
+            for v in self._bound_values(node.func):
+                if isinstance(v, cst.Attribute) and v.attr.value in _ENGINE_REGISTER_METHODS | _MOONCAKE_TRANSFERS \
+                        | _NIXL_DESC_METHODS:
+                    return v
+        return None
+
     def visit_Call(self, node: cst.Call) -> None:
         name = _call_name(node)
         if name is None:
             return
+        if name.startswith("assert"):
+            self._assert_depth += 1  # `self.assertEqual(a.data_ptr() + n, b.data_ptr())`: a test's check
+        func: cst.BaseExpression = node.func
+        alias = self._method_alias(node)
+        if alias is not None:
+            func, name = alias, alias.attr.value
         # `.to(device)` / `.cuda()` after a table build: remember the target for PD001's fix.
         if name in ("to", "cuda") and isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call):
             self._device_chain[id(node.func.value)] = node
@@ -496,16 +696,161 @@ class _Auditor(cst.CSTVisitor):
             self._check_table(node)
         if name in _REGISTER_FUNCS or name in ("hostRegister", "hostUnregister"):
             self._check_runtime_registration(node, name)
-        elif name in _ENGINE_REGISTER_METHODS and isinstance(node.func, cst.Attribute):
-            self._check_engine_registration(node, name)
-        if (name in _MOONCAKE_TRANSFERS or name in _NIXL_DESC_METHODS) and isinstance(node.func, cst.Attribute):
-            self._check_transfer(node, name)
+        elif name in _ENGINE_REGISTER_METHODS and isinstance(func, cst.Attribute):
+            self._check_engine_registration(node, name, func.value)
+        if (name in _MOONCAKE_TRANSFERS or name in _NIXL_DESC_METHODS) and isinstance(func, cst.Attribute):
+            self._check_transfer(node, name, func.value)
         if _GPU_ENTRY.match(name):
             self._check_c_void_p(node, name)
         if self.rules.kernel_ops:
             self._check_kernel_op(node)
         if self._triton_depth and name in ("to", "cast"):
             self._check_triton_cast(node, name)
+        if "PD008" in self.rules.enabled:
+            self._check_address_argument(node, name)
+
+    def leave_Call(self, original_node: cst.Call) -> None:
+        name = _call_name(original_node)
+        if name is not None and name.startswith("assert"):
+            self._assert_depth -= 1
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        self._assert_depth += 1
+
+    def leave_Assert(self, original_node: cst.Assert) -> None:
+        self._assert_depth -= 1
+
+    def visit_Return(self, node: cst.Return) -> None:
+        # `return ctypes.c_void_p(t.data_ptr())`, `return ptr, tensor`: the address leaves the
+        # function untyped
+        value = node.value
+        if value is None or id(value) in self._covered or isinstance(value, cst.BinaryOperation):
+            return  # `return base + off` is PD002's
+        if self._wraps_address(value):
+            what = "as a ctypes pointer"
+        elif self.is_address(value) or (isinstance(value, cst.Tuple) and not _IDENTITY_KEY.search(_code_of(value))
+                                        and any(self.is_address(e.value) for e in value.elements)):
+            what = "as an int"
+        else:
+            return
+        self._report(value, "PD008", f"a raw address is returned {what}: the caller cannot tell its domain",
+                     self._domain_fix(value))
+        self._cover_subtree(value)
+
+    def _wraps_address(self, expr: cst.BaseExpression) -> bool:
+        return isinstance(expr, cst.Call) and _call_name(expr) in _WRAPPERS and len(expr.args) == 1 \
+            and self.is_address(expr.args[0].value)
+
+    def _carries_address(self, expr: cst.BaseExpression) -> bool:
+        """An argument that is an address, a ctypes/handle wrapper of one, or a tuple/list
+        holding one (``(addr, nbytes)`` sent to a peer)."""
+        if self.is_address(expr):
+            return True
+        if isinstance(expr, cst.Call) and len(expr.args) == 1 and _call_name(expr) not in _NOT_NATIVE:
+            return self.is_address(expr.args[0].value)
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            return not _IDENTITY_KEY.search(_code_of(expr)) and any(self.is_address(e.value) for e in expr.elements)
+        if isinstance(expr, cst.Name):
+            # `args = (n, self.req_ids_ptr, ...)` then `op(args)`: a list/tuple of addresses
+            return any(not (isinstance(v, cst.Tuple) and _IDENTITY_KEY.search(_code_of(v)))
+                       for v in self._values_of(expr)) and self.is_address_collection(expr)
+        return False
+
+    def _check_address_argument(self, node: cst.Call, name: str) -> None:
+        positional = [a for a in node.args if a.keyword is None and not a.star]
+        if name in ("append", "add") and len(positional) > 1 or name == "insert" and len(positional) > 2:
+            name = f"{name} (a native method: a Python container takes one item)"  # `iobufs.append(ptr, n, True)`
+        elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or _call_name(node) in _WRAPPERS \
+                or id(node) in self._covered:
+            return
+        if isinstance(node.func, cst.Attribute):
+            recv = get_full_name_for_node(node.func.value) or ""
+            if recv.rsplit(".", 1)[-1] in _NOT_NATIVE_RECEIVERS or (recv in ("self", "cls") and name in self.defined):
+                return  # logging, or a Python helper of this file (its own calls are checked)
+        elif isinstance(node.func, cst.Name):
+            if not self._imported(node.func) and not node.func.value[:1].isupper() \
+                    and not self._bound_to_loaded_callable(node.func):
+                return  # a local function or a parameter: Python code (a class, e.g. a ctypes struct of
+                # kernel arguments, is reported: the address is stored in its field)
+        args = [a.value for a in node.args if id(a.value) not in self._covered]
+        hits = [a for a in args if self._carries_address(a)]
+        if not hits:
+            return
+        qns = self._qualnames(node.func)
+        if any(q.split(".", 1)[0] in _PY_ROOTS and not q.startswith("torch.ops.") for q in qns):
+            return  # torch / numpy / stdlib Python APIs (torch.tensor is PD001's)
+        self._report(node, "PD008", f"data_ptr() address passed as an int to {name}(): the callee cannot tell a "
+                     "host VA from a device address", self._domain_fix(hits[0]))
+        self._cover_subtree(node)
+
+    def _bound_to_loaded_callable(self, name: cst.Name) -> bool:
+        """``func = module["flashinfer_moe_permute"]`` / ``fn = lib.get_function(...)``: a callable
+        taken out of a loaded module or library, not a Python function of this file."""
+        return any(isinstance(v, (cst.Subscript, cst.Call, cst.Attribute)) and not isinstance(v, cst.Lambda)
+                   for v in self._bound_values(name))
+
+    def _imported(self, name: cst.Name) -> bool:
+        scope = self.get_metadata(ScopeProvider, name, None)
+        if scope is None:
+            return False
+        try:
+            return any(q.source == QualifiedNameSource.IMPORT for q in scope.get_qualified_names_for(name))
+        except Exception:
+            return False
+
+    def _tensor_of(self, expr: cst.BaseExpression, depth: int = 0) -> cst.BaseExpression | None:
+        """The tensor whose ``data_ptr()`` ``expr`` is (through names and wrappers), or None."""
+        if depth > _MAX_DEPTH:
+            return None
+        if isinstance(expr, cst.Call):
+            if _call_name(expr) == "data_ptr" and isinstance(expr.func, cst.Attribute):
+                return expr.func.value
+            for a in expr.args:
+                t = self._tensor_of(a.value, depth + 1)
+                if t is not None:
+                    return t
+            return None
+        if isinstance(expr, cst.BinaryOperation):
+            return self._tensor_of(expr.left, depth + 1) or self._tensor_of(expr.right, depth + 1)
+        if isinstance(expr, (cst.Tuple, cst.List)):
+            for e in expr.elements:
+                t = self._tensor_of(e.value, depth + 1)
+                if t is not None:
+                    return t
+            return None
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            for v in self._values_of(expr):
+                t = self._tensor_of(v, depth + 1)
+                if t is not None:
+                    return t
+        return None
+
+    def memory_domain(self, expr: cst.BaseExpression) -> str | None:
+        """"device" / "host" for the memory behind the address ``expr``, from how its tensor
+        was made (``device="cuda"``, ``.cuda()``, ``pin_memory``, ``device="cpu"``), else None."""
+        tensor = self._tensor_of(expr)
+        if tensor is None:
+            return None
+        texts = [cst.Module([]).code_for_node(v) for v in [tensor, *self._values_of(tensor)]] \
+            if isinstance(tensor, (cst.Name, cst.Attribute)) else [cst.Module([]).code_for_node(tensor)]
+        text = " ".join(texts)
+        if re.search(r"pin_memory|[\"']cpu[\"']|\.cpu\(\)|numpy|mmap|ctypes", text):
+            return "host"
+        if re.search(r"cuda|[\"'](?:npu|xpu|hip|musa)|\.npu\(|device\s*=", text):
+            return "device"
+        return None
+
+    def _domain_fix(self, expr: cst.BaseExpression) -> str:
+        domain = self.memory_domain(expr)
+        if domain == "device":
+            return ("device memory: its address is a device address, valid only for that device's kernels and "
+                    "device-memory registrations; keep it typed (pass the tensor, or a make_kernel_ptr_table "
+                    "table), never as a HostVA")
+        if domain == "host":
+            return ("host memory: pass a HostVA (pointerdomain.HostVA / host_ptr_table) to CPU code and engines, "
+                    "and the device alias (make_kernel_ptr_table) to kernels")
+        return ("say the domain in the type: a HostVA for host memory read by CPU code or engines, a device "
+                "address (make_kernel_ptr_table / the tensor itself) for device memory and kernels")
 
     def _check_table(self, node: cst.Call) -> None:
         data = _arg(node, 0, "data")
@@ -538,12 +883,30 @@ class _Auditor(cst.CSTVisitor):
         via = next((q for q in sorted(qns) if "<locals>" not in q), None) or get_full_name_for_node(node.func) or name
         self._covered.update(id(v) for v in self._arg_values(node))
         self._report(node, "PD003", f"raw host-memory {what} {via}(): its return code and the alias of the "
-                     "range are not checked by the caller's types")
+                     "range are not checked by the caller's types")  # host memory by definition: HostVA fix
 
-    def _check_engine_registration(self, node: cst.Call, name: str) -> None:
-        assert isinstance(node.func, cst.Attribute)
-        receiver = node.func.value
+    def _file_descriptors(self, node: cst.Call) -> bool:
+        """NIXL ``"FILE"`` / ``"OBJ"`` descriptors hold (offset, len, fd/key), no address."""
+        mem = _arg(node, 1, "mem_type")
+        if isinstance(mem, cst.Name):
+            mem = next(iter(self._bound_values(mem)), mem)
+        return isinstance(mem, cst.SimpleString) and mem.evaluated_value in ("FILE", "OBJ")
+
+    def _registration_fix(self, args: Sequence[cst.BaseExpression]) -> str:
+        domain = next((d for d in (self.memory_domain(a) for a in args) if d is not None), None)
+        if domain == "device":
+            return ("this registers device memory: its metadata is a device address (the tensor's own "
+                    "data_ptr() on its device), never a HostVA or a host alias; pass the tensor or a typed "
+                    "table of that device")
+        if domain == "host":
+            return RULES["PD003"].fix
+        return ("host memory: HostVA metadata (pointerdomain.register_host_tensor, adapters.mooncake."
+                "HostTransferEngine.register_memory); device memory: its device address, never a HostVA")
+
+    def _check_engine_registration(self, node: cst.Call, name: str, receiver: cst.BaseExpression) -> None:
         args = self._arg_values(node)
+        if self._file_descriptors(node):
+            return
         if name.startswith(("register", "batch_register")) and args and self._is_int_descriptor_list(args[0]) \
                 and self.is_engine(receiver):
             self._covered.update(id(v) for v in args)
@@ -556,14 +919,16 @@ class _Auditor(cst.CSTVisitor):
         if not engine and not fed_ints:
             return  # e.g. nn.Module.register_buffer, NIXL given tensors, a typed wrapper
         self._covered.update(id(v) for v in args)
-        why = "with data_ptr() ints" if fed_ints else "on a raw Mooncake object (it takes int addresses)"
-        self._report(node, "PD003", f"transfer-engine {name}() {why}: registration metadata must be a HostVA")
+        why = "with raw int addresses" if fed_ints else "on a raw Mooncake object (it takes int addresses)"
+        self._report(node, "PD003", f"transfer-engine {name}() {why}: its metadata carries no domain",
+                     self._registration_fix(args))
 
-    def _check_transfer(self, node: cst.Call, name: str) -> None:
-        assert isinstance(node.func, cst.Attribute)
+    def _check_transfer(self, node: cst.Call, name: str, receiver: cst.BaseExpression) -> None:
+        if self._file_descriptors(node):
+            return
         args = self._arg_values(node)
         fed = [a for a in args if self.is_address(a) or self.is_address_collection(a) or self._is_int_descriptor_list(a)]
-        engine = self.engine_kind(node.func.value) == "mooncake"
+        engine = self.engine_kind(receiver) == "mooncake"
         if not fed and not (engine and name in _MOONCAKE_TRANSFERS):
             return
         self._covered.update(id(v) for v in args)
@@ -574,13 +939,18 @@ class _Auditor(cst.CSTVisitor):
         if depth > _MAX_DEPTH:
             return False
         if isinstance(expr, cst.Call):
+            if expr.args and _is_host_struct_address(expr.args[0].value):
+                return False  # `(c_void_p * 1)(ctypes.addressof(args))`: the launch API's host kernel-argument buffer
+            if _call_name(expr) != "c_void_p" and len(expr.args) == 1 and self.is_address(expr.args[0].value):
+                return True  # `buffer_type(t.data_ptr())` with `buffer_type = ctypes.c_void_p` in another module
             if _call_name(expr) == "c_void_p":
                 # c_void_p() is an out-parameter for a handle; c_void_p(stream) wraps a handle
                 if not expr.args or _HANDLE_WORDS.search(cst.Module([]).code_for_node(expr.args[0].value)):
                     return False
                 return "ctypes.c_void_p" in self._qualnames(expr.func)
             if _call_name(expr) == "cast" and len(expr.args) >= 2:
-                return "ctypes.c_void_p" in self._qualnames(expr.args[1].value)
+                # `ctypes.cast(t.data_ptr(), c_void_p)`; a cast of a ctypes array or struct is a host buffer
+                return "ctypes.c_void_p" in self._qualnames(expr.args[1].value) and self.is_address(expr.args[0].value)
             if _call_name(expr) == "byref" and expr.args:
                 return False
             return False
@@ -590,6 +960,7 @@ class _Auditor(cst.CSTVisitor):
 
     def _check_c_void_p(self, node: cst.Call, name: str) -> None:
         if any(self._is_c_void_p(a) for a in self._arg_values(node)):
+            self._cover_subtree(node)
             self._report(node, "PD006", f"ctypes.c_void_p address passed to {name}(): the callee cannot tell a "
                          "host VA from a device alias")
 
@@ -606,9 +977,17 @@ class _Auditor(cst.CSTVisitor):
 
     # PD002 -----------------------------------------------------------------------------
 
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        # `lo <= other.data_ptr() + n <= hi`: a range check, no address is made
+        self._cover_subtree(node)
+
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
-        if id(node) in self._covered or isinstance(node.operator, cst.Modulo):
-            return True  # `addr % align` is an alignment/offset check, not a new address
+        if id(node) in self._covered or self._assert_depth or isinstance(
+                node.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
+            return True  # `addr % align` is an alignment/offset check; `assert b - a == stride` a test's check
+        if isinstance(node.operator, cst.Subtract) and self.is_address(node.right):
+            self._cover_subtree(node)  # `k.data_ptr() - q.data_ptr()`, `(p + n) - start`: an offset or a length
+            return True
         if self.is_address(node.left) or self.is_address(node.right):
             self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
                          "(an alias offset must stay inside one registration)")
@@ -627,9 +1006,16 @@ class _Auditor(cst.CSTVisitor):
             stack.extend(n.children)
 
     def _check_collection(self, node: cst.BaseExpression, kind: str) -> None:
-        if id(node) in self._covered:
+        if id(node) in self._covered or self._assert_depth:
             return
-        if any(self._holds_address(e, 0) for e in self._element_exprs(node)):
+        if isinstance(node, cst.Tuple) and _IDENTITY_KEY.search(_code_of(node)):
+            self._cover_subtree(node)  # `(t.data_ptr(), t.shape, t._version)`: a cache key, never dereferenced
+            return
+        elts = self._element_exprs(node)
+        if any(isinstance(e, cst.Tuple) and _IDENTITY_KEY.search(_code_of(e)) for e in elts):
+            self._cover_subtree(node)
+            return
+        if any(self._holds_address(e, 0) for e in elts):
             self._report(node, "PD002", f"data_ptr() addresses collected into a {kind}: an untyped pointer table")
             self._cover_subtree(node)
 
@@ -638,12 +1024,6 @@ class _Auditor(cst.CSTVisitor):
 
     def visit_ListComp(self, node: cst.ListComp) -> None:
         self._check_collection(node, "list")
-
-    def visit_Set(self, node: cst.Set) -> None:
-        self._check_collection(node, "set")
-
-    def visit_SetComp(self, node: cst.SetComp) -> None:
-        self._check_collection(node, "set")
 
     def visit_GeneratorExp(self, node: cst.GeneratorExp) -> None:
         self._check_collection(node, "generator")
@@ -657,28 +1037,41 @@ class _Auditor(cst.CSTVisitor):
     def visit_Expr(self, node: cst.Expr) -> None:
         # `ptrs.append(t.data_ptr())` / `.extend(...)` / `.insert(i, ...)`
         call = node.value
-        if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert", "add"):
+        if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert"):
             args = self._arg_values(call)
             if args and (self._holds_address(args[-1], 0) or self.is_address_collection(args[-1])):
                 self._report(call, "PD002", f"data_ptr() address collected with .{_call_name(call)}()")
                 self._cover_subtree(call)
 
     def visit_Assign(self, node: cst.Assign) -> None:
+        # `args.x_ptr = x.data_ptr()`: a field of another object (a native argument struct)
+        for t in node.targets:
+            target = t.target
+            if isinstance(target, cst.Attribute) and isinstance(target.value, cst.Name) \
+                    and target.value.value not in ("self", "cls") and id(node.value) not in self._covered \
+                    and self.is_address(node.value):
+                self._report(node, "PD008", f"a raw address is stored in {_code_of(target)}, a field of another "
+                             "object: the receiver cannot tell its domain", self._domain_fix(node.value))
+                self._cover_subtree(node.value)
+                return
         # `table[k] = t.data_ptr()`
-        if any(isinstance(t.target, cst.Subscript) for t in node.targets) and self.is_address(node.value) \
+        if any(isinstance(t.target, cst.Subscript) for t in node.targets) and self._holds_address(node.value, 0) \
                 and id(node.value) not in self._covered:
             self._report(node, "PD002", "data_ptr() address stored into a container by subscript")
             self._cover_subtree(node.value)
 
     # PD005 -----------------------------------------------------------------------------
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool | None:
+        if any(_DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in node.decorators):
+            return False  # CuTe DSL device code: data_ptr() there is a typed DSL pointer
         for d in node.decorators:
             target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
             if any(_is_triton_jit(q) for q in self._qualnames(target)):
                 self._triton_depth += 1
                 self._jit_nodes = getattr(self, "_jit_nodes", set()) | {id(node)}
-                return
+                return None
+        return None
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         if id(original_node) in getattr(self, "_jit_nodes", set()):

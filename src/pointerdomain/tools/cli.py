@@ -82,15 +82,9 @@ def parse_device(text: str | None) -> tuple[Device, str]:
 
 
 def _version() -> str:
-    import pointerdomain
+    from pointerdomain.buildinfo import version_text
 
-    try:
-        from pointerdomain._platform import gpu_ops_built
-
-        built = "GPU ops" if gpu_ops_built() else "CPU kernels only"
-    except PointerDomainError:
-        built = "extension missing"
-    return f"pointerdomain {pointerdomain.__version__} ({built})"
+    return version_text()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,6 +44,7 @@ from pointerdomain._platform import (
     visible_devices,
 )
 from pointerdomain._platform.base import DEVICE_ATTRIBUTES, DeviceAttributeName
+from pointerdomain.buildinfo import build_rows
 from pointerdomain.devices import Device
 from pointerdomain.errors import PointerDomainError
 
@@ -141,6 +142,7 @@ def version_rows() -> list[Row]:
             Row("platform", platform.platform()), Row("torch", torch.__version__),
             Row("torch CUDA", torch.version.cuda), Row("torch HIP", getattr(torch.version, "hip", None)),
             Row("torch sees CUDA", torch.cuda.is_available())]
+    rows.extend(Row(*row) for row in build_rows())
     try:
         rows.append(Row("extension", extension_path()))
     except PointerDomainError as exc:

@@ -1,0 +1,54 @@
+# Negative cases: what looks like an address site and is not one (PD002, PD004).
+from nixl._api import nixl_agent
+
+
+def identity(tensors, a, b, stride):
+    seen = set()
+    for t in tensors:
+        seen.add(t.data_ptr())  # negative: an identity set, never dereferenced
+    unique = {t.data_ptr() for t in tensors}  # negative: an identity set
+    assert b.data_ptr() - a.data_ptr() == stride  # negative: a test's stride check
+    ordered = [t.data_ptr() for t in tensors]  # expect[PD002] a list, in table order
+    return seen, unique, ordered
+
+
+class Check:
+    def test_views(self, a, b, n):
+        self.assertEqual(b.data_ptr(), a.data_ptr() + n)  # negative: a test assertion
+
+
+def files(fd, size, keys):
+    agent = nixl_agent("a")
+    file_list = [(0, size, fd, "b.bin")]
+    agent.register_memory(file_list, "FILE")  # negative: (offset, len, fd) descriptors
+    agent.get_xfer_descs([(0, size, fd)], "FILE")  # negative
+    kind = "OBJ"
+    agent.get_xfer_descs([(0, size, k) for k in keys], mem_type=kind)  # negative
+
+
+def malformed_lists(agent):
+    bad_list = [(1, 2, 3)]
+    return agent.get_reg_descs(bad_list, "DRAM")  # negative: literal ints, an API test of bad input
+
+
+def offsets_and_ranges(q, k, parts, lo, hi, es):
+    k_off = (k.data_ptr() - q.data_ptr()) // es  # negative: an offset between two views
+    inside = all(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for p in parts)  # negative: a range check
+    sources = tuple((w, w.data_ptr(), w._version) for w in parts)  # negative: identity keys
+    return k_off, inside, sources
+
+
+import cutlass.cute as cute  # noqa: E402
+
+
+@cute.jit
+def dsl_device(storage, idx):
+    ptr = storage.buf.data_ptr()
+    (ptr + idx).store(0)  # negative: a typed DSL pointer
+
+
+def lengths(engine, src_list, dst_list, len_list, block_ids, block_len, state, start_addr):
+    for src, dst, n in zip(src_list, dst_list, len_list):
+        length = len(block_ids) * n  # negative: n is a length, not an address
+    byte_offset = start_addr - state.data_ptr()  # negative: an offset
+    return length, byte_offset

@@ -1,0 +1,117 @@
+"""``pointerdomain audit --fix`` never breaks code: rows of a 2-D tensor, a name the module
+already binds, code that runs on other devices, consumers that need a tensor, and the
+re-parse + mypy check before anything is written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pointerdomain.audit.autofix import check_fix, fix_source
+from pointerdomain.audit.cli import main
+
+FIX_CASES = Path(__file__).with_name("audit_cases") / "fix"
+
+
+def _case(name: str) -> str:
+    return (FIX_CASES / name).read_text()
+
+
+def test_rows_of_a_2d_tensor_become_a_list_of_rows() -> None:
+    result = fix_source(_case("pool_rows.py"))
+    assert result.fixes == 2 and result.refused == ()
+    assert "self.host_ptrs = host_ptr_table(list(self.kv_buffer))" in result.code
+    assert "self.dev_ptrs = make_kernel_ptr_table(list(self.kv_buffer), self.device)" in result.code
+    # at run time the host table holds what the comprehension computed: one address per row
+    tensor_style = fix_source(_case("pool_rows.py"), "tensor").code.replace(
+        "self.dev_ptrs = make_kernel_ptr_table(list(self.kv_buffer), self.device).as_uint64_tensor()", "pass")
+    ns: dict[str, object] = {}
+    exec(compile(tensor_style, "pool_rows.py", "exec"), ns)
+    pool = ns["RowPool"](4, 64, "cpu")  # type: ignore[operator]
+    rows = pool.kv_buffer  # type: ignore[attr-defined]
+    got = pool.host_ptrs  # type: ignore[attr-defined]
+    assert got.dtype == torch.uint64 and got.tolist() == [rows[i].data_ptr() for i in range(4)]
+    assert got.tolist() == [rows.data_ptr() + 64 * i for i in range(4)]
+
+
+def test_a_taken_name_gets_a_qualified_import() -> None:
+    result = fix_source(_case("shadowed.py"))
+    assert result.fixes == 1
+    assert "import pointerdomain as pd\n" in result.code
+    assert "from pointerdomain import" not in result.code
+    assert "self.plain = pd.make_kernel_ptr_table(list(bufs), device)" in result.code
+    # the module's own helper and its call are untouched
+    assert "from pool_helpers import make_kernel_ptr_table" in result.code
+    assert "make_kernel_ptr_table(bufs, device, host_memory_registered=True)" in result.code
+    taken_pd = "pd = object()\n" + _case("shadowed.py")
+    both = fix_source(taken_pd)
+    assert "import pointerdomain\n" in both.code and "pointerdomain.make_kernel_ptr_table(" in both.code
+
+
+def test_other_devices_are_never_rewritten() -> None:
+    result = fix_source(_case("other_devices.py"))
+    assert result.fixes == 1 and [line for line, _ in result.refused] == [8]
+    assert "non-CUDA/HIP" in result.refused[0][1]
+    assert "return make_kernel_ptr_table(list(bufs), device)" in result.code
+    backend = "import torch_npu\n" + _case("other_devices.py")
+    assert fix_source(backend).fixes == 0
+
+
+def test_consumers_that_need_a_tensor_are_refused() -> None:
+    result = fix_source(_case("consumers.py"))
+    reasons = dict(result.refused)
+    assert sorted(reasons) == [8, 9, 11]
+    assert "torch.cat" in reasons[8] and "torch.cat" in reasons[9] and "arithmetic" in reasons[11]
+    assert result.fixes == 1 and "self.table = make_kernel_ptr_table(list(v_buffer), device)" in result.code
+    # as a uint64 tensor the concatenation keeps working; the int64 table still changes dtype
+    tensor_style = fix_source(_case("consumers.py"), "tensor")
+    assert tensor_style.fixes == 3 and [line for line, _ in tensor_style.refused] == [11]
+
+
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("mypy")  # the GPU machine has none
+    return Path(os.environ.get("MYPY_CACHE_DIR", tmp_path_factory.mktemp("mypy_cache")))
+
+
+def test_mypy_check_refuses_a_fix_with_new_errors(mypy_cache: Path) -> None:
+    before = _case("typed_consumer.py")
+    result = fix_source(before)
+    assert result.fixes == 1 and result.refused == ()
+    check = check_fix(before, result.code, "typed_consumer.py", mypy_cache)
+    assert not check.ok and check.reason == "mypy reports new errors"
+    assert any("launch" in e and "arg-type" in e and "PointerTable" in e for e in check.new_errors), check
+    # the same rewrite with the consumer updated passes
+    updated = result.code.replace("def launch(table: torch.Tensor", "def launch(table: object")
+    assert check_fix(before.replace("table: torch.Tensor", "table: object"), updated, "t.py", mypy_cache).ok
+    broken = result.code.replace("def build(bufs, device):", "def build(bufs, device:")
+    bad = check_fix(before, broken, "t.py", mypy_cache)
+    assert not bad.ok and "does not parse" in bad.reason
+
+
+def test_cli_dry_run_diff_and_write(tmp_path: Path, mypy_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("pool_rows.py", "typed_consumer.py", "consumers.py"):
+        (tmp_path / name).write_text(_case(name))
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    os.environ["MYPY_CACHE_DIR"] = str(mypy_cache)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        rc = main(["--progress", "none", "--fix", "--diff", "."])
+        out, err = capsys.readouterr()
+        assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # a dry run writes nothing
+        assert "+        self.host_ptrs = host_ptr_table(list(self.kv_buffer))" in out
+        assert "typed_consumer.py: 1 fix(es) refused: mypy reports new errors" in err
+        assert "consumers.py:8: not fixed: its value is put in a list or tuple (torch.cat of tables)" in err
+        assert "3 site(s) would be rewritten" in err  # pool_rows 2 + consumers 1
+        rc = main(["--progress", "none", "--fix", "."])
+        capsys.readouterr()
+    finally:
+        os.chdir(cwd)
+        del os.environ["MYPY_CACHE_DIR"]
+    assert rc == 1  # the refused sites are still findings
+    assert "host_ptr_table(list(self.kv_buffer))" in (tmp_path / "pool_rows.py").read_text()
+    assert (tmp_path / "typed_consumer.py").read_text() == before["typed_consumer.py"]
