@@ -51,6 +51,7 @@ from typing_extensions import final
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.registration.metadata import check_metadata_live
 
 __all__ = [
     "HostNixlAgent",
@@ -329,6 +330,8 @@ class HostNixlAgent:
         Raises:
             DomainError: something that is not a NixlDesc.
             InvalidArgumentError: no descriptors, or mixed memory types.
+            ClosedError: a DRAM descriptor's memory was closed or released since its
+                metadata was taken (a closed pool included).
             RuntimeCallError: NIXL refused the registration.
         """
         checked = tuple(descs)
@@ -343,6 +346,9 @@ class HostNixlAgent:
         if len(kinds) != 1:
             raise errors.InvalidArgumentError(f"register: one memory type per call, got {sorted(kinds)}")
         mem_type = checked[0].mem_type
+        if mem_type == "DRAM":
+            for i, d in enumerate(checked):
+                check_metadata_live(pd.HostVA(d.addr), d.nbytes, f"descs[{i}]")
         handle = self._call("register_memory", [d.reg_tuple() for d in checked], mem_type, list(backends))
         reg = NixlRegistration(_TOKEN, self, checked, handle)
         with self._lock:
@@ -418,6 +424,7 @@ class HostNixlAgent:
             LayoutError: ``local[i]`` and ``remote[i]`` differ in size.
             NotRegisteredError: a local descriptor outside this agent's open registrations
                 (a closed pool's registration is gone).
+            ClosedError: a local DRAM descriptor's memory was released since its metadata was taken.
             RuntimeCallError: NIXL refused the request, reported ERR, or timed out.
         """
         if op not in ("READ", "WRITE"):
@@ -434,8 +441,10 @@ class HostNixlAgent:
         for i, (a, b) in enumerate(zip(loc, rem)):
             if a.nbytes != b.nbytes:
                 raise errors.LayoutError(f"block {i}: local {a.nbytes} bytes, remote {b.nbytes} bytes")
-        for d in loc:
+        for i, d in enumerate(loc):
             self._check_local(d)
+            if d.mem_type == "DRAM":
+                check_metadata_live(pd.HostVA(d.addr), d.nbytes, f"local[{i}]")
         local_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in loc], loc[0].mem_type)
         remote_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in rem], rem[0].mem_type)
         handle = self._call("initialize_xfer", op, local_list, remote_list, peer, b"", list(backends))

@@ -80,6 +80,7 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain import make_kernel_ptr_table as _core_kernel_table
+from pointerdomain.registration.metadata import metadata_table
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,
@@ -523,9 +524,12 @@ class HostKVCacheAdapter:
         ``layer_first``: one region per (K/V, layer) of ``size * item`` bytes;
         ``page_first*``: one region per K/V. ``item_lens`` = bytes of one page in
         the region (``kv_layout.page_block_bytes()``). Addresses are HostVA.
+
+        Raises:
+            ClosedError: the pool's memory was closed, released or swapped.
         """
         regions = self.kv_layout.page_regions()
-        base, block = self.host_table[0], self.kv_layout.page_block_bytes()
+        base, block = metadata_table(self.host_table)[0], self.kv_layout.page_block_bytes()
         return ContiguousBufInfos([base + off for off, _ in regions], [n for _, n in regions], [block] * len(regions))
 
     def _pages(self, indices: torch.Tensor | Sequence[int]) -> list[int]:
@@ -560,8 +564,9 @@ class HostKVCacheAdapter:
         Raises:
             IndexValidationError: wrong shape or dtype, a partial or misaligned
                 page, or a slot outside ``[0, size)``.
+            ClosedError: the pool's memory was closed, released or swapped.
         """
-        base = self.host_table[0]
+        base = metadata_table(self.host_table)[0]
         blocks = [
             block
             for page in self._pages(indices)
