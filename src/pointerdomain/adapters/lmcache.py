@@ -48,6 +48,7 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain.errors import ClosedError, DomainError, IndexValidationError, LayoutError, NonContiguousError
+from pointerdomain.process_local import ProcessLocal
 
 __all__ = ["LayerPointerCache", "PagedKVConnector", "TensorKey"]
 
@@ -60,7 +61,7 @@ def _storage_id(t: torch.Tensor) -> int:
     return cdata
 
 
-class LayerPointerCache:
+class LayerPointerCache(ProcessLocal):
     """Per-device cached kernel tables over a list of layer buffers.
 
     ``get(tensors, device)`` returns the cached ``PointerTable[DeviceAlias]`` for
@@ -125,7 +126,7 @@ def _parse(device: Device | str | torch.device | None) -> Device | None:
     return None if device is None else validate_device(device)
 
 
-class PagedKVConnector:
+class PagedKVConnector(ProcessLocal):
     """LMCache's paged-memory connector call shapes over typed, cached tables.
 
     Args:

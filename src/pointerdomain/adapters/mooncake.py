@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol, overload
 from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.metadata import check_metadata_live
 from pointerdomain.errors import (
     DomainError,
@@ -114,7 +115,7 @@ def _device_memory_at(va: HostVA, nbytes: int) -> str | None:
     return None if where is None else str(where)
 
 
-class HostTransferEngine:
+class HostTransferEngine(ProcessLocal):
     """Mooncake's ``TransferEngine`` behind a HostVA-only interface.
 
     Args:
@@ -126,6 +127,8 @@ class HostTransferEngine:
     (Mooncake requires it); remote buffers are the peer's HostVAs, from its
     metadata. Return codes other than 0 raise :class:`RuntimeCallError`.
     Use as a context manager, or call :meth:`close` to unregister everything.
+    Process-local: ``pickle`` and ``copy`` raise :class:`NotPicklableError` (a copy would
+    be a second owner of the same registrations).
     """
 
     def __init__(self, engine: TransferEngineLike, local_hostname: str) -> None:

@@ -51,6 +51,7 @@ from typing_extensions import final
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.metadata import check_metadata_live
 
 __all__ = [
@@ -243,7 +244,7 @@ def _nixl_api() -> Any:
 
 
 @final
-class NixlRegistration:
+class NixlRegistration(ProcessLocal):
     """Memory registered with one agent; deregistered once, by :meth:`close`, by the
     owner's close hook, or when the owner is collected.
 
@@ -292,7 +293,7 @@ def _close_registration(ref: weakref.ref[NixlRegistration]) -> None:
         reg.close()
 
 
-class HostNixlAgent:
+class HostNixlAgent(ProcessLocal):
     """A NIXL agent that takes typed descriptors only.
 
     Args:
@@ -301,6 +302,9 @@ class HostNixlAgent:
             for files, ...).
         agent: an existing ``nixl._api.nixl_agent`` to wrap instead (then ``backends`` is
             ignored).
+
+    Process-local, as its registrations: ``pickle`` and ``copy`` raise
+    :class:`~pointerdomain.errors.NotPicklableError`.
 
     Raises:
         NixlUnavailableError: NIXL does not import.

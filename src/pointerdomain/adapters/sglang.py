@@ -81,6 +81,7 @@ from pointerdomain import (
 )
 from pointerdomain import make_kernel_ptr_table as _core_kernel_table
 from pointerdomain.registration.metadata import metadata_table
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,
@@ -322,7 +323,7 @@ def _check_backend(io_backend: str) -> None:
         )
 
 
-class HostKVCacheAdapter:
+class HostKVCacheAdapter(ProcessLocal):
     """A cache's registered host KV buffer behind sglang's ``HostKVCache`` methods.
 
     Args:
@@ -681,7 +682,7 @@ def _buffer_list(name: str, buffers: object) -> list[torch.Tensor]:
     return cast("list[torch.Tensor]", items)
 
 
-class DeviceKVBuffers:
+class DeviceKVBuffers(ProcessLocal):
     """sglang's device pool buffers (``MHATokenToKVPool.k_buffer`` / ``v_buffer``, or
     ``MLATokenToKVPool.kv_buffer``) as a device pool the host adapter can launch with.
 
