@@ -48,6 +48,7 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain.errors import ClosedError, DomainError, IndexValidationError, LayoutError, NonContiguousError
+from pointerdomain.arguments import check_instance
 from pointerdomain.process_local import ProcessLocal
 
 __all__ = ["LayerPointerCache", "PagedKVConnector", "TensorKey"]
@@ -137,6 +138,8 @@ class PagedKVConnector(ProcessLocal):
     """
 
     def __init__(self, *, pointer_cache: LayerPointerCache | None = None) -> None:
+        if pointer_cache is not None:
+            check_instance("pointer_cache", pointer_cache, LayerPointerCache, "pass a LayerPointerCache, or None for a new one")
         self.pointer_cache = pointer_cache if pointer_cache is not None else LayerPointerCache()
 
     def from_gpu(

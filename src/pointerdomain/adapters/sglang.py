@@ -80,6 +80,7 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain import make_kernel_ptr_table as _core_kernel_table
+from pointerdomain.arguments import check_bool, check_instance
 from pointerdomain.registration.metadata import metadata_table
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.errors import (
@@ -133,7 +134,9 @@ def make_kernel_ptr_table(
             memory is not registered.
         NonContiguousError, DeviceMismatchError, RegistrationSpanError,
         ClosedError, InvalidDeviceError: as :func:`pointerdomain.make_kernel_ptr_table`.
+        InvalidTypeError: ``host_memory_registered`` is not a bool.
     """
+    check_bool("host_memory_registered", host_memory_registered)
     dev = validate_device(target_device)
     for i, t in enumerate(tensors):
         if not isinstance(cast(object, t), torch.Tensor):
@@ -361,6 +364,7 @@ class HostKVCacheAdapter(ProcessLocal):
             raise InvalidTypeError(
                 f"kv_buffer: found a {type(kv_buffer).__name__}, expected a torch.Tensor. Fix: pass the host pool tensor"
             )
+        check_instance("layout", layout, KVLayout, "pass the host pool's KVLayout")
         if kv_buffer.nbytes != layout.nbytes:
             raise LayoutError(
                 f"kv_buffer holds {kv_buffer.nbytes} bytes but the {layout.kind} layout needs {layout.nbytes}"
@@ -383,7 +387,12 @@ class HostKVCacheAdapter(ProcessLocal):
 
     @classmethod
     def from_pool(cls, pool: HostKVPool) -> HostKVCacheAdapter:
-        """The adapter over a :class:`pointerdomain.HostKVPool`'s buffer."""
+        """The adapter over a :class:`pointerdomain.HostKVPool`'s buffer.
+
+        Raises:
+            InvalidTypeError: ``pool`` is not a HostKVPool.
+        """
+        check_instance("pool", pool, HostKVPool, "pass the pointerdomain.HostKVPool; for sglang's own pool use from_sglang")
         return cls(pool.buffer, pool.layout, pool.device)
 
     @classmethod

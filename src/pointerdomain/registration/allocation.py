@@ -16,7 +16,8 @@ from pointerdomain._platform import memory_device as _memory_device
 from pointerdomain._platform.numa import bind_to_node, device_node, node_count
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
-from pointerdomain.registration.ladder import RegistrationPolicy, warn_degraded
+from pointerdomain.arguments import check_bool
+from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy, warn_degraded
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
 from pointerdomain.registration.strict import strict_alias_enabled
 
@@ -65,6 +66,7 @@ def alloc_registered(
     check_granularity(granularity, max_chunk_bytes)
     if numa is not None and numa != "local":
         raise InvalidRegistrationError(f"numa must be None or 'local', got {numa!r}")
+    resolve_policy(policy)  # before any page is allocated
     dev = validate_device(device)
     backend = backend_for(dev)
     registered = None
@@ -158,7 +160,7 @@ def memory_device(tensor: torch.Tensor, *, whole_storage: bool = False) -> Devic
             f"tensor: found a {type(tensor).__name__}, expected a torch.Tensor. Fix: pass the tensor; for a bare "
             "address use memory_device_at(address, nbytes)"
         )
-    return _memory_device(tensor, whole_storage=whole_storage)
+    return _memory_device(tensor, whole_storage=check_bool("whole_storage", whole_storage))
 
 
 def memory_device_at(address: int, nbytes: int) -> Device | None:

@@ -31,8 +31,9 @@ from pointerdomain._platform.numa import node_of
 from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
+from pointerdomain.arguments import check_bool
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.registration.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
+from pointerdomain.registration.ladder import RegistrationPolicy, Rung, note_rung, resolve_policy, warn_degraded
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     BusyError,
@@ -268,7 +269,7 @@ class RegisteredHostMemory(ProcessLocal):
         self._closed = False
         self.leases = LeaseSet()
         backend = backend_for(device)
-        policy = default_policy() if policy is None else policy
+        policy = resolve_policy(policy)
         nbytes = tensor.numel() * tensor.element_size()
         with _registry._lock:
             other = _registry.overlapping(tensor.data_ptr(), nbytes)
@@ -556,6 +557,8 @@ def register_host_tensor(
     if tensor.numel() == 0:
         raise InvalidRegistrationError("cannot register an empty tensor: a 0-byte registration is invalid")
     check_granularity(granularity, max_chunk_bytes)
+    resolve_policy(policy)
+    check_bool("shared", shared)
     dev = validate_device(device)
     flat = tensor.reshape(-1).view(torch.uint8)
     if shared is True:
@@ -564,6 +567,4 @@ def register_host_tensor(
             if (other is not None and not other.foreign and other.host_va.value == flat.data_ptr()
                     and other.nbytes == flat.numel() and other.device == dev):
                 return other.acquire()
-    elif shared is not False:
-        raise InvalidArgumentError(f"shared must be a bool, got {shared!r}")
     return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy)

@@ -18,6 +18,7 @@ import pydantic
 import torch
 from pydantic import ConfigDict, Field, model_validator
 
+from pointerdomain.arguments import check_instance
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import ClosedError, InvalidArgumentError, LayoutError, MetadataValidationError
 from pointerdomain.layouts import KVLayout
@@ -216,6 +217,7 @@ def page_buffer_meta(table: PointerTable[HostVA], layout: KVLayout, pages: list[
         IndexError: a page out of range.
         ClosedError: the table's memory was closed or released (see :func:`metadata_table`).
     """
+    check_instance("layout", layout, KVLayout, "pass the pool's KVLayout (pool.layout)")
     host = metadata_table(table)
     if len(host) != 1 or host.sizes[0] != layout.nbytes:
         raise LayoutError(
