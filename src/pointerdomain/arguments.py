@@ -14,7 +14,10 @@ from typing import TypeVar
 
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["check_bool", "check_choice", "check_instance"]
+__all__ = ["ADDRESS_SPACE", "check_bool", "check_choice", "check_instance", "check_span"]
+
+#: Addresses and sizes are 64-bit: a range ends at or below this.
+ADDRESS_SPACE = 1 << 64
 
 T = TypeVar("T")
 
@@ -57,3 +60,18 @@ def check_instance(name: str, value: object, cls: type[T], fix: str = "") -> T:
             + (f" Fix: {fix}" if fix else f" Fix: pass a {cls.__name__}")
         )
     return value
+
+
+def check_span(name: str, start: int, nbytes: int) -> None:
+    """Refuse a range ``[start, start + nbytes)`` that runs past the 64-bit address
+    space: an engine or kernel adding the two would wrap to low memory.
+
+    Raises:
+        InvalidArgumentError: ``start + nbytes > 2**64`` (a ``ValueError`` too), naming ``name``.
+    """
+    if start + nbytes > ADDRESS_SPACE:
+        raise InvalidArgumentError(
+            f"{name}: found the range [{start:#x}, +{nbytes}), which runs past the end of the 64-bit address space "
+            f"(2**64) and would wrap, expected a range that ends at or below 2**64. Fix: pass the buffer's own "
+            "address and size"
+        )

@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol, overload
 from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
+from pointerdomain.arguments import check_span
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.metadata import check_metadata_live
 from pointerdomain.errors import (
@@ -192,6 +193,7 @@ class HostTransferEngine(ProcessLocal):
             raise InvalidArgumentError(
                 f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes). Fix: pass the block's size in bytes"
             )
+        check_span(name, va.value, nbytes)
         return va, nbytes
 
     def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:

@@ -51,6 +51,7 @@ from typing_extensions import final
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.arguments import check_span
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.metadata import check_metadata_live
 
@@ -150,8 +151,9 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
         return NixlDesc(_TOKEN, "DRAM", region.address.value, region.nbytes, 0)
     if type(value) is pd.HostVA:
         if nbytes is None:
-            raise errors.InvalidArgumentError("a bare HostVA needs nbytes")
-        return NixlDesc(_TOKEN, "DRAM", value.value, _positive("nbytes", nbytes), 0)
+            raise errors.InvalidArgumentError("nbytes: a bare HostVA needs nbytes")
+        check_span("region", value.value, _positive("nbytes", nbytes))
+        return NixlDesc(_TOKEN, "DRAM", value.value, nbytes, 0)
     if isinstance(value, pd.DeviceAlias):
         raise errors.DomainError(
             f"{value!r} is a device alias (what kernels read); a DRAM descriptor is read by the NIC or the CPU by "
@@ -224,7 +226,8 @@ def file_desc(fd: int, offset: int, nbytes: int) -> NixlDesc:
     """
     if type(offset) is not int or offset < 0:
         raise errors.InvalidArgumentError(f"offset must be an int >= 0, got {offset!r}")
-    return NixlDesc(_TOKEN, "FILE", offset, _positive("nbytes", nbytes), _fd(fd))
+    check_span("offset", offset, _positive("nbytes", nbytes))
+    return NixlDesc(_TOKEN, "FILE", offset, nbytes, _fd(fd))
 
 
 def file_region(fd: int, nbytes: int, path: str = "") -> NixlDesc:

@@ -18,7 +18,7 @@ import pydantic
 import torch
 from pydantic import ConfigDict, Field, model_validator
 
-from pointerdomain.arguments import check_instance
+from pointerdomain.arguments import ADDRESS_SPACE, check_instance
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import ClosedError, InvalidArgumentError, LayoutError, MetadataValidationError
 from pointerdomain.layouts import KVLayout
@@ -80,6 +80,8 @@ class BufferInfo(ValidatedModel, frozen=True):
     def _whole_items(self) -> BufferInfo:
         if self.nbytes % self.item_bytes:
             raise ValueError(f"nbytes {self.nbytes} is not a whole number of {self.item_bytes}-byte items")
+        if self.address.value + self.nbytes > ADDRESS_SPACE:
+            raise ValueError(f"[{self.address!r}, +{self.nbytes}) runs past 2**64: the range would wrap")
         return self
 
 
