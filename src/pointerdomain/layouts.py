@@ -548,8 +548,13 @@ class KVLayout(ValidatedModel, frozen=True):
             InvalidArgumentError: ``order`` is neither ``"kv_major"`` nor ``"layer_major"``.
             InvalidTypeError: ``merge`` is not a bool.
         """
-        if type(page) is not int or not 0 <= page < self.num_pages:
-            raise IndexValidationError(f"page {page!r} outside [0, {self.num_pages}) (pages are ints)")
+        if type(page) is not int:
+            raise IndexValidationError(
+                f"page: found {page!r} ({type(page).__name__}), expected an int in [0, {self.num_pages}). "
+                "Fix: pass int(page) (a numpy or tensor scalar is not an int here)"
+            )
+        if not 0 <= page < self.num_pages:
+            raise IndexValidationError(f"page: found {page}, outside [0, {self.num_pages}). Fix: pass a page of the pool")
         if order != "kv_major" and order != "layer_major":
             raise InvalidArgumentError(f"order must be 'kv_major' or 'layer_major', got {order!r}")
         if type(merge) is not bool:

@@ -101,6 +101,11 @@ class DeviceKVPool(ProcessLocal):
         self.table: PointerTable[DeviceAlias] = make_kernel_ptr_table(self.buffers, self.device, layout=layout)
         ensure_error_word(self.device)  # the device readied for launches now, outside the first launch
 
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"DeviceKVPool({lay.kind}, {lay.attention}, {lay.num_layers} layer(s), {lay.num_slots} slot(s), "
+                f"{lay.nbytes} bytes, {self.device})")
+
     def buffer(self, kv: int, layer: int) -> torch.Tensor:
         """The ``[num_slots, num_heads, head_dim]`` buffer of K (kv=0) or V (kv=1) of ``layer``."""
         return self.buffers[kv * self.layout.num_layers + layer]
@@ -152,6 +157,12 @@ class HostKVPool(ProcessLocal):
         self._entries = entries
         self._tables_lock = threading.Lock()
         self._tables: dict[Device, PointerTable[DeviceAlias]] = {self.device: self.kernel_table}
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        state = "closed" if self.memory.closed else f"at {self.memory.host_va!r}, {len(self.memory.chunks)} chunk(s)"
+        return (f"HostKVPool({lay.kind}, {lay.attention}, {lay.num_layers} layer(s), {lay.num_pages} page(s), "
+                f"{lay.nbytes} bytes, {self.device}, {state})")
 
     def kernel_table_for(self, device: Device | str | torch.device) -> PointerTable[DeviceAlias]:
         """The kernel table of this pool for ``device``: the same registration (portable,
