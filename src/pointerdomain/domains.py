@@ -15,13 +15,19 @@ arithmetic keeps the domain (``addr + nbytes`` is the same type, ``a - b`` is an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, overload
 
 from typing_extensions import Self, final
 
 from pointerdomain.devices import Device
-from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, InvalidDeviceError
+from pointerdomain.errors import (
+    DeviceMismatchError,
+    DomainError,
+    InvalidArgumentError,
+    InvalidDeviceError,
+    RegistrationSpanError,
+)
 
 __all__ = ["Address", "AddressT", "DeviceAlias", "HostVA"]
 
@@ -44,6 +50,11 @@ class Address:
     """
 
     value: int
+    #: ``(lo, hi)``: the span of the buffer or registration this address was taken from
+    #: (a table entry, :func:`~pointerdomain.resolve_alias`), or None. Arithmetic must
+    #: stay in ``[lo, hi]`` (``hi``, one past the end, included): separately registered
+    #: ranges are not contiguous in alias space, so a step outside names other memory.
+    span: tuple[int, int] | None = field(default=None, kw_only=True, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if type(self) is Address:
@@ -60,7 +71,27 @@ class Address:
             raise DomainError(
                 f"{type(self).__name__} + {type(nbytes).__name__}: only a byte count (int) can be added to an address"
             )
-        return self._with_value(_check_value(self.value + nbytes))
+        value = _check_value(self.value + nbytes)
+        if self.span is not None and not self.span[0] <= value <= self.span[1]:
+            lo, hi = self.span
+            raise RegistrationSpanError(
+                f"nbytes: {self!r} + {nbytes} = {value:#x} leaves the buffer it was taken from ([{lo:#x}, {hi:#x}), "
+                f"{hi - lo} bytes), expected a result inside it: outside lies other memory (another registration's "
+                "alias range, or none). Fix: take the address of the other buffer from its own table entry or "
+                "registration"
+            )
+        return self._with_value(value)
+
+    def bounded(self, lo: int, hi: int) -> Self:
+        """This address, knowing the span ``[lo, hi)`` of its buffer or registration:
+        arithmetic that leaves it raises :class:`~pointerdomain.errors.RegistrationSpanError`.
+
+        Raises:
+            InvalidArgumentError: the address is not in ``[lo, hi]``.
+        """
+        if not (type(lo) is int and type(hi) is int and lo <= self.value <= hi):
+            raise InvalidArgumentError(f"span: found [{lo!r}, {hi!r}), expected a range holding {self!r}")
+        return replace(self, span=(lo, hi))
 
     def _with_value(self, value: int) -> Self:
         raise NotImplementedError
@@ -106,7 +137,7 @@ class HostVA(Address):
     """
 
     def _with_value(self, value: int) -> HostVA:
-        return HostVA(value)
+        return HostVA(value, span=self.span)
 
     @overload
     def __sub__(self, other: HostVA) -> int: ...
@@ -170,7 +201,7 @@ class DeviceAlias(Address):
             raise InvalidDeviceError(f"DeviceAlias needs a Device, got {self.device!r}")
 
     def _with_value(self, value: int) -> DeviceAlias:
-        return DeviceAlias(value, self.device)
+        return DeviceAlias(value, self.device, span=self.span)
 
     @overload
     def __sub__(self, other: DeviceAlias) -> int: ...

@@ -147,3 +147,18 @@ def test_launch_after_storage_swap_writes_nothing(swap: str) -> None:
         assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, device.buffers))
         with pytest.raises(errors.ClosedError):
             host.backup(device, idx, idx)
+
+
+def test_memory_registered_after_stale_metadata_is_taken() -> None:
+    """Addresses whose old metadata went stale, registered again since: live memory."""
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    same = buf[:]  # keeps the old storage, as a new owner of those addresses would
+    old = pd.buffer_infos(pd.host_ptr_table([buf]), 64)[0]
+    buf.set_(torch.zeros(8192, dtype=torch.uint8))
+    engine = Recorder()
+    with pytest.raises(errors.ClosedError):
+        HostTransferEngine(engine, "127.0.0.1").register_memory(old)
+    with pd.register_host_tensor(same, DEV) as mem:
+        HostTransferEngine(engine, "127.0.0.1").register_memory(pd.BufferInfo(address=mem.host_va, nbytes=8192,
+                                                                              item_bytes=64))
+    assert engine.calls == [("register_memory", (old.address.value, 8192))]

@@ -125,6 +125,20 @@ class _Registry:
 
 
 _registry = _Registry()
+_serial_lock = threading.Lock()
+_serial = 0
+
+
+def _next_serial() -> int:
+    global _serial
+    with _serial_lock:
+        _serial += 1
+        return _serial
+
+
+def last_serial() -> int:
+    """The :attr:`RegisteredHostMemory.serial` of the newest registration made so far (0: none)."""
+    return _serial
 
 
 def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
@@ -262,6 +276,9 @@ class RegisteredHostMemory(ProcessLocal):
         library_owned: bool = False,
     ) -> None:
         self.device = device
+        #: Order of creation in this process (metadata taken before a registration of the
+        #: same addresses describes memory that was there before it).
+        self.serial = _next_serial()
         # devices an alias was asked for (alias_of), own first: a portable registration
         # serves every device of its type; explain() looks aliases up on these
         self._alias_devices: dict[Device, None] = {device: None}

@@ -22,7 +22,7 @@ from pointerdomain.arguments import ADDRESS_SPACE, check_instance
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import ClosedError, InvalidArgumentError, LayoutError, MetadataValidationError
 from pointerdomain.layouts import KVLayout
-from pointerdomain.registration.memory import find_closed_registration
+from pointerdomain.registration.memory import find_closed_registration, find_registration, last_serial
 from pointerdomain.registration.tables import PointerTable, require_domain
 from pointerdomain.validated import ValidatedModel
 
@@ -96,7 +96,7 @@ def _check_host(table: object) -> PointerTable[HostVA]:
 # storage, so a weakref to it dies with the storage): a watch outlives its memory on
 # purpose, until new metadata is handed out over the same addresses.
 class _Watch:
-    __slots__ = ("lo", "hi", "storage", "storage_ptr", "storage_nbytes", "tensor", "tensor_ptr")
+    __slots__ = ("lo", "hi", "storage", "storage_ptr", "storage_nbytes", "tensor", "tensor_ptr", "serial")
 
     def __init__(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -107,6 +107,7 @@ class _Watch:
         self.storage_nbytes = storage.nbytes()
         self.tensor = weakref.ref(t)
         self.tensor_ptr = self.lo
+        self.serial = last_serial()  # registrations made after this one are newer memory
 
     def live(self) -> bool:
         storage = self.storage()
@@ -181,6 +182,9 @@ def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> N
         )
     with _watch_lock:
         near = [w for w in _watches if w.lo < hi and lo < w.hi]
+    owner = find_registration(address, nbytes) if near else None
+    if owner is not None:  # registered since that metadata was taken: the addresses were reused
+        near = [w for w in near if w.serial >= owner.serial]
     if near and not any(w.live() for w in near):
         raise ClosedError(
             f"{name}: [{address!r}, +{nbytes}) is metadata of memory that was released, reallocated or swapped "

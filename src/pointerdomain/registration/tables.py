@@ -182,10 +182,11 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         if isinstance(index, slice):
             return tuple(self[i] for i in range(len(self))[index])
         value = self._values[index]
+        span = (value, value + self._sizes[index])  # arithmetic on an entry stays in its buffer
         if self._domain is DeviceAlias:
             assert self._device is not None
-            return DeviceAlias(value, self._device)  # type: ignore[return-value]
-        return HostVA(value)  # type: ignore[return-value]
+            return DeviceAlias(value, self._device, span=span)  # type: ignore[return-value]
+        return HostVA(value, span=span)  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[D]:
         return (self[i] for i in range(len(self)))
