@@ -189,7 +189,7 @@ def vram_desc(tensor: torch.Tensor, device: pd.Device | str | torch.device) -> N
         DeviceMismatchError: memory of another GPU.
         NonContiguousError: a strided tensor.
     """
-    dev = pd.as_device(device)
+    dev = pd.as_device(device)  # the type first: VRAM is CUDA memory
     if dev.type != "cuda":
         raise errors.InvalidDeviceError(
             f"VRAM descriptors are CUDA device memory; {dev} is not a CUDA device (NIXL cannot reach emulated memory)"
@@ -201,6 +201,7 @@ def vram_desc(tensor: torch.Tensor, device: pd.Device | str | torch.device) -> N
             f"memory on {tensor.device} is host memory, not VRAM: describe it as DRAM from HostVA metadata "
             "(dram_desc(BufferInfo)), never by a device alias"
         )
+    dev = pd.validate_device(dev)  # one that exists: a missing GPU is not a mismatch with the tensor
     if tensor.device.index != dev.ordinal:
         raise errors.DeviceMismatchError(f"memory of cuda:{tensor.device.index}, but the descriptor is for {dev}")
     if not tensor.is_contiguous():
