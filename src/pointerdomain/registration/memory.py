@@ -31,7 +31,6 @@ from pointerdomain._platform.numa import node_of
 from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
-from pointerdomain.arguments import check_bool
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.ladder import RegistrationPolicy, Rung, note_rung, resolve_policy, warn_degraded
 from pointerdomain.errors import (
@@ -575,7 +574,8 @@ def register_host_tensor(
         raise InvalidRegistrationError("cannot register an empty tensor: a 0-byte registration is invalid")
     check_granularity(granularity, max_chunk_bytes)
     resolve_policy(policy)
-    check_bool("shared", shared)
+    if type(shared) is not bool:  # before the range is looked up: shared=1 is not True
+        raise InvalidArgumentError(f"shared: found {shared!r}, expected a bool (True or False)")
     dev = validate_device(device)
     flat = tensor.reshape(-1).view(torch.uint8)
     if shared is True:
