@@ -28,12 +28,14 @@ EXEMPT = {
     "pointerdomain": {"DEFAULT_MAX_CTAS", "DevicePool", "MaxCtas", "TransferBackend", "WHOLE_GPU", "WholeGpu",
                       "__version__", "checked", "errors", "fallback_count", "get_include", "reset_resolver_cache",
                       "AliasPolicy", "PointerTable", "RegisteredHostMemory",
-                      "KVLayoutChanges",  # a TypedDict (static only)
-                      "is_host_table", "is_kernel_table",  # predicates: False for any other object
+                      "KVLayoutChanges", "BufferInfoChanges",  # TypedDicts (static only)
+                      "is_host_table", "is_kernel_table", "has_domain",  # predicates: False for any other object
                       "Rung", "StrictCapability", "strict_alias_enabled",
                       "Explanation"},  # a result record built by explain()  # an enum, a result record, a query  # predicates: False for any other object
-    "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike"},  # + a Protocol
-    "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent"},
+    "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike", "BatchTransferEngineLike",
+                                        "RpcPortEngineLike"},  # + Protocols
+    "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent",
+                                    "NixlAgentLike"},  # + a Protocol
     "pointerdomain.adapters.sglang": {"ContiguousBufInfos", "PageBufferMeta", "MHADevicePool", "MLADevicePool",
                                       "SglangHostPool"},
     "pointerdomain.adapters.vllm": {"BatchCopyFn", "BlockCopyBatch"},
@@ -63,6 +65,13 @@ CASES: list[Case] = [
      ("head_dim", "-8", "expected", "Fix")),
     ("pointerdomain.KVLayout", "dtype", lambda: LAYOUT.replace(dtype=torch.float16), ValueError,
      ("dtype", "torch.float16", "expected", "Fix")),
+    ("pointerdomain.BufferInfo", "past-2**64",
+     lambda: pd.BufferInfo(address=pd.HostVA(2**64 - 64), nbytes=128, item_bytes=64), ValueError,
+     ("HostVA(0xffffffffffffffc0)", "+128", "past 2**64", "Fix")),
+    ("pointerdomain.BufferInfo", "copy-alias",
+     lambda: pd.BufferInfo(address=pd.HostVA(4096), nbytes=128, item_bytes=64).model_copy(
+         update={"address": pd.DeviceAlias(4096, DEV)}),  # type: ignore[arg-type]
+     ValueError, ("address", "HostVA", "DeviceAlias")),
     ("pointerdomain.BufferInfo", "int-address", lambda: pd.BufferInfo(address=4096, nbytes=8, item_bytes=8),  # type: ignore[arg-type]
      ValueError, ("address", "4096", "HostVA", "Fix")),
     ("pointerdomain.alloc_registered", "zero", lambda: pd.alloc_registered(0, DEV), ValueError, ("nbytes", "0")),
@@ -146,6 +155,8 @@ CASES: list[Case] = [
      lambda: mooncake.HostTransferEngine(object(), "h:1").register_memory(pd.HostVA(4096), 0), ValueError,
      ("nbytes", "0", "expected", "Fix")),
     ("pointerdomain.adapters.nixl.dram_desc", "int", lambda: nixl.dram_desc(4096, 8), TypeError, ("int", "HostVA")),  # type: ignore[arg-type]
+    ("pointerdomain.adapters.nixl.dram_desc", "past-2**64", lambda: nixl.dram_desc(pd.HostVA(2**64 - 8), 64), ValueError,
+     ("HostVA(0xfffffffffffffff8)", "+64", "past 2**64", "Fix")),
     ("pointerdomain.adapters.nixl.vram_desc", "str", lambda: nixl.vram_desc("x", DEV), ValueError, ("emulated:0", "cuda")),  # type: ignore[arg-type]
     ("pointerdomain.adapters.nixl.file_desc", "fd", lambda: nixl.file_desc(-1, 0, 8), ValueError, ("fd", "-1", "expected", "Fix")),
     ("pointerdomain.adapters.nixl.file_region", "fd", lambda: nixl.file_region("x", 8), ValueError, ("fd", "'x'")),  # type: ignore[arg-type]

@@ -30,12 +30,13 @@ if TYPE_CHECKING:
     from pointerdomain.registration.ladder import RegistrationPolicy, Rung
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
     from pointerdomain.registration.memory import RegisteredHostMemory, find_registration, register_host_tensor
-    from pointerdomain.registration.metadata import BufferInfo, buffer_infos, page_buffer_meta
+    from pointerdomain.registration.metadata import BufferInfo, BufferInfoChanges, buffer_infos, page_buffer_meta
     from pointerdomain.transfer.pools import DeviceKVPool, DevicePool, HostKVPool
     from pointerdomain.registration.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
     from pointerdomain.registration.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
     from pointerdomain.registration.tables import (
         PointerTable,
+        has_domain,
         host_ptr_table,
         is_host_table,
         is_kernel_table,
@@ -88,6 +89,7 @@ _LAZY = {
     "find_registration": "pointerdomain.registration.memory",
     "register_host_tensor": "pointerdomain.registration.memory",
     "BufferInfo": "pointerdomain.registration.metadata",
+    "BufferInfoChanges": "pointerdomain.registration.metadata",
     "buffer_infos": "pointerdomain.registration.metadata",
     "page_buffer_meta": "pointerdomain.registration.metadata",
     "DeviceKVPool": "pointerdomain.transfer.pools",
@@ -100,6 +102,7 @@ _LAZY = {
     "resolve_alias": "pointerdomain.registration.resolve",
     "PointerTable": "pointerdomain.registration.tables",
     "host_ptr_table": "pointerdomain.registration.tables",
+    "has_domain": "pointerdomain.registration.tables",
     "is_host_table": "pointerdomain.registration.tables",
     "is_kernel_table": "pointerdomain.registration.tables",
     "make_kernel_ptr_table": "pointerdomain.registration.tables",
@@ -155,6 +158,7 @@ __all__ = [
     "AddressT",
     "AliasPolicy",
     "BufferInfo",
+    "BufferInfoChanges",
     "DEFAULT_MAX_CTAS",
     "Device",
     "DeviceAlias",
@@ -189,6 +193,7 @@ __all__ = [
     "fallback_count",
     "find_registration",
     "get_include",
+    "has_domain",
     "host_ptr_table",
     "index_tensor",
     "is_host_table",

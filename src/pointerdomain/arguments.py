@@ -12,12 +12,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TypeVar
 
+from pointerdomain.domains import ADDRESS_LIMIT
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["ADDRESS_SPACE", "check_bool", "check_choice", "check_instance", "check_span"]
-
-#: Addresses and sizes are 64-bit: a range ends at or below this.
-ADDRESS_SPACE = 1 << 64
+__all__ = ["check_bool", "check_choice", "check_instance", "check_span"]
 
 T = TypeVar("T")
 
@@ -69,7 +67,7 @@ def check_span(name: str, start: int, nbytes: int) -> None:
     Raises:
         InvalidArgumentError: ``start + nbytes > 2**64`` (a ``ValueError`` too), naming ``name``.
     """
-    if start + nbytes > ADDRESS_SPACE:
+    if start + nbytes > ADDRESS_LIMIT:
         raise InvalidArgumentError(
             f"{name}: found the range [{start:#x}, +{nbytes}), which runs past the end of the 64-bit address space "
             f"(2**64) and would wrap, expected a range that ends at or below 2**64. Fix: pass the buffer's own "

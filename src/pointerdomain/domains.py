@@ -11,14 +11,22 @@ one where the other is expected, a plain ``int`` is accepted by neither, and
 arithmetic keeps the domain (``addr + nbytes`` is the same type, ``a - b`` is an
 ``int`` inside one domain, ``a + b`` does not exist). Neither defines
 ``__int__`` or ``__index__``: the raw value is reachable only through ``.value``.
+
+A raw ``int`` becomes an address only through the explicit, greppable
+:meth:`HostVA.unsafe_from_int` / :meth:`DeviceAlias.unsafe_from_int`: nothing can
+check which domain an ``int`` came from. For type checkers the plain constructors
+take a keyword that cannot be given (``use_unsafe_from_int: Never``), so
+``HostVA(x)`` is a static error under mypy and pyright, also when ``x`` is ``Any``
+(``tolist()``, ``json.loads``). At run time the plain constructor still works (old
+code keeps running; ``pointerdomain audit`` lists it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from typing_extensions import Self, final
+from typing_extensions import Never, Self, final
 
 from pointerdomain.devices import Device
 from pointerdomain.errors import (
@@ -29,16 +37,37 @@ from pointerdomain.errors import (
     RegistrationSpanError,
 )
 
-__all__ = ["Address", "AddressT", "DeviceAlias", "HostVA"]
+__all__ = ["ADDRESS_LIMIT", "Address", "AddressT", "DeviceAlias", "HostVA", "range_end"]
 
-_ADDR_LIMIT = 1 << 64
+#: One past the largest address: an address and the end of a range lie in [0, 2**64].
+ADDRESS_LIMIT = 1 << 64
 
 def _check_value(value: object) -> int:
     if type(value) is not int:
         raise DomainError(f"an address is built from an int, got {type(value).__name__}")
-    if not 0 <= value < _ADDR_LIMIT:
+    if not 0 <= value < ADDRESS_LIMIT:
         raise InvalidArgumentError(f"address {value:#x} is outside [0, 2**64)")
     return value
+
+
+def range_end(start: Address, nbytes: int, name: str = "range") -> int:
+    """The end ``start.value + nbytes`` of a range of ``nbytes`` bytes (> 0), checked to be
+    at most ``2**64``: a range that wraps past the top of the address space would reach low
+    memory in any engine that adds in 64 bits.
+
+    Raises:
+        InvalidArgumentError: ``nbytes`` is not a positive int, or the range runs past
+            ``2**64`` (a ``ValueError``).
+    """
+    if type(nbytes) is not int or nbytes <= 0:
+        raise InvalidArgumentError(f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes)")
+    end = start.value + nbytes
+    if end > ADDRESS_LIMIT:
+        raise InvalidArgumentError(
+            f"{name}: [{start!r}, +{nbytes}) runs past 2**64 (found an end of {end:#x}, expected at most 2**64). "
+            "Fix: the address or the size is wrong"
+        )
+    return end
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +84,10 @@ class Address:
     #: stay in ``[lo, hi]`` (``hi``, one past the end, included): separately registered
     #: ranges are not contiguous in alias space, so a step outside names other memory.
     span: tuple[int, int] | None = field(default=None, kw_only=True, compare=False, repr=False)
+
+    if TYPE_CHECKING:  # a raw int is wrapped only by unsafe_from_int (see the module docstring)
+
+        def __init__(self, value: int, *, use_unsafe_from_int: Never) -> None: ...
 
     def __post_init__(self) -> None:
         if type(self) is Address:
@@ -136,8 +169,26 @@ class HostVA(Address):
     [0, 2**64) in JSON, and serialise to that int.
     """
 
+    if TYPE_CHECKING:
+
+        def __init__(self, value: int, *, use_unsafe_from_int: Never) -> None: ...
+
+    @classmethod
+    def unsafe_from_int(cls, value: int) -> HostVA:
+        """``value`` declared a host VA: the one way to wrap a raw ``int`` (``data_ptr()``
+        of host memory, a field of an engine's metadata) that type-checks. Nothing checks
+        the domain; keep these calls at the boundary where the int is known to be a CPU
+        address (``pointerdomain audit`` lists them).
+
+        Raises:
+            DomainError: ``value`` is not an int (a ``TypeError``).
+            InvalidArgumentError: ``value`` is outside ``[0, 2**64)`` (a ``ValueError``).
+        """
+        return cls(value)  # type: ignore[call-arg]  # the sanctioned raw wrap
+
     def _with_value(self, value: int) -> HostVA:
-        return HostVA(value, span=self.span)
+        alias = HostVA.unsafe_from_int(value)
+        return alias if self.span is None else replace(alias, span=self.span)
 
     @overload
     def __sub__(self, other: HostVA) -> int: ...
@@ -169,7 +220,7 @@ class HostVA(Address):
         # that serialisation wrote, validated to [0, 2**64) and wrapped back.
         return core_schema.json_or_python_schema(
             json_schema=core_schema.no_info_after_validator_function(
-                _from_json_int, core_schema.int_schema(strict=True, ge=0, lt=_ADDR_LIMIT)
+                _from_json_int, core_schema.int_schema(strict=True, ge=0, lt=ADDRESS_LIMIT)
             ),
             python_schema=core_schema.is_instance_schema(HostVA),
             serialization=core_schema.plain_serializer_function_ser_schema(
@@ -179,7 +230,7 @@ class HostVA(Address):
 
 
 def _from_json_int(value: int) -> HostVA:
-    return HostVA(value)
+    return HostVA.unsafe_from_int(value)  # validated to [0, 2**64) by the schema
 
 
 @final
@@ -195,13 +246,32 @@ class DeviceAlias(Address):
 
     device: Device
 
+    if TYPE_CHECKING:
+
+        def __init__(self, value: int, device: Device, *, use_unsafe_from_int: Never) -> None: ...
+
     def __post_init__(self) -> None:
         Address.__post_init__(self)
         if not isinstance(self.device, Device):
             raise InvalidDeviceError(f"DeviceAlias needs a Device, got {self.device!r}")
 
+    @classmethod
+    def unsafe_from_int(cls, value: int, device: Device) -> DeviceAlias:
+        """``value`` declared a device alias for kernels on ``device``: the one way to wrap
+        a raw ``int`` that type-checks. Nothing checks the domain or the device (an int
+        from ``tolist()`` of a pointer tensor, a host VA's ``.value``); prefer the aliases
+        a :class:`~pointerdomain.PointerTable` or ``resolve_alias`` gives.
+
+        Raises:
+            DomainError: ``value`` is not an int (a ``TypeError``).
+            InvalidArgumentError: ``value`` is outside ``[0, 2**64)`` (a ``ValueError``).
+            InvalidDeviceError: ``device`` is not a :class:`~pointerdomain.Device`.
+        """
+        return cls(value, device)  # type: ignore[call-arg]  # the sanctioned raw wrap
+
     def _with_value(self, value: int) -> DeviceAlias:
-        return DeviceAlias(value, self.device, span=self.span)
+        alias = DeviceAlias.unsafe_from_int(value, self.device)
+        return alias if self.span is None else replace(alias, span=self.span)
 
     @overload
     def __sub__(self, other: DeviceAlias) -> int: ...

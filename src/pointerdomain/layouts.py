@@ -42,7 +42,6 @@ several chunks needs), per page (``page_unified``; per page and head group when
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypedDict
 
 import pydantic
@@ -194,7 +193,8 @@ class KVLayout(ValidatedModel, frozen=True):
     divide ``num_heads`` and is 1 for every other kind and for MLA.
 
     Every way to make or derive one validates: construction, :meth:`replace`,
-    ``model_copy(update=...)`` (pydantic's skips validation: this one does not),
+    ``model_copy(update=...)`` from untyped code (pydantic's skips validation: this one
+    does not; typed code gets a static error and uses :meth:`replace`),
     ``model_validate`` / ``model_validate_json``; ``model_construct`` is refused
     (:class:`~pointerdomain.validated.ValidatedModel`).
 
@@ -280,15 +280,6 @@ class KVLayout(ValidatedModel, frozen=True):
                 "with layout.replace(...)", name, None, "no deletion (frozen)",
             )
 
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> KVLayout:
-        """A copy with ``update`` applied, validated (unlike pydantic's ``model_copy``):
-        the same as :meth:`replace` ``(**update)``.
-
-        Raises:
-            LayoutFieldError: an update that makes the layout invalid.
-        """
-        return type(self).model_validate({**self.model_dump(), **(update or {})})
-
     def replace(self, **changes: Unpack[KVLayoutChanges]) -> KVLayout:
         """A copy with ``changes`` applied, **validated** like a new layout, with field
         names and types checked by mypy and pyright (:class:`KVLayoutChanges`);
@@ -299,7 +290,7 @@ class KVLayout(ValidatedModel, frozen=True):
                 ``kind="pagefirst"``, ``dtype=torch.bfloat16``, ``num_pages=0``, MLA with 4
                 heads) or an unknown field; the message names the field.
         """
-        return type(self).model_validate({**self.model_dump(), **changes})
+        return self._derive(changes)
 
     @property
     def num_kv(self) -> int:

@@ -122,7 +122,7 @@ def test_mooncake_transfer_from_released_local_block_is_refused() -> None:
     wrapper.register_memory(info)
     t.set_(torch.zeros(4096, dtype=torch.uint8))  # the old storage goes with its last user
     with pytest.raises(errors.ClosedError, match="local"):
-        wrapper.transfer_sync_write("peer:1", info, pd.HostVA(1 << 20))
+        wrapper.transfer_sync_write("peer:1", info, pd.HostVA.unsafe_from_int(1 << 20))
     with pytest.raises(errors.ClosedError, match=r"local\[0\]"):
         wrapper.batch_transfer_sync_read("peer:1", [info], [info])
     assert [c[0] for c in engine.calls] == ["register_memory"]

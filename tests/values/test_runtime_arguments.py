@@ -108,7 +108,6 @@ EXEMPT = {
     "KernelOp.__init__:var_positional": "built by kernel_op() from the op's signature",
     "KernelOp.__init__:var_keyword": "built by kernel_op() from the op's signature",
     "KernelOp.__init__:table_tensor": "built by kernel_op() (sampled there)",
-    "KVLayout.model_copy:deep": "pydantic's own method: KVLayout refuses model_copy updates and validates",
 }
 
 

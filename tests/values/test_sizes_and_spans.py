@@ -35,14 +35,14 @@ def test_sizes_beyond_the_address_space() -> None:
 
 
 def test_ranges_that_wrap_are_refused() -> None:
-    end = pd.HostVA(TOP - 64)
+    end = pd.HostVA.unsafe_from_int(TOP - 64)
     with pytest.raises(errors.MetadataValidationError, match="2\\*\\*64"):
         pd.BufferInfo(address=end, nbytes=128, item_bytes=64)
     with pytest.raises(errors.MetadataValidationError):
         pd.BufferInfo.model_validate_json(json.dumps({"address": TOP - 64, "nbytes": 128, "item_bytes": 64}))
     assert pd.BufferInfo(address=end, nbytes=64, item_bytes=64).nbytes == 64  # ends exactly at 2**64
     with pytest.raises(errors.InvalidArgumentError, match="region"):
-        nixl.dram_desc(pd.HostVA(TOP - 8), 64)
+        nixl.dram_desc(pd.HostVA.unsafe_from_int(TOP - 8), 64)
     with pytest.raises(errors.InvalidArgumentError, match="offset"):
         nixl.file_desc(3, TOP - 8, 64)
 
@@ -55,7 +55,7 @@ def test_ranges_that_wrap_are_refused() -> None:
 
     engine = Engine()
     with pytest.raises(errors.InvalidArgumentError, match="region"):
-        mooncake.HostTransferEngine(engine, "127.0.0.1").register_memory(pd.HostVA(TOP - 8), 64)  # type: ignore[arg-type]
+        mooncake.HostTransferEngine(engine, "127.0.0.1").register_memory(pd.HostVA.unsafe_from_int(TOP - 8), 64)  # type: ignore[arg-type]
     assert engine.calls == []
 
 

@@ -19,7 +19,7 @@ def sglang_cache(cache: sglang.HostKVCacheAdapter, device: sglang.DeviceKVBuffer
     kernel_ptrs: list[DeviceAlias] = cache.get_page_buffer_meta(idx).ptr_list  # type: ignore[assignment]
     cache.get_page_buffer_meta(cache.host_table)  # type: ignore[arg-type]
     cache.load_to_device_per_layer(device, idx, idx, layer_id=cache.host_table[0])  # type: ignore[arg-type]
-    sglang.ContiguousBufInfos([DeviceAlias(0, device.table[0].device)], [64], [64])  # type: ignore[list-item]
+    sglang.ContiguousBufInfos([DeviceAlias.unsafe_from_int(0, device.table[0].device)], [64], [64])  # type: ignore[list-item]
     del host, aliases, kernel_ptrs
 
 

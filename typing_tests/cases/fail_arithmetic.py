@@ -54,11 +54,11 @@ def assignment(va: HostVA, alias: DeviceAlias) -> None:
 
 def plain_int(va: HostVA, alias: DeviceAlias, device: Device) -> None:
     # Construction: an int, and only an int (re-wrapping needs .value, explicitly).
-    HostVA(alias)  # type: ignore[arg-type]
-    DeviceAlias(va, device)  # type: ignore[arg-type]
-    DeviceAlias(0x1000)  # type: ignore[call-arg]
-    HostVA(0x1000, device)  # type: ignore[call-arg]
-    DeviceAlias(0x1000, "cuda:0")  # type: ignore[arg-type]
+    HostVA.unsafe_from_int(alias)  # type: ignore[arg-type]
+    DeviceAlias.unsafe_from_int(va, device)  # type: ignore[arg-type]
+    DeviceAlias.unsafe_from_int(0x1000)  # type: ignore[call-arg]
+    HostVA.unsafe_from_int(0x1000, device)  # type: ignore[call-arg]
+    DeviceAlias.unsafe_from_int(0x1000, "cuda:0")  # type: ignore[arg-type]
     Device("rocm", 0)  # type: ignore[arg-type]
     # No implicit conversion to int: __int__, __index__, format as hex.
     int(va)  # type: ignore[call-overload]

@@ -62,7 +62,7 @@ def pools(device_pool: DeviceKVPool, host_pool: HostKVPool, idx: torch.Tensor) -
     # The pool methods take a device pool and index tensors, not tables.
     host_pool.backup(device_pool.table, idx, idx)  # type: ignore[arg-type]
     host_pool.load(device_pool, host_pool.host_table, idx)  # type: ignore[arg-type]
-    host_pool.load_layer(device_pool, idx, idx, layer_id=HostVA(0))  # type: ignore[arg-type]
+    host_pool.load_layer(device_pool, idx, idx, layer_id=HostVA.unsafe_from_int(0))  # type: ignore[arg-type]
 
 
 def device_parameters(memory: RegisteredHostMemory, va: HostVA) -> None:

@@ -9,8 +9,8 @@ from typing_extensions import assert_type
 from pointerdomain import Device, DeviceAlias, HostVA, as_device
 
 dev = Device("emulated", 0)
-va = HostVA(0x1000)
-alias = DeviceAlias(0x7F00_0000, dev)
+va = HostVA.unsafe_from_int(0x1000)
+alias = DeviceAlias.unsafe_from_int(0x7F00_0000, dev)
 
 # Construction and the raw value (the only way out to an int is .value).
 assert_type(va, HostVA)
@@ -39,12 +39,12 @@ assert (va + 4096) - va == 4096
 # Ordering and equality inside one domain.
 assert_type(va < va + 1, bool)
 assert_type(alias >= alias, bool)
-assert_type(va == HostVA(0x1000), bool)
-assert va == HostVA(0x1000) and va != va + 1
+assert_type(va == HostVA.unsafe_from_int(0x1000), bool)
+assert va == HostVA.unsafe_from_int(0x1000) and va != va + 1
 assert sorted([va + 8, va]) == [va, va + 8]
 assert_type(sorted([va + 8, va]), list[HostVA])
 assert_type(max(alias, alias + 8), DeviceAlias)
 
 # Addresses are hashable values (frozen dataclasses).
 seen: dict[HostVA, str] = {va: "pool"}
-assert_type(seen[HostVA(0x1000)], str)
+assert_type(seen[HostVA.unsafe_from_int(0x1000)], str)

@@ -17,7 +17,7 @@ assert_type(_C.gpu_runtime, str)
 # typed layer wraps them in HostVA / DeviceAlias.
 buf = _C.emu_host_alloc(1 << 16)
 assert_type(buf, torch.Tensor)
-va = HostVA(buf.data_ptr())
+va = HostVA.unsafe_from_int(buf.data_ptr())
 registered = _C.emu_register(va.value, 1 << 16)
 assert_type(registered, tuple[int, int])
 status, alias = registered

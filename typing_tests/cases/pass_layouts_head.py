@@ -31,7 +31,7 @@ assert lower_pair(small_layout(), small_layout("page_first")) is None
 with HostKVPool(head, DEVICE) as host:
     va = host.host_va(3, 1, 0, token=1)
     assert_type(va, HostVA)
-    assert va == HostVA(host.buffer[0, 3, 0, 1, 1].data_ptr())
+    assert va == HostVA.unsafe_from_int(host.buffer[0, 3, 0, 1, 1].data_ptr())
     device = DeviceKVPool(small_layout(), DEVICE)
     for buffer in device.buffers:
         buffer.copy_(torch.arange(buffer.numel(), dtype=torch.float16).view(buffer.shape))

@@ -11,7 +11,7 @@ from typing_extensions import assert_type
 
 from pointerdomain import BufferInfo, HostKVPool, HostVA, buffer_infos, page_buffer_meta
 
-va = HostVA(0x10_0000)
+va = HostVA.unsafe_from_int(0x10_0000)
 
 # A model field typed HostVA takes a HostVA and gives a HostVA back.
 info = BufferInfo(address=va, nbytes=4096, item_bytes=64)

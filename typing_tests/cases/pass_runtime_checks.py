@@ -38,8 +38,8 @@ from pointerdomain import (
 from pointerdomain.errors import ClosedError, DeviceMismatchError, DomainError, NotRegisteredError
 
 dev0, dev1 = Device("emulated", 0), Device("emulated", 1)
-a0 = DeviceAlias(0x10_0000, dev0)
-a1 = DeviceAlias(0x10_0000, dev1)
+a0 = DeviceAlias.unsafe_from_int(0x10_0000, dev0)
+a1 = DeviceAlias.unsafe_from_int(0x10_0000, dev1)
 
 # 1. Aliases of two devices have the same static type: subtraction and ordering
 #    type-check, and raise DeviceMismatchError.
@@ -71,7 +71,7 @@ with raises(DomainError, "unregistered host memory"):
 
 # 5. Registration state: resolving an unregistered VA, launching on closed memory.
 with raises(NotRegisteredError):
-    assert_type(resolve_alias(HostVA(torch.zeros(64).data_ptr()), DEVICE), DeviceAlias)
+    assert_type(resolve_alias(HostVA.unsafe_from_int(torch.zeros(64).data_ptr()), DEVICE), DeviceAlias)
 host_pool = HostKVPool(small_layout("page_first"), DEVICE)
 host_pool.close()
 with raises(ClosedError):

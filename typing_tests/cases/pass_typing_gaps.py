@@ -32,8 +32,8 @@ from pointerdomain.errors import DomainError, LayoutError
 
 D = TypeVar("D", bound=Address)
 dev = Device("emulated", 0)
-va = HostVA(0x10_0000)
-alias = DeviceAlias(0x20_0000, dev)
+va = HostVA.unsafe_from_int(0x10_0000)
+alias = DeviceAlias.unsafe_from_int(0x20_0000, dev)
 
 
 # 1. Generic address helpers take one concrete domain (AddressT), checked per domain.
@@ -185,8 +185,8 @@ with alloc_registered(1 << 14, DEVICE) as memory:
     info = BufferInfo(address=host[0], nbytes=host.sizes[0], item_bytes=64)
     engine.register_memory(info)
     engine.register_memory(host[1], 1 << 13)
-    engine.transfer_sync_read("peer:1", info, HostVA(0x9000_0000))
-    engine.transfer_sync_write("peer:1", host[1], HostVA(0x9000_0000), 64)
+    engine.transfer_sync_read("peer:1", info, HostVA.unsafe_from_int(0x9000_0000))
+    engine.transfer_sync_write("peer:1", host[1], HostVA.unsafe_from_int(0x9000_0000), 64)
     engine.transfer_sync_read("peer:1", info, info, None)
     assert_type(mooncake.as_host_va(info), HostVA)
     assert_type(engine.session_id, str)

@@ -28,45 +28,73 @@ import importlib
 import threading
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
-from pointerdomain.arguments import check_span
+from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.metadata import check_metadata_live
 from pointerdomain.errors import (
     DomainError,
     ExtensionUnavailableError,
     InvalidArgumentError,
+    InvalidTypeError,
     NotRegisteredError,
     PointerDomainError,
     RuntimeCallError,
 )
 
-__all__ = ["EngineUnavailableError", "HostRegion", "HostTransferEngine", "TransferEngineLike", "as_host_va"]
+__all__ = [
+    "BatchTransferEngineLike",
+    "EngineUnavailableError",
+    "HostRegion",
+    "HostTransferEngine",
+    "RpcPortEngineLike",
+    "TransferEngineLike",
+    "as_host_va",
+]
 
 #: What the wrapper accepts as a buffer: host-VA metadata, or a bare host VA (with ``nbytes``).
 HostRegion: TypeAlias = "BufferInfo | HostVA"
 
 
+@runtime_checkable
 class TransferEngineLike(Protocol):
-    """The methods of Mooncake's ``TransferEngine`` that the wrapper calls, with the raw
-    ``int`` addresses (host VAs) and ``int`` return codes (0 = success) of its Python
-    binding (mooncake ``transfer_engine_py``). The wrapper is what is typed by domain; this
-    protocol types :attr:`HostTransferEngine.engine`, so a stand-in engine is checked too."""
+    """What the wrapper needs of an engine: the four calls every path makes, with the raw
+    ``int`` addresses (host VAs) and ``int`` return codes (0 = success) of Mooncake's
+    Python binding (``transfer_engine_py``). Positional-only, so a stand-in engine may
+    name its parameters as it likes. Types :attr:`HostTransferEngine.engine`.
+
+    The batch calls (:class:`BatchTransferEngineLike`) and ``get_rpc_port``
+    (:class:`RpcPortEngineLike`) are optional: without them a batch is moved block by
+    block, and :attr:`HostTransferEngine.session_id` raises."""
 
     def register_memory(self, addr: int, length: int, /) -> int: ...
     def unregister_memory(self, addr: int, /) -> int: ...
     def transfer_sync_read(self, target: str, buffer: int, peer_buffer_address: int, length: int, /) -> int: ...
     def transfer_sync_write(self, target: str, buffer: int, peer_buffer_address: int, length: int, /) -> int: ...
+
+
+@runtime_checkable
+class BatchTransferEngineLike(TransferEngineLike, Protocol):
+    """An engine with Mooncake's batch calls: the wrapper's batch methods then make one
+    engine call per batch."""
+
     def batch_transfer_sync_read(
         self, target: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], /
     ) -> int: ...
     def batch_transfer_sync_write(
         self, target: str, buffers: list[int], peer_buffer_addresses: list[int], lengths: list[int], /
     ) -> int: ...
+
+
+@runtime_checkable
+class RpcPortEngineLike(Protocol):
+    """An engine that reports its RPC port (Mooncake's P2P handshake): what
+    :attr:`HostTransferEngine.session_id` reads."""
+
     def get_rpc_port(self) -> int: ...
 
 
@@ -101,8 +129,8 @@ def as_host_va(value: HostRegion, name: str = "address") -> HostVA:
         raise DomainError(f"{name}: a {obj!r} is not an address; pass its entries' HostVA metadata (BufferInfo)")
     if isinstance(obj, int):
         raise DomainError(
-            f"{name}: a plain int ({obj:#x}) has no domain; wrap a CPU address as HostVA(...) explicitly, "
-            "or pass BufferInfo metadata"
+            f"{name}: a plain int ({obj:#x}) has no domain; wrap a CPU address as HostVA.unsafe_from_int(...) "
+            "explicitly, or pass BufferInfo metadata"
         )
     raise DomainError(f"{name}: expected a HostVA or BufferInfo, got {type(obj).__name__}")
 
@@ -120,8 +148,10 @@ class HostTransferEngine(ProcessLocal):
     """Mooncake's ``TransferEngine`` behind a HostVA-only interface.
 
     Args:
-        engine: an initialised engine object with Mooncake's Python methods
-            (``register_memory``, ``transfer_sync_read``, ...): a :class:`TransferEngineLike`.
+        engine: an initialised engine with Mooncake's ``register_memory``,
+            ``unregister_memory``, ``transfer_sync_read`` and ``transfer_sync_write``
+            (a :class:`TransferEngineLike`); its batch calls and ``get_rpc_port`` are
+            used when it has them.
         local_hostname: the hostname it was initialised with (``"127.0.0.1"``).
 
     Local buffers must lie inside memory registered through this wrapper
@@ -175,9 +205,19 @@ class HostTransferEngine(ProcessLocal):
 
     @property
     def session_id(self) -> str:
-        """What a peer passes as ``target_hostname``: ``host:rpc_port`` (P2P handshake)."""
+        """What a peer passes as ``target_hostname``: ``host:rpc_port`` (P2P handshake).
+
+        Raises:
+            InvalidTypeError: the engine has no ``get_rpc_port`` (a ``TypeError``).
+        """
+        engine = self.engine
+        if not isinstance(engine, RpcPortEngineLike):
+            raise InvalidTypeError(
+                f"session_id: found an engine ({type(engine).__name__}) without get_rpc_port, expected one with it "
+                "(Mooncake's TransferEngine). Fix: give the peer this node's address yourself"
+            )
         host = self.local_hostname.rsplit(":", 1)[0] if self.local_hostname.count(":") == 1 else self.local_hostname
-        return f"{host}:{int(self.engine.get_rpc_port())}"
+        return f"{host}:{int(engine.get_rpc_port())}"
 
     @staticmethod
     def _span(region: HostRegion, nbytes: int | None, name: str) -> tuple[HostVA, int]:
@@ -193,7 +233,7 @@ class HostTransferEngine(ProcessLocal):
             raise InvalidArgumentError(
                 f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes). Fix: pass the block's size in bytes"
             )
-        check_span(name, va.value, nbytes)
+        range_end(va, nbytes, name)  # a range past 2**64 would wrap in the engine's 64-bit arithmetic
         return va, nbytes
 
     def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:
@@ -221,7 +261,8 @@ class HostTransferEngine(ProcessLocal):
 
         Raises:
             DomainError: not a HostVA / BufferInfo, or the range is device memory.
-            InvalidArgumentError: ``nbytes`` missing or not positive (a ``ValueError``).
+            InvalidArgumentError: ``nbytes`` missing or not positive, or the range runs past
+                ``2**64`` (a ``ValueError``).
             ClosedError: the memory was closed or released since its metadata was taken.
             RuntimeCallError: the engine refused.
         """
@@ -335,14 +376,21 @@ class HostTransferEngine(ProcessLocal):
             l_vals.append(l_va.value)
             r_vals.append(r_va.value)
             lengths.append(l_n)
-        if lengths:
-            fn = (self.engine.batch_transfer_sync_read if call == "batch_transfer_sync_read"
-                  else self.engine.batch_transfer_sync_write)
+        engine = self.engine
+        if lengths and isinstance(engine, BatchTransferEngineLike):
+            fn = (engine.batch_transfer_sync_read if call == "batch_transfer_sync_read"
+                  else engine.batch_transfer_sync_write)
             self._check(call, fn(peer, l_vals, r_vals, lengths))
+        elif lengths:  # an engine without batch calls: the same blocks, one call each, in order
+            one = "transfer_sync_read" if call == "batch_transfer_sync_read" else "transfer_sync_write"
+            fn1 = engine.transfer_sync_read if one == "transfer_sync_read" else engine.transfer_sync_write
+            for l_val, r_val, n in zip(l_vals, r_vals, lengths):
+                self._check(one, fn1(peer, l_val, r_val, n))
         return sum(lengths)
 
     def batch_transfer_sync_read(self, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:
-        """Read block ``remote[i]`` of the peer into ``local[i]`` for every ``i``, in one batch (blocking).
+        """Read block ``remote[i]`` of the peer into ``local[i]`` for every ``i``, in one batch (blocking):
+        one engine call, or one ``transfer_sync_read`` per block when the engine has no batch calls.
 
         Returns:
             Bytes moved.

@@ -44,7 +44,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from typing_extensions import final
@@ -52,12 +52,14 @@ from typing_extensions import final
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.arguments import check_span
+from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.metadata import check_metadata_live
 
 __all__ = [
     "HostNixlAgent",
     "MemType",
+    "NixlAgentLike",
     "NixlDesc",
     "NixlRegistration",
     "NixlUnavailableError",
@@ -76,6 +78,29 @@ _TOKEN = object()
 
 class NixlUnavailableError(errors.PointerDomainError, ImportError):
     """NIXL is not installed or does not import (``import nixl._api``)."""
+
+
+class NixlAgentLike(Protocol):
+    """The calls :class:`HostNixlAgent` makes on a ``nixl._api.nixl_agent`` (NIXL 1.5's
+    Python API), and nothing more: what a stand-in agent must have. Positional-only, so
+    an agent may name its parameters as it likes; handles and descriptor lists are
+    NIXL's own objects (``Any``)."""
+
+    def register_memory(
+        self, reg_list: list[tuple[int, int, int, str]], mem_type: str, backends: list[str], /
+    ) -> Any: ...
+    def deregister_memory(self, handle: Any, /) -> Any: ...
+    def get_agent_metadata(self) -> bytes: ...
+    def add_remote_agent(self, metadata: bytes, /) -> Any: ...
+    def remove_remote_agent(self, agent: str, /) -> Any: ...
+    def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem_type: str, /) -> Any: ...
+    def initialize_xfer(
+        self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str, notif_msg: bytes,
+        backends: list[str], /,
+    ) -> Any: ...
+    def transfer(self, handle: Any, /) -> Any: ...
+    def check_xfer_state(self, handle: Any, /) -> Any: ...
+    def release_xfer_handle(self, handle: Any, /) -> Any: ...
 
 
 @final
@@ -141,7 +166,8 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
     Raises:
         DomainError: a DeviceAlias (kernel address), a pointer table, a tensor, a plain
             int or anything else that is not host-VA metadata.
-        InvalidArgumentError: ``nbytes`` missing, not positive, or given with a BufferInfo.
+        InvalidArgumentError: ``nbytes`` missing, not positive, or given with a BufferInfo;
+            a HostVA range that runs past ``2**64``.
     """
     value: object = region  # checked at run time too: callers may be untyped
     if type(value) is pd.BufferInfo:
@@ -152,8 +178,9 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
     if type(value) is pd.HostVA:
         if nbytes is None:
             raise errors.InvalidArgumentError("nbytes: a bare HostVA needs nbytes")
-        check_span("region", value.value, _positive("nbytes", nbytes))
-        return NixlDesc(_TOKEN, "DRAM", value.value, nbytes, 0)
+        n = _positive("nbytes", nbytes)
+        range_end(value, n, "region")  # a range past 2**64 would wrap in NIXL's 64-bit descriptor
+        return NixlDesc(_TOKEN, "DRAM", value.value, n, 0)
     if isinstance(value, pd.DeviceAlias):
         raise errors.DomainError(
             f"{value!r} is a device alias (what kernels read); a DRAM descriptor is read by the NIC or the CPU by "
@@ -168,7 +195,8 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
         )
     if isinstance(value, int):
         raise errors.DomainError(
-            f"a plain int ({value:#x}) has no domain; wrap a CPU address as HostVA(...) explicitly, or pass BufferInfo"
+            f"a plain int ({value:#x}) has no domain; wrap a CPU address as HostVA.unsafe_from_int(...) explicitly, "
+            "or pass BufferInfo"
         )
     raise errors.DomainError(f"a DRAM descriptor is built from a BufferInfo or HostVA, got {type(value).__name__}")
 
@@ -304,8 +332,8 @@ class HostNixlAgent(ProcessLocal):
         name: the agent's name (unique among the peers).
         backends: NIXL back-ends to create (``"UCX"`` for network/loopback, ``"POSIX"``
             for files, ...).
-        agent: an existing ``nixl._api.nixl_agent`` to wrap instead (then ``backends`` is
-            ignored).
+        agent: an existing ``nixl._api.nixl_agent`` (or a stand-in with its calls, a
+            :class:`NixlAgentLike`) to wrap instead (then ``backends`` is ignored).
 
     Process-local, as its registrations: ``pickle`` and ``copy`` raise
     :class:`~pointerdomain.errors.NotPicklableError`.
@@ -314,12 +342,12 @@ class HostNixlAgent(ProcessLocal):
         NixlUnavailableError: NIXL does not import.
     """
 
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), *, agent: Any = None) -> None:
+    def __init__(self, name: str, backends: Sequence[str] = ("UCX",), *, agent: NixlAgentLike | None = None) -> None:
         if agent is None:
             api = _nixl_api()
             agent = api.nixl_agent(name, api.nixl_agent_config(backends=list(backends)))
         self.name = name
-        self.agent: Any = agent
+        self.agent: NixlAgentLike = agent
         self._lock = threading.Lock()
         self._registrations: list[NixlRegistration] = []
         self._remotes: list[str] = []
@@ -356,7 +384,7 @@ class HostNixlAgent(ProcessLocal):
         mem_type = checked[0].mem_type
         if mem_type == "DRAM":
             for i, d in enumerate(checked):
-                check_metadata_live(pd.HostVA(d.addr), d.nbytes, f"descs[{i}]")
+                check_metadata_live(pd.HostVA.unsafe_from_int(d.addr), d.nbytes, f"descs[{i}]")
         handle = self._call("register_memory", [d.reg_tuple() for d in checked], mem_type, list(backends))
         reg = NixlRegistration(_TOKEN, self, checked, handle)
         with self._lock:
@@ -452,7 +480,7 @@ class HostNixlAgent(ProcessLocal):
         for i, d in enumerate(loc):
             self._check_local(d)
             if d.mem_type == "DRAM":
-                check_metadata_live(pd.HostVA(d.addr), d.nbytes, f"local[{i}]")
+                check_metadata_live(pd.HostVA.unsafe_from_int(d.addr), d.nbytes, f"local[{i}]")
         local_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in loc], loc[0].mem_type)
         remote_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in rem], rem[0].mem_type)
         handle = self._call("initialize_xfer", op, local_list, remote_list, peer, b"", list(backends))

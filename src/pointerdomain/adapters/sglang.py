@@ -150,7 +150,8 @@ def make_kernel_ptr_table(
             )
         if not host_memory_registered and is_host:
             raise DomainError(
-                f"tensors[{i}]: host memory at {HostVA(t.data_ptr())!r} with host_memory_registered=False: its "
+                f"tensors[{i}]: host memory at {HostVA.unsafe_from_int(t.data_ptr())!r} with "
+                "host_memory_registered=False: its "
                 f"data_ptr() is a host VA, not an address a kernel on {dev} may use. Register it "
                 "(pointerdomain.register_host_tensor) and pass host_memory_registered=True"
             )
@@ -375,7 +376,7 @@ class HostKVCacheAdapter(ProcessLocal):
         self.kv_layout = layout
         self.kv_buffer = kv_buffer
         self.host_table: PointerTable[HostVA] = host_ptr_table([kv_buffer])
-        owner = find_registration(HostVA(kv_buffer.data_ptr()), layout.nbytes)
+        owner = find_registration(HostVA.unsafe_from_int(kv_buffer.data_ptr()), layout.nbytes)
         chunked = owner is not None and len(owner.chunks) > 1
         entries = layout.page_block_views(kv_buffer) if chunked else [kv_buffer]
         self.kernel_table: PointerTable[DeviceAlias] = make_kernel_ptr_table(
@@ -760,7 +761,8 @@ class DeviceKVBuffers(ProcessLocal):
             where = memory_device(b)
             if where is None:
                 raise DomainError(
-                    f"{name}: host memory at {HostVA(b.data_ptr())!r}; a device pool's buffers are device memory "
+                    f"{name}: host memory at {HostVA.unsafe_from_int(b.data_ptr())!r}; a device pool's buffers are "
+                    "device memory "
                     f"of {dev}. Fix: pass the device pool's buffers (host memory belongs in HostKVCacheAdapter)")
             if where != dev:
                 raise DeviceMismatchError(

@@ -107,11 +107,11 @@ class BlockCopyBatch:
 
     def src_aliases(self) -> list[DeviceAlias]:
         """The source addresses, typed."""
-        return [DeviceAlias(v, self.device) for v in self.src_ptrs.tolist()]
+        return [DeviceAlias.unsafe_from_int(v, self.device) for v in self.src_ptrs.tolist()]
 
     def dst_aliases(self) -> list[DeviceAlias]:
         """The destination addresses, typed."""
-        return [DeviceAlias(v, self.device) for v in self.dst_ptrs.tolist()]
+        return [DeviceAlias.unsafe_from_int(v, self.device) for v in self.dst_ptrs.tolist()]
 
     def check_live(self) -> None:
         """Raises:

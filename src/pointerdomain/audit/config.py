@@ -27,6 +27,7 @@ from typing import Any
 import pydantic
 
 from pointerdomain.audit.rules import RULES
+from pointerdomain.validated import ValidatedModel
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,7 +44,7 @@ class ConfigError(ValueError):
     """The configuration (or a command-line option naming rules or files) is invalid."""
 
 
-class AuditConfig(pydantic.BaseModel):
+class AuditConfig(ValidatedModel, frozen=True):
     """The validated ``[tool.pointerdomain.audit]`` table. ``root`` is the directory of
     the file it came from (the current directory when there is none); relative paths in
     it are relative to ``root``."""

@@ -29,6 +29,19 @@ rebuilt (and so refused). Not seen: a raw table rewritten behind torch's back (a
 kernel writing its memory), or foreign memory freed and reused at the same address
 under a cached table; the typed API (:func:`pointerdomain.make_kernel_ptr_table`)
 keeps its tensors alive and has neither gap.
+
+Prepared calls: an engine repeats one call shape with the same buffers and tables, only the
+indices new. The call shapes keep each call's checked translation (tables, layouts, slot
+counts), keyed by :func:`view_key` for buffer arguments and :func:`table_key` for raw
+tables plus the scalar arguments (ints typed as ints: ``True`` is not the ``1`` of a
+cached call), and a repeat goes straight to the direct launch
+(:func:`pointerdomain.transfer_kv_all_layer` / ``_per_layer``), which checks the indices
+(dtype, shape, device, lengths, range, overlap with the destination) and the tables'
+liveness (open registrations, storages in place) as it does for every caller. Whatever
+that launch refuses before writing (an ``IndexValidationError``) runs the call's full
+path, which names the argument in its own words or accepts what the call shape accepts
+beyond the direct API (``int32`` indices, LMCache's negative slots). A key sees what the
+raw-table cache sees, and no more.
 """
 
 from __future__ import annotations
@@ -62,13 +75,17 @@ from pointerdomain.registration.tables import PointerTable, make_kernel_ptr_tabl
 
 __all__ = [
     "addresses_table",
+    "held",
     "plain_tensor",
     "remember",
     "clear_cache",
     "memory_device_of",
+    "owned_cache",
     "resolve_addresses",
     "resolved_table",
+    "table_key",
     "tensor_table",
+    "view_key",
 ]
 
 _MASK = (1 << 64) - 1
@@ -128,6 +145,17 @@ class _TensorEntry(NamedTuple):
 
 _by_identity: OrderedDict[tuple[object, ...], _TensorEntry] = OrderedDict()
 _by_memory: OrderedDict[tuple[object, ...], PointerTable[DeviceAlias]] = OrderedDict()
+
+
+#: the compat modules' own caches (prepared calls, derived tables), cleared with the rest
+_owned: list[OrderedDict[Any, Any]] = []
+
+
+def owned_cache() -> OrderedDict[Any, Any]:
+    """A new bounded cache (see :func:`remember`) that :func:`clear_cache` empties too."""
+    cache: OrderedDict[Any, Any] = OrderedDict()
+    _owned.append(cache)
+    return cache
 
 
 def remember(cache: OrderedDict[Any, Any], key: object, value: object, limit: int = CACHE_SIZE) -> None:
@@ -198,6 +226,33 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
     return table
 
 
+# -- prepared-call keys -------------------------------------------------------------------
+
+def view_key(t: torch.Tensor) -> tuple[object, ...]:
+    """What makes a buffer argument the same buffer as on a call before, for the prepared-call
+    caches: the bytes it covers and how it describes them (address, shape, strides, dtype),
+    not the tensor object (a call shape may pass a new view of a pool's buffer each call).
+    Sound because the cache entry keeps that memory alive (its tables hold their tensors,
+    :func:`held` the arguments), so no other allocation can take the address while the
+    entry lives, and the launch checks that the storages are still in place. Raises for a
+    non-tensor or a tensor without memory (the caller then takes its full path)."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def table_key(t: torch.Tensor) -> tuple[int, int, int]:
+    """What makes a raw address table the same table with the same contents: the object, its
+    version counter (bumped by every in-place torch write, ``set_`` and ``resize_`` included;
+    shared with its views) and its address. Raises for an inference tensor, which has no
+    counter (the caller then takes its full path)."""
+    return (id(t), t._version, t.data_ptr())
+
+
+def held(*ts: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """What a prepared-call cache entry keeps alive: the argument tensors its key names (a
+    raw table's ``id`` must not be reused; a buffer's memory must stay where the key says)."""
+    return tuple(t for t in ts if t is not None)
+
+
 # -- raw addresses ---------------------------------------------------------------------
 
 class _Span(NamedTuple):
@@ -213,7 +268,7 @@ class _Span(NamedTuple):
 
 def _span(name: str, addr: int, device: Device) -> _Span:
     """The allocation holding ``addr`` for a launch on ``device``, checked."""
-    va = HostVA(addr)
+    va = HostVA.unsafe_from_int(addr)
     owner = find_registration(va, 1)
     try:
         if owner is not None:
@@ -245,7 +300,7 @@ def _span(name: str, addr: int, device: Device) -> _Span:
                 raise DeviceMismatchError(
                     f"{addr:#x} is device memory of {device.type}:{info.ordinal}, but the launch is on {device}")
             return _Span(info.start, end, info.start, None, True)
-        return _Span(info.start, end, alias_of(HostVA(info.start), device).value, None)
+        return _Span(info.start, end, alias_of(HostVA.unsafe_from_int(info.start), device).value, None)
     except PointerDomainError as exc:
         raise _named(name, exc) from None
 
@@ -468,8 +523,10 @@ def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int
 
 
 def clear_cache() -> None:
-    """Forget every cached resolution (and release the buffers cached tables hold)."""
+    """Forget every cached resolution and prepared call (and release the buffers they hold)."""
     with _lock:
         _by_identity.clear()
         _by_memory.clear()
         _raw_cache.clear()
+        for cache in _owned:
+            cache.clear()

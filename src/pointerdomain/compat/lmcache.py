@@ -122,9 +122,11 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain.compat import _raw
+from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -382,7 +384,7 @@ class _Derived(NamedTuple):
 
 #: (id(resolved table), bases, entry bytes) -> the per-kv table over it; the resolved table is
 #: _raw's cached object, so a pool's unchanged pointer table finds its derived table again
-_derived: OrderedDict[tuple[int, tuple[int, ...], int], _Derived] = OrderedDict()
+_derived: OrderedDict[tuple[int, tuple[int, ...], int], _Derived] = _raw.owned_cache()
 _DERIVED_MAX: Final = 64
 _lock = threading.Lock()
 
@@ -491,6 +493,117 @@ def _launch(mem: PointerTable[DeviceAlias], mem_layout: pd.KVLayout, paged: Poin
                                  max_ctas=_MAX_CTAS, backend="kernel")
 
 
+# -- prepared calls --------------------------------------------------------------------------
+# LMCache moves the same memory-object buffers to and from the same per-layer caches call
+# after call; only the slots change. For a format whose slot is one run of the paged cache
+# and whose memory-object token is one run (0, 1, 3 and 5, and single-layer 1 and 3 with
+# the [2, T, E] / MLA object), the checked translation (tables, layouts, the token indices
+# of the memory object) is kept per call shape, keyed as sglang's prepared calls
+# (:func:`pointerdomain.compat._raw.view_key` / ``table_key``), and a repeat hands
+# ``slot_mapping`` itself to the direct launch with ``validate_indices="host"``: the slots
+# are read and checked there, before anything is written. A negative slot (upstream skips
+# its token) or one past the cache makes that launch refuse, and the full path below then
+# drops the negative slots or words the error. A device argument without an ordinal
+# ("cuda": the current device, which may change) is never keyed.
+
+class _Ready(NamedTuple):
+    held: tuple[torch.Tensor, ...]
+    mem: PointerTable[DeviceAlias]
+    mem_layout: pd.KVLayout
+    paged: PointerTable[DeviceAlias]
+    paged_layout: pd.KVLayout
+    to_paged: bool
+    #: memory-object token runs per call length (slots of tokens [first, first + n))
+    tokens: dict[int, torch.Tensor]
+    #: the slots used: slot_mapping[first:first + moved], slot_mapping holding at least
+    #: ``first + moved`` (exactly, where ``exact``); moved None: all of slot_mapping, at most ``limit``
+    first: int
+    moved: int | None
+    exact: bool
+    limit: int
+    device: Device
+
+
+_ready: OrderedDict[tuple[object, ...], _Ready] = _raw.owned_cache()
+_READY_MAX: Final = 256
+
+
+def _keyed_device(x: object) -> bool:
+    """A device argument that names one device whatever the current device is."""
+    return isinstance(x, Device) or (isinstance(x, (str, torch.device)) and (":" in str(x) or str(x) == "cpu"))
+
+
+#: per device the longest 0, 1, 2, ... index ramp made so far; every ramp ever made is kept
+#: (never freed): a launch in flight on any stream may still read a view of one, and a
+#: freed block could be handed to new work on another stream meanwhile
+_ramps: dict[Device, torch.Tensor] = {}
+_ramps_made: list[torch.Tensor] = []
+
+
+def _ramp(device: Device, first: int, n: int) -> torch.Tensor:
+    """``[first, first + n)`` as int64 on ``device``, a view of a ramp that is complete
+    before any stream reads it (built on the host, copied with a blocking copy)."""
+    ramp = _ramps.get(device)
+    if ramp is None or ramp.numel() < first + n:
+        with _lock:
+            ramp = _ramps.get(device)
+            if ramp is None or ramp.numel() < first + n:
+                size = max(first + n, 1024, 2 * (0 if ramp is None else ramp.numel()))
+                with torch.inference_mode(False):  # a plain tensor: read outside inference mode too
+                    ramp = torch.arange(size, dtype=torch.int64).to(device.torch_device)
+                _ramps_made.append(ramp)
+                _ramps[device] = ramp
+    return ramp[first:first + n]
+
+
+def _token_runs(ready: _Ready, n: int) -> torch.Tensor:
+    t = ready.tokens.get(n)
+    if t is None:
+        t = _ramp(ready.device, ready.first, n)
+        with _lock:
+            if len(ready.tokens) < 8:
+                ready.tokens[n] = t
+    return t
+
+
+def _launch_ready(ready: _Ready, slot_mapping: torch.Tensor) -> bool:
+    """A prepared call's direct launch; False when it was refused before anything was written
+    (the caller then takes the full path)."""
+    try:
+        total = slot_mapping.shape[0]
+        if ready.moved is None:
+            if total > ready.limit:
+                return False
+            slots, n = slot_mapping, total
+        else:
+            end = ready.first + ready.moved
+            if total < end or (ready.exact and total != end):
+                return False
+            slots, n = (slot_mapping, total) if ready.first == 0 and total == end else (
+                slot_mapping[ready.first:end], ready.moved)
+        mem_idx = _token_runs(ready, n)
+    except Exception:  # not a 1-D tensor, or too short: the full path names it
+        return False
+    try:
+        if ready.to_paged:
+            pd.transfer_kv_all_layer(ready.mem, ready.paged, mem_idx, slots, src_layout=ready.mem_layout,
+                                     dst_layout=ready.paged_layout, max_ctas=_MAX_CTAS, backend="kernel",
+                                     validate_indices="host")
+        else:
+            pd.transfer_kv_all_layer(ready.paged, ready.mem, slots, mem_idx, src_layout=ready.paged_layout,
+                                     dst_layout=ready.mem_layout, max_ctas=_MAX_CTAS, backend="kernel",
+                                     validate_indices="host")
+    except (IndexValidationError, ClosedError):  # refused before writing: the full path
+        return False
+    return True
+
+
+def _remember_ready(key: tuple[object, ...] | None, ready: _Ready) -> None:
+    if key is not None:
+        with _lock:
+            _raw.remember(_ready, key, ready, _READY_MAX)
+
+
 def _memory_object(key_value: object, kv_size: int) -> torch.Tensor:
     kv = _contiguous("key_value", _tensor("key_value", key_value))
     if kv.dim() != 4 or kv.shape[0] != kv_size:
@@ -554,6 +667,17 @@ def multi_layer_kv_transfer(
             known allocation, in a closed registration, or reaching past its allocation.
         Everything :func:`pointerdomain.transfer_kv_all_layer` raises.
     """
+    key: tuple[object, ...] | None
+    try:
+        key = ("multi", view_key(key_value), table_key(key_value_ptrs), paged_memory_device,
+               page_buffer_size, direction, engine_kv_format, type(engine_kv_format) is bool, block_size, head_size,
+               skip_prefix_n_tokens)
+        hit = _ready.get(key)
+    except Exception:  # not plain tensors, an inference-mode table: the full path
+        key = hit = None
+    if (hit is not None and type(page_buffer_size) is int and type(block_size) is int and type(head_size) is int
+            and type(skip_prefix_n_tokens) is int and _launch_ready(hit, slot_mapping)):
+        return
     device = _launch_device(paged_memory_device)
     to_paged = _to_paged(direction)
     capacity = _count("page_buffer_size", page_buffer_size)
@@ -590,11 +714,14 @@ def multi_layer_kv_transfer(
     g = _paged_geometry(fmt, item, capacity, bs, hs)
     paged = _paged_table("key_value_ptrs", table, tuple(b * es for b in g.kv_base), g.runs * g.run * es)
     mem = _raw.tensor_table("key_value", [kv], device)
+    mem_layout = _layout(kv_size, num_layers, num_tokens * g.heads, g.run * es)
+    paged_layout = _layout(kv_size, num_layers, g.runs, g.run * es)
     pairs = _pairs(slots[skip:num_tokens], skip, capacity, g.heads, g)
-    if pairs is None:
-        return
-    _launch(mem, _layout(kv_size, num_layers, num_tokens * g.heads, g.run * es), paged,
-            _layout(kv_size, num_layers, g.runs, g.run * es), pairs, to_paged, device)
+    if pairs is not None:
+        _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
+    if g.heads == 1 and not g.block and _keyed_device(paged_memory_device):
+        _remember_ready(key, _Ready(held(key_value, key_value_ptrs), mem, mem_layout, paged,
+                                    paged_layout, to_paged, {}, skip, num_tokens - skip, legacy, num_tokens, device))
 
 
 def multi_layer_kv_transfer_unilateral(
@@ -710,6 +837,15 @@ def single_layer_kv_transfer(
         DeviceMismatchError: memory or slots of another device.
         Everything :func:`pointerdomain.transfer_kv_all_layer` raises.
     """
+    key: tuple[object, ...] | None
+    try:
+        key = ("single", view_key(lmc_key_value_cache), view_key(vllm_key_value_cache), direction,
+               engine_kv_format, type(engine_kv_format) is bool, token_major, type(token_major) is bool)
+        hit = _ready.get(key)
+    except Exception:  # not plain tensors: the full path
+        key = hit = None
+    if hit is not None and _launch_ready(hit, slot_mapping):
+        return
     to_paged = _to_paged(direction)
     if isinstance(engine_kv_format, bool):
         major = engine_kv_format
@@ -753,11 +889,13 @@ def single_layer_kv_transfer(
         mem = _raw.tensor_table("lmc_key_value_cache", _byte_slices(lmc, [0, item * es], mem_runs * g.run * es),
                                 device)
     pairs = _pairs(slots, 0, capacity, tok_runs, g)
-    if pairs is None:
-        return
     run_bytes = g.run * es
-    _launch(mem, _layout(g.kv_size, 1, mem_runs, run_bytes), paged, _layout(g.kv_size, 1, g.runs, run_bytes),
-            pairs, to_paged, device)
+    mem_layout, paged_layout = _layout(g.kv_size, 1, mem_runs, run_bytes), _layout(g.kv_size, 1, g.runs, run_bytes)
+    if pairs is not None:
+        _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
+    if tok_runs == 1 and not g.block:
+        _remember_ready(key, _Ready(held(lmc_key_value_cache, vllm_key_value_cache), mem,
+                                    mem_layout, paged, paged_layout, to_paged, {}, 0, None, False, buffered, device))
 
 
 def _flash(key_value: object, key_cache: object, value_cache: object, slot_mapping: object, layer_idx: object,

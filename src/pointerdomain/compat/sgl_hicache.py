@@ -81,8 +81,10 @@ from typing import Final
 import torch
 
 from pointerdomain.compat import _raw
+from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.compat.sgl_kernel import (
     IS_HIP,
+    Prepared,
     Side,
     block_quota_of,
     buffers_table,
@@ -94,10 +96,13 @@ from pointerdomain.compat.sgl_kernel import (
     joined,
     launch,
     launch_device,
+    launch_prepared,
     layout,
     nbytes_of,
     page_parts,
+    prepared,
     ptr_arg,
+    remember_call,
     room,
     row_parts,
     runs,
@@ -278,9 +283,29 @@ def _rows_side(names: Sequence[str], ts: Sequence[torch.Tensor], element_dim: in
     return _Rows(tuple(buffers), rows, stride, element, ts[0].dtype)
 
 
+def _plain(*values: object) -> bool:
+    """Every value None or an int (not a bool), so that a cache key of them means what it says."""
+    for v in values:
+        if v is not None and type(v) is not int:
+            return False
+    return True
+
+
 def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: object, v_src: object | None,
                indices_src: object, element_dim: object, unroll: object, block_quota: object,
                names: tuple[str, str, str, str]) -> None:
+    # a repeat of a call over packed rows goes straight to the direct launch (see the
+    # prepared calls of pointerdomain.compat.sgl_kernel)
+    key: tuple[object, ...] | None
+    try:
+        key = ("one", view_key(k_dst), None if v_dst is None else view_key(v_dst),  # type: ignore[arg-type]
+               view_key(k_src), None if v_src is None else view_key(v_src),  # type: ignore[arg-type]
+               element_dim, unroll, block_quota)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors: the full path
+        key = hit = None
+    if hit is not None and _plain(element_dim, unroll, block_quota) and launch_prepared(hit, indices_src, indices_dst):
+        return
     ctas = _quota(block_quota)
     _unroll(unroll)
     d_names = (names[0],) if v_dst is None else (names[0], names[1])
@@ -310,6 +335,9 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     parts = src.element // g
     launch(sides[0], sides[1], row_parts(s_idx, src.rows, parts, src.stride // g),
            row_parts(d_idx, dst.rows, parts, dst.stride // g), layer=None, ctas=ctas)
+    if parts == 1 and src.stride == dst.stride == g:  # packed rows: the indices are the slots
+        remember_call(key, Prepared(held(k_dst, v_dst, k_src, v_src), sides[0], sides[1], None,  # type: ignore[arg-type]
+                                    ctas))
 
 
 def _indices_pair(indices_src: object, indices_dst: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,6 +422,17 @@ def _raw_rows(names: Sequence[str], ptrs: Sequence[torch.Tensor], device: Device
 def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: object, v_src: object | None,
                indices_src: object, src_stride: object, dst_stride: object, element_size: object, unroll: object,
                block_quota: object, names: tuple[str, str, str, str], stride_names: tuple[str, str]) -> None:
+    key: tuple[object, ...] | None
+    try:
+        key = ("all", table_key(k_dst), None if v_dst is None else table_key(v_dst),  # type: ignore[arg-type]
+               table_key(k_src), None if v_src is None else table_key(v_src),  # type: ignore[arg-type]
+               src_stride, dst_stride, element_size, unroll, block_quota)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors, an inference-mode table: the full path
+        key = hit = None
+    if (hit is not None and _plain(src_stride, dst_stride, element_size, unroll, block_quota)
+            and launch_prepared(hit, indices_src, indices_dst)):
+        return
     ctas = _quota(block_quota)
     _unroll(unroll)
     s_stride = _positive(stride_names[0], src_stride)
@@ -431,6 +470,8 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     parts = element // g
     launch(src, dst, row_parts(s_idx, s_rows, parts, s_stride // g), row_parts(d_idx, d_rows, parts, d_stride // g),
            layer=None, ctas=ctas)
+    if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots
+        remember_call(key, Prepared(held(k_dst, v_dst, k_src, v_src), src, dst, None, ctas))  # type: ignore[arg-type]
 
 
 def transfer_hicache_all_layer(

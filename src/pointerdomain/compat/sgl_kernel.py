@@ -130,9 +130,11 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain.compat import _raw
+from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device, as_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -214,9 +216,22 @@ def _warps(value: object) -> None:
             f"({WARP_SIZE}-thread warps, at most 1024 threads a block)")
 
 
+_QUOTA_VAR: Final = "SGLANG_HICACHE_BLOCK_QUOTA"
+# os.environ's own store, read directly where it is the plain dict CPython keeps (a miss
+# through the Mapping API raises and catches a KeyError: about 1 us a call); os.environ
+# writes update it, so a change at run time is seen as upstream sees it.
+_ENV_STORE: Final = getattr(os.environ, "_data", None)
+_ENV_KEY: Final = getattr(os.environ, "encodekey", lambda k: k)(_QUOTA_VAR) if type(_ENV_STORE) is dict else None
+_ENV_DECODE: Final = getattr(os.environ, "decodevalue", str)
+
+
 def _env_quota(default: int) -> int:
-    """Upstream's ``SGLANG_HICACHE_BLOCK_QUOTA`` override: an int, else ``default``."""
-    text = os.environ.get("SGLANG_HICACHE_BLOCK_QUOTA")
+    """Upstream's ``SGLANG_HICACHE_BLOCK_QUOTA`` override, read per call: an int, else ``default``."""
+    if _ENV_KEY is not None:
+        raw = _ENV_STORE.get(_ENV_KEY)  # type: ignore[union-attr]
+        text = None if raw is None else _ENV_DECODE(raw)
+    else:
+        text = os.environ.get(_QUOTA_VAR)
     if text is None:
         return default
     try:
@@ -447,7 +462,7 @@ def ptr_arg(name: str, t: object, count: int | None = None) -> torch.Tensor:
 
 
 _JoinEntry = tuple[tuple[weakref.ref[PointerTable[DeviceAlias]], ...], PointerTable[DeviceAlias]]
-_joins: OrderedDict[tuple[object, ...], _JoinEntry] = OrderedDict()
+_joins: OrderedDict[tuple[object, ...], _JoinEntry] = _raw.owned_cache()
 _lock = threading.Lock()
 _CACHE: Final = 256
 
@@ -724,76 +739,49 @@ def transfer_kv_all_layer_mla(
 # -- prepared calls -------------------------------------------------------------------------
 # A HiCache engine issues the same call shape with the same buffers and tables on every
 # layer of every forward pass; only the indices change. The checked translation of such a
-# call (tables, layouts, slot counts) is kept per call shape and argument identity, so a
-# repeat call checks only its indices. Buffers are recognised by their base object (alive:
-# weak reference), address, bytes, dtype, shape and contiguity; raw uint64 tables also by
-# their version counter (an in-place write re-checks them); an inference tensor (no
-# counter) is never taken from here. Launches re-check liveness as always.
+# call (tables, layouts, slot counts) is kept per call shape and arguments, and a
+# repeat goes straight to the direct launch, which checks the indices itself (dtype, shape,
+# device, lengths, range, overlap with the destination) and the tables' liveness (open
+# registrations, storages in place). Keys: :func:`pointerdomain.compat._raw.view_key` and
+# :func:`~pointerdomain.compat._raw.table_key`; the entry holds what its key names
+# (:func:`~pointerdomain.compat._raw.held`). An inference tensor (no version counter) or
+# anything that is no plain tensor takes the full path.
 
-class _Prepared(NamedTuple):
-    refs: tuple[weakref.ref[torch.Tensor], ...]
+class Prepared(NamedTuple):
+    held: tuple[torch.Tensor, ...]
     src: "Side"
     dst: "Side"
     layer: int | None
     ctas: int
 
 
-_prepared: OrderedDict[tuple[object, ...], _Prepared] = OrderedDict()
+prepared: OrderedDict[tuple[object, ...], Prepared] = _raw.owned_cache()
 _PREPARED_MAX = 256
 
 
-def _memo_key(op: str, tensors: Sequence[object], tables: Sequence[object], scalars: Sequence[object]
-              ) -> tuple[tuple[object, ...], tuple[torch.Tensor, ...]] | None:
-    """The key of a call, and the base objects it names; None when the call cannot be
-    recognised (a non-tensor where a tensor goes, an inference-mode table)."""
-    parts: list[object] = [op]
-    bases: list[torch.Tensor] = []
-    for group, versioned in ((tensors, False), (tables, True)):
-        for t in group:
-            if t is None:
-                parts.append(None)
-                continue
-            if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_meta
-                    or (versioned and t.is_inference())):
-                return None  # the full path checks (and names) it
-            b = t if t._base is None else t._base
-            bases.append(b)
-            parts.append((id(b), t.data_ptr(), t.nbytes, t.dtype, tuple(t.shape), t.is_contiguous(),
-                          t._version if versioned else 0))
-    parts.extend((type(x), x) for x in scalars)
-    return tuple(parts), tuple(bases)
-
-
-def _recall(key: tuple[object, ...] | None, bases: tuple[torch.Tensor, ...]) -> _Prepared | None:
-    if key is None:
-        return None
-    hit = _prepared.get(key)
-    if hit is None or len(hit.refs) != len(bases):
-        return None
-    for r, b in zip(hit.refs, bases):
-        if r() is not b:
-            return None
-    return hit
-
-
-def _remember_call(key: tuple[object, ...] | None, bases: tuple[torch.Tensor, ...], prepared: _Prepared) -> None:
+def remember_call(key: tuple[object, ...] | None, entry: Prepared) -> None:
     if key is None:
         return
     with _lock:
-        _raw.remember(_prepared, key, prepared._replace(refs=tuple(weakref.ref(b) for b in bases)), _PREPARED_MAX)
+        _raw.remember(prepared, key, entry, _PREPARED_MAX)
 
 
-def _launch_prepared(p: _Prepared, src_indices: object, dst_indices: object) -> None:
-    """A remembered call with new indices: only the indices are checked (dtype, shape,
-    lengths, device, range)."""
-    s_idx, d_idx = index_pair(src_indices, dst_indices)
-    device = p.src.table.device
-    for t in (s_idx, d_idx):
-        if t.is_cuda and as_device(t.device) != device:
-            raise DeviceMismatchError(f"transfer: indices on {t.device}, the memory is on {device}")
-    check_range("src_indices", s_idx, p.src.slots)
-    check_range("dst_indices", d_idx, p.dst.slots)
-    launch(p.src, p.dst, s_idx, d_idx, layer=p.layer, ctas=p.ctas)
+def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
+    """The direct launch of a prepared call; False when the direct call refused it before
+    anything was written (indices it does not take, a registration closed since: the full
+    path then words the error, widens indices it accepts, or resolves the memory again)."""
+    try:
+        if p.layer is None:
+            pd.transfer_kv_all_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
+                                     src_layout=p.src.layout, dst_layout=p.dst.layout, max_ctas=p.ctas,
+                                     backend="kernel")
+        else:
+            pd.transfer_kv_per_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
+                                     layer_id=p.layer, src_layout=p.src.layout, dst_layout=p.dst.layout,
+                                     max_ctas=p.ctas, backend="kernel")
+    except (IndexValidationError, ClosedError):  # refused before writing: the full path
+        return False
+    return True
 
 
 # -- page_first host <-> layer_first device ------------------------------------------------------
@@ -801,11 +789,17 @@ def _launch_prepared(p: _Prepared, src_indices: object, dst_indices: object) -> 
 def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                      dst_indices: object, layer_id: object, item_size: object, src_layout_dim: object,
                      block_quota: object, num_warps_per_block: object, names: tuple[str, str, str, str]) -> None:
-    key, bases = _memo_key("pf_lf", (k_src, k_dst, v_src, v_dst), (), (layer_id, item_size, src_layout_dim,
-                                                                       block_quota, num_warps_per_block)) or (None, ())
-    hit = _recall(key, bases)
-    if hit is not None:
-        _launch_prepared(hit, src_indices, dst_indices)
+    key: tuple[object, ...] | None
+    try:
+        key = ("pf_lf", view_key(k_src), view_key(k_dst),  # type: ignore[arg-type]
+               None if v_src is None else view_key(v_src), None if v_dst is None else view_key(v_dst),  # type: ignore[arg-type]
+               layer_id, item_size, src_layout_dim, block_quota, num_warps_per_block)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors: the full path names what is wrong
+        key = hit = None
+    if (hit is not None and type(layer_id) is int and type(item_size) is int and type(src_layout_dim) is int
+            and type(block_quota) is int and type(num_warps_per_block) is int
+            and launch_prepared(hit, src_indices, dst_indices)):
         return
     item = _item_size(item_size)
     layers = _layers_in("src_layout_dim", src_layout_dim, item)
@@ -830,7 +824,7 @@ def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=layer, ctas=ctas)
-    _remember_call(key, bases, _Prepared((), src, dst, layer, ctas))
+    remember_call(key, Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, layer, ctas))  # type: ignore[arg-type]
 
 
 def transfer_kv_per_layer_pf_lf(
@@ -883,11 +877,17 @@ def transfer_kv_per_layer_mla_pf_lf(
 def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                      dst_indices: object, item_size: object, dst_layout_dim: object, num_layers: object,
                      block_quota: object, num_warps_per_block: object, names: tuple[str, str, str, str]) -> None:
-    key, bases = _memo_key("lf_pf", (k_dst, v_dst), (k_src, v_src), (item_size, dst_layout_dim, num_layers,
-                                                                     block_quota, num_warps_per_block)) or (None, ())
-    hit = _recall(key, bases)
-    if hit is not None:
-        _launch_prepared(hit, src_indices, dst_indices)
+    key: tuple[object, ...] | None
+    try:
+        key = ("lf_pf", table_key(k_src), view_key(k_dst),  # type: ignore[arg-type]
+               None if v_src is None else table_key(v_src), None if v_dst is None else view_key(v_dst),  # type: ignore[arg-type]
+               item_size, dst_layout_dim, num_layers, block_quota, num_warps_per_block)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors, an inference-mode table: the full path
+        key = hit = None
+    if (hit is not None and type(item_size) is int and type(dst_layout_dim) is int and type(num_layers) is int
+            and type(block_quota) is int and type(num_warps_per_block) is int
+            and launch_prepared(hit, src_indices, dst_indices)):
         return
     item = _item_size(item_size)
     layers = _int("num_layers", num_layers)
@@ -914,7 +914,7 @@ def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
-    _remember_call(key, bases, _Prepared((), src, dst, None, ctas))
+    remember_call(key, Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas))  # type: ignore[arg-type]
 
 
 def transfer_kv_all_layer_lf_pf(
@@ -1220,7 +1220,7 @@ def pageable(t: torch.Tensor, device: Device) -> bool:
     table path and its errors)."""
     if t.device.type != "cpu" or _raw.memory_device_of("tensor", t) is not None:
         return False
-    va, n = HostVA(t.data_ptr()), max(nbytes_of(t), 1)
+    va, n = HostVA.unsafe_from_int(t.data_ptr()), max(nbytes_of(t), 1)
     if (find_registration(va, 1) is not None or find_registration(va.offset(n - 1), 1) is not None
             or find_closed_registration(va, n) is not None):
         return False

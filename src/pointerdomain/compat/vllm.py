@@ -62,15 +62,18 @@ import array
 import functools
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Final, Literal, NamedTuple
 
 import torch
 
 import pointerdomain as pd
 from pointerdomain.compat import _raw
+from pointerdomain.compat._raw import held, view_key
 from pointerdomain.devices import current_device
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import (
+    ClosedError,
     DeviceMismatchError,
     DomainError,
     IndexValidationError,
@@ -237,11 +240,12 @@ def _pageable(view: torch.Tensor, device: pd.Device) -> bool:
     straddling and runtime-pinned memory keep the copy-engine path and its errors."""
     va = view.data_ptr()
     nbytes = view.numel() * view.element_size()
-    if (find_registration(HostVA(va), 1) is not None or find_registration(HostVA(va + nbytes - 1), 1) is not None
-            or find_closed_registration(HostVA(va), nbytes) is not None):
+    start = HostVA.unsafe_from_int(va)
+    if (find_registration(start, 1) is not None or find_registration(start + (nbytes - 1), 1) is not None
+            or find_closed_registration(start, nbytes) is not None):
         return False
     try:
-        alias_of(HostVA(va), device)  # pinned by the runtime (pin_memory(), cudaHostAlloc)
+        alias_of(start, device)  # pinned by the runtime (pin_memory(), cudaHostAlloc)
     except NotRegisteredError:
         return True
     return False
@@ -269,6 +273,58 @@ def _copy_pageable(s_rows: torch.Tensor, d_rows: torch.Tensor, s_ids: torch.Tens
         for lo in range(0, s_ids.numel(), step):
             staged = s_rows.index_select(0, s_at[lo : lo + step]).to(d_rows.device)
             d_rows.index_copy_(0, d_at[lo : lo + step], staged)
+
+
+# A cache swaps blocks of the same two tensors call after call; only the mapping changes.
+# The checked translation (the two tables and layouts, the route) is kept per (src, dst,
+# block size), keyed as sglang's prepared calls (:func:`pointerdomain.compat._raw.view_key`),
+# for the copy-engine route only; a repeat checks the mapping (CPU int64 [n, 2], no
+# destination block twice) and hands its columns to the direct launch, which checks the
+# block ids. Anything it refuses takes the full path, which words the error.
+
+class _Swap(NamedTuple):
+    held: tuple[torch.Tensor, ...]
+    src: pd.PointerTable[pd.DeviceAlias]
+    dst: pd.PointerTable[pd.DeviceAlias]
+    src_layout: pd.KVLayout
+    dst_layout: pd.KVLayout
+    emulated: bool
+
+
+_swaps: OrderedDict[tuple[object, ...], _Swap] = _raw.owned_cache()
+_SWAPS_MAX: Final = 64
+#: up to this many pairs the duplicate check runs on a Python set (cheaper than torch ops)
+_SET_CHECK_MAX: Final = 64
+
+
+def _swap_prepared(p: _Swap, block_mapping: object) -> bool:
+    """A prepared swap's direct launch; False when the mapping or the launch was refused
+    before anything was copied (the caller then takes the full path)."""
+    try:
+        m = block_mapping
+        if (type(m) is not torch.Tensor or m.dtype != torch.int64 or m.dim() != 2 or m.shape[1] != 2
+                or not m.is_cpu or (p.emulated and _raw.memory_device_of("block_mapping", m) is not None)):
+            return False
+        n = m.shape[0]
+        if n == 0:
+            return False
+        s_ids, d_ids = m.t().contiguous().unbind(0)  # read once: the checked copy is the one used
+        if n > 1:
+            if n <= _SET_CHECK_MAX:
+                if len(set(d_ids.tolist())) != n:
+                    return False
+            else:
+                ordered = torch.sort(d_ids).values
+                if bool((ordered[1:] == ordered[:-1]).any()):
+                    return False
+    except Exception:  # the full path words it
+        return False
+    try:
+        pd.transfer_kv_all_layer(p.src, p.dst, s_ids, d_ids, src_layout=p.src_layout, dst_layout=p.dst_layout,
+                                 backend="copy_engine")
+    except (IndexValidationError, ClosedError):  # refused before writing: the full path
+        return False
+    return True
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, block_mapping: torch.Tensor) -> None:
@@ -322,6 +378,14 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
             sharing memory with a block both read and written (or addressed differently).
         ClosedError, RegistrationSpanError: as :func:`pointerdomain.make_kernel_ptr_table`.
     """
+    key: tuple[object, ...] | None
+    try:
+        key = ("swap", view_key(src), view_key(dst), block_size_in_bytes)
+        hit = _swaps.get(key)
+    except Exception:  # not plain tensors: the full path
+        key = hit = None
+    if hit is not None and type(block_size_in_bytes) is int and _swap_prepared(hit, block_mapping):
+        return
     _check_blocks("src", src)
     _check_blocks("dst", dst)
     if type(block_size_in_bytes) is not int:
@@ -358,14 +422,15 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
         return
     src_table = _raw.tensor_table("src", [s_view], device)
     dst_table = _raw.tensor_table("dst", [d_view], device)
-    if s_ids.numel() == 0:
-        return
-    pd.transfer_kv_all_layer(
-        src_table, dst_table, s_ids, d_ids,
-        src_layout=_block_layout("layer_first", s_count, block_size_in_bytes),
-        dst_layout=_block_layout("layer_first", d_count, block_size_in_bytes),
-        backend="copy_engine",
-    )
+    s_layout = _block_layout("layer_first", s_count, block_size_in_bytes)
+    d_layout = _block_layout("layer_first", d_count, block_size_in_bytes)
+    if s_ids.numel():
+        pd.transfer_kv_all_layer(src_table, dst_table, s_ids, d_ids, src_layout=s_layout, dst_layout=d_layout,
+                                 backend="copy_engine")
+    if key is not None:
+        with _flat_lock:
+            _raw.remember(_swaps, key, _Swap(held(src, dst), src_table, dst_table, s_layout, d_layout,
+                                             device.type == "emulated"), _SWAPS_MAX)
 
 
 # -- swap_blocks_batch -----------------------------------------------------------------
@@ -397,7 +462,7 @@ def _batch_device(src: torch.Tensor, dst: torch.Tensor) -> pd.Device:
         where = pd.memory_device_at(addr, 1)
         if where is not None:
             return where
-        owner = pd.find_registration(pd.HostVA(addr), 1)
+        owner = pd.find_registration(pd.HostVA.unsafe_from_int(addr), 1)
         if owner is not None and kind is None:
             kind = owner.device.type
     return current_device(kind or ("cuda" if torch.cuda.is_available() else "emulated"))
@@ -449,6 +514,21 @@ def _check_overlap(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) ->
 _Launch = tuple["pd.PointerTable[pd.DeviceAlias]", "pd.PointerTable[pd.DeviceAlias]", "pd.KVLayout", torch.Tensor]
 
 
+class _Batch(NamedTuple):
+    """A checked batch: the int64 copies of its arrays as checked, and its launches."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    sizes: torch.Tensor
+    launches: tuple[_Launch, ...]
+
+
+#: (length, first source, destination and size) -> the last checked batch that starts so;
+#: a call whose three arrays equal it (compared element by element) reuses its launches
+_batches: OrderedDict[tuple[int, int, int, int], _Batch] = _raw.owned_cache()
+_BATCHES_MAX: Final = 16
+
+
 def swap_blocks_batch(
     src_ptrs: torch.Tensor,
     dst_ptrs: torch.Tensor,
@@ -476,7 +556,10 @@ def swap_blocks_batch(
     depend on the order of the copies); source runs may overlap each other. An empty batch
     does nothing. Copies ``sizes.sum()`` bytes with the copy engine, one copy per
     descriptor, queued on the device's current stream; all descriptors are checked before
-    the first is queued.
+    the first is queued. A call whose three arrays hold exactly the values of a batch
+    checked before (compared element by element, so writes through numpy are seen) reuses
+    that batch's checks and tables, as a cached raw table does
+    (:mod:`pointerdomain.compat._raw` says what such a cache cannot see).
 
     Plain pageable host memory is refused here, unlike in :func:`swap_blocks`: every
     descriptor goes to the copy engine as a device alias (a batch DMA descriptor must hold
@@ -514,6 +597,18 @@ def swap_blocks_batch(
     s_raw = src.detach().to("cpu", copy=True).view(torch.int64)
     d_raw = dst.detach().to("cpu", copy=True).view(torch.int64)
     size = nbytes.detach().to("cpu", copy=True).view(torch.int64)
+    # The same descriptors as a batch checked before (an engine that repeats a transfer):
+    # its resolution holds as a cached raw table's does (pointerdomain.compat._raw: closed
+    # registrations are seen by the launch, freed device memory by checked mode), and its
+    # overlap check gave the same answer.
+    key = (n, int(s_raw[0]), int(d_raw[0]), int(size[0]))
+    seen = _batches.get(key)
+    if (seen is not None and torch.equal(seen.src, s_raw) and torch.equal(seen.dst, d_raw)
+            and torch.equal(seen.sizes, size)):
+        for src_table, dst_table, layout, slots in seen.launches:
+            pd.transfer_kv_all_layer(src_table, dst_table, slots, slots, src_layout=layout, dst_layout=layout,
+                                     backend="copy_engine")
+        return
     bad = _first(size <= 0)
     if bad is not None:
         value = int(size[bad]) & _MASK if nbytes.dtype == torch.uint64 else int(size[bad])
@@ -555,3 +650,5 @@ def swap_blocks_batch(
     for src_table, dst_table, layout, slots in launches:
         pd.transfer_kv_all_layer(src_table, dst_table, slots, slots, src_layout=layout, dst_layout=layout,
                                  backend="copy_engine")
+    with _flat_lock:
+        _raw.remember(_batches, key, _Batch(s_raw, d_raw, size, tuple(launches)), _BATCHES_MAX)

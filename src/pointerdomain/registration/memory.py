@@ -150,7 +150,7 @@ def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | Non
     if type(va) is not HostVA:
         raise DomainError(
             f"va: found a {type(va).__name__} ({va!r:.40}), expected a HostVA: registrations are found by host "
-            "address. Fix: pass pointerdomain.HostVA(tensor.data_ptr()) for host memory"
+            "address. Fix: pass pointerdomain.HostVA.unsafe_from_int(tensor.data_ptr()) for host memory"
         )
     if type(nbytes) is not int or nbytes < 0:
         raise InvalidArgumentError(f"nbytes: found {nbytes!r}, expected an int >= 0. Fix: pass the range's size in bytes")
@@ -291,11 +291,11 @@ class RegisteredHostMemory(ProcessLocal):
             other = _registry.overlapping(tensor.data_ptr(), nbytes)
             if other is not None:
                 raise AlreadyRegisteredError(
-                    f"[{HostVA(tensor.data_ptr())!r}, +{nbytes}) overlaps a registration at {other.host_va!r} "
-                    f"(+{other.nbytes} bytes); close that one first or reuse it"
+                    f"[{HostVA.unsafe_from_int(tensor.data_ptr())!r}, +{nbytes}) overlaps a registration at "
+                    f"{other.host_va!r} (+{other.nbytes} bytes); close that one first or reuse it"
                 )
             self.tensor: torch.Tensor = tensor
-            self.host_va: HostVA = HostVA(tensor.data_ptr())
+            self.host_va: HostVA = HostVA.unsafe_from_int(tensor.data_ptr())
             self.nbytes: int = nbytes
             record: list[str] = []
             rung, chunks, self._registered = self._climb(
@@ -358,7 +358,7 @@ class RegisteredHostMemory(ProcessLocal):
             if status == 0 and pinned is not None:
                 pinned.copy_(self.tensor)
                 self.tensor = pinned[: self.nbytes]
-                self.host_va = HostVA(pinned.data_ptr())
+                self.host_va = HostVA.unsafe_from_int(pinned.data_ptr())
                 self._degraded(record, Rung.PINNED_COPY, "pinned_copy")
                 return Rung.PINNED_COPY, (Chunk(self.host_va, self.nbytes, owned=False),), None
             record.append(f"pinned_copy: the runtime's pinned allocation failed: {backend.describe(status)} "

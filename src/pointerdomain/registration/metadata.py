@@ -12,31 +12,51 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import pydantic
 import torch
 from pydantic import ConfigDict, Field, model_validator
+from typing_extensions import Unpack
 
-from pointerdomain.arguments import ADDRESS_SPACE, check_instance
-from pointerdomain.domains import HostVA
+from pointerdomain.arguments import check_instance
+from pointerdomain.domains import ADDRESS_LIMIT, HostVA
 from pointerdomain.errors import ClosedError, InvalidArgumentError, LayoutError, MetadataValidationError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.memory import find_closed_registration, find_registration, last_serial
 from pointerdomain.registration.tables import PointerTable, require_domain
 from pointerdomain.validated import ValidatedModel
 
-__all__ = ["BufferInfo", "buffer_infos", "check_metadata_live", "metadata_table", "page_buffer_meta"]
+__all__ = ["BufferInfo", "BufferInfoChanges", "buffer_infos", "check_metadata_live", "metadata_table", "page_buffer_meta"]
 
 
 def _metadata_error(exc: pydantic.ValidationError) -> MetadataValidationError:
     return MetadataValidationError.from_exception_data(exc.title, exc.errors())  # type: ignore[arg-type]
 
 
+class BufferInfoChanges(TypedDict, total=False):
+    """The fields :meth:`BufferInfo.replace` may change, with their types (a misspelt
+    field or a wrong type is a static error under mypy and pyright)."""
+
+    address: HostVA
+    nbytes: int
+    item_bytes: int
+
+
 class BufferInfo(ValidatedModel, frozen=True):
     """A contiguous host buffer: ``nbytes`` bytes from host VA ``address``, made of
     items of ``item_bytes`` bytes. ``model_dump_json()`` gives plain ints.
-    ``model_construct`` is refused (it would skip validation: see :mod:`pointerdomain.validated`)."""
+
+    Every way to make or derive one validates (:mod:`pointerdomain.validated`): the
+    class call, ``model_validate`` / ``model_validate_json``, :meth:`replace` and
+    ``model_copy``; ``model_construct`` is refused.
+
+    Raises (on construction and derivation):
+        MetadataValidationError: (a ``pydantic.ValidationError``, ``ValueError`` and
+            :class:`~pointerdomain.errors.PointerDomainError`) an address that is not a
+            HostVA, a size that is not a positive int, ``nbytes`` not a whole number of
+            items, a range past ``2**64``, or an unknown field.
+    """
 
     model_config = ConfigDict(strict=True, extra="forbid")  # frozen: class keyword, seen by type checkers
 
@@ -76,13 +96,51 @@ class BufferInfo(ValidatedModel, frozen=True):
             except pydantic.ValidationError as exc:
                 raise _metadata_error(exc) from None
 
+        def __setattr__(self, name: str, value: Any) -> None:
+            try:
+                super().__setattr__(name, value)  # frozen: pydantic refuses it
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
+
+        def __delattr__(self, name: str) -> None:
+            try:
+                super().__delattr__(name)
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
+
+        @classmethod
+        def model_validate_strings(cls, obj: Any, **kwargs: Any) -> BufferInfo:
+            try:
+                return super().model_validate_strings(obj, **kwargs)
+            except MetadataValidationError:
+                raise
+            except pydantic.ValidationError as exc:
+                raise _metadata_error(exc) from None
+
     @model_validator(mode="after")
     def _whole_items(self) -> BufferInfo:
         if self.nbytes % self.item_bytes:
             raise ValueError(f"nbytes {self.nbytes} is not a whole number of {self.item_bytes}-byte items")
-        if self.address.value + self.nbytes > ADDRESS_SPACE:
-            raise ValueError(f"[{self.address!r}, +{self.nbytes}) runs past 2**64: the range would wrap")
+        if self.address.value + self.nbytes > ADDRESS_LIMIT:  # the engine would wrap to low memory
+            raise ValueError(
+                f"[{self.address!r}, +{self.nbytes}) runs past 2**64: found an end of "
+                f"{self.address.value + self.nbytes:#x}, expected at most 2**64. Fix: the address or size is wrong"
+            )
         return self
+
+    def replace(self, **changes: Unpack[BufferInfoChanges]) -> BufferInfo:
+        """A copy with ``changes`` applied, validated like a new BufferInfo; field names
+        and types are checked by mypy and pyright (:class:`BufferInfoChanges`).
+
+        Raises:
+            MetadataValidationError: the result is invalid (e.g. ``address`` a DeviceAlias,
+                ``nbytes=-1``, a range past ``2**64``).
+        """
+        return self._derive(changes)
 
 
 def _check_host(table: object) -> PointerTable[HostVA]:

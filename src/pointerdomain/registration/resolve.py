@@ -179,7 +179,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
         ), va.value)
     backend = backend_for(dev)
     if owner is not None and not owner.kernel_readable:
-        return DeviceAlias(va.value, dev)  # unpinned rung: the copy engine stages the host VA itself
+        return DeviceAlias.unsafe_from_int(va.value, dev)  # unpinned rung: the copy engine stages the host VA itself
     # strict alias mode: the alias of the registered mapping, never of the host VA itself
     where = va.value if owner is None else owner.registered_address_of(va)
     if owner is not None:
@@ -188,7 +188,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
         status, alias = backend.alias(where, dev)
         if status != 0:
             raise with_address(NotRegisteredError(f"{va!r} has no emulated alias (status {status})"), va.value)
-        return DeviceAlias(alias, dev)
+        return DeviceAlias.unsafe_from_int(alias, dev)
     if policy is AliasPolicy.HOST_POINTER_FALLBACK:
         global _fallbacks
         with _lock:
@@ -201,7 +201,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
                 FallbackWarning,
                 stacklevel=2,
             )
-        return DeviceAlias(where, dev)
+        return DeviceAlias.unsafe_from_int(where, dev)
     status, alias = backend.alias(where, dev)
     check(backend, "cudaHostGetDevicePointer", status)
-    return DeviceAlias(alias, dev)
+    return DeviceAlias.unsafe_from_int(alias, dev)

@@ -41,7 +41,8 @@ from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.memory import RegisteredHostMemory, find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 
-__all__ = ["PointerTable", "host_ptr_table", "is_host_table", "is_kernel_table", "make_kernel_ptr_table", "require_domain"]
+__all__ = ["PointerTable", "has_domain", "host_ptr_table", "is_host_table", "is_kernel_table", "make_kernel_ptr_table",
+           "require_domain"]
 
 #: The address domain of a table. Invariant on purpose: a PointerTable[HostVA]
 #: is not a PointerTable[DeviceAlias], nor a table of the base Address.
@@ -185,8 +186,8 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         span = (value, value + self._sizes[index])  # arithmetic on an entry stays in its buffer
         if self._domain is DeviceAlias:
             assert self._device is not None
-            return DeviceAlias(value, self._device, span=span)  # type: ignore[return-value]
-        return HostVA(value, span=span)  # type: ignore[return-value]
+            return DeviceAlias.unsafe_from_int(value, self._device).bounded(*span)  # type: ignore[return-value]
+        return HostVA.unsafe_from_int(value).bounded(*span)  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[D]:
         return (self[i] for i in range(len(self)))
@@ -301,6 +302,15 @@ def is_host_table(table: object) -> TypeIs[PointerTable[HostVA]]:
     return isinstance(table, PointerTable) and table.domain is HostVA
 
 
+def has_domain(table: object, domain: type[D]) -> TypeIs[PointerTable[D]]:
+    """True if ``table`` is a ``PointerTable`` of ``domain`` (``HostVA`` or ``DeviceAlias``):
+    ``if has_domain(t, DeviceAlias):`` narrows ``t`` in both branches under mypy and
+    pyright. Use it where ``t.domain is DeviceAlias`` would be written: that compares the
+    value but narrows nothing under pyright (it does not narrow on a class held by an
+    attribute)."""
+    return isinstance(table, PointerTable) and table.domain is domain
+
+
 def require_domain(name: str, table: object, domain: type[D], use: str, why: str) -> PointerTable[D]:
     """``table`` if it is a ``PointerTable[domain]``: the one table-domain check of the
     launch, metadata and adapter paths (checked mode repeats it on purpose).
@@ -372,7 +382,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
         raise DeviceMismatchError(f"{name}: device memory of {where}, but the table is for {device}")
     if t.device.type != "cpu":
         raise DomainError(f"{name}: tensor on {t.device} is neither host memory nor memory of {device}")
-    va = HostVA(t.data_ptr())
+    va = HostVA.unsafe_from_int(t.data_ptr())
     owner = find_registration(va, nbytes)
     if owner is None:
         partial = find_registration(va, 1) or find_registration(va + (nbytes - 1), 1)
@@ -472,7 +482,7 @@ def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
                 f"tensors[{i}]: memory of {where or t.device} is not host memory; device addresses must "
                 "never reach CPU code (memcpy, transfer engines): copy the data to host memory first"
             )
-        owner = find_registration(HostVA(t.data_ptr()), _tensor_bytes(t))
+        owner = find_registration(HostVA.unsafe_from_int(t.data_ptr()), _tensor_bytes(t))
         if owner is not None and all(o is not owner for o in owners):
             owners.append(owner)
     return PointerTable(

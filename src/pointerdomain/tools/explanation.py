@@ -218,7 +218,7 @@ def _describe(owner: RegisteredHostMemory, state: Literal["open", "closed"]) -> 
 
 def _find(value: int, notes: list[str]) -> dict[str, object]:
     """The registry / allocation lookup for :func:`explain` (this process only)."""
-    va = HostVA(value)
+    va = HostVA.unsafe_from_int(value)
     for owner, state in ((find_registration(va), "open"), (find_closed_registration(va), "closed")):
         if owner is None:
             continue

@@ -279,7 +279,7 @@ class _Regions:
                     f"hold (it can be closed under the launch); expected: {want} of memory the table holds. "
                     f"Fix: {_FIX_BUILD}"
                 )
-        owner = find_registration(HostVA(value))
+        owner = find_registration(HostVA.unsafe_from_int(value))
         if owner is not None and owner.device.type != self.device.type:
             return DeviceMismatchError(
                 f"{head}, found: host memory registered for {owner.device} (at {owner.host_va!r}, +{owner.nbytes} "
@@ -350,7 +350,7 @@ def _device_region(t: torch.Tensor, lo: int, nbytes: int, device: Device) -> _Re
         return _Region(lo, lo + nbytes, "device", where)
     if t.device.type != "cpu":
         return None
-    if find_registration(HostVA(lo)) is None and backend_for(device).pointer_is_host(lo):
+    if find_registration(HostVA.unsafe_from_int(lo)) is None and backend_for(device).pointer_is_host(lo):
         alias = _alias_lookup(device)(lo)
         if alias is not None:
             return _Region(alias, alias + nbytes, "pinned", device)
