@@ -23,13 +23,19 @@ code keeps running; ``pointerdomain audit`` lists it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from typing_extensions import Never, Self, final
 
 from pointerdomain.devices import Device
-from pointerdomain.errors import DeviceMismatchError, DomainError, InvalidArgumentError, InvalidDeviceError
+from pointerdomain.errors import (
+    DeviceMismatchError,
+    DomainError,
+    InvalidArgumentError,
+    InvalidDeviceError,
+    RegistrationSpanError,
+)
 
 __all__ = ["ADDRESS_LIMIT", "Address", "AddressT", "DeviceAlias", "HostVA", "range_end"]
 
@@ -73,6 +79,11 @@ class Address:
     """
 
     value: int
+    #: ``(lo, hi)``: the span of the buffer or registration this address was taken from
+    #: (a table entry, :func:`~pointerdomain.resolve_alias`), or None. Arithmetic must
+    #: stay in ``[lo, hi]`` (``hi``, one past the end, included): separately registered
+    #: ranges are not contiguous in alias space, so a step outside names other memory.
+    span: tuple[int, int] | None = field(default=None, kw_only=True, compare=False, repr=False)
 
     if TYPE_CHECKING:  # a raw int is wrapped only by unsafe_from_int (see the module docstring)
 
@@ -93,7 +104,27 @@ class Address:
             raise DomainError(
                 f"{type(self).__name__} + {type(nbytes).__name__}: only a byte count (int) can be added to an address"
             )
-        return self._with_value(_check_value(self.value + nbytes))
+        value = _check_value(self.value + nbytes)
+        if self.span is not None and not self.span[0] <= value <= self.span[1]:
+            lo, hi = self.span
+            raise RegistrationSpanError(
+                f"nbytes: {self!r} + {nbytes} = {value:#x} leaves the buffer it was taken from ([{lo:#x}, {hi:#x}), "
+                f"{hi - lo} bytes), expected a result inside it: outside lies other memory (another registration's "
+                "alias range, or none). Fix: take the address of the other buffer from its own table entry or "
+                "registration"
+            )
+        return self._with_value(value)
+
+    def bounded(self, lo: int, hi: int) -> Self:
+        """This address, knowing the span ``[lo, hi)`` of its buffer or registration:
+        arithmetic that leaves it raises :class:`~pointerdomain.errors.RegistrationSpanError`.
+
+        Raises:
+            InvalidArgumentError: the address is not in ``[lo, hi]``.
+        """
+        if not (type(lo) is int and type(hi) is int and lo <= self.value <= hi):
+            raise InvalidArgumentError(f"span: found [{lo!r}, {hi!r}), expected a range holding {self!r}")
+        return replace(self, span=(lo, hi))
 
     def _with_value(self, value: int) -> Self:
         raise NotImplementedError
@@ -156,7 +187,8 @@ class HostVA(Address):
         return cls(value)  # type: ignore[call-arg]  # the sanctioned raw wrap
 
     def _with_value(self, value: int) -> HostVA:
-        return HostVA.unsafe_from_int(value)
+        alias = HostVA.unsafe_from_int(value)
+        return alias if self.span is None else replace(alias, span=self.span)
 
     @overload
     def __sub__(self, other: HostVA) -> int: ...
@@ -238,7 +270,8 @@ class DeviceAlias(Address):
         return cls(value, device)  # type: ignore[call-arg]  # the sanctioned raw wrap
 
     def _with_value(self, value: int) -> DeviceAlias:
-        return DeviceAlias.unsafe_from_int(value, self.device)
+        alias = DeviceAlias.unsafe_from_int(value, self.device)
+        return alias if self.span is None else replace(alias, span=self.span)
 
     @overload
     def __sub__(self, other: DeviceAlias) -> int: ...

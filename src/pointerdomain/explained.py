@@ -6,6 +6,7 @@ without importing the lookup, which lives with the tools (:mod:`pointerdomain.to
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -76,7 +77,9 @@ class Explanation:
             "host_va": "a HostVA (CPU address) of registered host memory",
             "device_alias": "a DeviceAlias (the address kernels read) of registered host memory",
             "device_memory": "device memory",
-            "unknown": f"in no registration or device allocation pointerdomain knows in process {self.pid}",
+            "unknown": (f"in no registration or device allocation pointerdomain knows in process {self.pid}"
+                        if self.pid in (0, os.getpid()) else
+                        f"process {self.pid}'s registrations are not visible from this process: its memory map only"),
         }[self.domain]
         lines = [f"{self.address:#x}: {what}"]
         if self.owner is not None:

@@ -103,7 +103,9 @@ _EXPECTED: dict[str, str] = {
 _CUSTOM: dict[str, tuple[str, str]] = {
     "mla_heads": ("num_heads", "1 (MLA stores one latent vector per token)"),
     "head_groups": ("head_groups", _EXPECTED["head_groups"]),
+    "layout_size": ("num_layers", "a size that keeps the pool below 2**64 bytes"),
 }
+_SIZE_FIELDS = ("num_layers", "num_pages", "page_size", "num_heads", "head_dim")
 
 
 def _layout_error(exc: pydantic.ValidationError) -> LayoutFieldError:
@@ -115,6 +117,11 @@ def _layout_error(exc: pydantic.ValidationError) -> LayoutFieldError:
         return inner
     loc = err.get("loc", ())
     custom = _CUSTOM.get(err.get("type", ""))
+    raw = err.get("input")
+    if err.get("type") == "layout_size" and isinstance(raw, dict):  # name the largest size field
+        sizes = {f: raw[f] for f in _SIZE_FIELDS if type(raw.get(f)) is int}
+        if sizes:
+            custom = (max(sizes, key=lambda f: sizes[f]), _CUSTOM["layout_size"][1])
     field = str(loc[0]) if loc else (custom[0] if custom else "")
     value = err.get("input")
     if custom is not None and isinstance(value, dict):
@@ -220,6 +227,12 @@ class KVLayout(ValidatedModel, frozen=True):
                 "head_groups",
                 "only a page_unified page is cut into head groups (sglang's head_group_num), and the groups must "
                 "divide num_heads",
+            )
+        if self.nbytes >= 1 << 64:  # byte offsets and addresses are 64-bit in every kernel and engine
+            raise PydanticCustomError(
+                "layout_size",
+                "the pool is {nbytes} bytes, expected fewer than 2**64 (the address space): fewer layers, pages, "
+                "heads or a smaller head_dim", {"nbytes": self.nbytes},
             )
         return self
 
@@ -526,8 +539,13 @@ class KVLayout(ValidatedModel, frozen=True):
             InvalidArgumentError: ``order`` is neither ``"kv_major"`` nor ``"layer_major"``.
             InvalidTypeError: ``merge`` is not a bool.
         """
-        if type(page) is not int or not 0 <= page < self.num_pages:
-            raise IndexValidationError(f"page {page!r} outside [0, {self.num_pages}) (pages are ints)")
+        if type(page) is not int:
+            raise IndexValidationError(
+                f"page: found {page!r} ({type(page).__name__}), expected an int in [0, {self.num_pages}). "
+                "Fix: pass int(page) (a numpy or tensor scalar is not an int here)"
+            )
+        if not 0 <= page < self.num_pages:
+            raise IndexValidationError(f"page: found {page}, outside [0, {self.num_pages}). Fix: pass a page of the pool")
         if order != "kv_major" and order != "layer_major":
             raise InvalidArgumentError(f"order must be 'kv_major' or 'layer_major', got {order!r}")
         if type(merge) is not bool:

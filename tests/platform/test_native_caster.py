@@ -151,6 +151,8 @@ def test_bad_arguments_raise_typed_errors_before_the_body(toy: ModuleType) -> No
             toy.entries_on(table, "emulated:1")
         with pytest.raises(errors.InvalidDeviceError):
             toy.checksum(table, "gpu:0", 16)
+        with pytest.raises(errors.InvalidDeviceError, match="does not exist"):
+            toy.checksum(table, "emulated:9", 16)  # no such device: not a mismatch with the table
         # the body's own typed bounds check (it runs without the GIL: raise_error takes it)
         with pytest.raises(errors.IndexValidationError, match="outside entry 0"):
             toy.copy_items(table, dst_table, DEV, 64, [0], [64])

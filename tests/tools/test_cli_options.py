@@ -27,7 +27,7 @@ def test_every_flag_has_help_and_defaults_show() -> None:
     subs = _subparsers()
     assert set(subs) == {c.name for c in cli.COMMANDS}
     for name, sub in subs.items():
-        assert sub.formatter_class is argparse.ArgumentDefaultsHelpFormatter, name
+        assert issubclass(sub.formatter_class, argparse.ArgumentDefaultsHelpFormatter), name
         for action in sub._actions:
             assert action.help, (name, action.dest)
     text = subs["demo"].format_help()

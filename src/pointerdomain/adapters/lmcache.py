@@ -48,6 +48,8 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain.errors import ClosedError, DomainError, IndexValidationError, LayoutError, NonContiguousError
+from pointerdomain.arguments import check_instance
+from pointerdomain.process_local import ProcessLocal
 
 __all__ = ["LayerPointerCache", "PagedKVConnector", "TensorKey"]
 
@@ -60,7 +62,7 @@ def _storage_id(t: torch.Tensor) -> int:
     return cdata
 
 
-class LayerPointerCache:
+class LayerPointerCache(ProcessLocal):
     """Per-device cached kernel tables over a list of layer buffers.
 
     ``get(tensors, device)`` returns the cached ``PointerTable[DeviceAlias]`` for
@@ -125,7 +127,7 @@ def _parse(device: Device | str | torch.device | None) -> Device | None:
     return None if device is None else validate_device(device)
 
 
-class PagedKVConnector:
+class PagedKVConnector(ProcessLocal):
     """LMCache's paged-memory connector call shapes over typed, cached tables.
 
     Args:
@@ -136,6 +138,8 @@ class PagedKVConnector:
     """
 
     def __init__(self, *, pointer_cache: LayerPointerCache | None = None) -> None:
+        if pointer_cache is not None:
+            check_instance("pointer_cache", pointer_cache, LayerPointerCache, "pass a LayerPointerCache, or None for a new one")
         self.pointer_cache = pointer_cache if pointer_cache is not None else LayerPointerCache()
 
     def from_gpu(

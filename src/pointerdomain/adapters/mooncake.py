@@ -34,6 +34,8 @@ from typing_extensions import TypeAlias
 
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
 from pointerdomain.domains import range_end
+from pointerdomain.process_local import ProcessLocal
+from pointerdomain.registration.metadata import check_metadata_live
 from pointerdomain.errors import (
     DomainError,
     ExtensionUnavailableError,
@@ -142,7 +144,7 @@ def _device_memory_at(va: HostVA, nbytes: int) -> str | None:
     return None if where is None else str(where)
 
 
-class HostTransferEngine:
+class HostTransferEngine(ProcessLocal):
     """Mooncake's ``TransferEngine`` behind a HostVA-only interface.
 
     Args:
@@ -156,6 +158,8 @@ class HostTransferEngine:
     (Mooncake requires it); remote buffers are the peer's HostVAs, from its
     metadata. Return codes other than 0 raise :class:`RuntimeCallError`.
     Use as a context manager, or call :meth:`close` to unregister everything.
+    Process-local: ``pickle`` and ``copy`` raise :class:`NotPicklableError` (a copy would
+    be a second owner of the same registrations).
     """
 
     def __init__(self, engine: TransferEngineLike, local_hostname: str) -> None:
@@ -259,9 +263,11 @@ class HostTransferEngine:
             DomainError: not a HostVA / BufferInfo, or the range is device memory.
             InvalidArgumentError: ``nbytes`` missing or not positive, or the range runs past
                 ``2**64`` (a ``ValueError``).
+            ClosedError: the memory was closed or released since its metadata was taken.
             RuntimeCallError: the engine refused.
         """
         va, n = self._span(region, nbytes, "region")
+        check_metadata_live(va, n, "region")
         where = _device_memory_at(va, n)
         if where is not None:
             raise DomainError(f"region: {va!r} lies in device memory of {where}; only host memory can be registered here")
@@ -310,6 +316,7 @@ class HostTransferEngine:
                 "Fix: pair blocks of the same size (or pass nbytes)"
             )
         self._check_registered(l_va, l_n, "local")
+        check_metadata_live(l_va, l_n, "local")
         fn = self.engine.transfer_sync_read if call == "transfer_sync_read" else self.engine.transfer_sync_write
         self._check(call, fn(peer, l_va.value, r_va.value, l_n))
 
@@ -331,6 +338,7 @@ class HostTransferEngine:
             DomainError: an address that is not a HostVA / BufferInfo.
             InvalidArgumentError: sizes missing or different (a ``ValueError``).
             NotRegisteredError: ``local`` outside registered memory.
+            ClosedError: ``local``'s memory was closed or released.
             RuntimeCallError: the engine reported a failure.
         """
         self._one("transfer_sync_read", peer, local, remote, nbytes)
@@ -364,6 +372,7 @@ class HostTransferEngine:
                     "Fix: pair blocks of the same size"
                 )
             self._check_registered(l_va, l_n, f"local[{i}]")
+            check_metadata_live(l_va, l_n, f"local[{i}]")
             l_vals.append(l_va.value)
             r_vals.append(r_va.value)
             lengths.append(l_n)
@@ -390,6 +399,7 @@ class HostTransferEngine:
             DomainError: a block that is not a BufferInfo (e.g. a DeviceAlias).
             InvalidArgumentError: lists or block sizes that differ (a ``ValueError``).
             NotRegisteredError: a local block outside registered memory.
+            ClosedError: a local block's memory was closed or released.
             RuntimeCallError: the engine reported a failure.
         """
         return self._batch("batch_transfer_sync_read", peer, local, remote)

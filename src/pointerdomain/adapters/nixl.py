@@ -51,7 +51,10 @@ from typing_extensions import final
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.arguments import check_span
 from pointerdomain.domains import range_end
+from pointerdomain.process_local import ProcessLocal
+from pointerdomain.registration.metadata import check_metadata_live
 
 __all__ = [
     "HostNixlAgent",
@@ -174,9 +177,9 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
         return NixlDesc(_TOKEN, "DRAM", region.address.value, region.nbytes, 0)
     if type(value) is pd.HostVA:
         if nbytes is None:
-            raise errors.InvalidArgumentError("a bare HostVA needs nbytes")
+            raise errors.InvalidArgumentError("nbytes: a bare HostVA needs nbytes")
         n = _positive("nbytes", nbytes)
-        range_end(value, n, "dram_desc")  # a range past 2**64 would wrap in NIXL's 64-bit descriptor
+        range_end(value, n, "region")  # a range past 2**64 would wrap in NIXL's 64-bit descriptor
         return NixlDesc(_TOKEN, "DRAM", value.value, n, 0)
     if isinstance(value, pd.DeviceAlias):
         raise errors.DomainError(
@@ -226,6 +229,7 @@ def vram_desc(tensor: torch.Tensor, device: pd.Device | str | torch.device) -> N
             f"memory on {tensor.device} is host memory, not VRAM: describe it as DRAM from HostVA metadata "
             "(dram_desc(BufferInfo)), never by a device alias"
         )
+    dev = pd.validate_device(dev)  # one that exists: a missing GPU is not a mismatch with the tensor
     if tensor.device.index != dev.ordinal:
         raise errors.DeviceMismatchError(f"memory of cuda:{tensor.device.index}, but the descriptor is for {dev}")
     if not tensor.is_contiguous():
@@ -251,7 +255,8 @@ def file_desc(fd: int, offset: int, nbytes: int) -> NixlDesc:
     """
     if type(offset) is not int or offset < 0:
         raise errors.InvalidArgumentError(f"offset must be an int >= 0, got {offset!r}")
-    return NixlDesc(_TOKEN, "FILE", offset, _positive("nbytes", nbytes), _fd(fd))
+    check_span("offset", offset, _positive("nbytes", nbytes))
+    return NixlDesc(_TOKEN, "FILE", offset, nbytes, _fd(fd))
 
 
 def file_region(fd: int, nbytes: int, path: str = "") -> NixlDesc:
@@ -271,7 +276,7 @@ def _nixl_api() -> Any:
 
 
 @final
-class NixlRegistration:
+class NixlRegistration(ProcessLocal):
     """Memory registered with one agent; deregistered once, by :meth:`close`, by the
     owner's close hook, or when the owner is collected.
 
@@ -320,7 +325,7 @@ def _close_registration(ref: weakref.ref[NixlRegistration]) -> None:
         reg.close()
 
 
-class HostNixlAgent:
+class HostNixlAgent(ProcessLocal):
     """A NIXL agent that takes typed descriptors only.
 
     Args:
@@ -329,6 +334,9 @@ class HostNixlAgent:
             for files, ...).
         agent: an existing ``nixl._api.nixl_agent`` (or a stand-in with its calls, a
             :class:`NixlAgentLike`) to wrap instead (then ``backends`` is ignored).
+
+    Process-local, as its registrations: ``pickle`` and ``copy`` raise
+    :class:`~pointerdomain.errors.NotPicklableError`.
 
     Raises:
         NixlUnavailableError: NIXL does not import.
@@ -358,6 +366,8 @@ class HostNixlAgent:
         Raises:
             DomainError: something that is not a NixlDesc.
             InvalidArgumentError: no descriptors, or mixed memory types.
+            ClosedError: a DRAM descriptor's memory was closed or released since its
+                metadata was taken (a closed pool included).
             RuntimeCallError: NIXL refused the registration.
         """
         checked = tuple(descs)
@@ -372,6 +382,9 @@ class HostNixlAgent:
         if len(kinds) != 1:
             raise errors.InvalidArgumentError(f"register: one memory type per call, got {sorted(kinds)}")
         mem_type = checked[0].mem_type
+        if mem_type == "DRAM":
+            for i, d in enumerate(checked):
+                check_metadata_live(pd.HostVA.unsafe_from_int(d.addr), d.nbytes, f"descs[{i}]")
         handle = self._call("register_memory", [d.reg_tuple() for d in checked], mem_type, list(backends))
         reg = NixlRegistration(_TOKEN, self, checked, handle)
         with self._lock:
@@ -447,6 +460,7 @@ class HostNixlAgent:
             LayoutError: ``local[i]`` and ``remote[i]`` differ in size.
             NotRegisteredError: a local descriptor outside this agent's open registrations
                 (a closed pool's registration is gone).
+            ClosedError: a local DRAM descriptor's memory was released since its metadata was taken.
             RuntimeCallError: NIXL refused the request, reported ERR, or timed out.
         """
         if op not in ("READ", "WRITE"):
@@ -463,8 +477,10 @@ class HostNixlAgent:
         for i, (a, b) in enumerate(zip(loc, rem)):
             if a.nbytes != b.nbytes:
                 raise errors.LayoutError(f"block {i}: local {a.nbytes} bytes, remote {b.nbytes} bytes")
-        for d in loc:
+        for i, d in enumerate(loc):
             self._check_local(d)
+            if d.mem_type == "DRAM":
+                check_metadata_live(pd.HostVA.unsafe_from_int(d.addr), d.nbytes, f"local[{i}]")
         local_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in loc], loc[0].mem_type)
         remote_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in rem], rem[0].mem_type)
         handle = self._call("initialize_xfer", op, local_list, remote_list, peer, b"", list(backends))

@@ -80,6 +80,9 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain import make_kernel_ptr_table as _core_kernel_table
+from pointerdomain.arguments import check_bool, check_instance
+from pointerdomain.registration.metadata import metadata_table
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,
@@ -132,7 +135,9 @@ def make_kernel_ptr_table(
         PointerDomainError: as :func:`pointerdomain.make_kernel_ptr_table`
             (NonContiguousError, DeviceMismatchError, RegistrationSpanError, ClosedError,
             InvalidDeviceError).
+        InvalidTypeError: ``host_memory_registered`` is not a bool.
     """
+    check_bool("host_memory_registered", host_memory_registered)
     dev = validate_device(target_device)
     for i, t in enumerate(tensors):
         if not isinstance(cast(object, t), torch.Tensor):
@@ -323,7 +328,7 @@ def _check_backend(io_backend: str) -> None:
         )
 
 
-class HostKVCacheAdapter:
+class HostKVCacheAdapter(ProcessLocal):
     """A cache's registered host KV buffer behind sglang's ``HostKVCache`` methods.
 
     Args:
@@ -361,6 +366,7 @@ class HostKVCacheAdapter:
             raise InvalidTypeError(
                 f"kv_buffer: found a {type(kv_buffer).__name__}, expected a torch.Tensor. Fix: pass the host pool tensor"
             )
+        check_instance("layout", layout, KVLayout, "pass the host pool's KVLayout")
         if kv_buffer.nbytes != layout.nbytes:
             raise LayoutError(
                 f"kv_buffer holds {kv_buffer.nbytes} bytes but the {layout.kind} layout needs {layout.nbytes}"
@@ -383,7 +389,12 @@ class HostKVCacheAdapter:
 
     @classmethod
     def from_pool(cls, pool: HostKVPool) -> HostKVCacheAdapter:
-        """The adapter over a :class:`pointerdomain.HostKVPool`'s buffer."""
+        """The adapter over a :class:`pointerdomain.HostKVPool`'s buffer.
+
+        Raises:
+            InvalidTypeError: ``pool`` is not a HostKVPool.
+        """
+        check_instance("pool", pool, HostKVPool, "pass the pointerdomain.HostKVPool; for sglang's own pool use from_sglang")
         return cls(pool.buffer, pool.layout, pool.device)
 
     @classmethod
@@ -525,9 +536,12 @@ class HostKVCacheAdapter:
         ``layer_first``: one region per (K/V, layer) of ``size * item`` bytes;
         ``page_first*``: one region per K/V. ``item_lens`` = bytes of one page in
         the region (``kv_layout.page_block_bytes()``). Addresses are HostVA.
+
+        Raises:
+            ClosedError: the pool's memory was closed, released or swapped.
         """
         regions = self.kv_layout.page_regions()
-        base, block = self.host_table[0], self.kv_layout.page_block_bytes()
+        base, block = metadata_table(self.host_table)[0], self.kv_layout.page_block_bytes()
         return ContiguousBufInfos([base + off for off, _ in regions], [n for _, n in regions], [block] * len(regions))
 
     def _pages(self, indices: torch.Tensor | Sequence[int]) -> list[int]:
@@ -562,8 +576,9 @@ class HostKVCacheAdapter:
         Raises:
             IndexValidationError: wrong shape or dtype, a partial or misaligned
                 page, or a slot outside ``[0, size)``.
+            ClosedError: the pool's memory was closed, released or swapped.
         """
-        base = self.host_table[0]
+        base = metadata_table(self.host_table)[0]
         blocks = [
             block
             for page in self._pages(indices)
@@ -678,7 +693,7 @@ def _buffer_list(name: str, buffers: object) -> list[torch.Tensor]:
     return cast("list[torch.Tensor]", items)
 
 
-class DeviceKVBuffers:
+class DeviceKVBuffers(ProcessLocal):
     """sglang's device pool buffers (``MHATokenToKVPool.k_buffer`` / ``v_buffer``, or
     ``MLATokenToKVPool.kv_buffer``) as a device pool the host adapter can launch with.
 

@@ -34,6 +34,7 @@ from typing_extensions import final
 
 from pointerdomain import Device, DeviceAlias, PointerTable, index_tensor, require_domain, validate_device
 from pointerdomain.adapters.sglang import make_kernel_ptr_table
+from pointerdomain.process_local import ProcessLocal
 from pointerdomain.errors import DeviceMismatchError, DomainError, IndexValidationError, InvalidTypeError, LayoutError
 
 __all__ = ["BatchCopyFn", "BlockCopyBatch", "CpuGpuBlockOffload", "block_copy_batch", "run_batch_copy"]
@@ -254,7 +255,7 @@ def _block_bytes(name: str, tensors: Sequence[torch.Tensor]) -> list[int]:
     return out
 
 
-class CpuGpuBlockOffload:
+class CpuGpuBlockOffload(ProcessLocal):
     """The typed tables of one vLLM offload pair: GPU KV tensors and their CPU copies.
 
     Args:

@@ -13,10 +13,12 @@ import torch
 
 from pointerdomain._platform import backend_for, device_holding
 from pointerdomain._platform import memory_device as _memory_device
+from pointerdomain._platform.capacity import host_capacity
 from pointerdomain._platform.numa import bind_to_node, device_node, node_count
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
-from pointerdomain.registration.ladder import RegistrationPolicy, warn_degraded
+from pointerdomain.arguments import check_bool
+from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy, warn_degraded
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
 from pointerdomain.registration.strict import strict_alias_enabled
 
@@ -52,20 +54,25 @@ def alloc_registered(
 
     Raises:
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
-            positive (a ``ValueError`` too).
+            positive, or ``nbytes`` not below 2**64 (a ``ValueError`` too).
         InvalidDeviceError: the device does not exist.
-        OutOfMemoryError: the host memory could not be allocated (a ``MemoryError``; the
-            message gives the size and what to do).
+        OutOfMemoryError: more than the machine can back now (memory available, commit
+            limit, RLIMIT_AS, cgroup limit: checked before any page is touched), or the
+            allocation failed (a ``MemoryError``; the message gives the size, the limit
+            and what to do).
         RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
     """
-    if type(nbytes) is not int or nbytes <= 0:
+    if type(nbytes) is not int or not 0 < nbytes < _ADDRESS_SPACE:
         why = ": a 0-byte registration is invalid" if nbytes == 0 and type(nbytes) is int else ""
+        why = ", below 2**64 (the address space)" if type(nbytes) is int and nbytes > 0 else why
         raise InvalidRegistrationError(f"nbytes must be a positive int (bytes to allocate and register){why}, "
                                        f"got {nbytes!r}")
     check_granularity(granularity, max_chunk_bytes)
     if numa is not None and numa != "local":
         raise InvalidRegistrationError(f"numa must be None or 'local', got {numa!r}")
+    resolve_policy(policy)  # before any page is allocated
     dev = validate_device(device)
+    _check_backable("nbytes", nbytes, "registered host", dev)
     backend = backend_for(dev)
     registered = None
     strict = strict_alias_enabled()  # read once: another thread may switch it meanwhile
@@ -114,14 +121,39 @@ def _out_of_memory(exc: BaseException, what: str, nbytes: int, device: Device) -
     )
 
 
+#: Sizes are byte counts of a 64-bit address space.
+_ADDRESS_SPACE = 1 << 64
+
+
+def _check_backable(name: str, nbytes: int, what: str, device: Device) -> None:
+    """Refuse a host allocation the machine cannot back, before any page is touched
+    (pre-faulting or pinning more would bring the OOM killer, not an error).
+
+    Raises:
+        OutOfMemoryError: ``nbytes`` exceeds what the machine can back now.
+    """
+    capacity = host_capacity()
+    if capacity is None or nbytes <= capacity[0]:
+        return
+    room, limit = capacity
+    raise OutOfMemoryError(
+        f"{name}: found a request for nbytes={nbytes} ({nbytes / (1 << 30):.2f} GiB) of {what} memory for {device}, "
+        f"expected at most {room} bytes ({room / (1 << 30):.2f} GiB), {limit}: nothing was allocated (touching "
+        "the pages would bring the kernel's OOM killer). Fix: allocate less (fewer pages or layers per pool), "
+        "free memory first, or raise the limit",
+        nbytes,
+    )
+
+
 def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | torch.device) -> torch.Tensor:
     """Uninitialised device memory: a CUDA tensor, or emulated device memory (a CPU
     tensor tagged with the emulated ordinal, so CPU-only APIs refuse it).
 
     Raises:
         InvalidDeviceError: the device does not exist.
-        InvalidArgumentError: a negative dimension (a ``ValueError``).
-        OutOfMemoryError: the memory could not be allocated (a ``MemoryError``).
+        InvalidArgumentError: a negative dimension, or 2**64 bytes or more (a ``ValueError``).
+        OutOfMemoryError: the memory could not be allocated, or (emulated device memory,
+            which is host memory) more than the machine can back (a ``MemoryError``).
     """
     dev = validate_device(device)
     if not isinstance(cast(object, shape), tuple) or any(type(d) is not int for d in shape):
@@ -138,6 +170,13 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
             f"shape: found a negative dimension in {shape}, expected dimensions >= 0. Fix: pass a valid shape"
         )
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes >= _ADDRESS_SPACE:
+        raise InvalidArgumentError(
+            f"shape: {shape} of {dtype} is {nbytes} bytes, expected fewer than 2**64 (the address space). "
+            "Fix: pass a shape that fits memory"
+        )
+    if dev.type == "emulated":  # emulated device memory is host memory
+        _check_backable("shape", nbytes, "emulated device", dev)
     try:
         raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
     except (MemoryError, RuntimeError) as exc:
@@ -158,7 +197,7 @@ def memory_device(tensor: torch.Tensor, *, whole_storage: bool = False) -> Devic
             f"tensor: found a {type(tensor).__name__}, expected a torch.Tensor. Fix: pass the tensor; for a bare "
             "address use memory_device_at(address, nbytes)"
         )
-    return _memory_device(tensor, whole_storage=whole_storage)
+    return _memory_device(tensor, whole_storage=check_bool("whole_storage", whole_storage))
 
 
 def memory_device_at(address: int, nbytes: int) -> Device | None:

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from pointerdomain.arguments import check_instance
 from pointerdomain.errors import InvalidRegistrationError
 
 if TYPE_CHECKING:
@@ -107,6 +108,18 @@ _lock = threading.Lock()
 _default = RegistrationPolicy()
 _counts: dict[Rung, int] = dict.fromkeys(Rung, 0)
 _warned: set[str] = set()
+
+
+def resolve_policy(policy: object) -> RegistrationPolicy:
+    """``policy``, or the process default for None.
+
+    Raises:
+        InvalidTypeError: not a RegistrationPolicy (e.g. the string ``"degrade"``).
+    """
+    if policy is None:
+        return default_policy()
+    return check_instance("policy", policy, RegistrationPolicy,
+                          'pass RegistrationPolicy(on_failure="degrade"), not the string, or None for the default')
 
 
 def default_policy() -> RegistrationPolicy:

@@ -32,7 +32,7 @@ from pointerdomain._platform.status import ALREADY_REGISTERED, registration_erro
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.registration.ladder import RegistrationPolicy, Rung, default_policy, note_rung, warn_degraded
+from pointerdomain.registration.ladder import RegistrationPolicy, Rung, note_rung, resolve_policy, warn_degraded
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     BusyError,
@@ -124,6 +124,20 @@ class _Registry:
 
 
 _registry = _Registry()
+_serial_lock = threading.Lock()
+_serial = 0
+
+
+def _next_serial() -> int:
+    global _serial
+    with _serial_lock:
+        _serial += 1
+        return _serial
+
+
+def last_serial() -> int:
+    """The :attr:`RegisteredHostMemory.serial` of the newest registration made so far (0: none)."""
+    return _serial
 
 
 def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
@@ -261,6 +275,9 @@ class RegisteredHostMemory(ProcessLocal):
         library_owned: bool = False,
     ) -> None:
         self.device = device
+        #: Order of creation in this process (metadata taken before a registration of the
+        #: same addresses describes memory that was there before it).
+        self.serial = _next_serial()
         # devices an alias was asked for (alias_of), own first: a portable registration
         # serves every device of its type; explain() looks aliases up on these
         self._alias_devices: dict[Device, None] = {device: None}
@@ -268,7 +285,7 @@ class RegisteredHostMemory(ProcessLocal):
         self._closed = False
         self.leases = LeaseSet()
         backend = backend_for(device)
-        policy = default_policy() if policy is None else policy
+        policy = resolve_policy(policy)
         nbytes = tensor.numel() * tensor.element_size()
         with _registry._lock:
             other = _registry.overlapping(tensor.data_ptr(), nbytes)
@@ -556,6 +573,9 @@ def register_host_tensor(
     if tensor.numel() == 0:
         raise InvalidRegistrationError("cannot register an empty tensor: a 0-byte registration is invalid")
     check_granularity(granularity, max_chunk_bytes)
+    resolve_policy(policy)
+    if type(shared) is not bool:  # before the range is looked up: shared=1 is not True
+        raise InvalidArgumentError(f"shared: found {shared!r}, expected a bool (True or False)")
     dev = validate_device(device)
     flat = tensor.reshape(-1).view(torch.uint8)
     if shared is True:
@@ -564,6 +584,4 @@ def register_host_tensor(
             if (other is not None and not other.foreign and other.host_va.value == flat.data_ptr()
                     and other.nbytes == flat.numel() and other.device == dev):
                 return other.acquire()
-    elif shared is not False:
-        raise InvalidArgumentError(f"shared must be a bool, got {shared!r}")
     return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy)

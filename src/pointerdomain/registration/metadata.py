@@ -10,19 +10,24 @@ and the functions accept only ``PointerTable[HostVA]``.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import pydantic
+import torch
 from pydantic import ConfigDict, Field, model_validator
 from typing_extensions import Unpack
 
+from pointerdomain.arguments import check_instance
 from pointerdomain.domains import ADDRESS_LIMIT, HostVA
-from pointerdomain.errors import LayoutError, MetadataValidationError
+from pointerdomain.errors import ClosedError, InvalidArgumentError, LayoutError, MetadataValidationError
 from pointerdomain.layouts import KVLayout
+from pointerdomain.registration.memory import find_closed_registration, find_registration, last_serial
 from pointerdomain.registration.tables import PointerTable, require_domain
 from pointerdomain.validated import ValidatedModel
 
-__all__ = ["BufferInfo", "BufferInfoChanges", "buffer_infos", "page_buffer_meta"]
+__all__ = ["BufferInfo", "BufferInfoChanges", "buffer_infos", "check_metadata_live", "metadata_table", "page_buffer_meta"]
 
 
 def _metadata_error(exc: pydantic.ValidationError) -> MetadataValidationError:
@@ -143,14 +148,118 @@ def _check_host(table: object) -> PointerTable[HostVA]:
                           "device aliases must never reach transfer engines or CPU code; build it with host_ptr_table")
 
 
+# The memory metadata was handed out for. A BufferInfo is a plain value with no link to
+# its memory, so the adapters that hand an address to an engine ask here whether the
+# memory behind it still stands. Weak references only (torch keeps one Python object per
+# storage, so a weakref to it dies with the storage): a watch outlives its memory on
+# purpose, until new metadata is handed out over the same addresses.
+class _Watch:
+    __slots__ = ("lo", "hi", "storage", "storage_ptr", "storage_nbytes", "tensor", "tensor_ptr", "serial")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self.lo = t.data_ptr()
+        self.hi = self.lo + t.numel() * t.element_size()
+        self.storage = weakref.ref(storage)
+        self.storage_ptr = storage.data_ptr()
+        self.storage_nbytes = storage.nbytes()
+        self.tensor = weakref.ref(t)
+        self.tensor_ptr = self.lo
+        self.serial = last_serial()  # registrations made after this one are newer memory
+
+    def live(self) -> bool:
+        storage = self.storage()
+        if storage is None or storage.data_ptr() != self.storage_ptr or storage.nbytes() != self.storage_nbytes:
+            return False  # freed, or released / reallocated in place (resize_, share_memory_)
+        t = self.tensor()
+        return t is None or t.data_ptr() == self.tensor_ptr  # swapped (set_)
+
+    def same(self, other: _Watch) -> bool:
+        return (self.lo, self.hi, self.storage(), self.tensor()) == (other.lo, other.hi, other.storage(), other.tensor())
+
+
+#: Most watches kept; past it the oldest released ones go first.
+_MAX_WATCHES = 4096
+_watch_lock = threading.Lock()
+_watches: list[_Watch] = []
+
+
+def _watch(table: PointerTable[HostVA]) -> None:
+    for t in table.kept_tensors():
+        w = _Watch(t)
+        with _watch_lock:
+            if any(old.same(w) for old in _watches):
+                continue
+            # released memory under new metadata: the addresses are live again
+            _watches[:] = [old for old in _watches if old.live() or not (old.lo < w.hi and w.lo < old.hi)]
+            _watches.append(w)
+            if len(_watches) > _MAX_WATCHES:
+                dead = [old for old in _watches if not old.live()]
+                drop = dead[0] if dead else _watches[0]
+                _watches.remove(drop)
+
+
+def metadata_table(table: object) -> PointerTable[HostVA]:
+    """``table`` checked for handing out metadata: a host table whose memory is live
+    (what every metadata function calls first; adapters building their own metadata
+    from a host table too). Records its memory, so that :func:`check_metadata_live`
+    later knows whether metadata taken now still describes live memory.
+
+    Raises:
+        DomainError: not a ``PointerTable[HostVA]``.
+        ClosedError: its registration was closed, or the storage under an entry was
+            released, reallocated or swapped (``resize_``, ``share_memory_``, ``set_``).
+    """
+    host = _check_host(table)
+    host.check_live()
+    _watch(host)
+    return host
+
+
+def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> None:
+    """Refuse ``[address, address + nbytes)`` when it is metadata of memory that has gone:
+    inside a closed registration, or inside memory that metadata was handed out for
+    (:func:`metadata_table`) and that was released, reallocated or swapped since, with
+    no metadata handed out afresh over it. Addresses this process never described (a
+    peer's, a hand-built HostVA) pass: other checks own them. Adapters call this before
+    handing an address to a transfer engine.
+
+    Raises:
+        ClosedError: the memory was closed or released (the message names ``name``).
+        InvalidArgumentError: ``nbytes`` is not a positive int.
+    """
+    if type(nbytes) is not int or nbytes <= 0:
+        raise InvalidArgumentError(f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes)")
+    lo, hi = address.value, address.value + nbytes
+    closed = find_closed_registration(address, nbytes)
+    if closed is not None:
+        raise ClosedError(
+            f"{name}: [{address!r}, +{nbytes}) lies in registered memory at {closed.host_va!r} that was closed: "
+            "found metadata of closed memory, expected metadata of live memory. Fix: take metadata from an open "
+            "pool, and deregister it from the engine before closing the pool"
+        )
+    with _watch_lock:
+        near = [w for w in _watches if w.lo < hi and lo < w.hi]
+    owner = find_registration(address, nbytes) if near else None
+    if owner is not None:  # registered since that metadata was taken: the addresses were reused
+        near = [w for w in near if w.serial >= owner.serial]
+    if near and not any(w.live() for w in near):
+        raise ClosedError(
+            f"{name}: [{address!r}, +{nbytes}) is metadata of memory that was released, reallocated or swapped "
+            "(resize_, share_memory_, set_) after it was handed out: an engine given it would read or write freed "
+            "memory. Fix: take the metadata again from live memory"
+        )
+
+
 def buffer_infos(table: PointerTable[HostVA], item_bytes: int) -> list[BufferInfo]:
     """One :class:`BufferInfo` per table entry (e.g. a host pool's contiguous buffers).
 
     Raises:
         DomainError: ``table`` is not a host table.
+        ClosedError: the table's memory was closed or released (see :func:`metadata_table`).
         pydantic.ValidationError: ``item_bytes`` not positive.
     """
-    host = _check_host(table)
+    host = metadata_table(table)
     return [BufferInfo(address=a, nbytes=n, item_bytes=item_bytes) for a, n in zip(host, host.sizes)]
 
 
@@ -170,8 +279,10 @@ def page_buffer_meta(table: PointerTable[HostVA], layout: KVLayout, pages: list[
         DomainError: ``table`` is not a host table.
         LayoutError: the table is not one buffer of ``layout.nbytes`` bytes.
         IndexError: a page out of range.
+        ClosedError: the table's memory was closed or released (see :func:`metadata_table`).
     """
-    host = _check_host(table)
+    check_instance("layout", layout, KVLayout, "pass the pool's KVLayout (pool.layout)")
+    host = metadata_table(table)
     if len(host) != 1 or host.sizes[0] != layout.nbytes:
         raise LayoutError(
             f"page_buffer_meta needs the one-buffer host pool of this layout ({layout.nbytes} bytes), got sizes "

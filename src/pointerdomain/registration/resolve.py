@@ -155,7 +155,13 @@ def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlia
     """
     if not isinstance(va, HostVA):
         raise DomainError(f"resolve_alias takes a HostVA, got {type(va).__name__}")
-    return alias_of(va, validate_device(device))
+    alias = alias_of(va, validate_device(device))
+    owner = find_registration(va)
+    if owner is None:
+        return alias
+    chunk = owner.chunk_of(va, 1)
+    lo = alias.value - (va.value - chunk.host_va.value)  # the chunk's alias range: one registration call
+    return alias.bounded(lo, lo + chunk.nbytes)
 
 
 def alias_of(va: HostVA, dev: Device) -> DeviceAlias:

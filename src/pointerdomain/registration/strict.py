@@ -65,7 +65,7 @@ class strict_alias:  # noqa: N801 - used like a function: strict_alias(True) / w
     def __init__(self, enabled: bool = True) -> None:
         global _enabled
         if type(enabled) is not bool:
-            raise InvalidArgumentError(f"strict_alias takes a bool, got {enabled!r}")
+            raise InvalidArgumentError(f"enabled: strict_alias takes a bool (True or False), got {enabled!r}")
         with _lock:
             self.previous = _enabled
             _enabled = enabled

@@ -50,6 +50,7 @@ D = TypeVar("D", bound=Address)
 
 _nbytes = torch.UntypedStorage.nbytes
 _data_ptr = torch.UntypedStorage.data_ptr
+_tensor_ptr = torch.Tensor.data_ptr
 
 
 @final
@@ -100,7 +101,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     """
 
     __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment",
-                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "_resolved", "__weakref__")
+                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "_tensor_ptrs", "_resolved", "__weakref__")
 
     def __init__(
         self,
@@ -140,6 +141,9 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         # as intact: its bytes are again where the table points.)
         self._storage_state = tuple(s.nbytes() for s in self._storages)
         self._storage_ptrs = tuple(storages)  # the addresses the storages were keyed by
+        # Where each kept tensor points: ``t.set_(other)`` swaps a tensor's storage without
+        # touching the old one (which the table keeps alive), so only the tensor shows it.
+        self._tensor_ptrs = tuple(map(_tensor_ptr, keepalive))
         host = torch.tensor(list(values), dtype=torch.uint64)
         if device is None:
             self._tensor = host
@@ -179,10 +183,11 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         if isinstance(index, slice):
             return tuple(self[i] for i in range(len(self))[index])
         value = self._values[index]
+        span = (value, value + self._sizes[index])  # arithmetic on an entry stays in its buffer
         if self._domain is DeviceAlias:
             assert self._device is not None
-            return DeviceAlias.unsafe_from_int(value, self._device)  # type: ignore[return-value]
-        return HostVA.unsafe_from_int(value)  # type: ignore[return-value]
+            return DeviceAlias.unsafe_from_int(value, self._device).bounded(*span)  # type: ignore[return-value]
+        return HostVA.unsafe_from_int(value).bounded(*span)  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[D]:
         return (self[i] for i in range(len(self)))
@@ -241,8 +246,11 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         state, storages = self._storage_state, self._storages
         if len(state) == 1:  # pool tables: one allocation
             only = storages[0]
-            return bool(_nbytes(only) == state[0] and _data_ptr(only) == self._storage_ptrs[0])
-        return tuple(map(_nbytes, storages)) == state and tuple(map(_data_ptr, storages)) == self._storage_ptrs
+            if not (_nbytes(only) == state[0] and _data_ptr(only) == self._storage_ptrs[0]):
+                return False
+        elif not (tuple(map(_nbytes, storages)) == state and tuple(map(_data_ptr, storages)) == self._storage_ptrs):
+            return False
+        return tuple(map(_tensor_ptr, self._keepalive)) == self._tensor_ptrs
 
     def check_live(self) -> None:
         """Every launch calls this (two reads per distinct storage the table points into:
@@ -250,8 +258,10 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         docs/performance.md).
 
         Raises:
-            ClosedError: a registration this table points into was closed, or the storage
-                of an entry was released or reallocated (``untyped_storage().resize_()``)."""
+            ClosedError: a registration this table points into was closed, the storage
+                of an entry was released or reallocated (``untyped_storage().resize_()``,
+                ``share_memory_()``), or an entry's tensor now views other memory
+                (``set_()``)."""
         for owner in self._owners:
             owner.check_open()
         if not self.storages_intact():
@@ -266,6 +276,15 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
                     "(e.g. untyped_storage().resize_()) and the table's addresses point at freed memory. "
                     "Fix: rebuild the table over live tensors"
                 )
+        for i, (t, ptr) in enumerate(zip(self._keepalive, self._tensor_ptrs)):
+            if t.data_ptr() != ptr:
+                raise ClosedError(
+                    f"{self!r}: entry {i}'s tensor now views other memory (found {t.data_ptr():#x}, expected "
+                    f"{ptr:#x}): its storage was swapped (set_(), share_memory_()) after the table was built, so "
+                    "the table's address no longer reaches the tensor the caller reads. Fix: rebuild the table "
+                    "over the tensor as it is now"
+                )
+        raise ClosedError(f"{self!r}: the memory under the table changed since it was built. Fix: rebuild the table")
 
     def __repr__(self) -> str:
         where = "host" if self._device is None else str(self._device)

@@ -75,6 +75,9 @@ def parse_device(text: str | None) -> tuple[Device, str]:
             f"--device {text}: there is no plain CPU device (registered memory needs a device to alias it). "
             "Use --device emulated:0, the CPU stand-in whose device aliases differ from host VAs, or cuda:N"
         )
+    kind = text.strip().partition(":")[0]
+    if kind not in ("cuda", "emulated"):
+        raise UsageError(f"--device {text}: found {text!r}, expected cuda:N or emulated:N (emulated:0 is the CPU stand-in)")
     try:
         return validate_device(text), "--device"
     except InvalidDeviceError as exc:
@@ -87,10 +90,27 @@ def _version() -> str:
     return version_text()
 
 
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its
+    default or there is none to say (argparse's own formatter appends it always)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        if action.option_strings and action.nargs != 0:
+            return f"{text} (default: %(default)s)"
+        return text
+
+
+#: What ``pointerdomain --help`` says: the module docstring up to the notes for developers.
+_USAGE = __doc__.split("\n\nSubcommands are rows")[0] if __doc__ else None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The parser with every subcommand of :data:`COMMANDS`; defaults shown in ``--help``."""
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="pointerdomain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser with every subcommand of :data:`COMMANDS`; defaults shown in ``--help`` once."""
+    fmt = _DefaultsOnce
+    parser = argparse.ArgumentParser(prog="pointerdomain", description=_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

@@ -212,6 +212,22 @@ def _untouched_intact(buf: torch.Tensor, others: torch.Tensor) -> bool:
     return True
 
 
+def _size(nbytes: float) -> str:
+    """A byte count for people: B, KiB, MiB or GiB, never "0 MiB" for a small pool."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "too fast to time"
+
+
 def run(args: argparse.Namespace) -> int:
     """``pointerdomain demo``: 0 when the round trip verifies, 1 otherwise."""
     device, why = parse_device(args.device)
@@ -219,10 +235,10 @@ def run(args: argparse.Namespace) -> int:
     est = estimate(device, dev_layout, host_layout, args.pages)
     _check_fits(device, est)
     say: Callable[[str], None] = (lambda _text: None) if args.json else print
-    say(f"pointerdomain demo on {device} ({why}): {args.attention}, {args.layers} layers, item "
-        f"{dev_layout.item_bytes} B, page {args.page_size} tokens; device pool {dev_layout.nbytes / 2**20:.0f} MiB, "
-        f"host pool {host_layout.nbytes / 2**20:.0f} MiB ({args.host_layout}); estimated peak host memory "
-        f"{est.host_peak_bytes / 2**20:.0f} MiB")
+    say(f"pointerdomain demo on {device} ({why}): {args.attention}, {_count(args.layers, 'layer')}, item "
+        f"{dev_layout.item_bytes} B, page {_count(args.page_size, 'token')}; device pool {_size(dev_layout.nbytes)}, "
+        f"host pool {_size(host_layout.nbytes)} ({args.host_layout}); estimated peak host memory "
+        f"{_size(est.host_peak_bytes)}")
     sys.stdout.flush()
     steps = _Steps(args.progress)
     gen = torch.Generator().manual_seed(args.seed)
@@ -283,9 +299,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return EXIT_OK if ok else EXIT_FAILURE
-    print(f"moved {moved / 2**20:.1f} MiB each way ({args.pages} pages): "
-          f"D2H {t_d2h * 1e3:.1f} ms = {moved / t_d2h / 1e9:.2f} GB/s, "
-          f"H2D {t_h2d * 1e3:.1f} ms = {moved / t_h2d / 1e9:.2f} GB/s")
+    print(f"moved {_size(moved)} each way ({_count(args.pages, 'page')}): "
+          f"D2H {t_d2h * 1e3:.1f} ms = {_rate(moved, t_d2h)}, "
+          f"H2D {t_h2d * 1e3:.1f} ms = {_rate(moved, t_h2d)}")
     if not ok:
         print(f"FAILED: {len(bad)} buffer(s) differ; untouched slots intact: {untouched}")
         return EXIT_FAILURE

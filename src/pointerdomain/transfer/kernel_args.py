@@ -42,9 +42,9 @@ def check_kernel_table(table: pd.PointerTable[pd.DeviceAlias], device: pd.Device
             ``PointerTable``.
         DeviceMismatchError: a table of another device.
         ClosedError: a registration the table points into was closed.
-        InvalidDeviceError: ``device`` is not a device.
+        InvalidDeviceError: ``device`` is not a device, or does not exist.
     """
-    dev = pd.as_device(device)
+    dev = pd.validate_device(device)  # a device that does not exist is named as such, not as a mismatch
     value: object = table  # checked at run time too: callers may be untyped
     if not isinstance(value, pd.PointerTable):
         if isinstance(value, torch.Tensor):

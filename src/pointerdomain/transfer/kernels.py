@@ -81,16 +81,22 @@ def index_tensor(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     contiguous 1-D ``int64`` CPU tensor, for callers that take loose id lists (adapters).
 
     Raises:
-        IndexValidationError: not 1-D, or not integers.
+        IndexValidationError: not 1-D, not integers, or a value outside int64 (a
+            ``uint64`` id of 2**63 or more would turn negative).
     """
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise IndexValidationError(f"{name}: dtype {ids.dtype}, expected an integer dtype")
         out = ids.detach().to("cpu", torch.int64).contiguous()
+        if ids.dtype == torch.uint64 and bool((out < 0).any()):  # the cast wrapped ids >= 2**63
+            raise IndexValidationError(f"{name}: a uint64 id of 2**63 or more, expected ids that fit int64")
     else:
         values = list(ids)
         if any(type(v) is not int for v in values):
             raise IndexValidationError(f"{name}: expected ints, got {[type(v).__name__ for v in values][:4]}")
+        big = next((v for v in values if not -(1 << 63) <= v < 1 << 63), None)
+        if big is not None:
+            raise IndexValidationError(f"{name}: found the id {big}, expected ids that fit int64 (|id| < 2**63)")
         out = torch.tensor(values, dtype=torch.int64)
     if out.dim() != 1:
         raise IndexValidationError(f"{name}: shape {tuple(out.shape)}, expected 1-D")

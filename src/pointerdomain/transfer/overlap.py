@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from pointerdomain.layouts import Geometry
     from pointerdomain.registration.tables import PointerTable
 
-__all__ = ["check_slots", "shared_memory"]
+__all__ = ["check_distinct_destinations", "check_slots", "shared_memory"]
 
 
 def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
@@ -99,3 +99,36 @@ def check_slots(src_idx: torch.Tensor, dst_idx: torch.Tensor, capturing: bool) -
             "memory: slot pairs run in no defined order, so the result would depend on it. Fix: split the "
             "launch so no slot is read and written in one call, or copy through a second buffer"
         )
+
+
+def check_distinct_destinations(dst_idx: torch.Tensor, dst_list: list[int] | None = None) -> None:
+    """No destination slot is written twice in one launch: slot pairs run in parallel
+    on the GPU, so two writes to one slot race and either may land. Runs where the
+    indices are read on the host anyway (:func:`pointerdomain.transfer.plan` range checks);
+    ``dst_list``: the indices already read into a list (small CPU sets).
+
+    Raises:
+        OverlapError: a slot appears twice in ``dst_indices``, naming it.
+    """
+    n = len(dst_list) if dst_list is not None else dst_idx.numel()
+    if n < 2:
+        return
+    if dst_list is not None:
+        if len(set(dst_list)) == n:
+            return
+        seen: set[int] = set()
+        slot = -1
+        for slot in dst_list:
+            if slot in seen:
+                break
+            seen.add(slot)
+    else:
+        ordered = torch.sort(dst_idx).values
+        twice = ordered[1:] == ordered[:-1]
+        if not bool(twice.any()):
+            return
+        slot = int(ordered[1:][twice][0])
+    raise OverlapError(
+        f"dst_indices: slot {slot} is written twice in one launch: slot pairs run in no defined order (in parallel "
+        "on a GPU), so which write lands is a race. Fix: give each destination slot once per call"
+    )

@@ -35,7 +35,7 @@ from pointerdomain.errors import DeviceMismatchError, IndexValidationError, Inva
 from pointerdomain.transfer.launch_errors import error_word_address
 from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
 from pointerdomain.registration.memory import RegisteredHostMemory
-from pointerdomain.transfer.overlap import shared_memory
+from pointerdomain.transfer.overlap import check_distinct_destinations, shared_memory
 from pointerdomain.registration.tables import PointerTable, require_domain
 
 if TYPE_CHECKING:
@@ -198,6 +198,7 @@ class TransferPlan:
 
 
 def _check_ranges(s_idx: torch.Tensor, d_idx: torch.Tensor, src_slots: int, dst_slots: int) -> None:
+    d_list: list[int] | None = None
     if not s_idx.is_cuda and s_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
         s_list, d_list = s_idx.tolist(), d_idx.tolist()
         lo_s, hi_s, lo_d, hi_d = min(s_list), max(s_list), min(d_list), max(d_list)
@@ -206,6 +207,7 @@ def _check_ranges(s_idx: torch.Tensor, d_idx: torch.Tensor, src_slots: int, dst_
     for name, lo, hi, slots in (("src_indices", lo_s, hi_s, src_slots), ("dst_indices", lo_d, hi_d, dst_slots)):
         if lo < 0 or hi >= slots:
             raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
+    check_distinct_destinations(d_idx, d_list)  # read on the host already: two writes to one slot race
 
 
 #: ``j * step`` for ``j`` in ``range(parts)``, per (device, parts, step): made once, outside

@@ -18,7 +18,7 @@ import torch
 from pointerdomain.registration.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, LayoutError
+from pointerdomain.errors import ClosedError, InvalidArgumentError, InvalidTypeError, LayoutError
 from pointerdomain.transfer.kernels import (
     DEFAULT_MAX_CTAS,
     MaxCtas,
@@ -101,6 +101,11 @@ class DeviceKVPool(ProcessLocal):
         self.table: PointerTable[DeviceAlias] = make_kernel_ptr_table(self.buffers, self.device, layout=layout)
         ensure_error_word(self.device)  # the device readied for launches now, outside the first launch
 
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"DeviceKVPool({lay.kind}, {lay.attention}, {lay.num_layers} layer(s), {lay.num_slots} slot(s), "
+                f"{lay.nbytes} bytes, {self.device})")
+
     def buffer(self, kv: int, layer: int) -> torch.Tensor:
         """The ``[num_slots, num_heads, head_dim]`` buffer of K (kv=0) or V (kv=1) of ``layer``."""
         return self.buffers[kv * self.layout.num_layers + layer]
@@ -152,6 +157,12 @@ class HostKVPool(ProcessLocal):
         self._entries = entries
         self._tables_lock = threading.Lock()
         self._tables: dict[Device, PointerTable[DeviceAlias]] = {self.device: self.kernel_table}
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        state = "closed" if self.memory.closed else f"at {self.memory.host_va!r}, {len(self.memory.chunks)} chunk(s)"
+        return (f"HostKVPool({lay.kind}, {lay.attention}, {lay.num_layers} layer(s), {lay.num_pages} page(s), "
+                f"{lay.nbytes} bytes, {self.device}, {state})")
 
     def kernel_table_for(self, device: Device | str | torch.device) -> PointerTable[DeviceAlias]:
         """The kernel table of this pool for ``device``: the same registration (portable,
@@ -256,8 +267,22 @@ class HostKVPool(ProcessLocal):
     def add_close_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` once, at :meth:`close`, before the memory is unregistered (last
         added runs first). For registrations that must end with the pool, e.g. a transfer
-        engine's (``pointerdomain.adapters.nixl``)."""
-        self._close_hooks.append(hook)
+        engine's (``pointerdomain.adapters.nixl``).
+
+        Raises:
+            InvalidTypeError: ``hook`` is not callable.
+            ClosedError: the pool is closed (the hook would never run).
+        """
+        if not callable(hook):
+            raise InvalidTypeError(
+                f"hook: found a {type(hook).__name__} ({hook!r:.60}), expected a callable taking no arguments. "
+                "Fix: pass the function itself (e.g. registration.close), not its result"
+            )
+        with self._tables_lock:
+            self.memory.check_open()
+            if self.memory.leases.closing:
+                raise ClosedError(f"host KV pool at {self.memory.host_va!r} is closing: a hook added now would never run")
+            self._close_hooks.append(hook)
 
     def close(self, *, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Wait for launches using the pool (up to ``timeout`` s, see
@@ -267,14 +292,35 @@ class HostKVPool(ProcessLocal):
         Raises:
             BusyError: a launch still used the pool after ``timeout``; nothing was closed
                 and no hook ran.
+            Exception: the first exception a close hook raised, re-raised after every hook
+                ran and the memory was unregistered (the others attached as notes): closing
+                is all or nothing.
             InvalidTypeError: ``timeout`` is not an int or float; InvalidArgumentError:
                 negative or NaN (both before anything is closed).
         """
+        if self.memory.closed:
+            return
         self.memory.leases.drain(f"host KV pool {self.layout.kind} at {self.memory.host_va!r}", timeout)
-        hooks, self._close_hooks = self._close_hooks, []
-        for hook in reversed(hooks):
-            hook()
-        self.memory.close(timeout=timeout)
+        with self._tables_lock:
+            hooks, self._close_hooks = self._close_hooks, []
+        failures: list[Exception] = []
+        try:
+            for hook in reversed(hooks):  # every hook runs once, whatever the others do
+                try:
+                    hook()
+                except Exception as exc:  # re-raised below, once the pool is closed
+                    failures.append(exc)
+        finally:
+            self.memory.close(timeout=timeout)
+        if failures:
+            first = failures[0]
+            first.add_note(
+                f"raised by a close hook of the host KV pool at {self.memory.host_va!r}; every hook ran "
+                f"({len(hooks)}, {len(failures)} raised) and the pool is closed (unregistered)"
+            )
+            for other in failures[1:]:
+                first.add_note(f"another close hook raised too: {type(other).__name__}: {other}")
+            raise first
 
     def __enter__(self) -> HostKVPool:
         return self

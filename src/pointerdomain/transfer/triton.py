@@ -81,7 +81,7 @@ def launch_args(
 ) -> tuple[list[object], dict[str, object]]:
     """The checked arguments :func:`launch` passes to the kernel (tables replaced by their
     ``int64`` alias tensors). Raises as :func:`launch`, without launching."""
-    dev = pd.as_device(device)
+    dev = pd.validate_device(device)
     return ([_arg(f"args[{i}]", a, dev) for i, a in enumerate(args)],
             {k: _arg(k, v, dev) for k, v in kwargs.items()})
 

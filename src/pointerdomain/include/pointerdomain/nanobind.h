@@ -12,9 +12,9 @@
 //   an int or any other object -> pointerdomain.errors.DomainError; a closed
 //   registration -> ClosedError. The caster holds a reference to the table for the
 //   whole call, so the entries stay valid while the body runs.
-// * A pd::Device parameter accepts what pointerdomain.as_device accepts
-//   (pointerdomain.Device, "cuda:0", "emulated:1", a torch.device); an unknown device
-//   raises InvalidDeviceError.
+// * A pd::Device parameter accepts what pointerdomain.validate_device accepts
+//   (pointerdomain.Device, "cuda:0", "emulated:1", a torch.device); an unknown device,
+//   or one that does not exist, raises InvalidDeviceError.
 // * pd::nanobind::same_device(&fn) wraps a function with exactly one pd::Device
 //   parameter and at least one pd::KernelTable parameter: before fn runs, every table's
 //   device must equal that Device (else DeviceMismatchError). That is how "a table of
@@ -211,7 +211,9 @@ struct type_caster<pointerdomain::Device> {
         object pd = module_::import_("pointerdomain");
         if (!(flags & (uint8_t) cast_flags::convert) && !pointerdomain::detail::is_instance(src, pd.attr("Device")))
             return false;
-        value = pointerdomain::detail::device_from_python(pd.attr("as_device")(src));  // InvalidDeviceError propagates
+        // validate_device, not as_device: a device that does not exist is InvalidDeviceError
+        // here, never a DeviceMismatchError against the table later
+        value = pointerdomain::detail::device_from_python(pd.attr("validate_device")(src));
         return true;
     }
 

@@ -1,0 +1,164 @@
+"""Metadata and launches over memory whose storage was released or swapped after the
+table was built: refused with ClosedError, nothing handed to an engine or written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import pointerdomain as pd
+from pointerdomain import errors
+from pointerdomain.adapters.mooncake import HostTransferEngine
+from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
+from pointerdomain.adapters.sglang import HostKVCacheAdapter
+from tests.reference import DEV, fill_random, model_layout
+
+
+class Recorder:
+    """An engine / agent stand-in that records every call reaching it."""
+
+    def __init__(self, nixl: bool = False) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.nixl = nixl
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            self.calls.append((name, args))
+            if name == "transfer":
+                return "DONE"
+            return ("handle", len(self.calls)) if self.nixl and name == "register_memory" else 0
+
+        return call
+
+
+def test_buffer_infos_of_released_storage_are_refused() -> None:
+    t = torch.zeros(1024, dtype=torch.uint8)
+    table = pd.host_ptr_table([t])
+    assert pd.buffer_infos(table, 64)[0].nbytes == 1024
+    t.untyped_storage().resize_(0)
+    with pytest.raises(errors.ClosedError, match="released or reallocated"):
+        pd.buffer_infos(table, 64)
+
+
+def test_page_meta_of_swapped_tensor_is_refused() -> None:
+    layout = model_layout("page_first")
+    buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    table = pd.host_ptr_table([buf])
+    assert len(pd.page_buffer_meta(table, layout, [1])) == 2
+    buf.set_(torch.zeros(layout.nbytes, dtype=torch.uint8))
+    with pytest.raises(errors.ClosedError, match="set_"):
+        pd.page_buffer_meta(table, layout, [1])
+
+
+@pytest.mark.parametrize("swap", ["share_memory_", "set_"])
+def test_pool_metadata_after_storage_swap_is_refused(swap: str) -> None:
+    with pd.HostKVPool(model_layout("page_first"), DEV) as pool:
+        assert pool.get_contiguous_buf_infos()[0].address.value == pool.buffer.data_ptr()
+        adapter = HostKVCacheAdapter.from_pool(pool)
+        if swap == "share_memory_":
+            pool.buffer.share_memory_()
+        else:
+            pool.buffer.set_(torch.zeros_like(pool.buffer))
+        with pytest.raises(errors.ClosedError):
+            pool.get_contiguous_buf_infos()
+        with pytest.raises(errors.ClosedError):
+            pool.get_page_buffer_meta([0])
+        with pytest.raises(errors.ClosedError):
+            adapter.get_contiguous_buf_infos()
+        with pytest.raises(errors.ClosedError):
+            adapter.get_page_buffer_meta(torch.arange(4))
+
+
+def test_engines_refuse_metadata_taken_before_release() -> None:
+    """A BufferInfo taken while the memory stood, handed on after it was released."""
+    t = torch.zeros(4096, dtype=torch.uint8)
+    info = pd.buffer_infos(pd.host_ptr_table([t]), 64)[0]
+    t.untyped_storage().resize_(0)
+    engine = Recorder()
+    with pytest.raises(errors.ClosedError, match="region"):
+        HostTransferEngine(engine, "127.0.0.1").register_memory(info)
+    agent = Recorder(nixl=True)
+    with pytest.raises(errors.ClosedError, match=r"descs\[0\]"):
+        HostNixlAgent("a", agent=agent).register([dram_desc(info)])
+    assert engine.calls == [] and agent.calls == []
+
+
+def test_engines_refuse_closed_pool_metadata() -> None:
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    info = pool.get_contiguous_buf_infos()[0]
+    pool.close()
+    with pytest.raises(errors.ClosedError):
+        pool.get_contiguous_buf_infos()
+    engine, agent = Recorder(nixl=True), Recorder()
+    with pytest.raises(errors.ClosedError):
+        HostTransferEngine(engine, "127.0.0.1").register_memory(info)
+    with pytest.raises(errors.ClosedError):
+        HostNixlAgent("a", agent=agent).register_pool(pool)
+    with pytest.raises(errors.ClosedError):
+        HostNixlAgent("a", agent=agent).register([dram_desc(info)])
+    assert engine.calls == [] and agent.calls == []
+
+
+def test_fresh_metadata_over_reused_addresses_is_taken() -> None:
+    """Metadata handed out afresh for live memory passes, whatever stood there before."""
+    t = torch.zeros(4096, dtype=torch.uint8)
+    table = pd.host_ptr_table([t])
+    pd.buffer_infos(table, 64)
+    t.untyped_storage().resize_(0)
+    t.untyped_storage().resize_(4096)  # may land at the old address
+    info = pd.buffer_infos(pd.host_ptr_table([t]), 64)[0]
+    engine = Recorder()
+    HostTransferEngine(engine, "127.0.0.1").register_memory(info)
+    assert engine.calls == [("register_memory", (t.data_ptr(), 4096))]
+
+
+def test_mooncake_transfer_from_released_local_block_is_refused() -> None:
+    t = torch.zeros(4096, dtype=torch.uint8)
+    info = pd.buffer_infos(pd.host_ptr_table([t]), 64)[0]
+    engine = Recorder()
+    wrapper = HostTransferEngine(engine, "127.0.0.1")
+    wrapper.register_memory(info)
+    t.set_(torch.zeros(4096, dtype=torch.uint8))  # the old storage goes with its last user
+    with pytest.raises(errors.ClosedError, match="local"):
+        wrapper.transfer_sync_write("peer:1", info, pd.HostVA.unsafe_from_int(1 << 20))
+    with pytest.raises(errors.ClosedError, match=r"local\[0\]"):
+        wrapper.batch_transfer_sync_read("peer:1", [info], [info])
+    assert [c[0] for c in engine.calls] == ["register_memory"]
+
+
+@pytest.mark.parametrize("swap", ["device set_", "host set_", "host share_memory_"])
+def test_launch_after_storage_swap_writes_nothing(swap: str) -> None:
+    device = pd.DeviceKVPool(model_layout("layer_first"), DEV)
+    with pd.HostKVPool(model_layout("page_first"), DEV) as host:
+        fill_random(host.buffer, 1)
+        idx = torch.arange(4, dtype=torch.int64)
+        host.load(device, idx, idx)  # the launch's plan is cached, then a storage moves
+        if swap == "device set_":
+            device.buffers[0].set_(torch.zeros_like(device.buffers[0]))
+        elif swap == "host set_":
+            host.buffer.set_(torch.zeros_like(host.buffer))
+        else:
+            host.buffer.share_memory_()
+        before = [b.view(torch.uint8).clone() for b in device.buffers]
+        with pytest.raises(errors.ClosedError):
+            host.load(device, idx, idx)
+        assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, device.buffers))
+        with pytest.raises(errors.ClosedError):
+            host.backup(device, idx, idx)
+
+
+def test_memory_registered_after_stale_metadata_is_taken() -> None:
+    """Addresses whose old metadata went stale, registered again since: live memory."""
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    same = buf[:]  # keeps the old storage, as a new owner of those addresses would
+    old = pd.buffer_infos(pd.host_ptr_table([buf]), 64)[0]
+    buf.set_(torch.zeros(8192, dtype=torch.uint8))
+    engine = Recorder()
+    with pytest.raises(errors.ClosedError):
+        HostTransferEngine(engine, "127.0.0.1").register_memory(old)
+    with pd.register_host_tensor(same, DEV) as mem:
+        HostTransferEngine(engine, "127.0.0.1").register_memory(pd.BufferInfo(address=mem.host_va, nbytes=8192,
+                                                                              item_bytes=64))
+    assert engine.calls == [("register_memory", (old.address.value, 8192))]
