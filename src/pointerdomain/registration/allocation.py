@@ -175,8 +175,8 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
             f"shape: {shape} of {dtype} is {nbytes} bytes, expected fewer than 2**64 (the address space). "
             "Fix: pass a shape that fits memory"
         )
-    if dev.type == "emulated":  # emulated device memory is host memory
-        _check_backable("shape", nbytes, "emulated device", dev)
+    if dev.runtime.host_memory:  # this device's memory is host memory: the machine must back it
+        _check_backable("shape", nbytes, f"{dev.type} device", dev)
     try:
         raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
     except (MemoryError, RuntimeError) as exc:

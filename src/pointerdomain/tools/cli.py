@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pointerdomain.devices import Device
+from pointerdomain.devices import DEVICE_TYPES, Device
 from pointerdomain.errors import InvalidDeviceError, PointerDomainError
 
 __all__ = ["COMMANDS", "EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "Command", "UsageError", "main", "parse_device"]
@@ -76,7 +76,7 @@ def parse_device(text: str | None) -> tuple[Device, str]:
             "Use --device emulated:0, the CPU stand-in whose device aliases differ from host VAs, or cuda:N"
         )
     kind = text.strip().partition(":")[0]
-    if kind not in ("cuda", "emulated"):
+    if kind not in DEVICE_TYPES:
         raise UsageError(f"--device {text}: found {text!r}, expected cuda:N or emulated:N (emulated:0 is the CPU stand-in)")
     try:
         return validate_device(text), "--device"
