@@ -12,7 +12,9 @@ import torch
 gpu_built: bool = True
 
 class KernelPlan:
-    """Tables and geometry of one launch plan (see pointerdomain.transfer.plan)."""
+    """
+    Tables and geometry of one launch plan (see pointerdomain.transfer.plan).
+    """
 
     def __init__(self, src_table: int, src_geometry: Sequence[int], dst_table: int, dst_geometry: Sequence[int], page_size: int, num_kv: int, item_bytes: int, vec_bytes: int, oob: int = 0) -> None: ...
 
