@@ -135,3 +135,14 @@ def test_fix_rewrites_only_reported_findings(tmp_path: Path, capsys: pytest.Capt
     assert "1 site(s) rewritten" in err
     fixed = (pkg / "filtered.py").read_text()
     assert fixed.count("torch.tensor([b.data_ptr()") == 2 and fixed.count(_FIXED) == 1
+
+
+def test_fix_leaves_a_file_above_max_file_kb(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    big = _TABLE + "# padding\n" * 300  # about 3 KiB
+    (tmp_path / "big.py").write_text(big)
+    (tmp_path / "small.py").write_text(_TABLE)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _fix_cli(tmp_path, capsys, "--max-file-kb", "2", ".")
+    assert "big.py: not fixed: skipped (3 KiB, above max_file_kb = 2)" in err
+    assert (tmp_path / "big.py").read_text() == big and _FIXED in (tmp_path / "small.py").read_text()

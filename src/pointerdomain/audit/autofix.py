@@ -20,7 +20,7 @@ A site is left alone (the finding stays, the reason is in :attr:`FixResult.refus
 
 * the comprehension has a filter or arithmetic, or the call has other keyword arguments
   (``pin_memory=``) or a ``.to(device)`` chain;
-* the enclosing function mentions a device other than CUDA/HIP (``npu``, ``xpu``, ``musa``,
+* the enclosing function or class mentions a device other than CUDA/HIP (``npu``, ``xpu``, ``musa``,
   ``mlu``, ``hpu``, ``mps``) or the module imports such a back-end (``torch_npu``, ...): the
   pointerdomain builders raise there;
 * a consumer of the value would break with a ``PointerTable`` (``style="table"``):
@@ -115,6 +115,7 @@ class _Rewriter(cst.CSTTransformer):
         self.qualified = qualified  # "pd" / "pointerdomain" when the plain names are taken
         self.other_backend = _OTHER_BACKEND_IMPORT.search(module_code) is not None
         self._functions: list[cst.FunctionDef] = []
+        self._classes: list[cst.ClassDef] = []
         self._lines: dict[int, int] = {}
         self._starts: dict[int, tuple[int, int]] = {}
         self._attribute_nodes: dict[str, list[cst.CSTNode]] = {}
@@ -123,6 +124,13 @@ class _Rewriter(cst.CSTTransformer):
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._functions.append(node)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._classes.append(node)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
+        self._classes.pop()
+        return updated_node
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
         self._functions.pop()
@@ -301,7 +309,9 @@ class _Rewriter(cst.CSTTransformer):
             return updated_node  # not a reported finding: suppressed, ignored or baselined
         # comments do not run: "keyed by device type ("npu"/"musa")" in a comment is no npu path
         function_text = re.sub(r"#[^\n]*", "", _code(self._functions[-1])) if self._functions else ""
-        if self.other_backend or _OTHER_DEVICE.search(function_text):
+        # the class too: `self.device = "xpu"` in __init__ reaches a table built in another method
+        class_text = re.sub(r"#[^\n]*", "", _code(self._classes[-1])) if self._classes else ""
+        if self.other_backend or _OTHER_DEVICE.search(function_text) or _OTHER_DEVICE.search(class_text):
             self._refuse(original_node, "the code runs on a non-CUDA/HIP device (npu/xpu/musa/...) here, where the "
                          "pointerdomain builders raise")
             return updated_node
