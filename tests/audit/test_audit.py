@@ -369,10 +369,10 @@ def test_cli_fix_writes_and_diff(tmp_path: Path, capsys: pytest.CaptureFixture[s
     pool = tmp_path / "pkg" / "pool.py"
     before = pool.read_text()
     rc, out, err = _cli(tmp_path, "--fix", "--diff", "pkg", capsys=capsys)
-    assert rc == 1 and "+    return make_kernel_ptr_table(list(bufs), dev)" in out and pool.read_text() == before
+    assert rc == 1 and "+    return make_kernel_ptr_table([*bufs], dev)" in out and pool.read_text() == before
     rc, out, err = _cli(tmp_path, "--fix", "pkg", capsys=capsys)
     assert rc == 0 and "1 site(s) rewritten" in err
-    assert "make_kernel_ptr_table(list(bufs), dev)" in pool.read_text()
+    assert "make_kernel_ptr_table([*bufs], dev)" in pool.read_text()
 
 
 # -- flake8 ------------------------------------------------------------------------------

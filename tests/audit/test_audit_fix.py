@@ -23,11 +23,11 @@ def _case(name: str) -> str:
 def test_rows_of_a_2d_tensor_become_a_list_of_rows() -> None:
     result = fix_source(_case("pool_rows.py"))
     assert result.fixes == 2 and result.refused == ()
-    assert "self.host_ptrs = host_ptr_table(list(self.kv_buffer))" in result.code
-    assert "self.dev_ptrs = make_kernel_ptr_table(list(self.kv_buffer), self.device)" in result.code
+    assert "self.host_ptrs = host_ptr_table([*self.kv_buffer])" in result.code
+    assert "self.dev_ptrs = make_kernel_ptr_table([*self.kv_buffer], self.device)" in result.code
     # at run time the host table holds what the comprehension computed: one address per row
     tensor_style = fix_source(_case("pool_rows.py"), "tensor").code.replace(
-        "self.dev_ptrs = make_kernel_ptr_table(list(self.kv_buffer), self.device).as_uint64_tensor()", "pass")
+        "self.dev_ptrs = make_kernel_ptr_table([*self.kv_buffer], self.device).as_uint64_tensor()", "pass")
     ns: dict[str, object] = {}
     exec(compile(tensor_style, "pool_rows.py", "exec"), ns)
     pool = ns["RowPool"](4, 64, "cpu")  # type: ignore[operator]
@@ -42,7 +42,7 @@ def test_a_taken_name_gets_a_qualified_import() -> None:
     assert result.fixes == 1
     assert "import pointerdomain as pd\n" in result.code
     assert "from pointerdomain import" not in result.code
-    assert "self.plain = pd.make_kernel_ptr_table(list(bufs), device)" in result.code
+    assert "self.plain = pd.make_kernel_ptr_table([*bufs], device)" in result.code
     # the module's own helper and its call are untouched
     assert "from pool_helpers import make_kernel_ptr_table" in result.code
     assert "make_kernel_ptr_table(bufs, device, host_memory_registered=True)" in result.code
@@ -53,9 +53,10 @@ def test_a_taken_name_gets_a_qualified_import() -> None:
 
 def test_other_devices_are_never_rewritten() -> None:
     result = fix_source(_case("other_devices.py"))
-    assert result.fixes == 1 and [line for line, _ in result.refused] == [8]
-    assert "non-CUDA/HIP" in result.refused[0][1]
-    assert "return make_kernel_ptr_table(list(bufs), device)" in result.code
+    # line 22: the device is self.device, set to "xpu" in the class's __init__
+    assert result.fixes == 1 and [line for line, _ in result.refused] == [8, 22]
+    assert all("non-CUDA/HIP" in reason for _, reason in result.refused)
+    assert "return make_kernel_ptr_table([*bufs], device)" in result.code
     backend = "import torch_npu\n" + _case("other_devices.py")
     assert fix_source(backend).fixes == 0
 
@@ -63,9 +64,10 @@ def test_other_devices_are_never_rewritten() -> None:
 def test_consumers_that_need_a_tensor_are_refused() -> None:
     result = fix_source(_case("consumers.py"))
     reasons = dict(result.refused)
-    assert sorted(reasons) == [8, 9, 11]
+    assert sorted(reasons) == [8, 9, 11, 13]
     assert "torch.cat" in reasons[8] and "torch.cat" in reasons[9] and "arithmetic" in reasons[11]
-    assert result.fixes == 1 and "self.table = make_kernel_ptr_table(list(v_buffer), device)" in result.code
+    assert "passed to transfer_kv()" in reasons[13]  # a native op of unknown signature
+    assert result.fixes == 0 and result.code == _case("consumers.py")
     # as a uint64 tensor the concatenation keeps working; the int64 table still changes dtype
     tensor_style = fix_source(_case("consumers.py"), "tensor")
     assert tensor_style.fixes == 3 and [line for line, _ in tensor_style.refused] == [11]
@@ -83,11 +85,11 @@ def test_mypy_check_refuses_a_fix_with_new_errors(mypy_cache: Path) -> None:
     assert result.fixes == 1 and result.refused == ()
     check = check_fix(before, result.code, "typed_consumer.py", mypy_cache)
     assert not check.ok and check.reason == "mypy reports new errors"
-    assert any("launch" in e and "arg-type" in e and "PointerTable" in e for e in check.new_errors), check
-    # the same rewrite with the consumer updated passes
-    updated = result.code.replace("def launch(table: torch.Tensor", "def launch(table: object")
-    assert check_fix(before.replace("table: torch.Tensor", "table: object"), updated, "t.py", mypy_cache).ok
-    broken = result.code.replace("def build(bufs, device):", "def build(bufs, device:")
+    assert any("return-value" in e and "PointerTable" in e for e in check.new_errors), check
+    # the same rewrite with the annotation updated passes
+    updated = result.code.replace(") -> torch.Tensor:", ") -> object:")
+    assert check_fix(before.replace(") -> torch.Tensor:", ") -> object:"), updated, "t.py", mypy_cache).ok
+    broken = result.code.replace("device: torch.device)", "device: torch.device")
     bad = check_fix(before, broken, "t.py", mypy_cache)
     assert not bad.ok and "does not parse" in bad.reason
 
@@ -103,15 +105,50 @@ def test_cli_dry_run_diff_and_write(tmp_path: Path, mypy_cache: Path, capsys: py
         rc = main(["--progress", "none", "--fix", "--diff", "."])
         out, err = capsys.readouterr()
         assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # a dry run writes nothing
-        assert "+        self.host_ptrs = host_ptr_table(list(self.kv_buffer))" in out
+        assert "+        self.host_ptrs = host_ptr_table([*self.kv_buffer])" in out
         assert "typed_consumer.py: 1 fix(es) refused: mypy reports new errors" in err
         assert "consumers.py:8: not fixed: its value is put in a list or tuple (torch.cat of tables)" in err
-        assert "3 site(s) would be rewritten" in err  # pool_rows 2 + consumers 1
+        assert "2 site(s) would be rewritten" in err  # pool_rows 2
         rc = main(["--progress", "none", "--fix", "."])
         capsys.readouterr()
     finally:
         os.chdir(cwd)
         del os.environ["MYPY_CACHE_DIR"]
     assert rc == 1  # the refused sites are still findings
-    assert "host_ptr_table(list(self.kv_buffer))" in (tmp_path / "pool_rows.py").read_text()
+    assert "host_ptr_table([*self.kv_buffer])" in (tmp_path / "pool_rows.py").read_text()
     assert (tmp_path / "typed_consumer.py").read_text() == before["typed_consumer.py"]
+
+
+def test_a_table_passed_to_a_native_call_is_refused() -> None:
+    result = fix_source(_case("native_calls.py"))
+    reasons = dict(result.refused)
+    assert sorted(reasons) == [15, 20, 25]
+    assert "transfer_kv_all_layer()" in reasons[15] and "copy_rows[(len(srcs),)]()" in reasons[20]
+    assert "torch.ops.sgl_kernel.transfer()" in reasons[25]
+    # pointerdomain's own API and print take the table: that site alone is rewritten
+    assert result.fixes == 1 and 'table = make_kernel_ptr_table([*srcs], "cuda")' in result.code
+    # as a tensor the uint64 tables stay uint64 tensors: only the int64 one is refused
+    tensor_style = fix_source(_case("native_calls.py"), "tensor")
+    assert tensor_style.fixes == 3 and [line for line, _ in tensor_style.refused] == [25]
+
+
+def test_a_name_list_bound_in_the_module_is_never_called() -> None:
+    result = fix_source(_case("name_clashes.py"))
+    assert result.fixes == 2 and result.refused == ()
+    assert "return make_kernel_ptr_table([*list], device)" in result.code
+    assert "return host_ptr_table([*list])" in result.code
+    assert "(list(" not in result.code
+    # [*X] holds what the comprehension iterated, even with `list` bound to typing.List
+    ns: dict[str, object] = {}
+    exec(compile(fix_source(_case("name_clashes.py"), "tensor").code, "name_clashes.py", "exec"), ns)
+    rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    got = ns["local_named_list"](rows, "cpu")  # type: ignore[operator]
+    assert got.dtype == torch.uint64 and got.tolist() == [rows[i].data_ptr() for i in range(3)]
+
+
+def test_a_star_import_gets_the_fully_qualified_form() -> None:
+    result = fix_source(_case("star_import.py"))
+    assert result.fixes == 1
+    assert "import pointerdomain\n" in result.code and "from pointerdomain import" not in result.code
+    assert "table = pointerdomain.make_kernel_ptr_table([*bufs], device)" in result.code
+    assert "return make_kernel_ptr_table(bufs, device)  # noqa: F405" in result.code  # the star-imported one

@@ -12,26 +12,31 @@ Rewritten forms (``torch`` resolved by qualified name, any import alias)::
 ``torch.as_tensor`` is treated the same; ``dtype`` may be any integer dtype or absent.
 ``X`` is passed as is only when it is known to be a list/tuple of tensors (a list display
 or comprehension, ``list(...)``, or a name annotated ``list[...]``/``Sequence[...]``/
-``tuple[...]``); otherwise it becomes ``list(X)``: the same items the comprehension
-iterated, so a 2-D tensor gives its rows (``unbind(0)``) and a dict its keys.
+``tuple[...]``); otherwise it becomes ``[*X]`` (not ``list(X)``: a local ``list`` may
+shadow the builtin): the same items the comprehension iterated, so a 2-D tensor gives its
+rows (``unbind(0)``) and a dict its keys.
 
 A site is left alone (the finding stays, the reason is in :attr:`FixResult.refused`) when:
 
 * the comprehension has a filter or arithmetic, or the call has other keyword arguments
   (``pin_memory=``) or a ``.to(device)`` chain;
-* the enclosing function mentions a device other than CUDA/HIP (``npu``, ``xpu``, ``musa``,
+* the enclosing function or class mentions a device other than CUDA/HIP (``npu``, ``xpu``, ``musa``,
   ``mlu``, ``hpu``, ``mps``) or the module imports such a back-end (``torch_npu``, ...): the
   pointerdomain builders raise there;
 * a consumer of the value would break with a ``PointerTable`` (``style="table"``):
   arithmetic, indexing, a method other than ``as_uint64_tensor()``, an element of a list or
-  tuple (``torch.cat([t1, t2])``), or an argument of a ``torch``/``numpy`` call; with
-  ``style="tensor"`` the same consumers are refused when the original dtype was not
-  ``torch.uint64`` (the rewrite changes it).
+  tuple (``torch.cat([t1, t2])``), or an argument of any call other than pointerdomain's own
+  API (and ``isinstance``/``id``/``repr``/``print``/``type``): a native op such as
+  ``sgl_kernel.transfer_kv_all_layer``, a Triton launch ``kern[grid](table)`` or an untyped
+  helper may read it as a tensor; with ``style="tensor"`` the same consumers are refused
+  when the original dtype was not ``torch.uint64`` (the rewrite changes it).
 
 The builders are imported by name (``from pointerdomain import ...``) unless a name of the
 module already binds one of them to something else (sglang has its own
 ``make_kernel_ptr_table``): then ``import pointerdomain as pd`` (or ``import pointerdomain``
-when ``pd`` is taken too) and qualified calls.
+when ``pd`` is taken too) and qualified calls. A module with ``from m import *`` may bind
+any name unseen (``pd`` too, as a re-exported pandas): there ``import pointerdomain`` and
+``pointerdomain.make_kernel_ptr_table(...)``.
 
 :func:`check_fix` re-parses the result and runs mypy (``--check-untyped-defs``) on the
 file before and after; the CLI writes a file only when that check passes.
@@ -44,6 +49,7 @@ import dataclasses
 import re
 import sys
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -68,6 +74,9 @@ _SEQUENCE_ANNOTATION = re.compile(r"^(?:typing\.)?(?:list|List|tuple|Tuple|Seque
 # consumers of a table value that keep working with a PointerTable
 _TABLE_METHODS = frozenset({"as_uint64_tensor"})
 _TABLE_ATTRS = frozenset({"device", "domain", "layout"})
+# calls that accept a PointerTable argument besides pointerdomain's own API
+_ANY_OBJECT_BUILTINS = frozenset({"builtins.isinstance", "builtins.id", "builtins.repr", "builtins.print",
+                                  "builtins.type"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +104,10 @@ def _code(node: cst.CSTNode) -> str:
 class _Rewriter(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (ScopeProvider, ParentNodeProvider, QualifiedNameProvider)
 
-    def __init__(self, context: CodemodContext, style: FixStyle, module_code: str, qualified: str | None) -> None:
+    def __init__(self, context: CodemodContext, style: FixStyle, module_code: str, qualified: str | None,
+                 sites: Collection[tuple[int, int]] | None = None) -> None:
         super().__init__()
+        self.sites = sites
         self.context = context
         self.style = style
         self.fixes = 0
@@ -104,13 +115,22 @@ class _Rewriter(cst.CSTTransformer):
         self.qualified = qualified  # "pd" / "pointerdomain" when the plain names are taken
         self.other_backend = _OTHER_BACKEND_IMPORT.search(module_code) is not None
         self._functions: list[cst.FunctionDef] = []
+        self._classes: list[cst.ClassDef] = []
         self._lines: dict[int, int] = {}
+        self._starts: dict[int, tuple[int, int]] = {}
         self._attribute_nodes: dict[str, list[cst.CSTNode]] = {}
 
     # -- context ------------------------------------------------------------------------
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._functions.append(node)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._classes.append(node)
+
+    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
+        self._classes.pop()
+        return updated_node
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.FunctionDef:
         self._functions.pop()
@@ -150,7 +170,7 @@ class _Rewriter(cst.CSTTransformer):
     def _known_sequence(self, it: cst.BaseExpression) -> bool:
         if isinstance(it, (cst.List, cst.ListComp, cst.Tuple)):
             return True
-        if isinstance(it, cst.Call) and isinstance(it.func, cst.Name) and it.func.value in ("list", "tuple"):
+        if isinstance(it, cst.Call) and self._qualnames(it.func) & {"builtins.list", "builtins.tuple"}:
             return True
         if isinstance(it, cst.Name):
             values, annotations = self._bound_values(it)
@@ -174,7 +194,8 @@ class _Rewriter(cst.CSTTransformer):
                 return it.with_changes(lpar=[], rpar=[]) if isinstance(it, (cst.Name, cst.Attribute)) else it
             # a dict view, a generator, an attribute of unknown type, a 2-D tensor: the items
             # the comprehension iterated (a tensor's rows), as a list
-            return cst.Call(cst.Name("list"), [cst.Arg(it.with_changes(lpar=[], rpar=[]))])
+            # as `[*X]`, which no local name `list` can shadow
+            return cst.List([cst.StarredElement(it.with_changes(lpar=[], rpar=[]))])
         if isinstance(data, cst.List) and data.elements:
             receivers = [_data_ptr_receiver(e.value) for e in data.elements]
             if any(r is None or isinstance(e, cst.StarredElement) for r, e in zip(receivers, data.elements)):
@@ -231,17 +252,27 @@ class _Rewriter(cst.CSTTransformer):
         if isinstance(parent, cst.Element):
             return None if tensor_style and uint64 else "its value is put in a list or tuple (torch.cat of tables)"
         if isinstance(parent, cst.Arg):
+            if tensor_style and uint64:
+                return None  # still a uint64 tensor
             call = self.get_metadata(ParentNodeProvider, parent, None)
-            if isinstance(call, cst.Call):
-                roots = {q.split(".", 1)[0] for q in self._qualnames(call.func)}
-                if roots & {"torch", "numpy"} and not (tensor_style and uint64):
-                    return f"its value is passed to {_code(call.func)}()"
-            return None
+            if isinstance(call, cst.Call) and self._takes_a_table(call):
+                return None
+            callee = _code(call.func) if isinstance(call, cst.Call) else "a call"
+            # a native op (sgl_kernel, torch.ops), a Triton launch, an untyped helper: each may
+            # read it as a tensor, and mypy sees none of them
+            return f"its value is passed to {callee}(), which may need a tensor"
         if isinstance(parent, cst.Comparison):
             return None
         if isinstance(parent, (cst.Assign, cst.AnnAssign, cst.AssignTarget)):
             return None  # re-bound: mypy (check_fix) follows it further
         return None if tensor_style and uint64 else f"its value is used in a {type(parent).__name__}"
+
+    def _takes_a_table(self, call: cst.Call) -> bool:
+        """Whether ``call`` is known to accept a PointerTable argument: pointerdomain's own API
+        and a few builtins that take any object."""
+        names = self._qualnames(call.func)
+        return bool(names) and all(n.split(".", 1)[0] == "pointerdomain" or n in _ANY_OBJECT_BUILTINS
+                                   for n in names)
 
     # -- the rewrite --------------------------------------------------------------------
 
@@ -274,9 +305,13 @@ class _Rewriter(cst.CSTTransformer):
         tensors = self._tensors_expr(first.value)
         if tensors is None or not self._is_builder(original_node):
             return updated_node
+        if self.sites is not None and self._starts.get(id(original_node)) not in self.sites:
+            return updated_node  # not a reported finding: suppressed, ignored or baselined
         # comments do not run: "keyed by device type ("npu"/"musa")" in a comment is no npu path
         function_text = re.sub(r"#[^\n]*", "", _code(self._functions[-1])) if self._functions else ""
-        if self.other_backend or _OTHER_DEVICE.search(function_text):
+        # the class too: `self.device = "xpu"` in __init__ reaches a table built in another method
+        class_text = re.sub(r"#[^\n]*", "", _code(self._classes[-1])) if self._classes else ""
+        if self.other_backend or _OTHER_DEVICE.search(function_text) or _OTHER_DEVICE.search(class_text):
             self._refuse(original_node, "the code runs on a non-CUDA/HIP device (npu/xpu/musa/...) here, where the "
                          "pointerdomain builders raise")
             return updated_node
@@ -338,19 +373,38 @@ def _taken_names(module: cst.Module) -> set[str]:
     return taken
 
 
-def fix_source(source: str, style: FixStyle = "table") -> FixResult:
+def _has_star_import(module: cst.Module) -> bool:
+    found = False
+
+    class _Star(cst.CSTVisitor):
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+            nonlocal found
+            found = found or isinstance(node.names, cst.ImportStar)
+
+    module.visit(_Star())
+    return found
+
+
+def fix_source(source: str, style: FixStyle = "table", sites: Collection[tuple[int, int]] | None = None) -> FixResult:
     """Rewrite every fixable PD001 site in ``source``; see the module docstring for what is
-    left alone. Raises libcst.ParserSyntaxError when ``source`` does not parse."""
+    left alone. ``sites``: the (line, column) starts, both 1-based, of the calls that may be
+    rewritten (the PD001 findings the audit reports); None: every site. Raises
+    libcst.ParserSyntaxError when ``source`` does not parse, RecursionError when an
+    expression is nested too deeply for libcst's recursive tree walk."""
     module = cst.parse_module(source)
     taken = _taken_names(module)
     qualified: str | None = None
-    if taken & set(_NAMES):
+    if _has_star_import(module):
+        qualified = "pointerdomain"
+    elif taken & set(_NAMES):
         qualified = "pd" if "pd" not in taken else "pointerdomain"
     context = CodemodContext()
     wrapper = MetadataWrapper(module)
-    rewriter = _Rewriter(context, style, source, qualified)
+    rewriter = _Rewriter(context, style, source, qualified, sites)
     positions = wrapper.resolve(PositionProvider)
     rewriter._lines = {id(n): p.start.line for n, p in positions.items() if isinstance(n, cst.Call)}
+    rewriter._starts = {id(n): (p.start.line, p.start.column + 1) for n, p in positions.items()
+                        if isinstance(n, cst.Call)}
     fixed = wrapper.visit(rewriter)
     if rewriter.fixes:
         fixed = AddImportsVisitor(context).transform_module(fixed)
@@ -382,7 +436,11 @@ def _mypy_messages(code: str, name: str, cache: Path | None) -> list[str] | None
                 "--show-error-codes", "--no-pretty", "--python-executable", sys.executable, str(path)]
         if cache is not None:
             args[:0] = ["--cache-dir", str(cache)]
-        out, err, _ = api.run(args)
+        limit = sys.getrecursionlimit()
+        try:
+            out, err, _ = api.run(args)
+        finally:
+            sys.setrecursionlimit(limit)  # mypy raises it for the whole process
     msgs = []
     for line in out.splitlines():
         m = _MYPY_LINE.match(line)

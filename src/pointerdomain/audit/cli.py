@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
@@ -18,9 +19,9 @@ from typing import cast
 import libcst as cst
 
 from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source
-from pointerdomain.audit.baseline import write_baseline
+from pointerdomain.audit.baseline import read_baseline, split_baselined, write_baseline
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
-from pointerdomain.audit.engine import Progress, audit_paths, discover
+from pointerdomain.audit.engine import Progress, audit_paths, discover, timed_audit_file
 from pointerdomain.audit.output import FORMATS, Format, Summary, render
 from pointerdomain.audit.rules import RULES
 
@@ -86,19 +87,46 @@ def _config(args: argparse.Namespace) -> AuditConfig:
     return config
 
 
-def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool) -> int:
+def _reported_sites(path: Path, config: AuditConfig, known: Counter[str] | None) -> set[tuple[int, int]] | str:
+    """(line, column) of the PD001 findings of ``path`` that the audit reports as new, after
+    ``select``/``ignore``, ``per_file_ignores``, inline suppressions and the baseline; or why
+    the file was skipped (``max_file_kb``, ``file_timeout``)."""
+    r = timed_audit_file(path, config)
+    if r.skipped is not None:
+        return r.skipped
+    findings = list(r.findings)
+    new = split_baselined(findings, known)[0] if known is not None else findings
+    return {(f.line, f.col) for f in new if f.code == "PD001"}
+
+
+def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool, known: Counter[str] | None) -> int:
     total = 0
     for path in discover(paths, config):
         if path.suffix != ".py":
             continue
-        text = path.read_text(encoding="utf-8")
+        rel = config.relative(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"{rel}: not fixed: cannot read the file: {exc}", file=sys.stderr)
+            continue
         if "data_ptr" not in text:
             continue
+        # only what the audit reports is rewritten: a suppressed, ignored or baselined site stays
+        sites = _reported_sites(path, config, known)
+        if isinstance(sites, str):
+            print(f"{rel}: not fixed: skipped ({sites})", file=sys.stderr)
+            continue
+        if not sites:
+            continue
         try:
-            result = fix_source(text, style)
+            result = fix_source(text, style, sites)
         except cst.ParserSyntaxError:
             continue
-        rel = config.relative(path)
+        except RecursionError:
+            print(f"{rel}: not fixed: an expression is nested too deeply for libcst (RecursionError)",
+                  file=sys.stderr)
+            continue
         for line, reason in result.refused:
             print(f"{rel}:{line}: not fixed: {reason}", file=sys.stderr)
         if not result.fixes:
@@ -134,8 +162,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
         paths = list(args.paths) or [config.root / p for p in config.paths] or [Path(".")]
-        if args.fix:
-            _fix(paths, config, cast(FixStyle, args.fix_style), args.diff)
         baseline: Path | None = None
         if args.baseline is not None:
             baseline = args.baseline
@@ -143,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
             baseline = config.root / config.baseline
             if not baseline.exists():
                 baseline = None  # a configured baseline not written yet: everything is new
+        if args.fix:
+            known = read_baseline(baseline) if baseline is not None else None
+            _fix(paths, config, cast(FixStyle, args.fix_style), args.diff, known)
         result = audit_paths(paths, config, jobs=args.jobs or None, progress=cast(Progress, args.progress),
                              baseline=baseline)
     except ConfigError as exc:

@@ -111,7 +111,13 @@ def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None
         return [Finding(rel, 1, 1, "PD901", f"cannot read the file: {exc}", RULES["PD901"].fix)], 0
     lines = text.splitlines()
     if path.suffix in (".py", ".pyi") or not path.suffix.endswith(CPP_SUFFIXES):
-        findings = audit_python_source(rel, text, rules)
+        try:
+            findings = audit_python_source(rel, text, rules)
+        except RecursionError:
+            # libcst walks its tree recursively: a very long expression (hundreds of chained
+            # `+` terms) exhausts the stack. Report this file, keep the run going.
+            return [Finding(rel, 1, 1, "PD901", "libcst cannot analyse this file: an expression is nested too "
+                            "deeply for its recursive tree walk (RecursionError)", RULES["PD901"].fix)], 0
         sups = python_comments(text)
         prefix = "#"
     else:

@@ -1,4 +1,4 @@
-# Tables whose consumers need a tensor (torch.cat, arithmetic, .view) are left alone.
+# Tables whose consumers need a tensor (torch.cat, arithmetic, a native op) are left alone.
 import torch
 from kernels import transfer_kv
 
