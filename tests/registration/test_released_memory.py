@@ -162,3 +162,43 @@ def test_memory_registered_after_stale_metadata_is_taken() -> None:
         HostTransferEngine(engine, "127.0.0.1").register_memory(pd.BufferInfo(address=mem.host_va, nbytes=8192,
                                                                               item_bytes=64))
     assert engine.calls == [("register_memory", (old.address.value, 8192))]
+
+
+def test_closed_registration_whose_tensor_let_go_is_not_reported_closed() -> None:
+    """A closed owner kept alive, its storage released (``resize_(0)``): its old
+    addresses may be anyone's now, so metadata over them is not refused as closed memory."""
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    mem = pd.register_host_tensor(buf, DEV)
+    va = mem.host_va
+    mem.close()
+    from pointerdomain.registration.memory import find_closed_registration
+    from pointerdomain.registration.metadata import check_metadata_live
+
+    assert find_closed_registration(va, 8192) is mem
+    with pytest.raises(errors.ClosedError):
+        check_metadata_live(va, 8192)
+    buf.untyped_storage().resize_(0)
+    assert find_closed_registration(va, 8192) is None
+    try:  # metadata taken over these addresses earlier in the process may still say "released"
+        check_metadata_live(va, 8192)
+    except errors.ClosedError as exc:
+        assert "was closed" not in str(exc)
+
+
+def test_registration_over_a_closed_ones_addresses_is_live() -> None:
+    """Memory registered again after close, from another start inside the old range (the
+    old owner still alive): live, its metadata handed to an engine."""
+    from pointerdomain.registration.memory import find_closed_registration
+    from pointerdomain.registration.metadata import check_metadata_live
+
+    base = torch.zeros(16384, dtype=torch.uint8)
+    old = pd.register_host_tensor(base[:8192], DEV)
+    old.close()
+    with pd.register_host_tensor(base[128:8320], DEV) as mem:
+        assert find_closed_registration(mem.host_va, 8192) is None
+        check_metadata_live(mem.host_va, 8192)
+        engine = Recorder()
+        HostTransferEngine(engine, "127.0.0.1").register_memory(pd.BufferInfo(address=mem.host_va, nbytes=8192,
+                                                                              item_bytes=64))
+        assert engine.calls == [("register_memory", (mem.host_va.value, 8192))]
+    assert old.closed

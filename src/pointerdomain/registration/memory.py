@@ -98,7 +98,12 @@ class _Registry:
 
     def add(self, owner: RegisteredHostMemory) -> None:
         self._active[owner.host_va.value] = weakref.ref(owner)
-        self._closed.pop(owner.host_va.value, None)
+        # a registration over these addresses proves any closed one there lost its memory
+        lo, hi = owner.host_va.value, owner.host_va.value + owner.nbytes
+        for key, ref in list(self._closed.items()):
+            old = ref()
+            if old is None or (old.host_va.value < hi and lo < old.host_va.value + old.nbytes):
+                del self._closed[key]
 
     def remove(self, va: int) -> None:
         ref = self._active.pop(va, None)
@@ -111,7 +116,10 @@ class _Registry:
     def closed_overlapping(self, va: int, nbytes: int) -> RegisteredHostMemory | None:
         for ref in list(self._closed.values()):
             owner = ref()
-            if owner is not None and owner.host_va.value < va + nbytes and va < owner.host_va.value + owner.nbytes:
+            if (
+                owner is not None and owner.host_va.value < va + nbytes and va < owner.host_va.value + owner.nbytes
+                and _still_holds(owner)
+            ):
                 return owner
         return None
 
@@ -121,6 +129,17 @@ class _Registry:
             if owner is not None and owner.host_va.value < va + nbytes and va < owner.host_va.value + owner.nbytes:
                 return owner
         return None
+
+
+def _still_holds(owner: RegisteredHostMemory) -> bool:
+    """Whether a closed owner's tensor still keeps the memory it registered: after
+    ``set_`` / ``resize_`` / ``share_memory_`` the old storage may be freed and its
+    addresses handed to someone else, who must not be told they are closed memory."""
+    tensor = owner.tensor
+    if tensor.data_ptr() != owner.host_va.value:
+        return False
+    storage = tensor.untyped_storage()
+    return storage.data_ptr() + storage.nbytes() >= owner.host_va.value + owner.nbytes
 
 
 _registry = _Registry()
