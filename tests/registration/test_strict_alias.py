@@ -18,7 +18,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
+from pointerdomain.testing import backend_for
 from pointerdomain.registration.resolve import can_use_host_pointer
 from pointerdomain.registration.strict import ENV_VAR
 from tests.helpers.checks import assert_round_trip
@@ -110,7 +110,7 @@ _CHILD = textwrap.dedent("""
     import os, sys, torch
     import pointerdomain as pd
     from pointerdomain import _C
-    from pointerdomain._platform import kernel_plan
+    from pointerdomain.testing import kernel_plan
     from pointerdomain.transfer.plan import plan_for
     strict = sys.argv[1] == "1"
     dev = pd.Device("cuda", 0)
