@@ -28,7 +28,7 @@ import torch
 from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.base import PinnedAllocator
 from pointerdomain._platform.numa import node_of
-from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
+from pointerdomain._platform.status import registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
@@ -363,13 +363,13 @@ class RegisteredHostMemory(ProcessLocal):
                 if rung is Rung.CHUNKED:
                     self._degraded(record, rung, "chunked")
                 return rung, chunks, registered
-            if code == ALREADY_REGISTERED and backend.pointer_is_host(base) and backend.pointer_is_host(
+            if code == backend.status.already_registered and backend.pointer_is_host(base) and backend.pointer_is_host(
                     base + self.nbytes - 1):
                 record.append(f"already registered by another owner (error {code}): used, never unregistered")
                 return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             error = self._registration_error(backend, code, chunks[k], k, len(chunks))
             record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
-            if policy.on_failure == "fail" or code == ALREADY_REGISTERED:
+            if policy.on_failure == "fail" or code == backend.status.already_registered:
                 raise error
         assert error is not None
         if library_owned and policy.allow_pinned_copy and isinstance(backend, PinnedAllocator):
