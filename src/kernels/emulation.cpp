@@ -4,10 +4,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <random>
 
 namespace pointerdomain::emu {
 namespace {
@@ -17,13 +19,19 @@ struct Region {       // memory that a memfd backs, so it can be mapped again
     int fd;
     bool owned;       // from host_alloc (unmapped by host_free)
 };
+struct Guarded {                // an alias mapping inside a reservation of inaccessible pages
+    std::uint64_t base;         // the mapping (map_len bytes)
+    std::uint64_t reserve_base; // the reservation around it, PROT_NONE outside the mapping
+    std::uint64_t reserve_len;
+};
 struct Registration {
     std::uint64_t len;
     std::uint64_t alias;      // alias of va
     std::uint64_t map_base;   // start of the alias mapping (page aligned)
     std::uint64_t map_len;
     std::uint64_t region;     // key of the Region it came from
-    std::map<int, std::uint64_t> other_devices;  // ordinal > 0 -> its mapping's base (map_len bytes)
+    Guarded own;              // device 0's mapping (own.base == map_base)
+    std::map<int, Guarded> other_devices;  // ordinal > 0 -> its mapping (map_len bytes)
 };
 struct DeviceAlloc {
     std::uint64_t len;
@@ -99,6 +107,47 @@ std::map<std::uint64_t, Region>::iterator make_shareable(std::uint64_t va, std::
     return regions.emplace(lo, Region{hi - lo, fd, false}).first;
 }
 
+// Aliases of separately registered ranges are not one range (MI355X gives adjacent host
+// ranges aliases far apart, in the other order): each alias mapping sits at a random page
+// gap inside a reservation of inaccessible pages, below the previous one, so alias
+// arithmetic that walks from one registration's alias into the next one's host range
+// touches a guard page (SIGSEGV) or an unrelated alias, never the next registration.
+constexpr std::uint64_t kMaxGapPages = 256;
+std::uint64_t last_reserve = 0;  // lowest reservation so far (the next goes below it)
+
+std::uint64_t gap_pages() {
+    static std::mt19937_64 rng{std::random_device{}()};
+    return 1 + rng() % kMaxGapPages;
+}
+
+bool map_guarded(int fd, std::uint64_t off, std::uint64_t len, Guarded *out) {
+    const std::uint64_t p = page(), before = gap_pages() * p, after = gap_pages() * p;
+    const std::uint64_t total = before + len + after;
+    void *r = MAP_FAILED;
+    if (last_reserve > total + (std::uint64_t{1} << 32))  // below the last one, where that space is free
+        r = mmap(reinterpret_cast<void *>(last_reserve - total), total, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+    if (r != MAP_FAILED && reinterpret_cast<std::uint64_t>(r) != last_reserve - total) {
+        munmap(r, total);  // a kernel without MAP_FIXED_NOREPLACE took the address as a hint only
+        r = MAP_FAILED;
+    }
+    if (r == MAP_FAILED)
+        r = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (r == MAP_FAILED) return false;
+    const std::uint64_t reserve = reinterpret_cast<std::uint64_t>(r);
+    void *m = mmap(reinterpret_cast<void *>(reserve + before), len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   fd, static_cast<off_t>(off));
+    if (m == MAP_FAILED) {
+        munmap(r, total);
+        return false;
+    }
+    last_reserve = reserve;
+    *out = Guarded{reserve + before, reserve, total};
+    return true;
+}
+
+void unmap_guarded(const Guarded &g) { munmap(reinterpret_cast<void *>(g.reserve_base), g.reserve_len); }
+
 }  // namespace
 
 void *host_alloc(std::uint64_t nbytes) {
@@ -136,12 +185,10 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
     if (reg == regions.end()) reg = make_shareable(va, nbytes, &why);
     if (reg == regions.end()) return why;
     const std::uint64_t p = page(), lo = va & ~(p - 1), hi = (va + nbytes + p - 1) & ~(p - 1);
-    void *m = mmap(nullptr, hi - lo, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
-                   static_cast<off_t>(lo - reg->first));
-    if (m == MAP_FAILED) return kMapFailed;
-    const std::uint64_t base = reinterpret_cast<std::uint64_t>(m);
-    *alias = base + (va - lo);
-    registrations.emplace(va, Registration{nbytes, *alias, base, hi - lo, reg->first});
+    Guarded g{};
+    if (!map_guarded(reg->second.fd, lo - reg->first, hi - lo, &g)) return kMapFailed;
+    *alias = g.base + (va - lo);
+    registrations.emplace(va, Registration{nbytes, *alias, g.base, hi - lo, reg->first, g, {}});
     return kOk;
 }
 
@@ -171,7 +218,7 @@ void after_fork_child() {
         mmap(reinterpret_cast<void *>(kv.second.map_base), kv.second.map_len, PROT_READ | PROT_WRITE,
              MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
         for (auto &dev : kv.second.other_devices)  // other emulated devices' aliases
-            mmap(reinterpret_cast<void *>(dev.second), kv.second.map_len, PROT_READ | PROT_WRITE,
+            mmap(reinterpret_cast<void *>(dev.second.base), kv.second.map_len, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
     }
     mu.unlock();
@@ -183,8 +230,8 @@ int unregister_range(std::uint64_t va) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = registrations.find(va);
     if (it == registrations.end()) return kNotRegistered;
-    munmap(reinterpret_cast<void *>(it->second.map_base), it->second.map_len);
-    for (auto &kv : it->second.other_devices) munmap(reinterpret_cast<void *>(kv.second), it->second.map_len);
+    unmap_guarded(it->second.own);
+    for (auto &kv : it->second.other_devices) unmap_guarded(kv.second);
     const std::uint64_t region = it->second.region;
     registrations.erase(it);
     // A region made in place for an existing tensor lives while registrations use it;
@@ -222,12 +269,11 @@ int get_device_pointer_on(std::uint64_t va, int ordinal, std::uint64_t *alias) {
             auto reg = regions.find(r.region);
             if (reg == regions.end()) return kNotRegistered;
             const std::uint64_t lo = it->first & ~(page() - 1);
-            void *m = mmap(nullptr, r.map_len, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
-                           static_cast<off_t>(lo - reg->first));
-            if (m == MAP_FAILED) return kMapFailed;
-            dev = r.other_devices.emplace(ordinal, reinterpret_cast<std::uint64_t>(m)).first;
+            Guarded g{};
+            if (!map_guarded(reg->second.fd, lo - reg->first, r.map_len, &g)) return kMapFailed;
+            dev = r.other_devices.emplace(ordinal, g).first;
         }
-        base = dev->second;
+        base = dev->second.base;
     }
     *alias = base + (r.alias - r.map_base) + (va - it->first);
     return kOk;
@@ -239,7 +285,7 @@ int alias_lookup(std::uint64_t addr, std::uint64_t nbytes) {
         const Registration &r = kv.second;
         if (inside(addr, nbytes, r.map_base, r.map_len)) return 0;
         for (auto &dev : r.other_devices)
-            if (inside(addr, nbytes, dev.second, r.map_len)) return dev.first;
+            if (inside(addr, nbytes, dev.second.base, r.map_len)) return dev.first;
     }
     return -1;
 }
