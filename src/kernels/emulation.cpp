@@ -1,15 +1,15 @@
 #include "emulation.h"
 
+#include "strict_alloc.h"
+
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstring>
 #include <iterator>
 #include <map>
 #include <mutex>
-#include <random>
 
 namespace pointerdomain::emu {
 namespace {
@@ -109,40 +109,21 @@ std::map<std::uint64_t, Region>::iterator make_shareable(std::uint64_t va, std::
 
 // Aliases of separately registered ranges are not one range (MI355X gives adjacent host
 // ranges aliases far apart, in the other order): each alias mapping sits at a random page
-// gap inside a reservation of inaccessible pages, below the previous one, so alias
-// arithmetic that walks from one registration's alias into the next one's host range
-// touches a guard page (SIGSEGV) or an unrelated alias, never the next registration.
-constexpr std::uint64_t kMaxGapPages = 256;
-std::uint64_t last_reserve = 0;  // lowest reservation so far (the next goes below it)
-
-std::uint64_t gap_pages() {
-    static std::mt19937_64 rng{std::random_device{}()};
-    return 1 + rng() % kMaxGapPages;
-}
-
+// gap inside a reservation of inaccessible pages, below the previous one
+// (strict::reserve_guarded), so alias arithmetic that walks from one registration's alias
+// into the next one's host range touches a guard page (SIGSEGV) or an unrelated alias,
+// never the next registration.
 bool map_guarded(int fd, std::uint64_t off, std::uint64_t len, Guarded *out) {
-    const std::uint64_t p = page(), before = gap_pages() * p, after = gap_pages() * p;
-    const std::uint64_t total = before + len + after;
-    void *r = MAP_FAILED;
-    if (last_reserve > total + (std::uint64_t{1} << 32))  // below the last one, where that space is free
-        r = mmap(reinterpret_cast<void *>(last_reserve - total), total, PROT_NONE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
-    if (r != MAP_FAILED && reinterpret_cast<std::uint64_t>(r) != last_reserve - total) {
-        munmap(r, total);  // a kernel without MAP_FIXED_NOREPLACE took the address as a hint only
-        r = MAP_FAILED;
-    }
-    if (r == MAP_FAILED)
-        r = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (r == MAP_FAILED) return false;
-    const std::uint64_t reserve = reinterpret_cast<std::uint64_t>(r);
-    void *m = mmap(reinterpret_cast<void *>(reserve + before), len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                   fd, static_cast<off_t>(off));
+    std::uint64_t reserve = 0, total = 0;
+    const std::uint64_t at = strict::reserve_guarded(len, &reserve, &total);
+    if (at == 0) return false;
+    void *m = mmap(reinterpret_cast<void *>(at), len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                   static_cast<off_t>(off));
     if (m == MAP_FAILED) {
-        munmap(r, total);
+        munmap(reinterpret_cast<void *>(reserve), total);
         return false;
     }
-    last_reserve = reserve;
-    *out = Guarded{reserve + before, reserve, total};
+    *out = Guarded{at, reserve, total};
     return true;
 }
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pointerdomain as pd
-from pointerdomain.testing import backend_for
+from pointerdomain.testing import FaultyBackend, backend_for, install_backend
 from tests.reference import DEV, as_bytes, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer
 
 PATHS = ["kernel", "staged", "copy_engine"]
@@ -124,7 +124,7 @@ def test_a_chunked_pool_moves_exact_bytes_across_chunk_boundaries(strict: bool, 
 _WALK = """
 import ctypes, sys
 import pointerdomain as pd
-from pointerdomain.testing import backend_for
+from pointerdomain.testing import FaultyBackend, backend_for, install_backend
 dev = pd.Device("emulated", 0)
 mem = pd.alloc_registered(4 * 4096, dev, max_chunk_bytes=2 * 4096)
 first = mem.chunks[0]
@@ -145,3 +145,46 @@ def test_walking_from_one_chunk_alias_into_the_next_faults() -> None:
     out = subprocess.run([sys.executable, "-c", _WALK], capture_output=True, text=True, timeout=120)
     assert "inside ok" in out.stdout and "walked past" not in out.stdout, out.stdout + out.stderr
     assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stderr[-2000:])
+
+
+class _AliasIsAddress(FaultyBackend):
+    """A CUDA-like backend whose alias is the registered address itself
+    (``CanUseHostPointerForRegisteredMem`` = 1): registration only records the calls."""
+
+    def __init__(self) -> None:
+        super().__init__(backend_for(DEV), fail={})
+        self.runtime = "cuda"
+        self.registered: dict[int, int] = {}
+
+    def register(self, va: int, nbytes: int, device: pd.Device) -> int:
+        self.registered[va] = nbytes
+        return 0
+
+    def unregister(self, va: int, device: pd.Device) -> int:
+        return 0 if self.registered.pop(va, None) is not None else 713
+
+    def alias(self, va: int, device: pd.Device) -> tuple[int, int]:
+        return (0, va) if any(a <= va < a + n for a, n in self.registered.items()) else (713, 0)
+
+
+def test_strict_chunks_are_registered_on_twins_apart_where_the_alias_is_the_address() -> None:
+    page = 4096
+    fake = _AliasIsAddress()
+    with install_backend(fake, "emulated"), pd.strict_alias(True):
+        mem = pd.alloc_registered(6 * page + 512, DEV, max_chunk_bytes=page + 512, granularity=page + 512)
+        try:
+            assert mem.strict and len(mem.chunks) == 6 and sorted(fake.registered.values())[-1] == page + 512
+            aliases = [pd.resolve_alias(c.host_va, DEV).value for c in mem.chunks]
+            for chunk, alias, nxt in zip(mem.chunks, aliases, aliases[1:]):
+                assert nxt != alias + chunk.nbytes  # adjacent host ranges, aliases apart
+                assert alias != chunk.host_va.value  # never the host VA (strict)
+                assert _mapping_perms(alias + chunk.nbytes) in (None, "---p") or (alias + chunk.nbytes) % page
+            fill_random(mem.tensor, 9)
+            for chunk, alias in zip(mem.chunks, aliases):  # each twin holds its chunk's bytes (mid-page starts too)
+                off = chunk.host_va.value - mem.host_va.value
+                assert torch.equal(_read(alias, chunk.nbytes), mem.tensor[off : off + chunk.nbytes])
+                last = pd.resolve_alias(chunk.host_va + (chunk.nbytes - 1), DEV).value
+                assert last == alias + chunk.nbytes - 1  # base + offset inside the chunk
+        finally:
+            mem.close()
+    assert fake.registered == {}  # every chunk unregistered at its own twin
