@@ -94,31 +94,52 @@ CASES = [(path, kind) for path in PATHS for kind in ("page_first", "page_first_d
          if not (path == "staged" and kind != "page_first")]
 
 
-@pytest.mark.parametrize(("path", "host_kind"), CASES)
-def test_a_chunked_pool_moves_exact_bytes_across_chunk_boundaries(strict: bool, path: str, host_kind: str) -> None:
+def _move_across_chunks(device: pd.Device, strict: bool, path: str, host_kind: str) -> None:
+    """A backup and a load through ``path`` of slots on both sides of every chunk boundary of
+    a pool registered one page block per chunk, byte-compared with the reference on
+    poisoned destinations."""
     dev_layout = model_layout("layer_first", pages=6)
     host_layout = model_layout(host_kind, pages=10)
-    device = pd.DeviceKVPool(dev_layout, DEV)
-    fill_pool(device, 11)
+    pool = pd.DeviceKVPool(dev_layout, device)
+    fill_pool(pool, 11)
     block = host_layout.page_block_bytes()
-    with pd.HostKVPool(host_layout, DEV, max_chunk_bytes=block) as host:  # one chunk per page block
+    with pd.HostKVPool(host_layout, device, max_chunk_bytes=block) as host:  # one chunk per page block
         assert len(host.memory.chunks) > 2 and host.memory.strict is strict
         host.buffer.view(torch.uint8).fill_(0xA5)  # poison
         ps = host_layout.page_size
-        # slots that straddle every chunk boundary, in an order that crosses them both ways
+        # slots on both sides of the chunk boundaries, in an order that crosses them both ways
         host_slots = torch.tensor([ps - 1, ps, 2 * ps - 1, 2 * ps, 5 * ps + 1, 3 * ps - 1, 9 * ps + 3, 4 * ps,
                                    7 * ps + 2, 6 * ps - 1, 8 * ps, 1])
         dev_slots = torch.randperm(dev_layout.num_slots, generator=torch.Generator().manual_seed(5))[: len(host_slots)]
-        want = reference_transfer(pool_bytes(device), dev_layout, host.buffer, host_layout, dev_slots, host_slots)
-        host.backup(device, dev_slots, host_slots, backend=path)  # type: ignore[arg-type]
+        on = pool.buffers[0].device
+        want = reference_transfer(pool_bytes(pool), dev_layout, host.buffer, host_layout, dev_slots, host_slots)
+        host.backup(pool, dev_slots.to(on), host_slots.to(on), backend=path)  # type: ignore[arg-type]
+        if on.type == "cuda":
+            torch.cuda.synchronize()
         assert torch.equal(as_bytes(host.buffer).reshape(-1), want)
         # and back, into a poisoned device pool
-        back = pd.DeviceKVPool(dev_layout, DEV)
+        back = pd.DeviceKVPool(dev_layout, device)
         for b in back.buffers:
             b.view(torch.uint8).fill_(0x5A)
         want_back = reference_transfer(host.buffer, host_layout, pool_bytes(back), dev_layout, host_slots, dev_slots)
-        host.load(back, host_slots, dev_slots, backend=path)  # type: ignore[arg-type]
+        host.load(back, host_slots.to(on), dev_slots.to(on), backend=path)  # type: ignore[arg-type]
         assert torch.equal(pool_bytes(back), want_back)
+
+
+@pytest.mark.parametrize(("path", "host_kind"), CASES)
+def test_a_chunked_pool_moves_exact_bytes_across_chunk_boundaries(strict: bool, path: str, host_kind: str) -> None:
+    _move_across_chunks(DEV, strict, path, host_kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("path", "host_kind"), CASES)
+def test_gpu_a_chunked_pool_moves_exact_bytes_across_chunk_boundaries(strict: bool, path: str, host_kind: str) -> None:
+    dev = pd.Device("cuda", 0)
+    _move_across_chunks(dev, strict, path, host_kind)
+    if strict:  # each chunk registered at its own twin: the aliases are not one range, on the H200 too
+        with pd.alloc_registered(8 * 4096, dev, max_chunk_bytes=2 * 4096) as mem:
+            aliases = [pd.resolve_alias(c.host_va, dev).value for c in mem.chunks]
+            assert all(b != a + c.nbytes for a, b, c in zip(aliases, aliases[1:], mem.chunks))
 
 
 _WALK = """
