@@ -87,7 +87,9 @@ def _row(dev: pd.Device, attention: str, layers: int, tokens: int, ctas: pd.MaxC
                     at = host_layout.byte_offset(slot // PAGE_SIZE, layer, kv, token=slot % PAGE_SIZE)
                     if not torch.equal(got[i], host_bytes[at:at + item]):
                         raise SystemExit(f"{attention}: kv {kv} layer {layer} slot {slot} is not the host's item")
-        queue, waits, device_s = [], [], []
+        queue: list[float] = []
+        waits: list[float] = []
+        device_s: list[float] = []
         stream = torch.cuda.Stream(dev.ordinal) if dev.type == "cuda" else None
         for _ in range(calls):
             _sync(dev)
@@ -118,14 +120,14 @@ def _row(dev: pd.Device, attention: str, layers: int, tokens: int, ctas: pd.MaxC
         if device_s:
             bulk_src = torch.empty(moved, dtype=torch.uint8).pin_memory()
             bulk_dst = torch.empty(moved, dtype=torch.uint8, device=dev.torch_device)
-            bulk = []
+            bulk: list[float] = []
             for _ in range(calls):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
+                ea, eb = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ea.record()
                 bulk_dst.copy_(bulk_src, non_blocking=True)
-                b.record()
-                b.synchronize()
-                bulk.append(a.elapsed_time(b) / 1e3)
+                eb.record()
+                eb.synchronize()
+                bulk.append(ea.elapsed_time(eb) / 1e3)
             row["gbps"] = moved / statistics.median(device_s) / 1e9
             row["bulk_gbps"] = moved / statistics.median(bulk) / 1e9
             row["ratio"] = row["gbps"] / row["bulk_gbps"]
