@@ -174,3 +174,19 @@ def test_the_parents_later_writes_do_not_reach_a_child(size: str) -> None:
         del keep
 
     _isolated(case)
+
+
+@pytest.mark.parametrize("size", [4096, 3 * 4096])
+def test_strict_mode_memory_is_private_in_a_child(size: int) -> None:
+    """Strict alias mode maps the library's host memory twice (both shared mappings): a
+    child writing either view leaves the parent's bytes as they were."""
+    def case() -> None:
+        with pd.strict_alias(True):
+            mem = pd.alloc_registered(size, DEV)
+        with mem:
+            mem.tensor.copy_(torch.arange(size).to(torch.uint8))
+            expected = mem.tensor.clone()
+            assert _child_writes(mem.tensor, 0x77, also_heap=False) == 0
+            assert torch.equal(mem.tensor, expected)
+
+    _isolated(case)
