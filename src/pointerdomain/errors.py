@@ -45,6 +45,7 @@ __all__ = [
     "with_address",
     "BusyError",
     "GraphInvalidatedError",
+    "LatchedError",
     "OverlapError",
     "UnpinnedMemoryError",
 ]
@@ -223,6 +224,11 @@ class BusyError(PointerDomainError, RuntimeError):
 class GraphInvalidatedError(PointerDomainError, RuntimeError):
     """A captured graph cannot be replayed: it was reset, or memory it captured was
     released; nothing was replayed. The message names the graph and what changed."""
+
+
+class LatchedError(PointerDomainError, RuntimeError):
+    """A transfer stream latched an earlier failed or partial outcome and was not reset:
+    nothing was launched. The message names the outcome and the spans not copied."""
 
 
 class OverlapError(PointerDomainError, ValueError):
