@@ -156,3 +156,62 @@ def test_an_engine_batch_failure_fails_every_block_and_latches() -> None:
             engine_outcomes.mooncake_batch(engine, "write", "peer:1", blocks, blocks, stream=stream)
         with pytest.raises(errors.InvalidArgumentError, match="'read' or 'write'"):
             engine_outcomes.mooncake_batch(engine, "copy", "peer:1", blocks, blocks)  # type: ignore[arg-type]
+
+
+class _NixlAgent:
+    """A NIXL-like agent: ``register_memory`` raises when ``refuse_register``; a transfer
+    ends in ``state``."""
+
+    def __init__(self, state: str = "DONE", refuse_register: bool = False) -> None:
+        self.state = state
+        self.refuse_register = refuse_register
+        self.transfers = 0
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            if name == "register_memory":
+                if self.refuse_register:
+                    raise RuntimeError("nixlBackendError: registration refused")
+                return ("handle", 1)
+            if name == "transfer":
+                self.transfers += 1
+                return self.state
+            return None
+
+        return call
+
+
+@pytest.mark.parametrize("state", ["DONE", "ERR"])
+def test_a_nixl_error_state_is_a_failed_outcome(state: str) -> None:
+    from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
+
+    with pd.HostKVPool(HOST, DEV) as host:
+        fake = _NixlAgent(state)
+        agent = HostNixlAgent("fake", agent=fake)
+        agent.register_pool(host)
+        blocks = [dram_desc(b) for b in host.get_page_buffer_meta([0, 1])]
+        outcome = engine_outcomes.nixl_transfer(agent, "READ", blocks, blocks, "peer")
+        assert fake.transfers == 1
+        if state == "DONE":
+            assert outcome.done
+            return
+        assert outcome.status == "failed" and outcome.failed_spans == ((0, len(blocks)),)
+        assert isinstance(outcome.error, errors.RuntimeCallError) and "ERR" in (outcome.reason or "")
+        agent.close()
+
+
+def test_a_dropped_registration_failure_is_a_failed_outcome_not_done() -> None:
+    """The engine refused the pool's registration and the caller went on: the transfer
+    over that pool is a failed outcome (nothing reached the engine), never done."""
+    from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
+
+    with pd.HostKVPool(HOST, DEV) as host:
+        fake = _NixlAgent(refuse_register=True)
+        agent = HostNixlAgent("fake", agent=fake)
+        with pytest.raises(errors.RuntimeCallError):
+            agent.register_pool(host)
+        blocks = [dram_desc(b) for b in host.get_page_buffer_meta([2])]
+        stream = TransferStream(DEV)
+        outcome = engine_outcomes.nixl_transfer(agent, "READ", blocks, blocks, "peer", stream=stream)
+        assert outcome.status == "failed" and isinstance(outcome.error, errors.NotRegisteredError)
+        assert fake.transfers == 0 and stream.latched is outcome

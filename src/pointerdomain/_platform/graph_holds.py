@@ -52,13 +52,16 @@ class HeldGraph:
     Attributes:
         name: what the graph is, for messages (device, capture id or name, capture site).
         key: identifies the graph across launches captured into it.
+        release_lag: seconds the graph's end may take to be seen once it is destroyed
+            (CUDA runs the user object's destructor after the graph's executions end).
     """
 
-    __slots__ = ("name", "key", "_alive", "__weakref__")
+    __slots__ = ("name", "key", "release_lag", "_alive", "__weakref__")
 
-    def __init__(self, name: str, key: object, alive: Callable[[], bool]) -> None:
+    def __init__(self, name: str, key: object, alive: Callable[[], bool], release_lag: float = 0.0) -> None:
         self.name = name
         self.key = key
+        self.release_lag = release_lag
         self._alive = alive
 
     def alive(self) -> bool:
@@ -84,6 +87,7 @@ class GraphHolder(Protocol):
 _CU_USER_OBJECT_NO_DESTRUCTOR_SYNC = 1  # CU_USER_OBJECT_NO_DESTRUCTOR_SYNC: CUDA never waits on it
 _CU_GRAPH_USER_OBJECT_MOVE = 1  # the graph takes the reference made with the object
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_CUDA_RELEASE_LAG_S = 1.0  # a destroyed graph's user object is released once its last execution ends
 
 
 class CudaGraphHolds:
@@ -149,7 +153,7 @@ class CudaGraphHolds:
                 raise RuntimeError(f"cuUserObjectCreate/cuGraphRetainUserObject failed with CUresult {err}")
             released = self._released
             held = HeldGraph(f"CUDA graph of capture {capture_id.value} on {device} (captured at {capture_site()})",
-                             key, lambda: token not in released)
+                             key, lambda: token not in released, release_lag=_CUDA_RELEASE_LAG_S)
             self._by_capture[key] = held
             if len(self._by_capture) > 4096:  # forget captures whose graphs are gone
                 self._by_capture = {k: h for k, h in self._by_capture.items() if h.alive()}

@@ -49,10 +49,11 @@ __all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "GRAPH_RELEASE_WAIT_S", "EventBackend", "G
 #: a stuck launch is reported rather than hanging shutdown.
 DEFAULT_CLOSE_TIMEOUT_S: Final = 30.0
 
-#: How long ``close()`` waits for a graph that holds the memory to be destroyed, seconds
-#: (at most its timeout): a CUDA graph's release reaches the library after the graph and
-#: its executions are gone, shortly after the caller dropped it.
-GRAPH_RELEASE_WAIT_S: Final = 0.25
+#: The longest ``close()`` waits for a graph that holds the memory to be seen destroyed,
+#: seconds (at most its timeout, and at most the hold's own ``release_lag``): a CUDA
+#: graph's release reaches the library after the graph and its executions are gone,
+#: shortly after the caller dropped it; the emulated stand-in's at once.
+GRAPH_RELEASE_WAIT_S: Final = 2.0
 
 _generations = itertools.count(1)
 
@@ -68,6 +69,11 @@ class GraphHold(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def release_lag(self) -> float:
+        """Seconds the end of the graph may take to be seen after it was destroyed."""
+        ...
 
     def alive(self) -> bool: ...
 
@@ -117,8 +123,9 @@ class LeaseSet:
             return list(self._graphs)
 
     def _refuse_while_graphs(self, what: str, timeout: float) -> None:
-        deadline = time.monotonic() + min(timeout, GRAPH_RELEASE_WAIT_S)
         held = self.graphs()
+        lag = max((h.release_lag for h in held), default=0.0)
+        deadline = time.monotonic() + min(timeout, GRAPH_RELEASE_WAIT_S, lag)
         while held and time.monotonic() < deadline:
             time.sleep(0.005)
             held = self.graphs()
