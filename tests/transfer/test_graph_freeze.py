@@ -174,3 +174,41 @@ def test_cuda_graph_holds_its_pool_until_it_is_destroyed() -> None:
     torch.cuda.synchronize()
     host.close(timeout=5.0)
     assert host.memory.closed
+
+
+def test_a_layer_pointer_table_a_graph_captured_is_not_replaced() -> None:
+    """Re-tabling: the LMCache-style cache refuses to rebuild or drop a table a live graph
+    launched with (the graph would replay the old caches); after the graph is reset it
+    rebuilds."""
+    from pointerdomain.adapters import lmcache
+
+    layers, blocks, bs, heads, dim, count = 2, 4, 4, 1, 8, 4
+    shape = (2, blocks, bs, heads, dim)
+    caches = [pd.device_empty(shape, torch.bfloat16, DEV) for _ in range(layers)]
+    for i, c in enumerate(caches):
+        fill_random(c, 30 + i)
+    mem = pd.alloc_registered(2 * layers * count * heads * dim * 2, DEV)
+    chunk = mem.tensor.view(torch.bfloat16).view(2, layers, count, heads * dim)
+    connector = lmcache.PagedKVConnector()
+    slots = torch.tensor([3, 9, 12, 0])
+    graph = EmulatedGraph("lmcache store")
+    with graph.capture(DEV):
+        connector.from_gpu(chunk, 0, count, kvcaches=caches, slot_mapping=slots)
+    cache = connector.pointer_cache
+    (table,) = [entry[1] for entry in cache._entries.values()]  # noqa: SLF001
+    assert graphs.graphs_holding(table) == [graph.held.name] and cache.builds == 1
+    moved = [pd.device_empty(shape, torch.bfloat16, DEV) for _ in range(layers)]  # the engine reallocated
+    with pytest.raises(errors.BusyError, match="lmcache store"):
+        connector.from_gpu(chunk, 0, count, kvcaches=moved, slot_mapping=slots)
+    with pytest.raises(errors.BusyError, match="lmcache store"):
+        cache.invalidate()
+    assert len(cache) == 1 and cache.builds == 1  # unchanged
+    graph.replay()  # the captured temporaries (the chunk's indices) were kept for it
+    for layer in range(layers):
+        for kv in range(2):
+            want = caches[layer][kv].reshape(-1, heads, dim)[slots]
+            assert same(chunk[kv, layer].view(count, heads, dim), want)
+    graph.reset()
+    connector.from_gpu(chunk, 0, count, kvcaches=moved, slot_mapping=slots)
+    assert cache.builds == 2
+    mem.close()

@@ -54,19 +54,25 @@ class HeldGraph:
         key: identifies the graph across launches captured into it.
         release_lag: seconds the graph's end may take to be seen once it is destroyed
             (CUDA runs the user object's destructor after the graph's executions end).
+        keep: what the graph's launches use by address (tables, plans, index tensors),
+            kept alive with it; dropped once the graph is seen gone.
     """
 
-    __slots__ = ("name", "key", "release_lag", "_alive", "__weakref__")
+    __slots__ = ("name", "key", "release_lag", "keep", "_alive", "__weakref__")
 
     def __init__(self, name: str, key: object, alive: Callable[[], bool], release_lag: float = 0.0) -> None:
         self.name = name
         self.key = key
         self.release_lag = release_lag
+        self.keep: list[object] = []
         self._alive = alive
 
     def alive(self) -> bool:
         """True while the graph (or an executable instance of it) exists."""
-        return self._alive()
+        if self._alive():
+            return True
+        self.keep.clear()
+        return False
 
     def __repr__(self) -> str:
         return f"HeldGraph({self.name}, {'alive' if self.alive() else 'released'})"
@@ -180,7 +186,7 @@ class EmulatedGraph:
 
     Attributes:
         launches: the recorded launches, in order: (kernel plan, its raw launch arguments).
-        keep: objects the launches captured (tables, plans), kept for the replays.
+        held: its :class:`HeldGraph` (what the launches captured is kept there).
     """
 
     def __init__(self, name: str | None = None) -> None:
@@ -188,7 +194,6 @@ class EmulatedGraph:
             raise InvalidArgumentError(f"name: found {name!r}, expected a str or None")
         self.name = name or f"emulated graph {next(_names)}"
         self.launches: list[tuple[Any, tuple[int, int, int, int, int]]] = []
-        self.keep: list[object] = []
         self._device: Device | None = None
         self._reset = False
         self._checks: list[Callable[[], str | None]] = []
@@ -257,7 +262,7 @@ class EmulatedGraph:
         """Destroy the graph: its holds end, a replay raises GraphInvalidatedError."""
         self._reset = True
         self.launches.clear()
-        self.keep.clear()
+        self.held.keep.clear()
         self._checks.clear()
 
     @property

@@ -12,8 +12,9 @@ replay reads and writes them again. The rules:
 * ``close()`` of such a registration, or of a :class:`~pointerdomain.HostKVPool` over
   it, raises :class:`~pointerdomain.errors.BusyError` naming the graph (device, capture
   id or name, where it was captured) until the graph is destroyed, and nothing closes;
-  tables are immutable and device pools have no ``close()``, so nothing else a graph
-  captured can change under it;
+  tables are immutable and device pools have no ``close()``; a cache that replaces a
+  table (:class:`pointerdomain.adapters.lmcache.LayerPointerCache`) refuses to while a
+  graph captured it (:func:`refuse_while_held`);
 * :attr:`PointerTable.generation <pointerdomain.PointerTable.generation>` and
   :attr:`HostKVPool.generation <pointerdomain.HostKVPool.generation>` change when memory
   under them closes: an engine that keeps graphs records them at capture
@@ -33,9 +34,11 @@ tracked.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Protocol
 
 from pointerdomain._platform.graph_holds import HeldGraph
+from pointerdomain.errors import BusyError
 
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
@@ -43,24 +46,21 @@ if TYPE_CHECKING:
     from pointerdomain.registration.tables import PointerTable
     from pointerdomain.transfer.plan import TransferPlan
 
-__all__ = ["Versioned", "generations", "held_graphs", "note_launch", "still_valid"]
+__all__ = ["Versioned", "generations", "graphs_holding", "held_graphs", "note_launch", "refuse_while_held", "still_valid"]
 
 _lock = threading.Lock()
-#: id(hold) -> (hold, objects the captured launches use): kept while the graph is alive
-_kept: dict[int, tuple[HeldGraph, list[object]]] = {}
-
-
-def _prune() -> None:
-    for key in [k for k, (held, _objs) in _kept.items() if not held.alive()]:
-        del _kept[key]
+#: the holds of graphs that captured launches (each keeps what its launches use)
+_holds: weakref.WeakSet[HeldGraph] = weakref.WeakSet()
 
 
 def note_launch(
     platform: object, plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
-    device: Device, stream: int,
+    device: Device, stream: int, indices: tuple[object, ...] = (),
 ) -> HeldGraph | None:
     """Called by the launch path after a launch that recorded no event: when ``stream`` is
     being captured into a graph, tie the launch's memory to the graph (module docstring).
+    ``indices``: the index tensors the launch was given by address, kept with the graph too
+    (a CUDA graph's memory pool keeps those it allocated; the stand-in has no pool).
     Returns the graph's hold, or None (not capturing, or a backend that cannot tell)."""
     hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional); no Protocol check per launch
     if hold is None:
@@ -71,10 +71,8 @@ def note_launch(
     for owner in plan.owners:
         owner.leases.hold_graph(held)
     with _lock:
-        _prune()
-        entry = _kept.setdefault(id(held), (held, []))
-        if all(o is not plan for o in entry[1]):
-            entry[1].extend((plan, src, dst))
+        _holds.add(held)
+        held.keep.extend(o for o in (plan, src, dst, *indices) if all(k is not o for k in held.keep))
     add_check = getattr(held.key, "add_check", None)  # the emulated stand-in checks before replays
     if add_check is not None:
         add_check(lambda: _why_invalid(plan, src, dst))
@@ -101,6 +99,29 @@ def held_graphs(obj: object) -> list[str]:
     for owner in getattr(obj, "registrations", ()):
         names.extend(h.name for h in owner.leases.graphs() if h.name not in names)
     return names
+
+
+def graphs_holding(obj: object) -> list[str]:
+    """Names of the live graphs that captured a launch with ``obj`` (a kernel table or a
+    plan) itself: what replays would read if ``obj`` were replaced."""
+    with _lock:
+        holds = list(_holds)
+    return [held.name for held in holds if held.alive() and any(o is obj for o in held.keep)]
+
+
+def refuse_while_held(obj: object, action: str) -> None:
+    """Raise when a live graph captured a launch with ``obj`` (re-tabling it would leave
+    the graph replaying the old table).
+
+    Raises:
+        BusyError: naming the graphs; the caller changes nothing.
+    """
+    names = graphs_holding(obj)
+    if names:
+        raise BusyError(
+            f"cannot {action}: {len(names)} captured graph(s) replay with it: {'; '.join(names[:3])}; nothing was "
+            "changed. Fix: destroy the graph first (del it, or reset() it), then rebuild and capture again"
+        )
 
 
 class Versioned(Protocol):

@@ -488,7 +488,7 @@ def _run_on_device(
         else:
             platform.launch(kernel, args[0], args[1], args[2], args[3], args[4], device, stream, args[7])
         if event == 0:  # nothing to wait for: synchronous, or captured into a graph (which then holds the memory)
-            graphs.note_launch(platform, plan, src, dst, device, stream)
+            graphs.note_launch(platform, plan, src, dst, device, stream, (s_idx, d_idx))
     finally:
         if owners:
             leases.release_all(owners, tokens, event, platform)
