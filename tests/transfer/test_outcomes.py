@@ -34,7 +34,8 @@ def _backup(host: pd.HostKVPool, pool: pd.DeviceKVPool, **kw: Any) -> TransferOu
     return transfer_outcome(pool.table, host.kernel_table, SRC, DST, src_layout=LAYOUT, dst_layout=HOST, **kw)
 
 
-@pytest.mark.parametrize(("call", "backend"), [("launch", "kernel"), ("staged_transfer", "staged")])
+@pytest.mark.parametrize(("call", "backend"),
+                         [("launch", "kernel"), ("staged_transfer", "staged"), ("copy_runs", "copy_engine")])
 def test_a_fault_mid_batch_is_a_partial_outcome_with_the_failed_spans(call: str, backend: str) -> None:
     pool = pd.DeviceKVPool(LAYOUT, DEV)
     fill_pool(pool, 1)

@@ -25,6 +25,11 @@ replay reads and writes them again. The rules:
   (A CUDA graph replays through torch, which the library does not see: the refusal to
   close is what keeps its memory valid.)
 
+Not held, and why: staging buffers (the staged path reads indices on the host and is never
+captured); the error word (kept for the life of the process). A tensor's storage resized
+or swapped under a graph (``resize_``, ``set_``) is torch's operation, which the library
+does not see: the stand-in refuses the next replay, a CUDA graph would replay into it.
+
 Where the graph's end is seen: CUDA through a user object the graph retains (its
 destructor runs once the graph and its executable instances are destroyed, shortly after
 the caller drops them); the stand-in at :meth:`EmulatedGraph.reset`. HIP graphs are not
