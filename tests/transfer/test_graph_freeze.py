@@ -212,3 +212,20 @@ def test_a_layer_pointer_table_a_graph_captured_is_not_replaced() -> None:
     connector.from_gpu(chunk, 0, count, kvcaches=moved, slot_mapping=slots)
     assert cache.builds == 2
     mem.close()
+
+
+def test_capture_is_per_thread_as_stream_capture_is() -> None:
+    """Another thread's launch during a capture runs at once and is not part of the graph."""
+    import threading
+
+    pool, host = _pools(7)
+    slots = torch.tensor([1])
+    graph = EmulatedGraph()
+    expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, slots, slots)
+    with graph.capture(DEV):
+        worker = threading.Thread(target=host.load, args=(pool, slots, slots))
+        worker.start()
+        worker.join()
+    assert same(pool_bytes(pool), expected) and graph.launches == []
+    assert graphs.held_graphs(host) == []
+    host.close()

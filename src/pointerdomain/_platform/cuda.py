@@ -184,6 +184,13 @@ class CudaBackend(_TorchDevice):
         check(self, "cudaStreamIsCapturing", status)
         return bool(capturing)
 
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        # The extension's capture query first (one native call): launches outside capture,
+        # the common case, never reach the driver through ctypes.
+        status, capturing = _C.gpu_stream_capturing(device.ordinal, stream)
+        check(self, "cudaStreamIsCapturing", status)
+        return super().graph_hold(device, stream) if capturing else None
+
     def register(self, va: int, nbytes: int, device: Device) -> int:
         return _C.gpu_host_register(va, nbytes, device.ordinal)
 
