@@ -3,20 +3,30 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstring>
+
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <random>
-#include <utility>
 
 namespace pointerdomain::strict {
 namespace {
 std::mutex mu;
 std::map<void *, std::uint64_t> lengths;  // mapping -> length, for unmap from a deleter
-std::map<void *, std::pair<std::uint64_t, std::uint64_t>> reserved;  // twin -> its reservation
-std::uint64_t last_reserve = 0;  // lowest reservation so far (under mu)
+struct Twin {
+    std::uint64_t len;           // the twin mapping
+    std::uint64_t reserve_base;  // its reservation (guard pages around it), unmapped whole
+    std::uint64_t reserve_len;
+};
+std::map<void *, Twin> twins;
+// Lowest reservation so far: a placement hint only, so no lock (reserve_guarded runs under
+// the emulated backend's lock too, and a second lock there would order two fork handlers).
+std::atomic<std::uint64_t> last_reserve{0};
 constexpr std::uint64_t kMaxGapPages = 256;
 
 void *keep(void *m, std::uint64_t len) {
@@ -25,6 +35,27 @@ void *keep(void *m, std::uint64_t len) {
     lengths[m] = len;
     return m;
 }
+
+// fork(): both mappings of a strict allocation are MAP_SHARED, so a child writing the
+// host mapping (a forked worker filling a pool) would write the parent's pages. In the
+// child (single-threaded here) each mapping becomes a private anonymous copy of its bytes
+// at the same address, as pinned malloc'd memory is copied into a child at fork (Linux >=
+// 5.9). The two mappings no longer share bytes in the child: a child must not use them
+// for device work (CUDA does not survive fork either).
+void before_fork() { mu.lock(); }
+void after_fork_parent() { mu.unlock(); }
+void make_private(void *at, std::uint64_t len) {
+    void *copy = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy == MAP_FAILED) return;
+    std::memcpy(copy, at, len);
+    if (mremap(copy, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED) munmap(copy, len);
+}
+void after_fork_child() {
+    for (auto &kv : lengths) make_private(kv.first, kv.second);
+    for (auto &kv : twins) make_private(kv.first, kv.second.len);  // each chunk's registered mapping too
+    mu.unlock();
+}
+const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 
 std::uint64_t round_up(std::uint64_t n) {
     const auto p = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
@@ -57,26 +88,26 @@ void *mirror(std::uint64_t va, std::uint64_t nbytes) {
 
 std::uint64_t reserve_guarded(std::uint64_t len, std::uint64_t *reserve_base, std::uint64_t *reserve_len) {
     const std::uint64_t p = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
-    std::lock_guard<std::mutex> lock(mu);
-    static std::mt19937_64 rng{std::random_device{}()};
+    thread_local std::mt19937_64 rng{std::random_device{}()};
     const std::uint64_t before = (1 + rng() % kMaxGapPages) * p, after = (1 + rng() % kMaxGapPages) * p;
     const std::uint64_t total = before + round_up(len) + after;
+    const std::uint64_t last = last_reserve.load(std::memory_order_relaxed);
     void *r = MAP_FAILED;
-    const std::uint64_t want = last_reserve - total;
-    if (last_reserve > total + (std::uint64_t{1} << 32)) {
-        r = mmap(reinterpret_cast<void *>(want), total, PROT_NONE,
+    if (last > total + (std::uint64_t{1} << 32)) {
+        r = mmap(reinterpret_cast<void *>(last - total), total, PROT_NONE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
-        if (r != MAP_FAILED && reinterpret_cast<std::uint64_t>(r) != want) {
+        if (r != MAP_FAILED && reinterpret_cast<std::uint64_t>(r) != last - total) {
             munmap(r, total);  // a kernel without MAP_FIXED_NOREPLACE took the address as a hint only
             r = MAP_FAILED;
         }
     }
     if (r == MAP_FAILED) r = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (r == MAP_FAILED) return 0;
-    last_reserve = reinterpret_cast<std::uint64_t>(r);
-    *reserve_base = last_reserve;
+    const std::uint64_t base = reinterpret_cast<std::uint64_t>(r);
+    last_reserve.store(base, std::memory_order_relaxed);
+    *reserve_base = base;
     *reserve_len = total;
-    return last_reserve + before;
+    return base + before;
 }
 
 void *twin(std::uint64_t va, std::uint64_t nbytes) {
@@ -93,7 +124,7 @@ void *twin(std::uint64_t va, std::uint64_t nbytes) {
         return nullptr;
     }
     std::lock_guard<std::mutex> lock(mu);
-    reserved[m] = {base, len};
+    twins[m] = Twin{round_up(nbytes), base, len};
     return m;
 }
 
@@ -106,11 +137,11 @@ void unmap(void *ptr) noexcept {
             len = it->second;
             lengths.erase(it);
         } else {
-            auto r = reserved.find(ptr);
-            if (r == reserved.end()) return;
-            start = r->second.first;
-            len = r->second.second;
-            reserved.erase(r);
+            auto t = twins.find(ptr);
+            if (t == twins.end()) return;
+            start = t->second.reserve_base;
+            len = t->second.reserve_len;
+            twins.erase(t);
         }
     }
     munmap(reinterpret_cast<void *>(start), len);
