@@ -76,6 +76,9 @@ from pointerdomain.registration.tables import PointerTable, make_kernel_ptr_tabl
 __all__ = [
     "addresses_table",
     "held",
+    "remember_seen",
+    "seen_again",
+    "Seen",
     "plain_tensor",
     "remember",
     "clear_cache",
@@ -251,6 +254,82 @@ def held(*ts: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """What a prepared-call cache entry keeps alive: the argument tensors its key names (a
     raw table's ``id`` must not be reused; a buffer's memory must stay where the key says)."""
     return tuple(t for t in ts if t is not None)
+
+
+# -- prepared calls found by their arguments' identity ----------------------------------------
+
+class Seen:
+    """A prepared call as last seen with these argument objects (:func:`seen_again`).
+
+    It holds the argument tensors themselves (as a prepared call holds its own: while the
+    entry lives no other object can have their ``id``, so a key of ids that matches names
+    these very objects), and per tensor the ``data_ptr()`` and version counter last checked
+    and the shape, strides and dtype; ``tables`` marks the raw address tables, whose
+    contents (their version) count, among buffers, whose contents do not."""
+
+    __slots__ = ("tensors", "ptrs", "versions", "metas", "tables", "value")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], tables: Sequence[bool], value: object) -> None:
+        self.tensors = tuple(tensors)
+        self.ptrs = tuple(t.data_ptr() for t in tensors)
+        self.versions = tuple(int(t._version) for t in tensors)
+        self.metas = tuple((t.shape, t.stride(), t.dtype) for t in tensors)
+        self.tables = tuple(tables)
+        self.value = value
+
+
+def _seen_after_writes(entry: Seen, tensors: Sequence[torch.Tensor]) -> bool:
+    """The slow half of :func:`seen_again`: a version counter moved. Tables must not have
+    been written; a written buffer must still be the same memory, shape, strides and dtype
+    (its contents are the engine's business)."""
+    if len(tensors) != len(entry.tensors):
+        return False
+    versions = []
+    for i, t in enumerate(tensors):
+        v = int(t._version)
+        if v != entry.versions[i] and (
+                entry.tables[i] or (t.data_ptr(), t.shape, t.stride(), t.dtype) != (entry.ptrs[i], *entry.metas[i])):
+            return False
+        versions.append(v)
+    entry.versions = tuple(versions)  # the buffers are still the same buffers
+    return True
+
+
+def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """True when ``tensors`` (the objects ``entry`` was made from: its key holds their ids,
+    and the entry keeps them alive) still are what the entry was checked for: each at the
+    same ``data_ptr()`` with its version counter unchanged (no in-place write, ``set_``,
+    ``resize_`` or in-place view op since); or, for a buffer only, written since but the
+    same memory, shape, strides and dtype. A constant amount of work per argument: two
+    attribute reads while nothing moved, no hashing of shapes."""
+    n = len(tensors)
+    if n == 2:
+        a, b = tensors
+        if (a.data_ptr(), b.data_ptr()) == entry.ptrs and (a._version, b._version) == entry.versions:
+            return True
+    elif n == 4:
+        a, b, c, d = tensors
+        if ((a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr()) == entry.ptrs
+                and (a._version, b._version, c._version, d._version) == entry.versions):
+            return True
+    elif tuple(t.data_ptr() for t in tensors) == entry.ptrs and tuple(t._version for t in tensors) == entry.versions:
+        return True
+    return _seen_after_writes(entry, tensors)
+
+
+def remember_seen(cache: OrderedDict[Any, Any], key: object, tensors: Sequence[torch.Tensor | None],
+                  tables: Sequence[bool], value: object) -> None:
+    """Keep ``value`` (a prepared call) under ``key`` (the call shape, its arguments' ids
+    and scalars) for :func:`seen_again`; ``tables`` marks the raw address tables among
+    ``tensors`` (None entries are left out of both). An inference tensor (no version
+    counter) is not kept."""
+    kept = [(t, tab) for t, tab in zip(tensors, tables) if t is not None]
+    try:
+        entry = Seen([t for t, _ in kept], [tab for _, tab in kept], value)
+    except RuntimeError:  # an inference tensor: no version counter
+        return
+    with _lock:
+        remember(cache, key, entry, 2 * CACHE_SIZE)
 
 
 # -- raw addresses ---------------------------------------------------------------------
