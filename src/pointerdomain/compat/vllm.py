@@ -624,22 +624,24 @@ def swap_blocks_batch(
             "(one source, destination and size per copy). Fix: build the three arrays together")
     if n == 0:
         return
-    # read once: the checked copy is the one used
-    s_raw = src.detach().to("cpu", copy=True).view(torch.int64)
-    d_raw = dst.detach().to("cpu", copy=True).view(torch.int64)
-    size = nbytes.detach().to("cpu", copy=True).view(torch.int64)
+    s_bits, d_bits, z_bits = (t if t.dtype == torch.int64 else t.view(torch.int64) for t in (src, dst, nbytes))
     # The same descriptors as a batch checked before (an engine that repeats a transfer):
     # its resolution holds as a cached raw table's does (pointerdomain.compat._raw: closed
     # registrations are seen by the launch, freed device memory by checked mode), and its
-    # overlap check gave the same answer.
-    key = (n, int(s_raw[0]), int(d_raw[0]), int(size[0]))
+    # overlap check gave the same answer. The arrays are compared as they are (no copy: the
+    # launches use the batch's own checked tables, whatever the arrays hold afterwards).
+    key = (n, int(s_bits[0]), int(d_bits[0]), int(z_bits[0]))
     seen = _batches.get(key)
-    if (seen is not None and torch.equal(seen.src, s_raw) and torch.equal(seen.dst, d_raw)
-            and torch.equal(seen.sizes, size)):
+    if (seen is not None and torch.equal(seen.src, s_bits) and torch.equal(seen.dst, d_bits)
+            and torch.equal(seen.sizes, z_bits)):
         for src_table, dst_table, layout, slots in seen.launches:
             pd.transfer_kv_all_layer(src_table, dst_table, slots, slots, src_layout=layout, dst_layout=layout,
                                      backend="copy_engine")
         return
+    # read once: the checked copy is the one used
+    s_raw = s_bits.detach().to("cpu", copy=True)
+    d_raw = d_bits.detach().to("cpu", copy=True)
+    size = z_bits.detach().to("cpu", copy=True)
     bad = _first(size <= 0)
     if bad is not None:
         value = int(size[bad]) & _MASK if nbytes.dtype == torch.uint64 else int(size[bad])
