@@ -286,9 +286,10 @@ def _seen_after_writes(entry: Seen, tensors: Sequence[torch.Tensor]) -> bool:
         return False
     versions = []
     for i, t in enumerate(tensors):
+        if t.data_ptr() != entry.ptrs[i]:  # set_(), .data = ...: other memory
+            return False
         v = int(t._version)
-        if v != entry.versions[i] and (
-                entry.tables[i] or (t.data_ptr(), t.shape, t.stride(), t.dtype) != (entry.ptrs[i], *entry.metas[i])):
+        if v != entry.versions[i] and (entry.tables[i] or (t.shape, t.stride(), t.dtype) != entry.metas[i]):
             return False
         versions.append(v)
     entry.versions = tuple(versions)  # the buffers are still the same buffers
