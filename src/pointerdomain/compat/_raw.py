@@ -42,6 +42,17 @@ that launch refuses before writing (an ``IndexValidationError``) runs the call's
 path, which names the argument in its own words or accepts what the call shape accepts
 beyond the direct API (``int32`` indices, LMCache's negative slots). A key sees what the
 raw-table cache sees, and no more.
+
+Before that key is built, a repeat is looked up by its arguments' identity (:class:`Seen`:
+the call shape, the ``id`` of each tensor argument, the scalars), the entry holding those
+tensors so that no other object can take their ``id``; it holds when every tensor is at
+the same ``data_ptr()`` with the same version counter, or, for a buffer only (whose
+contents change on every step), written since but of the same shape, strides and dtype
+(:func:`seen_again`). A constant amount of work per call, no hashing of shapes. Not seen by
+it: ``.data = t.view(...)``, which changes a buffer's shape without moving its data pointer
+or its version (the repeat moves the bytes it was prepared for, inside the same storage).
+Tensors an engine makes anew per call (``k_buffer[layer_id]``) are not kept by identity
+(they would only churn the cache): those calls keep the memory key.
 """
 
 from __future__ import annotations
