@@ -220,9 +220,10 @@ def _sgl_cases(dev: pd.Device, mla: bool) -> dict[str, Case]:
 
 
 def _hicache_cases(dev: pd.Device, mla: bool) -> dict[str, Case]:
-    """sglang HiCache with a layer_first host pool (the JIT ops): the per-layer load
-    ``transfer_hicache_one_layer`` (host layer -> device layer) and the all-layer backup
-    ``transfer_hicache_all_layer`` over uint64 tables of both sides' per-layer buffers."""
+    """sglang HiCache with a layer_first host pool: the per-layer load (host layer -> device
+    layer: the JIT op ``transfer_hicache_one_layer``, kvcacheio's ``transfer_kv_per_layer``)
+    and the all-layer backup over uint64 tables of both sides' per-layer buffers
+    (``transfer_hicache_all_layer``, ``transfer_kv_all_layer``)."""
     heads, dim = (1, MLA_DIM) if mla else (HEADS, DIM)
     kv = 1 if mla else 2
     dev_bufs = [[_random(pd.device_empty((SLOTS, heads, dim), DTYPE, dev)) for _ in range(LAYERS)] for _ in range(kv)]
@@ -263,8 +264,26 @@ def _hicache_cases(dev: pd.Device, mla: bool) -> dict[str, Case]:
         pd.transfer_kv_all_layer(dev_table, host_table, s_idx, d_idx, src_layout=dev_layout, dst_layout=host_layout,
                                  max_ctas=quota, backend="kernel")
 
+    # the same pools through kvcacheio's layer_first ops (sglang's fallback where the JIT
+    # ops do not apply), at kvcacheio's defaults (block_quota 2; MLA: the variable or 2)
+    if mla:
+        def kv_load() -> None:
+            sgl.transfer_kv_per_layer_mla(host_bufs[0][layer], dev_bufs[0][layer], d_idx, s_idx, item)
+
+        def kv_backup() -> None:
+            sgl.transfer_kv_all_layer_mla(dev_ptrs[0], host_ptrs[0], s_idx, d_idx, item, LAYERS)
+    else:
+        def kv_load() -> None:
+            sgl.transfer_kv_per_layer(host_bufs[0][layer], dev_bufs[0][layer], host_bufs[1][layer], dev_bufs[1][layer],
+                                      d_idx, s_idx, item)
+
+        def kv_backup() -> None:
+            sgl.transfer_kv_all_layer(dev_ptrs[0], host_ptrs[0], dev_ptrs[1], host_ptrs[1], s_idx, d_idx, item, LAYERS)
+
     tag = "_mla" if mla else ""
     return {
+        f"sgl_kernel.transfer_kv_per_layer{tag}": Case(kv_load, load_direct, [b[layer] for b in dev_bufs]),
+        f"sgl_kernel.transfer_kv_all_layer{tag}": Case(kv_backup, backup_direct, host.buffer),
         f"sgl_hicache.transfer_hicache_one_layer{tag}": Case(load, load_direct, [b[layer] for b in dev_bufs]),
         f"sgl_hicache.transfer_hicache_all_layer{tag}": Case(backup, backup_direct, host.buffer),
     }

@@ -208,3 +208,43 @@ def test_clear_cache_forgets_the_identity_entries(regs: list[pd.RegisteredHostMe
     assert len(sk.seen) > 0
     _raw.clear_cache()
     assert len(sk.seen) == 0 and len(vl._seen) == 0 and len(lmc._seen) == 0
+
+
+def test_layer_first_ops_repeat_and_check_what_they_are_given(regs: list[pd.RegisteredHostMemory],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvcacheio's layer_first pair (sglang's fallback for a layer_first host pool): the
+    per-layer load over buffers and the all-layer backup over raw tables of both sides."""
+    pool = rand(host(regs, 2, L, HT, H, D))  # [2, L, size, H, D], as sglang's layer_first host pool
+    hks, hvs = [pool[0, i] for i in range(L)], [pool[1, i] for i in range(L)]
+    dks, dvs = [rand(dev(T, H, D)) for _ in range(L)], [rand(dev(T, H, D)) for _ in range(L)]
+    tabs = [_table(x, DEV) for x in (dks, hks, dvs, hvs)]
+
+    def load() -> None:
+        sk.transfer_kv_per_layer(hks[1], dks[1], hvs[1], dvs[1], S, DI, ITEM)
+
+    def backup() -> None:
+        sk.transfer_kv_all_layer(tabs[0], tabs[1], tabs[2], tabs[3], DI, S, ITEM, L)
+
+    load()
+    backup()
+    monkeypatch.setattr(sk, "buffers_table", lambda *a, **k: pytest.fail("translated again"))
+    monkeypatch.setattr(sk, "raw_side", lambda *a, **k: pytest.fail("translated again"))
+    poison(dks[1], dvs[1])
+    load()
+    assert same(dks[1][DI], hks[1][S]) and same(dvs[1][DI], hvs[1][S])
+    poison(pool)
+    backup()
+    for i in range(L):
+        assert same(hks[i][S], dks[i][DI]) and same(hvs[i][S], dvs[i][DI])
+    monkeypatch.undo()
+    poison(dks[1], dvs[1])  # a slot past the device layer: the call's own error, nothing written
+    with pytest.raises(pd.errors.IndexValidationError, match=r"dst_indices: slot 16 outside \[0, 16\)"):
+        sk.transfer_kv_per_layer(hks[1], dks[1], hvs[1], dvs[1], S, torch.tensor([1, 2, 3, 16]), ITEM)
+    assert untouched(dks[1], dvs[1])
+    others = [host(regs, HT, H, D) for _ in range(L)]
+    tabs[1].copy_(_table(others, DEV))  # the K destination table rewritten in place: resolved again
+    poison(pool, *others)
+    backup()
+    for i in range(L):
+        assert same(others[i][S], dks[i][DI]) and same(hvs[i][S], dvs[i][DI])
+    assert untouched(pool[0])

@@ -582,7 +582,20 @@ def _kv(k: object, v: object | None, names: tuple[str, str]) -> tuple[tuple[str,
 
 def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                   dst_indices: object, item_size: object, block_quota: object, num_warps_per_block: object,
-                  names: tuple[str, str, str, str]) -> None:
+                  names: tuple[str, str, str, str], fast: tuple[object, ...] | None) -> None:
+    ts = (k_src, k_dst) if v_src is None else (k_src, k_dst, v_src, v_dst)
+    key: tuple[object, ...] | None
+    try:
+        key = ("lf", view_key(k_src), view_key(k_dst),  # type: ignore[arg-type]
+               None if v_src is None else view_key(v_src), None if v_dst is None else view_key(v_dst),  # type: ignore[arg-type]
+               item_size, block_quota, num_warps_per_block)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors: the full path names what is wrong
+        key = hit = None
+    if (hit is not None and type(item_size) is type(block_quota) is type(num_warps_per_block) is int
+            and launch_prepared(hit, src_indices, dst_indices)):
+        remember_again(fast, ts, (False,) * len(ts), hit)
+        return
     item = _item_size(item_size)
     ctas = block_quota_of(block_quota)
     _warps(num_warps_per_block)
@@ -598,6 +611,9 @@ def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas)  # type: ignore[arg-type]
+    remember_call(key, entry)
+    remember_seen(fast if key is not None else None, ts, (False,) * len(ts), entry)
 
 
 def transfer_kv_per_layer(
@@ -631,8 +647,12 @@ def transfer_kv_per_layer(
             DomainError, DeviceMismatchError, RegistrationSpanError, ClosedError,
             OverlapError); and the launch errors of :func:`pointerdomain.transfer_kv_all_layer`.
     """
+    fast = ("lf", id(src_k), id(dst_k), id(src_v), id(dst_v), item_size, block_quota, num_warps_per_block)
+    if (type(item_size) is type(block_quota) is type(num_warps_per_block) is int
+            and replay(fast, (src_k, dst_k, src_v, dst_v), src_indices, dst_indices)):
+        return
     _per_layer_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, block_quota,
-                  num_warps_per_block, ("src_k", "dst_k", "src_v", "dst_v"))
+                  num_warps_per_block, ("src_k", "dst_k", "src_v", "dst_v"), fast)
 
 
 def transfer_kv_per_layer_mla(
@@ -647,13 +667,31 @@ def transfer_kv_per_layer_mla(
     """:func:`transfer_kv_per_layer` for MLA's one latent buffer per layer.
     ``block_quota=None``: ``SGLANG_HICACHE_BLOCK_QUOTA`` or 16 on HIP, 2 on CUDA (upstream)."""
     quota = _default_mla_block_quota() if block_quota is None else block_quota
+    fast = ("lf", id(src), id(dst), None, None, item_size, quota, num_warps_per_block)
+    if type(item_size) is type(quota) is type(num_warps_per_block) is int and replay(fast, (src, dst), src_indices,
+                                                                                     dst_indices):
+        return
     _per_layer_lf(src, dst, None, None, src_indices, dst_indices, item_size, quota, num_warps_per_block,
-                  ("src", "dst", "", ""))
+                  ("src", "dst", "", ""), fast)
 
 
 def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                   dst_indices: object, item_size: object, num_layers: object, block_quota: object,
-                  num_warps_per_block: object, names: tuple[str, str, str, str]) -> None:
+                  num_warps_per_block: object, names: tuple[str, str, str, str],
+                  fast: tuple[object, ...] | None) -> None:
+    ts = (k_src, k_dst) if v_src is None else (k_src, k_dst, v_src, v_dst)
+    key: tuple[object, ...] | None
+    try:
+        key = ("lf_all", table_key(k_src), table_key(k_dst),  # type: ignore[arg-type]
+               None if v_src is None else table_key(v_src), None if v_dst is None else table_key(v_dst),  # type: ignore[arg-type]
+               item_size, num_layers, block_quota, num_warps_per_block)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors, an inference-mode table: the full path
+        key = hit = None
+    if (hit is not None and type(item_size) is type(num_layers) is type(block_quota) is type(num_warps_per_block)
+            is int and launch_prepared(hit, src_indices, dst_indices)):
+        remember_again(fast, ts, (True,) * len(ts), hit)
+        return
     item = _item_size(item_size)
     layers = _int("num_layers", num_layers)
     ctas = block_quota_of(block_quota)
@@ -672,6 +710,9 @@ def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas)  # type: ignore[arg-type]
+    remember_call(key, entry)
+    remember_seen(fast if key is not None else None, ts, (True,) * len(ts), entry)
 
 
 def transfer_kv_all_layer(
@@ -703,9 +744,14 @@ def transfer_kv_all_layer(
     Other arguments and errors as :func:`transfer_kv_per_layer`; also NotRegisteredError
     for an entry that is no known memory.
     """
+    fast = ("lf_all", id(src_k_layers), id(dst_k_layers), id(src_v_layers), id(dst_v_layers), item_size, num_layers,
+            block_quota, num_warps_per_block)
+    if (type(item_size) is type(num_layers) is type(block_quota) is type(num_warps_per_block) is int
+            and replay(fast, (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers), src_indices, dst_indices)):
+        return
     _all_layer_lf(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size,
                   num_layers, block_quota, num_warps_per_block,
-                  ("src_k_layers", "dst_k_layers", "src_v_layers", "dst_v_layers"))
+                  ("src_k_layers", "dst_k_layers", "src_v_layers", "dst_v_layers"), fast)
 
 
 def transfer_kv_all_layer_mla(
@@ -719,8 +765,13 @@ def transfer_kv_all_layer_mla(
     num_warps_per_block: int = DEFAULT_WARPS_PER_BLOCK,
 ) -> None:
     """:func:`transfer_kv_all_layer` for MLA (one raw table a side)."""
+    fast = ("lf_all", id(src_layers), id(dst_layers), None, None, item_size, num_layers, block_quota,
+            num_warps_per_block)
+    if (type(item_size) is type(num_layers) is type(block_quota) is type(num_warps_per_block) is int
+            and replay(fast, (src_layers, dst_layers), src_indices, dst_indices)):
+        return
     _all_layer_lf(src_layers, dst_layers, None, None, src_indices, dst_indices, item_size, num_layers,
-                  block_quota, num_warps_per_block, ("src_layers", "dst_layers", "", ""))
+                  block_quota, num_warps_per_block, ("src_layers", "dst_layers", "", ""), fast)
 
 
 # -- prepared calls -------------------------------------------------------------------------
