@@ -281,7 +281,21 @@ def _hicache_cases(dev: pd.Device, mla: bool) -> dict[str, Case]:
             sgl.transfer_kv_all_layer(dev_ptrs[0], host_ptrs[0], dev_ptrs[1], host_ptrs[1], s_idx, d_idx, item, LAYERS)
 
     tag = "_mla" if mla else ""
+    if not mla:
+        def views_load() -> None:  # sglang's own call: self.k_buffer[layer_id], a new view each call
+            hic.transfer_hicache_one_layer(dev_bufs[0][layer], dev_bufs[1][layer], s_idx, host.buffer[0, layer],
+                                           host.buffer[1, layer], d_idx, element_dim=heads * dim)
+
+        def views_direct() -> None:  # the same views made (the caller's cost on both sides), then the launch
+            host.buffer[0, layer], host.buffer[1, layer]
+            load_direct()
+
+        extra = {"sgl_hicache.transfer_hicache_one_layer (host views made per call)":
+                 Case(views_load, views_direct, [b[layer] for b in dev_bufs])}
+    else:
+        extra = {}
     return {
+        **extra,
         f"sgl_kernel.transfer_kv_per_layer{tag}": Case(kv_load, load_direct, [b[layer] for b in dev_bufs]),
         f"sgl_kernel.transfer_kv_all_layer{tag}": Case(kv_backup, backup_direct, host.buffer),
         f"sgl_hicache.transfer_hicache_one_layer{tag}": Case(load, load_direct, [b[layer] for b in dev_bufs]),
@@ -377,12 +391,14 @@ def _vllm_cases(dev: pd.Device) -> dict[str, Case]:
     }
 
 
-#: Rows whose own work is not a constant (``--max-own-us`` gives the rest theirs): swap_blocks
-#: turns its ``[n, 2]`` mapping into two index tensors on every call (a copy, two tensors)
-#: and checks the destinations distinct; swap_blocks_batch compares its three arrays,
-#: element by element, with the batch checked before (linear in the descriptors: None,
-#: not bounded).
-OWN_BOUND_US: dict[str, float | None] = {"vllm.swap_blocks_batch": None, "vllm.swap_blocks": 12.0}
+#: Rows with their own bound (``--max-own-us`` gives the rest theirs): swap_blocks turns its
+#: ``[n, 2]`` mapping into two index tensors on every call (a copy, two tensors) and checks
+#: the destinations distinct; swap_blocks_batch compares its three arrays, element by
+#: element, with the batch checked before (linear in the descriptors: None, not bounded);
+#: tensors made anew per call are found by their memory (address, shape, strides, dtype
+#: read and hashed), not by identity.
+OWN_BOUND_US: dict[str, float | None] = {"vllm.swap_blocks_batch": None, "vllm.swap_blocks": 12.0,
+                                         "sgl_hicache.transfer_hicache_one_layer (host views": 8.0}
 
 
 def cases(dev: pd.Device) -> dict[str, Case]:

@@ -835,8 +835,13 @@ def remember_again(fast: tuple[object, ...] | None, tensors: Sequence[object], t
     the very objects the prepared call holds (a pool's own tensors, met again after their
     identity entry was dropped). Views an engine makes anew on every call would only churn
     the identity cache: those calls keep the memory-keyed look-up."""
-    if len(tensors) == len(entry.held) and all(a is b for a, b in zip(tensors, entry.held)):
-        remember_seen(fast, tensors, tables, entry)
+    held = entry.held
+    if len(tensors) != len(held):
+        return
+    for a, b in zip(tensors, held):  # a plain loop: it stops at the first new view, cheaply
+        if a is not b:
+            return
+    remember_seen(fast, tensors, tables, entry)
 
 
 def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
