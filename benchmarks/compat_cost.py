@@ -151,6 +151,11 @@ def own_us(case: Case, calls: int) -> tuple[float, float]:
     return statistics.median(c) / 1e3, statistics.median(d) / 1e3
 
 
+#: sets tensors' version counters (as an in-place write does) without writing: the engine's
+#: writes into its KV cache between two calls, at no cost of their own
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
 def _random(t: torch.Tensor) -> torch.Tensor:
     u = t.view(torch.uint8)
     u.copy_(torch.randint(0, 256, u.shape, dtype=torch.uint8))
@@ -213,9 +218,27 @@ def _sgl_cases(dev: pd.Device, mla: bool) -> dict[str, Case]:
                                  dst_layout=dev_layout, max_ctas=quota, backend="kernel")
 
     tag = "_mla" if mla else ""
+    extra = {}
+    if not mla:
+        written = (dev_bufs[0][layer], dev_bufs[1][layer])
+
+        def write() -> None:  # what the engine's attention does to the layer between loads: a version bump
+            _set_versions(written, tuple(t._version + 1 for t in written))
+
+        def written_load() -> None:
+            write()
+            load()
+
+        def written_direct() -> None:
+            write()
+            load_direct()
+
+        extra = {"sgl_kernel.transfer_kv_per_layer_pf_lf (device layer written between calls)":
+                 Case(written_load, written_direct, list(written))}
     return {
         f"sgl_kernel.transfer_kv_all_layer{tag}_lf_pf": Case(backup, backup_direct, host.buffer),
         f"sgl_kernel.transfer_kv_per_layer{tag}_pf_lf": Case(load, load_direct, [b[layer] for b in dev_bufs]),
+        **extra,
     }
 
 
@@ -396,9 +419,11 @@ def _vllm_cases(dev: pd.Device) -> dict[str, Case]:
 #: the destinations distinct; swap_blocks_batch compares its three arrays, element by
 #: element, with the batch checked before (linear in the descriptors: None, not bounded);
 #: tensors made anew per call are found by their memory (address, shape, strides, dtype
-#: read and hashed), not by identity.
+#: read and hashed), not by identity; a buffer written since the last call has its shape
+#: and strides read again.
 OWN_BOUND_US: dict[str, float | None] = {"vllm.swap_blocks_batch": None, "vllm.swap_blocks": 12.0,
-                                         "sgl_hicache.transfer_hicache_one_layer (host views": 8.0}
+                                         "sgl_hicache.transfer_hicache_one_layer (host views": 8.0,
+                                         "sgl_kernel.transfer_kv_per_layer_pf_lf (device layer written": 5.0}
 
 
 def cases(dev: pd.Device) -> dict[str, Case]:

@@ -47,7 +47,7 @@ Before that key is built, a repeat is looked up by its arguments' identity (:cla
 the call shape, the ``id`` of each tensor argument, the scalars), the entry holding those
 tensors so that no other object can take their ``id``; it holds when every tensor is at
 the same ``data_ptr()`` with the same version counter, or, for a buffer only (whose
-contents change on every step), written since but of the same shape, strides and dtype
+contents change on every step), written since but of the same shape and strides
 (:func:`seen_again`). A constant amount of work per call, no hashing of shapes. Not seen by
 it: ``.data = t.view(...)``, which changes a buffer's shape without moving its data pointer
 or its version (the repeat moves the bytes it was prepared for, inside the same storage).
@@ -275,58 +275,54 @@ class Seen:
     It holds the argument tensors themselves (as a prepared call holds its own: while the
     entry lives no other object can have their ``id``, so a key of ids that matches names
     these very objects), and per tensor the ``data_ptr()`` and version counter last checked
-    and the shape, strides and dtype; ``tables`` marks the raw address tables, whose
+    and the shape and strides; ``tables`` marks the raw address tables, whose
     contents (their version) count, among buffers, whose contents do not."""
 
-    __slots__ = ("tensors", "ptrs", "versions", "metas", "tables", "value")
+    __slots__ = ("tensors", "ptrs", "versions", "shapes", "strides", "tables", "value")
 
     def __init__(self, tensors: Sequence[torch.Tensor], tables: Sequence[bool], value: object) -> None:
         self.tensors = tuple(tensors)
         self.ptrs = tuple(t.data_ptr() for t in tensors)
         self.versions = tuple(int(t._version) for t in tensors)
-        self.metas = tuple((t.shape, t.stride(), t.dtype) for t in tensors)
+        self.shapes = tuple(t.shape for t in tensors)
+        self.strides = tuple(t.stride() for t in tensors)
         self.tables = tuple(tables)
         self.value = value
-
-
-def _seen_after_writes(entry: Seen, tensors: Sequence[torch.Tensor]) -> bool:
-    """The slow half of :func:`seen_again`: a version counter moved. Tables must not have
-    been written; a written buffer must still be the same memory, shape, strides and dtype
-    (its contents are the engine's business)."""
-    if len(tensors) != len(entry.tensors):
-        return False
-    versions = []
-    for i, t in enumerate(tensors):
-        if t.data_ptr() != entry.ptrs[i]:  # set_(), .data = ...: other memory
-            return False
-        v = int(t._version)
-        if v != entry.versions[i] and (entry.tables[i] or (t.shape, t.stride(), t.dtype) != entry.metas[i]):
-            return False
-        versions.append(v)
-    entry.versions = tuple(versions)  # the buffers are still the same buffers
-    return True
 
 
 def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
     """True when ``tensors`` (the objects ``entry`` was made from: its key holds their ids,
     and the entry keeps them alive) still are what the entry was checked for: each at the
-    same ``data_ptr()`` with its version counter unchanged (no in-place write, ``set_``,
-    ``resize_`` or in-place view op since); or, for a buffer only, written since but the
-    same memory, shape, strides and dtype. A constant amount of work per argument: two
-    attribute reads while nothing moved, no hashing of shapes."""
+    same ``data_ptr()`` (``set_()``, ``.data = other``: other memory) with its version
+    counter unchanged (no in-place write, ``set_``, ``resize_`` or in-place view op since);
+    or, for a buffer only, written since (an engine writes its KV cache every step) but of
+    the same shape and strides (what an in-place op can change; its dtype cannot change
+    without ``.data =``, which no counter sees). A constant amount of work per argument:
+    two attribute reads while nothing moved, no hashing of shapes."""
     n = len(tensors)
     if n == 2:
         a, b = tensors
-        if (a.data_ptr(), b.data_ptr()) == entry.ptrs and (a._version, b._version) == entry.versions:
-            return True
+        if (a.data_ptr(), b.data_ptr()) != entry.ptrs:
+            return False
+        versions: tuple[int, ...] = (a._version, b._version)
     elif n == 4:
         a, b, c, d = tensors
-        if ((a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr()) == entry.ptrs
-                and (a._version, b._version, c._version, d._version) == entry.versions):
-            return True
-    elif tuple(t.data_ptr() for t in tensors) == entry.ptrs and tuple(t._version for t in tensors) == entry.versions:
+        if (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr()) != entry.ptrs:
+            return False
+        versions = (a._version, b._version, c._version, d._version)
+    else:
+        if tuple(t.data_ptr() for t in tensors) != entry.ptrs:
+            return False
+        versions = tuple(t._version for t in tensors)
+    if versions == entry.versions:
         return True
-    return _seen_after_writes(entry, tensors)
+    for t, v, was, table, shape, strides in zip(tensors, versions, entry.versions, entry.tables, entry.shapes,
+                                                 entry.strides):
+        # a raw table written: its addresses are resolved again; a buffer: what it is must hold
+        if v != was and (table or t.shape != shape or t.stride() != strides):
+            return False
+    entry.versions = versions  # the buffers are still the same buffers
+    return True
 
 
 def remember_seen(cache: OrderedDict[Any, Any], key: object, tensors: Sequence[torch.Tensor | None],
