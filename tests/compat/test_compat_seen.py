@@ -248,3 +248,21 @@ def test_layer_first_ops_repeat_and_check_what_they_are_given(regs: list[pd.Regi
     for i in range(L):
         assert same(others[i][S], dks[i][DI]) and same(hvs[i][S], dvs[i][DI])
     assert untouched(pool[0])
+
+
+def test_own_tensors_met_after_views_are_kept_by_identity(regs: list[pd.RegisteredHostMemory]) -> None:
+    """The prepared call was made from views made per call; the engine's own tensors over
+    the same memory, met twice, are then kept by identity all the same."""
+    pool = rand(host(regs, 2, HT, L, H, D))
+    dk, dv = dev(T, H, D), dev(T, H, D)
+    for _ in range(3):
+        sk.transfer_kv_per_layer_pf_lf(pool[0], dk, pool[1], dv, S, DI, 1, ITEM, L * ITEM)
+    before = len(sk.seen)
+    hk, hv = pool[0], pool[1]  # kept by the engine from now on
+    for _ in range(3):
+        poison(dk, dv)
+        sk.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, S, DI, 1, ITEM, L * ITEM)
+        assert same(dk[DI], hk[S, 1]) and same(dv[DI], hv[S, 1])
+    assert len(sk.seen) == before + 1
+    entry = next(reversed(sk.seen.values()))
+    assert entry.tensors[0] is hk and entry.tensors[2] is hv

@@ -87,6 +87,7 @@ from pointerdomain.registration.tables import PointerTable, make_kernel_ptr_tabl
 __all__ = [
     "addresses_table",
     "held",
+    "met_again",
     "remember_seen",
     "seen_again",
     "Seen",
@@ -323,6 +324,23 @@ def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
             return False
     entry.versions = versions  # the buffers are still the same buffers
     return True
+
+
+def met_again(tensors: Sequence[object], held: Sequence[object], last: list[tuple[object, ...]]) -> bool:
+    """After a memory-keyed hit of a prepared call: True when ``tensors`` are the objects
+    it holds (``held``) or the objects of its previous memory-keyed hit (``last[0]``): an
+    engine's own tensors, met again, worth keeping by identity (:func:`remember_seen`).
+    Otherwise they become ``last[0]``, kept alive there, so their ids stay taken: a view
+    an engine makes anew on every call never matches, and never churns the identity cache."""
+    for known in (held, last[0]):
+        if len(known) == len(tensors):
+            for x, y in zip(tensors, known):  # stops at the first other object: a new view comes first
+                if x is not y:
+                    break
+            else:
+                return True
+    last[0] = tuple(tensors)
+    return False
 
 
 def remember_seen(cache: OrderedDict[Any, Any], key: object, tensors: Sequence[torch.Tensor | None],

@@ -523,6 +523,8 @@ class _Ready(NamedTuple):
     exact: bool
     limit: int
     device: Device
+    #: the arguments of the last memory-keyed hit (:func:`pointerdomain.compat._raw.met_again`)
+    last: list[tuple[object, ...]]
 
 
 _ready: OrderedDict[tuple[object, ...], _Ready] = _raw.owned_cache()
@@ -626,8 +628,9 @@ def _replay(fast: tuple[object, ...], tensors: tuple[object, object], slot_mappi
 def _remember_seen(fast: tuple[object, ...], tensors: tuple[object, object], tables: tuple[bool, bool],
                    ready: _Ready, *, again: bool = False) -> None:
     """Keep a prepared call for :func:`_replay`; ``again`` (after a memory-keyed hit): only
-    when the arguments are the objects the call holds (views made anew per call would churn)."""
-    if again and not (tensors[0] is ready.held[0] and tensors[1] is ready.held[1]):
+    for objects met again (:func:`pointerdomain.compat._raw.met_again`; views made anew per
+    call would churn)."""
+    if again and not _raw.met_again(tensors, ready.held, ready.last):
         return
     _raw.remember_seen(_seen, fast, tensors, tables, ready)  # type: ignore[arg-type]
 
@@ -754,7 +757,7 @@ def multi_layer_kv_transfer(
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
     if g.heads == 1 and not g.block and _keyed_device(paged_memory_device) and key is not None:
         ready = _Ready(held(key_value, key_value_ptrs), mem, mem_layout, paged, paged_layout, to_paged, {}, skip,
-                       num_tokens - skip, legacy, num_tokens, device)
+                       num_tokens - skip, legacy, num_tokens, device, [()])
         _remember_ready(key, ready)
         _remember_seen(fast, (key_value, key_value_ptrs), (False, True), ready)
 
@@ -934,7 +937,7 @@ def single_layer_kv_transfer(
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
     if tok_runs == 1 and not g.block and key is not None:
         ready = _Ready(held(lmc_key_value_cache, vllm_key_value_cache), mem, mem_layout, paged, paged_layout, to_paged,
-                       {}, 0, None, False, buffered, device)
+                       {}, 0, None, False, buffered, device, [()])
         _remember_ready(key, ready)
         _remember_seen(fast, (lmc_key_value_cache, vllm_key_value_cache), (False, False), ready)
 

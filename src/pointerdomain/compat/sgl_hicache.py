@@ -295,7 +295,8 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     plain = ((element_dim is None or type(element_dim) is int) and (unroll is None or type(unroll) is int)
              and (block_quota is None or type(block_quota) is int))
     fast = ("one", id(k_dst), id(v_dst), id(k_src), id(v_src), element_dim, unroll, block_quota)
-    ts = (k_dst, k_src) if v_dst is None else (k_dst, v_dst, k_src, v_src)
+    # sources first: the host layer views sglang makes per call differ at once (met_again)
+    ts = (k_src, k_dst) if v_dst is None else (k_src, v_src, k_dst, v_dst)
     if plain and replay(fast, ts, indices_src, indices_dst):
         return
     key: tuple[object, ...] | None
@@ -339,7 +340,7 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     launch(sides[0], sides[1], row_parts(s_idx, src.rows, parts, src.stride // g),
            row_parts(d_idx, dst.rows, parts, dst.stride // g), layer=None, ctas=ctas)
     if parts == 1 and src.stride == dst.stride == g:  # packed rows: the indices are the slots
-        entry = Prepared(held(k_dst, v_dst, k_src, v_src), sides[0], sides[1], None, ctas)  # type: ignore[arg-type]
+        entry = Prepared(held(k_src, v_src, k_dst, v_dst), sides[0], sides[1], None, ctas, [()])  # type: ignore[arg-type]
         remember_call(key, entry)
         if key is not None:
             remember_seen(fast, ts, (False,) * len(ts), entry)
@@ -483,7 +484,7 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     launch(src, dst, row_parts(s_idx, s_rows, parts, s_stride // g), row_parts(d_idx, d_rows, parts, d_stride // g),
            layer=None, ctas=ctas)
     if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots
-        entry = Prepared(held(k_dst, v_dst, k_src, v_src), src, dst, None, ctas)  # type: ignore[arg-type]
+        entry = Prepared(held(k_dst, v_dst, k_src, v_src), src, dst, None, ctas, [()])  # type: ignore[arg-type]
         remember_call(key, entry)
         if key is not None:
             remember_seen(fast, ts, (True,) * len(ts), entry)

@@ -611,7 +611,7 @@ def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
-    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas)  # type: ignore[arg-type]
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
     remember_seen(fast if key is not None else None, ts, (False,) * len(ts), entry)
 
@@ -710,7 +710,7 @@ def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
-    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas)  # type: ignore[arg-type]
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
     remember_seen(fast if key is not None else None, ts, (True,) * len(ts), entry)
 
@@ -791,6 +791,8 @@ class Prepared(NamedTuple):
     dst: "Side"
     layer: int | None
     ctas: int
+    #: the arguments of the last memory-keyed hit (:func:`pointerdomain.compat._raw.met_again`)
+    last: list[tuple[object, ...]]
 
 
 prepared: OrderedDict[tuple[object, ...], Prepared] = _raw.owned_cache()
@@ -832,16 +834,11 @@ def remember_call(key: tuple[object, ...] | None, entry: Prepared) -> None:
 def remember_again(fast: tuple[object, ...] | None, tensors: Sequence[object], tables: Sequence[bool],
                    entry: Prepared) -> None:
     """After a memory-keyed hit: keep the call for :func:`replay` only when its arguments are
-    the very objects the prepared call holds (a pool's own tensors, met again after their
-    identity entry was dropped). Views an engine makes anew on every call would only churn
-    the identity cache: those calls keep the memory-keyed look-up."""
-    held = entry.held
-    if len(tensors) != len(held):
-        return
-    for a, b in zip(tensors, held):  # a plain loop: it stops at the first new view, cheaply
-        if a is not b:
-            return
-    remember_seen(fast, tensors, tables, entry)
+    objects met again (:func:`pointerdomain.compat._raw.met_again`: a pool's own tensors).
+    Views an engine makes anew on every call would only churn the identity cache: those
+    calls keep the memory-keyed look-up."""
+    if _raw.met_again(tensors, entry.held, entry.last):
+        remember_seen(fast, tensors, tables, entry)
 
 
 def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
@@ -905,7 +902,7 @@ def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=layer, ctas=ctas)
-    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, layer, ctas)  # type: ignore[arg-type]
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, layer, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
     remember_seen(fast if key is not None else None, ts, (False,) * len(ts), entry)
 
@@ -1010,7 +1007,7 @@ def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
-    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas)  # type: ignore[arg-type]
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
     remember_seen(fast if key is not None else None, ts, tables, entry)
 

@@ -295,6 +295,8 @@ class _Swap(NamedTuple):
     #: where the device's memory is host memory (a CPU mapping may lie in it): its backend's
     #: allocation look-up (an ordinal, or -1 for host memory); None: device memory is never host memory
     device_lookup: Callable[[int, int], int] | None
+    #: the arguments of the last memory-keyed hit (:func:`pointerdomain.compat._raw.met_again`)
+    last: list[tuple[object, ...]]
 
 
 _swaps: OrderedDict[tuple[object, ...], _Swap] = _raw.owned_cache()
@@ -412,7 +414,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
     except Exception:  # not plain tensors: the full path
         key = hit = None
     if hit is not None and plain and _swap_prepared(hit, block_mapping):
-        if src is hit.held[0] and dst is hit.held[1]:  # the cache's own tensors (not views made per call)
+        if _raw.met_again((src, dst), hit.held, hit.last):  # the cache's own tensors (not views made per call)
             _raw.remember_seen(_seen, fast, (src, dst), (False, False), hit)
         return
     _check_blocks("src", src)
@@ -458,7 +460,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
                                  backend="copy_engine")
     if key is not None:
         entry = _Swap(held(src, dst), src_table, dst_table, s_layout, d_layout,
-                      backend_for(device).device_lookup if device.runtime.host_memory else None)
+                      backend_for(device).device_lookup if device.runtime.host_memory else None, [()])
         with _flat_lock:
             _raw.remember(_swaps, key, entry, _SWAPS_MAX)
         _raw.remember_seen(_seen, fast, (src, dst), (False, False), entry)
