@@ -332,14 +332,17 @@ def met_again(tensors: Sequence[object], held: Sequence[object], last: list[tupl
     engine's own tensors, met again, worth keeping by identity (:func:`remember_seen`).
     Otherwise they become ``last[0]``, kept alive there, so their ids stay taken: a view
     an engine makes anew on every call never matches, and never churns the identity cache."""
-    for known in (held, last[0]):
+    prev, last[0] = last[0], tuple(tensors)
+    first = tensors[0]
+    if first is not held[0] and (not prev or first is not prev[0]):
+        return False  # the common miss, cheaply: callers put the argument an engine makes anew first
+    for known in (held, prev):
         if len(known) == len(tensors):
-            for x, y in zip(tensors, known):  # stops at the first other object: a new view comes first
+            for x, y in zip(tensors, known):
                 if x is not y:
                     break
             else:
                 return True
-    last[0] = tuple(tensors)
     return False
 
 
