@@ -45,6 +45,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
+from pointerdomain.registration import segments
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 __all__ = [
@@ -228,6 +229,8 @@ def _release(
         if chunks:
             _registry.remove(chunks[0].host_va.value)
         _registry.pinned_bytes -= nbytes
+    if chunks:
+        segments.forget(chunks[0].host_va.value)
 
 
 def _release_pinned(backend: PinnedAllocator, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
@@ -291,7 +294,7 @@ class RegisteredHostMemory(ProcessLocal):
     def __init__(
         self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int, *,
         policy: RegistrationPolicy | None = None, registered: torch.Tensor | None = None,
-        library_owned: bool = False,
+        library_owned: bool = False, segment: segments.Segment | None = None,
     ) -> None:
         self.device = device
         #: Order of creation in this process (metadata taken before a registration of the
@@ -329,6 +332,10 @@ class RegisteredHostMemory(ProcessLocal):
             counted = self.nbytes if rung in (Rung.SINGLE, Rung.CHUNKED) else 0
             _registry.add(self)
             _registry.pinned_bytes += counted
+        #: the shared segment the range lies in (noted in the host-wide ledger), or None
+        self.segment = segment if counted else None
+        if self.segment is not None:
+            segments.note(self.host_va.value, self.segment, counted)
         note_rung(rung)
         self.numa_node: int | None = node_of(self.host_va.value)
         keep = (self.tensor, self._registered)  # unregister before the mappings can go
@@ -572,6 +579,10 @@ def register_host_tensor(
         NonContiguousError: ``tensor`` is strided.
         InvalidRegistrationError: ``tensor`` is empty (a ``ValueError`` too).
         AlreadyRegisteredError: the range overlaps a registration.
+        BudgetExceededError: registering would pass a limit of the memory budget
+            (:mod:`pointerdomain.registration.budget`; ``MemlockBudgetError`` for
+            RLIMIT_MEMLOCK); RegistrationRefusedError: the platform refuses registration
+            (Confidential Computing). Both before any runtime call.
         RegistrationError: the runtime refused; nothing stays registered.
     """
     if not isinstance(tensor, torch.Tensor):
@@ -603,4 +614,8 @@ def register_host_tensor(
             if (other is not None and not other.foreign and other.host_va.value == flat.data_ptr()
                     and other.nbytes == flat.numel() and other.device == dev):
                 return other.acquire()
-    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy)
+    from pointerdomain.registration.budget import check_registration  # the budget reads this module's registry
+
+    segment = segments.segment_of(flat.data_ptr(), flat.numel())  # before the emulation may remap it
+    check_registration(flat.numel(), dev, policy=policy, segment=segment)
+    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy, segment=segment)
