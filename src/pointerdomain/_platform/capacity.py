@@ -167,6 +167,6 @@ def gpu_confidential_computing() -> bool | None:
         query = getattr(nvml, "nvmlSystemGetConfComputeState", None)
         if query is None or query(ctypes.byref(state)) != 0:
             return None  # a driver before CC support: not on
-        return state.ccFeature == 1
+        return bool(state.ccFeature == 1)
     finally:
         nvml.nvmlShutdown()

@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import resource
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -61,6 +61,7 @@ __all__ = [
     "check_registration",
     "device_cap",
     "host_facts",
+    "registry_usage",
     "set_device_cap",
     "simulated_host",
 ]
@@ -232,14 +233,23 @@ def device_cap(device: Device | str) -> int | None:
         return _caps.get(dev)
 
 
-def _usage(dev: Device) -> tuple[int, int, int]:
-    """(bytes this process pinned, of them for ``dev``, shared segment bytes on the host counted once)."""
-    from pointerdomain.registration.memory import open_registrations, pinned_bytes  # imports this module
+def _no_registrations(dev: Device) -> tuple[int, int]:
+    return 0, 0
 
-    total = pinned_bytes()
-    mine = sum(o.nbytes for o in open_registrations() if o.device == dev and not o.foreign)
+
+#: ``(bytes this process pinned, of them for the device)``: installed by
+#: :mod:`pointerdomain.registration.memory`, which holds the registry (it imports this module).
+registry_usage: Callable[[Device], tuple[int, int]] = _no_registrations
+
+
+def _usage(dev: Device, wsl2: bool) -> tuple[int, int, int]:
+    """(bytes this process pinned, of them for ``dev``, bytes of shared segments registered on
+    the host by other registrations, each counted once; read only where a limit needs it)."""
+    total, mine = registry_usage(dev)
+    if not wsl2:
+        return total, mine, 0
     private, shared = shared_pinned()
-    return total, mine, shared - private
+    return total, mine, max(0, shared - private)
 
 
 def budget_for(device: Device | str) -> Budget:
@@ -253,7 +263,7 @@ def budget_for(device: Device | str) -> Budget:
     pins = facts.pins if facts.pins is not None else not dev.runtime.host_memory
     counts = facts.memlock_counts if facts.memlock_counts is not None else (
         dev.runtime.host_memory and env.flag(env.EMULATE_MEMLOCK))
-    pinned, for_dev, others_shared = _usage(dev)
+    pinned, for_dev, others_shared = _usage(dev, facts.wsl2)
     limits = [Limit(name, "allocate", room, True, what,
                     "allocate less (fewer pages or layers per pool), free memory first, or raise the limit"
                     + (" (the container's memory limit; MemAvailable inside a container is the host's)"

@@ -45,7 +45,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
-from pointerdomain.registration import segments
+from pointerdomain.registration import budget, segments
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 __all__ = [
@@ -191,6 +191,13 @@ def open_registrations() -> list[RegisteredHostMemory]:
 def pinned_bytes() -> int:
     """Bytes registered through pointerdomain and not yet unregistered, in this process."""
     return _registry.pinned_bytes
+
+
+def _usage(device: Device) -> tuple[int, int]:
+    return _registry.pinned_bytes, sum(o.nbytes for o in open_registrations() if o.device == device and not o.foreign)
+
+
+budget.registry_usage = _usage  # the budget counts what is registered here
 
 
 def find_closed_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
@@ -614,8 +621,6 @@ def register_host_tensor(
             if (other is not None and not other.foreign and other.host_va.value == flat.data_ptr()
                     and other.nbytes == flat.numel() and other.device == dev):
                 return other.acquire()
-    from pointerdomain.registration.budget import check_registration  # the budget reads this module's registry
-
     segment = segments.segment_of(flat.data_ptr(), flat.numel())  # before the emulation may remap it
-    check_registration(flat.numel(), dev, policy=policy, segment=segment)
+    budget.check_registration(flat.numel(), dev, policy=policy, segment=segment)
     return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy, segment=segment)
