@@ -45,7 +45,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
-from pointerdomain.registration import budget, segments
+from pointerdomain.registration import budget, segments, teardown
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 __all__ = [
@@ -229,13 +229,26 @@ def _release(
                          DEFAULT_CLOSE_TIMEOUT_S)
         except BusyError:
             return  # left registered (a leak) rather than unmapped under a running copy
+    failed: list[str] = []
     for chunk in chunks:
         if chunk.owned:  # never a foreign registration (someone else's pin)
-            backend.unregister(chunk.registered_address, device)
+            code = backend.unregister(chunk.registered_address, device)
+            if code != 0:
+                failed.append(f"unregistering the chunk at {chunk.host_va!r} (+{chunk.nbytes}): "
+                              f"{backend.describe(code)} (error {code})")
+                continue
+            if nbytes:
+                with _registry._lock:
+                    _registry.pinned_bytes -= chunk.nbytes
     with _registry._lock:
         if chunks:
             _registry.remove(chunks[0].host_va.value)
-        _registry.pinned_bytes -= nbytes
+    if failed:  # still pinned: never unmapped nor freed (keep), never registered again
+        total = sum(c.nbytes for c in chunks)
+        teardown.quarantine(chunks[0].host_va, total, str(device),
+                            f"RegisteredHostMemory({chunks[0].host_va!r}, nbytes={total}, device={device})",
+                            "runtime", "; ".join(failed), (keep, chunks))
+        return
     if chunks:
         segments.forget(chunks[0].host_va.value)
 
@@ -317,6 +330,7 @@ class RegisteredHostMemory(ProcessLocal):
         policy = resolve_policy(policy)
         nbytes = tensor.numel() * tensor.element_size()
         with _registry._lock:
+            teardown.check_not_quarantined(tensor.data_ptr(), nbytes, "register")
             other = _registry.overlapping(tensor.data_ptr(), nbytes)
             if other is not None:
                 raise AlreadyRegisteredError(
@@ -535,6 +549,30 @@ class RegisteredHostMemory(ProcessLocal):
             self.leases.drain(f"registered memory at {self.host_va!r} (+{self.nbytes} bytes)", timeout)
             self._closed = True
         self._finalizer()
+
+    def quarantine(self, stage: teardown.Stage, reason: str) -> teardown.Quarantine:
+        """Close this registration without undoing it, for good: a teardown step before
+        the runtime's unregister failed (an engine's deregistration), so the memory may still
+        be reached by DMA and must stay registered and mapped. Every handle closes
+        (launches refuse it), nothing unregisters or frees it, and the range is refused to
+        later registrations (:mod:`pointerdomain.registration.teardown`).
+
+        Raises:
+            InvalidArgumentError: ``stage`` is not a teardown stage.
+        """
+        if stage not in teardown.STAGES:
+            raise InvalidArgumentError(f"stage: found {stage!r}, expected one of {teardown.STAGES}")
+        with _registry._lock:
+            for ref in self._pin.handles:
+                handle = ref()
+                if handle is not None:
+                    handle._closed = True
+                    handle._finalizer.detach()  # never unregistered
+            self._pin.refs = 0
+            self._pin._release = None
+            _registry.remove(self.host_va.value)
+        return teardown.quarantine(self.host_va, self.nbytes, str(self.device), repr(self), stage, reason,
+                                   (self.tensor, self._registered, self._pin))
 
     def __enter__(self) -> RegisteredHostMemory:
         return self

@@ -314,10 +314,13 @@ def device_report(device: Device) -> dict[str, Any]:
 def collect(devices: list[Device] | None = None) -> dict[str, Any]:
     """The whole report as JSON-ready data (``devices``: default every visible device,
     or ``[emulated:0]`` without a GPU)."""
+    from pointerdomain.registration.teardown import quarantined
+
     report: dict[str, Any] = {
         "versions": [asdict(r) for r in version_rows()],
         "host": [asdict(r) for r in host_rows()],
         "transfer_engines": [asdict(r) for r in engine_rows()],
+        "quarantined": [q.as_dict() for q in quarantined()],
     }
     try:
         extension_path()
@@ -377,6 +380,9 @@ def render_text(report: dict[str, Any]) -> None:
                           f"HostVA {st['host_va']}, DeviceAlias {st['device_alias']}"
                           f" ({'equal' if st['alias_equals_va'] else 'distinct'})")
         console.print(table)
+    for q in report.get("quarantined", []):
+        console.print(f"[bold red]quarantined[/]: {q['host_va']} (+{q['nbytes']} bytes, {q['device']}): "
+                      f"{q['stage']} teardown step failed: {q['reason']}")
     console.print("all self-tests passed" if report["ok"] else "[bold red]a self-test failed or the extension is missing")
 
 
