@@ -27,6 +27,7 @@ from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
+from pointerdomain._platform.top_bit import TOP_BIT, TopBitAliases
 
 if TYPE_CHECKING:
     from pointerdomain._platform.cuda import TorchCudartBackend
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NOT_REGISTERED",
     "NOT_SUPPORTED",
+    "TOP_BIT",
     "Backend",
     "DelegatingBackend",
     "DeviceAttributeName",
@@ -42,6 +44,7 @@ __all__ = [
     "EmulatedBackend",
     "FaultyBackend",
     "LaunchArgs",
+    "TopBitAliases",
     "TorchCudartBackend",
     "backend_for",
     "install_backend",
