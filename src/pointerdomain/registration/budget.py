@@ -302,12 +302,12 @@ def budget_for(device: Device | str) -> Budget:
 def _refuse(limit: Limit, nbytes: int, dev: Device, verb: str, memlock: int | None, pinned: int,
             name: str = "nbytes", what: str = "host") -> None:
     room = limit.room or 0
-    head = (f"{name}: {verb} {nbytes} bytes ({nbytes / (1 << 30):.2f} GiB) of {what} memory for {dev} would pass "
-            "the budget's "
-            f"{limit.name!r} limit: {limit.source}; {room} bytes left")
-    tail = f": nothing was allocated or registered. Fix: {limit.fix}"
+    head = (f"{name}: found a request for nbytes={nbytes} ({nbytes / (1 << 30):.2f} GiB) of {what} memory for {dev} "
+            f"({verb}), expected at most {room} bytes: the budget's {limit.name!r} limit, {limit.source}")
+    tail = f"; nothing was allocated or registered. Fix: {limit.fix}"
     if limit.name == "confidential_computing":
-        raise RegistrationRefusedError(f"{verb} host memory for {dev} is refused here: {limit.source}{tail}",
+        raise RegistrationRefusedError(f"{name}: found a request to register {nbytes} bytes of {what} memory for "
+                                       f"{dev}, expected a platform that registers host memory: {limit.source}{tail}",
                                        limit.name, limit.fix)
     if limit.name == "memlock":
         raise MemlockBudgetError(f"{head}. RLIMIT_MEMLOCK is {memlock} bytes and {pinned + nbytes} would be "

@@ -28,7 +28,7 @@ import torch
 from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.base import PinnedAllocator
 from pointerdomain._platform.numa import node_of
-from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
+from pointerdomain._platform.status import ALREADY_REGISTERED, NOT_REGISTERED, registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
@@ -233,7 +233,7 @@ def _release(
     for chunk in chunks:
         if chunk.owned:  # never a foreign registration (someone else's pin)
             code = backend.unregister(chunk.registered_address, device)
-            if code != 0:
+            if code not in (0, NOT_REGISTERED):  # 713: undone behind the owner already, nothing pinned
                 failed.append(f"unregistering the chunk at {chunk.host_va!r} (+{chunk.nbytes}): "
                               f"{backend.describe(code)} (error {code})")
                 continue
