@@ -107,7 +107,9 @@ def test_failed_nixl_deregistration_quarantines_before_the_runtime() -> None:
         with pytest.raises(errors.QuarantinedError) as info:
             pool.close()
         assert info.value.stage == "engine" and "memory still in use" in str(info.value)
-        assert isinstance(info.value.__cause__, errors.RuntimeCallError)
+        assert isinstance(info.value.__cause__, errors.QuarantinedError)  # the adapter's, from NIXL's error
+        assert isinstance(info.value.__cause__.__cause__, errors.RuntimeCallError)
+        assert len([q for q in teardown.quarantined() if q.host_va == pool.memory.host_va]) == 1  # once
         assert "runtime.unregister" not in log  # the runtime's unregister never ran
         assert memory.pinned_bytes() == pinned  # still pinned, still counted
         _assert_quarantined(pool, "engine", pattern)
@@ -161,3 +163,15 @@ def test_failed_runtime_unregister_quarantines() -> None:
         with pytest.raises(errors.QuarantinedError):
             pd.register_host_tensor(mem.tensor[:PAGE], DEV)
         assert bool((mem.tensor == 0x5A).all())
+
+
+def test_nixl_agent_close_quarantines_what_nixl_keeps() -> None:
+    log: list[str] = []
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    agent = nixl.HostNixlAgent("a", agent=Agent(log, fail=True))
+    agent.register_pool(pool)
+    with pytest.raises(errors.QuarantinedError) as info:
+        agent.close()  # the agent goes first, the pool is still open
+    assert info.value.stage == "engine" and "memory still in use" in str(info.value)
+    _assert_quarantined(pool, "engine", bytes(pool.memory.tensor[:8].tolist()))
+    pool.close()  # closed already: the hook does not run twice, nothing raises

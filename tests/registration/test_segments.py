@@ -95,6 +95,7 @@ def test_two_processes_one_memfd_counted_once(ledger: Path) -> None:
                 assert mem.segment is not None and mem.segment.key == key
                 assert sorted(p for p, _o, _n in segments.ledger_entries(key)) == sorted([os.getpid(), child.pid])
                 assert segments.segment_bytes(key) == nbytes  # two registrations, one pool
+                assert any(f"shared segment {key}" in note for note in pd.explain(mem.host_va.value).notes)
                 after = budget.budget_for(DEV)
                 wddm = {lim.name: lim for lim in after.limits}["wddm"]
                 # charged once: 8 MiB pool less the one 4 MiB segment, not 8 MiB

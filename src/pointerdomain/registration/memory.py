@@ -562,6 +562,9 @@ class RegisteredHostMemory(ProcessLocal):
         """
         if stage not in teardown.STAGES:
             raise InvalidArgumentError(f"stage: found {stage!r}, expected one of {teardown.STAGES}")
+        held = teardown.find_quarantine(self.host_va.value, self.nbytes)
+        if held is not None and held.host_va == self.host_va:
+            return held  # quarantined already (an adapter did, then the pool's close)
         with _registry._lock:
             for ref in self._pin.handles:
                 handle = ref()

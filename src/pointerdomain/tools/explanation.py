@@ -192,6 +192,10 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
     notes: list[str] = []
     if own:
         found = _find(value, notes)
+        seg = getattr(found.get("owner_obj"), "segment", None)
+        if seg is not None:
+            notes.append(f"shared segment {seg.key} ({seg.path}), bytes [{seg.offset}, +{seg.nbytes}) of it: "
+                         "other processes may register their own mappings of it (counted once by the budget)")
         held = find_quarantine(value)
         if held is not None:
             notes.append(f"QUARANTINED: [{held.host_va!r}, +{held.nbytes}) of {held.owner}: its {held.stage} teardown "
