@@ -111,7 +111,10 @@ def test_failed_nixl_deregistration_quarantines_before_the_runtime() -> None:
         assert isinstance(info.value.__cause__.__cause__, errors.RuntimeCallError)
         assert len([q for q in teardown.quarantined() if q.host_va == pool.memory.host_va]) == 1  # once
         assert "runtime.unregister" not in log  # the runtime's unregister never ran
-        assert memory.pinned_bytes() == pinned  # still pinned, still counted
+        n = pool.memory.nbytes
+        held = teardown.find_quarantine(pool.memory.host_va.value, n)
+        assert held is not None and held.pinned == n  # still pinned: the quarantine's, counted by the budget
+        assert memory.pinned_bytes() == pinned - n and teardown.quarantined_pinned() >= n
         _assert_quarantined(pool, "engine", pattern)
         idx = torch.arange(4, dtype=torch.int64)
         with pytest.raises(errors.ClosedError):
@@ -158,7 +161,7 @@ def test_failed_runtime_unregister_quarantines() -> None:
         mem.close()  # the runtime refused: nothing raised to the closer, the range is quarantined
         found = teardown.find_quarantine(mem.host_va.value, mem.nbytes)
         assert found is not None and found.stage == "runtime" and "error 999" in found.reason
-        assert memory.pinned_bytes() == before  # still pinned
+        assert memory.pinned_bytes() == before - 4 * PAGE and found.pinned == 4 * PAGE  # still pinned
         assert fb.calls["unregister"] == 1
         with pytest.raises(errors.QuarantinedError):
             pd.register_host_tensor(mem.tensor[:PAGE], DEV)

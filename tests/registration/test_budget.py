@@ -59,7 +59,7 @@ def test_cgroup_v2_limit_refuses_before_any_page(fake_cgroup: Path) -> None:
         _set_v2(fake_cgroup, rel, "max", 60 * MIB)  # the process's own level sets none
     found = cgroup_limit()
     assert found is not None and found.version == 2 and found.room == 4 * MIB and found.limit == 64 * MIB
-    base = memory.pinned_bytes()  # other tests' registrations (quarantined ones stay)
+    base = budget.budget_for(DEV).pinned_bytes  # other tests' registrations (quarantined ones stay)
     with install_backend(faults(), "emulated") as fb:
         with pytest.raises(errors.BudgetExceededError) as info:
             pd.alloc_registered(8 * MIB, DEV)
@@ -68,7 +68,7 @@ def test_cgroup_v2_limit_refuses_before_any_page(fake_cgroup: Path) -> None:
         text = str(info.value)
         assert "'cgroup' limit" in text and "nothing was allocated or registered" in text and str(64 * MIB) in text
         assert "MemAvailable inside a container is the host's" in text
-        assert fb.register_calls == [] and memory.pinned_bytes() == base
+        assert fb.register_calls == [] and budget.budget_for(DEV).pinned_bytes == base
         with pd.alloc_registered(2 * MIB, DEV) as small:  # what fits is allocated and registered
             assert small.nbytes == 2 * MIB and len(fb.register_calls) == 1
     # "max" everywhere: no limit
@@ -93,7 +93,7 @@ def test_cgroup_v1_ancestor_limit(fake_cgroup: Path) -> None:
 
 
 def test_wsl2_wddm_pool() -> None:
-    base = memory.pinned_bytes()  # other tests' registrations (quarantined ones stay)
+    base = budget.budget_for(DEV).pinned_bytes  # other tests' registrations (quarantined ones stay)
     with budget.simulated_host(wsl2=True, mem_total=8 * MIB + 2 * base, pins=True), \
             install_backend(faults(), "emulated") as fb:
         limits = {lim.name: lim for lim in budget.budget_for(DEV).limits}
@@ -104,7 +104,7 @@ def test_wsl2_wddm_pool() -> None:
             with pytest.raises(errors.BudgetExceededError) as info:
                 pd.register_host_tensor(torch.empty(2 * MIB, dtype=torch.uint8), DEV)
             assert info.value.limit == "wddm" and info.value.room == MIB and ".wslconfig" in info.value.fix
-            assert len(fb.register_calls) == calls and memory.pinned_bytes() == base + first.nbytes
+            assert len(fb.register_calls) == calls and budget.budget_for(DEV).pinned_bytes == base + first.nbytes
             # the ladder may degrade past it when asked to
             with pd.register_host_tensor(torch.empty(2 * MIB, dtype=torch.uint8), DEV,
                                          policy=pd.RegistrationPolicy(on_failure="degrade")) as other:

@@ -44,7 +44,13 @@ def test_segment_of_names_the_file_of_the_mapping(ledger: Path) -> None:
         st = os.fstat(fd)
         assert seg is not None and seg.key == segments.SegmentKey(st.st_dev, st.st_ino) == segments.segment_of_fd(fd)
         assert seg.offset == 4096 and seg.nbytes == 2 * 4096 and "memfd:pd-test-pool" in seg.path
-        assert segments.segment_of(torch.zeros(4096, dtype=torch.uint8).data_ptr(), 8) is None  # private memory
+        private = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        assert segments.segment_of(torch.frombuffer(private, dtype=torch.uint8).data_ptr(), 8) is None
+        emulated = pd.alloc_registered(4096, DEV)  # the library's own memfd: no segment
+        assert segments.segment_of(emulated.host_va.value, 8) is None
+        with pd.register_host_tensor(torch.frombuffer(private, dtype=torch.uint8), DEV) as mem:
+            assert mem.segment is None and not list(ledger.iterdir())
+        emulated.close()
         with pytest.raises(errors.InvalidArgumentError):
             segments.segment_of(tensor.data_ptr(), 0)
     finally:
@@ -86,7 +92,7 @@ def test_two_processes_one_memfd_counted_once(ledger: Path) -> None:
         key = segments.segment_of_fd(fd)
         assert got["seen"] == bytes(range(16)).hex() and got["segment"] == str(key) and got["entries"] == 1
         assert segments.segment_bytes(key) == nbytes
-        base = memory.pinned_bytes()  # other tests' registrations (quarantined ones stay)
+        base = budget.budget_for(DEV).pinned_bytes  # other tests' registrations (quarantined ones stay)
         with budget.simulated_host(wsl2=True, mem_total=16 * MIB + 2 * base, pins=True):
             before = budget.budget_for(DEV)
             assert before.shared_bytes == nbytes  # the child's registration, host-wide
@@ -99,7 +105,7 @@ def test_two_processes_one_memfd_counted_once(ledger: Path) -> None:
                 after = budget.budget_for(DEV)
                 wddm = {lim.name: lim for lim in after.limits}["wddm"]
                 # charged once: 8 MiB pool less the one 4 MiB segment, not 8 MiB
-                assert wddm.room == 8 * MIB - nbytes and after.pinned_bytes == memory.pinned_bytes() == base + nbytes
+                assert wddm.room == 8 * MIB - nbytes and after.pinned_bytes == base + nbytes
                 assert after.shared_bytes == 0
                 # a second, private 4 MiB still fits once; the segment is not charged twice
                 with pd.alloc_registered(3 * MIB, DEV):

@@ -51,6 +51,7 @@ from pointerdomain.errors import (
 )
 from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy
 from pointerdomain.registration.segments import Segment, registered_elsewhere, shared_pinned
+from pointerdomain.registration.teardown import quarantined_pinned
 
 __all__ = [
     "Budget",
@@ -126,7 +127,7 @@ class Budget:
     Attributes:
         device: the device (``"cuda:0"``).
         limits: every limit read, enforced or not.
-        pinned_bytes: bytes this process has registered (pinned).
+        pinned_bytes: bytes this process has pinned (open registrations and quarantined ranges).
         shared_bytes: bytes of shared segments registered on this host (each counted once).
     """
 
@@ -246,6 +247,7 @@ def _usage(dev: Device, wsl2: bool) -> tuple[int, int, int]:
     """(bytes this process pinned, of them for ``dev``, bytes of shared segments registered on
     the host by other registrations, each counted once; read only where a limit needs it)."""
     total, mine = registry_usage(dev)
+    total += quarantined_pinned()  # still pinned, never to be unregistered
     if not wsl2:
         return total, mine, 0
     private, shared = shared_pinned()

@@ -189,7 +189,9 @@ def open_registrations() -> list[RegisteredHostMemory]:
 
 
 def pinned_bytes() -> int:
-    """Bytes registered through pointerdomain and not yet unregistered, in this process."""
+    """Bytes of the open registrations made through pointerdomain in this process (ranges
+    quarantined with their registration still in place are counted by
+    :func:`pointerdomain.registration.teardown.quarantined_pinned`)."""
     return _registry.pinned_bytes
 
 
@@ -230,24 +232,23 @@ def _release(
         except BusyError:
             return  # left registered (a leak) rather than unmapped under a running copy
     failed: list[str] = []
+    still = 0
     for chunk in chunks:
         if chunk.owned:  # never a foreign registration (someone else's pin)
             code = backend.unregister(chunk.registered_address, device)
             if code not in (0, NOT_REGISTERED):  # 713: undone behind the owner already, nothing pinned
                 failed.append(f"unregistering the chunk at {chunk.host_va!r} (+{chunk.nbytes}): "
                               f"{backend.describe(code)} (error {code})")
-                continue
-            if nbytes:
-                with _registry._lock:
-                    _registry.pinned_bytes -= chunk.nbytes
+                still += chunk.nbytes if nbytes else 0
     with _registry._lock:
         if chunks:
             _registry.remove(chunks[0].host_va.value)
+        _registry.pinned_bytes -= nbytes  # what stays pinned is the quarantine's now
     if failed:  # still pinned: never unmapped nor freed (keep), never registered again
         total = sum(c.nbytes for c in chunks)
         teardown.quarantine(chunks[0].host_va, total, str(device),
                             f"RegisteredHostMemory({chunks[0].host_va!r}, nbytes={total}, device={device})",
-                            "runtime", "; ".join(failed), (keep, chunks))
+                            "runtime", "; ".join(failed), (keep, chunks), still)
         return
     if chunks:
         segments.forget(chunks[0].host_va.value)
@@ -574,8 +575,10 @@ class RegisteredHostMemory(ProcessLocal):
             self._pin.refs = 0
             self._pin._release = None
             _registry.remove(self.host_va.value)
+            pinned = self.nbytes if self.rung in (Rung.SINGLE, Rung.CHUNKED) else 0
+            _registry.pinned_bytes -= pinned  # the quarantine's now
         return teardown.quarantine(self.host_va, self.nbytes, str(self.device), repr(self), stage, reason,
-                                   (self.tensor, self._registered, self._pin))
+                                   (self.tensor, self._registered, self._pin), pinned)
 
     def __enter__(self) -> RegisteredHostMemory:
         return self

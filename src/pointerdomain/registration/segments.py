@@ -70,6 +70,11 @@ class Segment:
     path: str
 
 
+#: memfds this library makes for itself (the emulated backend's second mappings, strict
+#: alias mode's double mapping): their fds never leave the process, so they are no segment.
+_OWN_MEMFDS = ("/memfd:pointerdomain-emulated", "/memfd:pointerdomain-strict")
+
+
 def _maps(pid: str = "self") -> Iterator[tuple[int, int, str, int, int, int, str]]:
     """``(start, end, perms, file offset, st_dev, st_ino, path)`` of each mapping."""
     try:
@@ -101,8 +106,8 @@ def segment_of(va: int, nbytes: int) -> Segment | None:
     for lo, hi, perms, off, dev, ino, path in _maps():
         if hi <= want or lo > want:
             continue
-        if ino == 0 or "s" not in perms:
-            return None  # anonymous or private (copy-on-write) memory is nobody else's
+        if ino == 0 or "s" not in perms or path.strip().startswith(_OWN_MEMFDS):
+            return None  # anonymous, private (copy-on-write), or this library's own memfd (never handed out)
         here = off + (want - lo)
         if found is None:
             found = Segment(SegmentKey(dev, ino), here, nbytes, path.strip())

@@ -32,6 +32,7 @@ __all__ = [
     "find_quarantine",
     "quarantine",
     "quarantined",
+    "quarantined_pinned",
 ]
 
 Stage = Literal["engine", "runtime", "unmap", "owner"]
@@ -53,6 +54,9 @@ class Quarantine:
             ``"runtime"``: the runtime's unregister); the steps after it never ran.
         reason: what failed (the error).
         since: ``time.time()`` when it was quarantined.
+        pinned: bytes of it still pinned (counted by the memory budget; no longer in
+            :func:`pointerdomain.registration.memory.pinned_bytes`, which counts open
+            registrations).
     """
 
     host_va: HostVA
@@ -62,6 +66,7 @@ class Quarantine:
     stage: Stage
     reason: str
     since: float
+    pinned: int = 0
     #: what keeps the memory mapped (the tensor, the registered mapping): never released
     keep: object = field(default=None, repr=False, compare=False)
 
@@ -71,7 +76,8 @@ class Quarantine:
     def as_dict(self) -> dict[str, object]:
         """JSON-ready (``doctor --json``)."""
         return {"host_va": hex(self.host_va.value), "nbytes": self.nbytes, "device": self.device,
-                "owner": self.owner, "stage": self.stage, "reason": self.reason, "since": self.since}
+                "owner": self.owner, "stage": self.stage, "reason": self.reason, "since": self.since,
+                "pinned": self.pinned}
 
 
 _lock = threading.Lock()
@@ -79,10 +85,10 @@ _records: list[Quarantine] = []
 
 
 def quarantine(host_va: HostVA, nbytes: int, device: str, owner: str, stage: Stage, reason: str,
-               keep: object) -> Quarantine:
-    """Record ``[host_va, host_va + nbytes)`` as quarantined and keep ``keep`` (what maps
-    it) alive for the rest of the process."""
-    record = Quarantine(host_va, nbytes, device, owner, stage, reason, time.time(), keep)
+               keep: object, pinned: int = 0) -> Quarantine:
+    """Record ``[host_va, host_va + nbytes)`` as quarantined (``pinned`` bytes of it still
+    pinned) and keep ``keep`` (what maps it) alive for the rest of the process."""
+    record = Quarantine(host_va, nbytes, device, owner, stage, reason, time.time(), pinned, keep)
     with _lock:
         _records.append(record)
     return record
@@ -92,6 +98,12 @@ def quarantined() -> list[Quarantine]:
     """Every quarantined range of this process, oldest first."""
     with _lock:
         return list(_records)
+
+
+def quarantined_pinned() -> int:
+    """Bytes of quarantined ranges still pinned (the memory budget counts them)."""
+    with _lock:
+        return sum(q.pinned for q in _records)
 
 
 def find_quarantine(va: int, nbytes: int = 1) -> Quarantine | None:
