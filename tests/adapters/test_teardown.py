@@ -18,6 +18,9 @@ from pointerdomain.testing import DelegatingBackend, FaultyBackend, install_back
 from pointerdomain.tools import doctor
 from tests.reference import DEV, model_layout
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 PAGE = 4096
 
 

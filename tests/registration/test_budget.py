@@ -24,6 +24,9 @@ from pointerdomain.registration import budget, memory
 from tests.childenv import pythonpath
 from tests.reference import DEV
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 MIB = 1 << 20
 
 

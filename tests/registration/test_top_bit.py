@@ -17,6 +17,9 @@ from pointerdomain.testing import TOP_BIT, TopBitAliases, backend_for, install_b
 from pointerdomain.transfer.triton import kernel_table_arg
 from tests.reference import DEV, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer
 
+#: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
+pytestmark = pytest.mark.strict_alias
+
 HIGH = [TOP_BIT, TOP_BIT + 0x1000, (1 << 64) - 4096, (1 << 64) - 1]
 
 
