@@ -1,5 +1,7 @@
 """Test doubles for code that uses pointerdomain (the ``numpy.testing`` pattern): run a
-block with another backend for a device type, and backends that fail chosen calls.
+block with another backend for a device type, backends that fail chosen calls, and a profile
+whose device aliases are >= 2**63 (:class:`TopBitAliases`). (A host the memory budget sees
+differently: ``pointerdomain.registration.budget.simulated_host``.)
 
 Example (fail the third registration call with status 2)::
 
