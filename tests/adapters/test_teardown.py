@@ -11,10 +11,9 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
 from pointerdomain.adapters import mooncake, nixl
 from pointerdomain.registration import memory, teardown
-from pointerdomain.testing import DelegatingBackend, FaultyBackend, install_backend
+from pointerdomain.testing import DelegatingBackend, FaultyBackend, backend_for, install_backend
 from pointerdomain.tools import doctor
 from tests.reference import DEV, model_layout
 

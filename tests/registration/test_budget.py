@@ -16,11 +16,9 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import env, errors, ladder
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.capacity import cgroup_limit
-from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
-from pointerdomain._platform.testing import install_backend
 from pointerdomain.registration import budget, memory
+from pointerdomain.registration.budget import cgroup_limit
+from pointerdomain.testing import NOT_SUPPORTED, DriverFaults, backend_for, install_backend
 from tests.childenv import pythonpath
 from tests.reference import DEV
 
@@ -157,7 +155,7 @@ _PRLIMIT_CHILD = textwrap.dedent(
     from pointerdomain import errors
     from pointerdomain.registration import memory
     from pointerdomain.registration.budget import budget_for
-    from pointerdomain._platform import backend_for
+    from pointerdomain.testing import backend_for
     out = {"budget": budget_for("emulated:0").as_dict()}
     try:
         pd.register_host_tensor(torch.zeros(128 << 10, dtype=torch.uint8), "emulated:0")

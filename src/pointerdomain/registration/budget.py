@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 from pointerdomain import env
-from pointerdomain._platform.capacity import capacity_limits, gpu_confidential_computing, meminfo
+from pointerdomain._platform.capacity import CgroupLimit, capacity_limits, cgroup_limit, gpu_confidential_computing, meminfo
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import (
     BudgetExceededError,
@@ -55,10 +55,12 @@ from pointerdomain.registration.teardown import quarantined_pinned
 
 __all__ = [
     "Budget",
+    "CgroupLimit",
     "HostFacts",
     "Limit",
     "budget_for",
     "check_allocation",
+    "cgroup_limit",
     "check_registration",
     "device_cap",
     "host_facts",
