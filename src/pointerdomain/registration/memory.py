@@ -46,6 +46,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
+from pointerdomain.registration import budget, segments, teardown
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
 
 if TYPE_CHECKING:
@@ -192,8 +193,17 @@ def open_registrations() -> list[RegisteredHostMemory]:
 
 
 def pinned_bytes() -> int:
-    """Bytes registered through pointerdomain and not yet unregistered, in this process."""
+    """Bytes of the open registrations made through pointerdomain in this process (ranges
+    quarantined with their registration still in place are counted by
+    :func:`pointerdomain.registration.teardown.quarantined_pinned`)."""
     return _registry.pinned_bytes
+
+
+def _usage(device: Device) -> tuple[int, int]:
+    return _registry.pinned_bytes, sum(o.nbytes for o in open_registrations() if o.device == device and not o.foreign)
+
+
+budget.registry_usage = _usage  # the budget counts what is registered here
 
 
 def find_closed_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
@@ -225,13 +235,27 @@ def _release(
                          DEFAULT_CLOSE_TIMEOUT_S)
         except BusyError:
             return  # left registered (a leak) rather than unmapped under a running copy
+    failed: list[str] = []
+    still = 0
     for chunk in chunks:
         if chunk.owned:  # never a foreign registration (someone else's pin)
-            backend.unregister(chunk.registered_address, device)
+            code = backend.unregister(chunk.registered_address, device)
+            if code not in (0, backend.status.not_registered):  # undone behind the owner already: nothing pinned
+                failed.append(f"unregistering the chunk at {chunk.host_va!r} (+{chunk.nbytes}): "
+                              f"{backend.describe(code)} (error {code})")
+                still += chunk.nbytes if nbytes else 0
     with _registry._lock:
         if chunks:
             _registry.remove(chunks[0].host_va.value)
-        _registry.pinned_bytes -= nbytes
+        _registry.pinned_bytes -= nbytes  # what stays pinned is the quarantine's now
+    if failed:  # still pinned: never unmapped nor freed (keep), never registered again
+        total = sum(c.nbytes for c in chunks)
+        teardown.quarantine(chunks[0].host_va, total, str(device),
+                            f"RegisteredHostMemory({chunks[0].host_va!r}, nbytes={total}, device={device})",
+                            "runtime", "; ".join(failed), (keep, chunks), still)
+        return
+    if chunks:
+        segments.forget(chunks[0].host_va.value)
 
 
 def _release_pinned(backend: PinnedAllocator, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
@@ -295,7 +319,7 @@ class RegisteredHostMemory(ProcessLocal):
     def __init__(
         self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int, *,
         policy: RegistrationPolicy | None = None, registered: torch.Tensor | None = None,
-        library_owned: bool = False,
+        library_owned: bool = False, segment: segments.Segment | None = None,
     ) -> None:
         self.device = device
         #: Order of creation in this process (metadata taken before a registration of the
@@ -311,6 +335,7 @@ class RegisteredHostMemory(ProcessLocal):
         policy = resolve_policy(policy)
         nbytes = tensor.numel() * tensor.element_size()
         with _registry._lock:
+            teardown.check_not_quarantined(tensor.data_ptr(), nbytes, "register")
             other = _registry.overlapping(tensor.data_ptr(), nbytes)
             if other is not None:
                 raise AlreadyRegisteredError(
@@ -340,6 +365,10 @@ class RegisteredHostMemory(ProcessLocal):
             counted = self.nbytes if rung in (Rung.SINGLE, Rung.CHUNKED) else 0
             _registry.add(self)
             _registry.pinned_bytes += counted
+        #: the shared segment the range lies in (noted in the host-wide ledger), or None
+        self.segment = segment if counted else None
+        if self.segment is not None:
+            segments.note(self.host_va.value, self.segment, counted)
         note_rung(rung)
         self.numa_node: int | None = node_of(self.host_va.value)
         keep = (self.tensor, self._registered, twins)  # unregister before the mappings can go
@@ -539,6 +568,35 @@ class RegisteredHostMemory(ProcessLocal):
             self._closed = True
         self._finalizer()
 
+    def quarantine(self, stage: teardown.Stage, reason: str) -> teardown.Quarantine:
+        """Close this registration without undoing it, for good: a teardown step before
+        the runtime's unregister failed (an engine's deregistration), so the memory may still
+        be reached by DMA and must stay registered and mapped. Every handle closes
+        (launches refuse it), nothing unregisters or frees it, and the range is refused to
+        later registrations (:mod:`pointerdomain.registration.teardown`).
+
+        Raises:
+            InvalidArgumentError: ``stage`` is not a teardown stage.
+        """
+        if stage not in teardown.STAGES:
+            raise InvalidArgumentError(f"stage: found {stage!r}, expected one of {teardown.STAGES}")
+        held = teardown.find_quarantine(self.host_va.value, self.nbytes)
+        if held is not None and held.host_va == self.host_va:
+            return held  # quarantined already (an adapter did, then the pool's close)
+        with _registry._lock:
+            for ref in self._pin.handles:
+                handle = ref()
+                if handle is not None:
+                    handle._closed = True
+                    handle._finalizer.detach()  # never unregistered
+            self._pin.refs = 0
+            self._pin._release = None
+            _registry.remove(self.host_va.value)
+            pinned = self.nbytes if self.rung in (Rung.SINGLE, Rung.CHUNKED) else 0
+            _registry.pinned_bytes -= pinned  # the quarantine's now
+        return teardown.quarantine(self.host_va, self.nbytes, str(self.device), repr(self), stage, reason,
+                                   (self.tensor, self._registered, self._pin), pinned)
+
     def __enter__(self) -> RegisteredHostMemory:
         return self
 
@@ -589,6 +647,10 @@ def register_host_tensor(
         NonContiguousError: ``tensor`` is strided.
         InvalidRegistrationError: ``tensor`` is empty (a ``ValueError`` too).
         AlreadyRegisteredError: the range overlaps a registration.
+        BudgetExceededError: registering would pass a limit of the memory budget
+            (:mod:`pointerdomain.registration.budget`; ``MemlockBudgetError`` for
+            RLIMIT_MEMLOCK); RegistrationRefusedError: the platform refuses registration
+            (Confidential Computing). Both before any runtime call.
         RegistrationError: the runtime refused; nothing stays registered.
     """
     if not isinstance(tensor, torch.Tensor):
@@ -620,4 +682,6 @@ def register_host_tensor(
             if (other is not None and not other.foreign and other.host_va.value == flat.data_ptr()
                     and other.nbytes == flat.numel() and other.device == dev):
                 return other.acquire()
-    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy)
+    segment = segments.segment_of(flat.data_ptr(), flat.numel())  # before the emulation may remap it
+    budget.check_registration(flat.numel(), dev, policy=policy, segment=segment)
+    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy, segment=segment)

@@ -1,5 +1,7 @@
 """Test doubles for code that uses pointerdomain (the ``numpy.testing`` pattern): run a
-block with another backend for a device type, and backends that fail chosen calls.
+block with another backend for a device type, backends that fail chosen calls, and a profile
+whose device aliases are >= 2**63 (:class:`TopBitAliases`). (A host the memory budget sees
+differently: ``pointerdomain.registration.budget.simulated_host``.)
 
 Example (fail the third registration call with status 2)::
 
@@ -33,6 +35,7 @@ from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.graph_holds import EmulatedGraph
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
+from pointerdomain._platform.top_bit import TOP_BIT, TopBitAliases
 
 if TYPE_CHECKING:
     from pointerdomain._platform.cuda import TorchCudartBackend
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NOT_REGISTERED",
     "NOT_SUPPORTED",
+    "TOP_BIT",
     "Backend",
     "DelegatingBackend",
     "DeviceAttributeName",
@@ -52,6 +56,7 @@ __all__ = [
     "FaultyBackend",
     "KernelPlan",
     "LaunchArgs",
+    "TopBitAliases",
     "TorchCudartBackend",
     "backend_for",
     "default_device",
