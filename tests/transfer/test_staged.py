@@ -12,7 +12,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors, staged
-from pointerdomain._platform import Backend, backend_for
+from pointerdomain._platform import Backend, LaunchArgs, StagingArgs, backend_for
 from pointerdomain._platform.native import KernelPlan
 from pointerdomain._platform.cuda import TorchCudartBackend
 from pointerdomain._platform.faulty import FaultyBackend
@@ -173,7 +173,7 @@ def test_explicit_staged_during_capture_is_refused(cuda_like: CudaLike) -> None:
         cuda_like.capturing = True
         with pytest.raises(errors.InvalidArgumentError, match="captured"):
             host.load(pool, idx, idx, backend="staged")
-        assert cuda_like.calls["staged_transfer"] == 0 and cuda_like.calls["launch"] == 0
+        assert cuda_like.calls["staged"] == 0 and cuda_like.calls["launch"] == 0
 
 
 def _auto_load(cuda_like: CudaLike, pool: pd.DeviceKVPool, host: pd.HostKVPool, n: int, **kwargs: object) -> str:
@@ -183,7 +183,7 @@ def _auto_load(cuda_like: CudaLike, pool: pd.DeviceKVPool, host: pd.HostKVPool, 
     before = dict(cuda_like.calls)
     host.load(pool, h, d, **kwargs)  # type: ignore[arg-type]
     assert torch.equal(pool_bytes(pool), expected)
-    ran = [name for name in ("staged_transfer", "launch", "copy_runs") if cuda_like.calls[name] != before[name]]
+    ran = [name for name in ("staged", "launch", "copy_runs") if cuda_like.calls[name] != before[name]]
     assert len(ran) == 1, ran
     return ran[0]
 
@@ -193,8 +193,8 @@ def test_auto_picks_staged_where_it_wins_and_the_kernel_elsewhere(cuda_like: Cud
     pool, host = _pools(pages=64)  # 256 slots
     with host:
         need = staged.STAGED_MIN_CHUNKS * CHUNK
-        assert _auto_load(cuda_like, pool, host, need) == "staged_transfer"
-        assert _auto_load(cuda_like, pool, host, need, max_ctas=pd.WHOLE_GPU) == "staged_transfer"
+        assert _auto_load(cuda_like, pool, host, need) == "staged"
+        assert _auto_load(cuda_like, pool, host, need, max_ctas=pd.WHOLE_GPU) == "staged"
         assert _auto_load(cuda_like, pool, host, need - 1) == "launch"  # too few chunks to overlap
         assert _auto_load(cuda_like, pool, host, need, max_ctas=1) == "launch"  # 1 CTA: the kernel wins
         cuda_like.capturing = True
@@ -202,7 +202,7 @@ def test_auto_picks_staged_where_it_wins_and_the_kernel_elsewhere(cuda_like: Cud
         cuda_like.capturing = False
         h, d = _slots(host.layout.num_slots, need, 8), _slots(pool.layout.num_slots, need, 9)
         host.load_layer(pool, h, d, 1)  # per-layer: the kernel
-        assert cuda_like.calls["staged_transfer"] == 2
+        assert cuda_like.calls["staged"] == 2
         staged.set_staging(DEV)  # the default ring: the same transfer is now a fraction of one chunk
         assert _auto_load(cuda_like, pool, host, need) == "launch"
 
@@ -224,14 +224,14 @@ def test_auto_never_stages_without_a_native_path() -> None:
     with host, install_backend(FaultyBackend(backend_for(DEV), {}), "emulated") as emulated:
         h, d = torch.arange(200), torch.arange(200)
         host.load(pool, h, d)
-        assert emulated.calls["staged_transfer"] == 0 and emulated.calls["launch"] == 1
+        assert emulated.calls["staged"] == 0 and emulated.calls["launch"] == 1
 
 
 def test_native_bad_index_status_is_a_typed_error(cuda_like: CudaLike) -> None:
     pool, host = _pools()
     with host:
         before = _unchanged(pool, host)
-        cuda_like.fail["staged_transfer"] = {1: -2, 2: -1}
+        cuda_like.fail["staged"] = {1: -2, 2: -1}
         idx = torch.arange(8)
         with pytest.raises(errors.IndexValidationError, match="nothing was copied"):
             host.load(pool, idx, idx, backend="staged")
@@ -245,8 +245,8 @@ def test_a_build_without_the_gpu_ops_reports_not_built() -> None:
     assert not stand_in.staged_available()
     pool = pd.DeviceKVPool(model_layout(), DEV)
     with pytest.raises(errors.ExtensionUnavailableError, match="not built"):
-        stand_in.staged_transfer(_plan_kernel(pool), 0, 0, 1, 0, 3, True, 0, 0, 0, 1 << 24, 2,
-                                 DEV, 0, 2)
+        stand_in.staged(_plan_kernel(pool), LaunchArgs(0, 0, 1, 0, 3, DEV, 0, 2),
+                        StagingArgs(True, 0, 0, 0, 1 << 24, 2))
 
 
 def _plan_kernel(pool: pd.DeviceKVPool) -> KernelPlan:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain import _C, env
-from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
+from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain._platform.runtimes import EMULATED_CURRENT
@@ -183,18 +183,13 @@ class EmulatedBackend(RuntimeTraits):
     def load_kernels(self, device: Device) -> None:
         return None  # the CPU kernels are in the extension already
 
-    def launch(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def launch(self, plan: _C.KernelPlan, args: LaunchArgs) -> None:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args
         _require_current(device, "transfer kernel launch")
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
 
-    def launch_recorded(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> int:
-        self.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+    def launch_recorded(self, plan: _C.KernelPlan, args: LaunchArgs) -> int:
+        self.launch(plan, args)
         return 0  # synchronous: the copy is done when the call returns
 
     def record_event(self, device: Device, stream: int) -> int:
@@ -208,15 +203,12 @@ class EmulatedBackend(RuntimeTraits):
         _C.cpu_copy_runs(dsts, srcs, sizes, count)
 
     def staged_available(self) -> bool:
-        return False  # no copy engine to stage through: staged_transfer runs the kernel path
+        return False  # no copy engine to stage through: staged() runs the kernel path
 
-    def staged_transfer(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def staged(self, plan: _C.KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
         # The same bytes through the CPU kernel (emulated indices are host memory already).
-        _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
+        _C.cpu_transfer(plan, args.src_idx, args.dst_idx, args.n, args.layer_begin, args.layer_count,
+                        torch.get_num_threads())
 
     def synchronize(self, device: Device) -> None:
         return None

@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from pointerdomain._platform import backend_for
-from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArgs
+from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArgs, StagingArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
 from pointerdomain._platform.faulty import FaultyBackend
@@ -42,6 +42,7 @@ __all__ = [
     "EmulatedBackend",
     "FaultyBackend",
     "LaunchArgs",
+    "StagingArgs",
     "TorchCudartBackend",
     "backend_for",
     "install_backend",

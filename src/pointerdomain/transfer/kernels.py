@@ -409,27 +409,6 @@ def run(
         _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
 
 
-def _launch(
-    src: PointerTable[DeviceAlias],
-    src_layout: KVLayout,
-    dst: PointerTable[DeviceAlias],
-    dst_layout: KVLayout,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_begin: int,
-    layer_count: int,
-    stream: int | None,
-    max_ctas: MaxCtas,
-    backend: TransferBackend,
-    validate_indices: ValidateIndices,
-) -> None:
-    """The launch: :func:`check_call`, :func:`choose_path`, :func:`run`."""
-    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,
-                                     layer_count, stream, max_ctas, backend, validate_indices)
-    path = choose_path(plan, src, dst, options, args)
-    run(plan, src, dst, src_indices, dst_indices, args, path, options.check)
-
-
 def _run_on_device(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
     d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
@@ -442,6 +421,8 @@ def _run_on_device(
         s_idx = s_idx.to("cpu", copy=True)
         d_idx = d_idx.to("cpu", copy=True)
         _check_range(s_idx, d_idx, plan)
+        if args.n:  # the call names the copies it runs on
+            args = args._replace(src_idx=s_idx.data_ptr(), dst_idx=d_idx.data_ptr())
     elif path is _STAGED:
         if plan.lowering is not None:  # launch_staged checks the parts' slots: report the caller's
             _check_range(s_idx, d_idx, plan)
@@ -457,12 +438,11 @@ def _run_on_device(
     if plan.lowering is not None:  # a layout that splits items: from here on, the parts' slots
         s_idx, d_idx = plan.expand(s_idx, d_idx, None if stream == _CURRENT_STREAM else stream)
         args = args._replace(src_idx=s_idx.data_ptr(), dst_idx=d_idx.data_ptr(), n=s_idx.numel())
-    if checked.enabled():
-        checked.verify_launch(plan, src, dst, s_idx, d_idx, args.layer_begin, args.layer_count)
     if stream == _CURRENT_STREAM:  # asked here: after the host copies of the indices were taken
-        stream = platform.current_stream(device)
-        if path is not _KERNEL:
-            args = _new_args(LaunchArgs, (args[0], args[1], args[2], args[3], args[4], device, stream, args[7]))
+        args = _new_args(LaunchArgs, (args[0], args[1], args[2], args[3], args[4], device,
+                                      platform.current_stream(device), args[7]))
+    if checked.enabled():
+        checked.verify_launch(plan, src, dst, s_idx, d_idx, args)
     kernel = plan.kernel if check is not _CHECK_OFF or plan.unchecked is None else plan.unchecked
     # Lease the registrations both tables point into (device memory alone has none: a table
     # keeps its tensors alive); with leases, an event after the launch tells close() when
@@ -482,11 +462,10 @@ def _run_on_device(
             dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, args.layer_begin, args.layer_count)
             platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, args.stream)
             event = platform.record_event(device, args.stream) if owners else 0
-        elif owners:  # launch and record in one native call on CUDA (args, with the stream asked above)
-            event = platform.launch_recorded(kernel, args[0], args[1], args[2], args[3], args[4], device, stream,
-                                             args[7])
+        elif owners:  # launch and record in one native call on CUDA
+            event = platform.launch_recorded(kernel, args)
         else:
-            platform.launch(kernel, args[0], args[1], args[2], args[3], args[4], device, stream, args[7])
+            platform.launch(kernel, args)
     finally:
         if owners:
             leases.release_all(owners, tokens, event, platform)

@@ -47,7 +47,7 @@ from typing import Any, Final
 
 import torch
 
-from pointerdomain._platform import LaunchArgs, StagedCopy, backend_for
+from pointerdomain._platform import LaunchArgs, StagedCopy, StagingArgs, backend_for
 from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
@@ -306,8 +306,6 @@ def launch_staged(
     platform = plan.platform
     if not isinstance(platform, StagedCopy):
         raise ExtensionUnavailableError(f"the {platform.name} backend has no staged copy-engine path")
-    platform.staged_transfer(
-        plan.kernel, s_idx.data_ptr(), d_idx.data_ptr(), n, layer_begin, layer_count, host_is_src,
-        host_table.data_ptr(), host_idx.data_ptr(), staging.data_ptr(), config.nbytes, config.ring, plan.device,
-        stream, args.max_ctas,
-    )
+    platform.staged(plan.kernel, args._replace(src_idx=s_idx.data_ptr(), dst_idx=d_idx.data_ptr()),
+                    StagingArgs(host_is_src, host_table.data_ptr(), host_idx.data_ptr(), staging.data_ptr(),
+                                config.nbytes, config.ring))
