@@ -6,11 +6,13 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
 
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "emulation.h"
 #include "strict_alloc.h"
@@ -110,6 +112,31 @@ NB_MODULE(_C, m) {
         },
         nb::arg("dsts"), nb::arg("srcs"), nb::arg("sizes"), nb::arg("count"),
         nb::call_guard<nb::gil_scoped_release>(), "memcpy runs: addresses of uint64 arrays of dst, src, bytes.");
+    // The launch path's liveness check (pointerdomain._platform.liveness): one pass over the
+    // words a table recorded when it was built (each storage's data pointer and size, each
+    // kept tensor's storage and offset), instead of two Python calls per storage.
+    m.def(
+        "words_differ",
+        [](std::uint64_t addresses, std::uint64_t expected, std::size_t count) -> std::int64_t {
+            const auto *a = reinterpret_cast<const std::uint64_t *>(addresses);
+            const auto *e = reinterpret_cast<const std::uint64_t *>(expected);
+            for (std::size_t i = 0; i < count; ++i) {
+                std::uint64_t word;
+                std::memcpy(&word, reinterpret_cast<const void *>(a[i]), sizeof word);
+                if (word != e[i]) return static_cast<std::int64_t>(i);
+            }
+            return -1;
+        },
+        nb::arg("addresses"), nb::arg("expected"), nb::arg("count"),
+        "Index of the first i with *addresses[i] != expected[i] (uint64 arrays by address), or -1.");
+    m.def(
+        "read_words",
+        [](std::uint64_t address, std::size_t count) {
+            std::vector<std::uint64_t> words(count);
+            if (count) std::memcpy(words.data(), reinterpret_cast<const void *>(address), count * sizeof(std::uint64_t));
+            return words;
+        },
+        nb::arg("address"), nb::arg("count"), "count uint64 words from address (of a live object).");
     m.def(
         "emu_host_alloc",
         [](std::uint64_t nbytes) {

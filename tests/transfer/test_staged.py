@@ -176,9 +176,17 @@ def test_explicit_staged_during_capture_is_refused(cuda_like: CudaLike) -> None:
         assert cuda_like.calls["staged"] == 0 and cuda_like.calls["launch"] == 0
 
 
+def _on_device(idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` in emulated device memory: indices on the device, as a CUDA caller's are."""
+    out = pd.device_empty(tuple(idx.shape), torch.int64, DEV)
+    out.copy_(idx)
+    return out
+
+
 def _auto_load(cuda_like: CudaLike, pool: pd.DeviceKVPool, host: pd.HostKVPool, n: int, **kwargs: object) -> str:
-    """Run an auto load of n slots; which path ran; the bytes checked against the reference."""
-    h, d = _slots(host.layout.num_slots, n, 5), _slots(pool.layout.num_slots, n, 6)
+    """Run an auto load of n slots (indices in device memory); which path ran; the bytes
+    checked against the reference."""
+    h, d = _on_device(_slots(host.layout.num_slots, n, 5)), _on_device(_slots(pool.layout.num_slots, n, 6))
     expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, h, d)
     before = dict(cuda_like.calls)
     host.load(pool, h, d, **kwargs)  # type: ignore[arg-type]
@@ -205,6 +213,71 @@ def test_auto_picks_staged_where_it_wins_and_the_kernel_elsewhere(cuda_like: Cud
         assert cuda_like.calls["staged"] == 2
         staged.set_staging(DEV)  # the default ring: the same transfer is now a fraction of one chunk
         assert _auto_load(cuda_like, pool, host, need) == "launch"
+
+
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_auto_takes_cpu_indices_through_the_staged_path_at_any_size(cuda_like: CudaLike, direction: str) -> None:
+    """Indices in host memory (CPU tensors where the device is a GPU) are read on the host
+    anyway: ``"auto"`` takes them through the staged path wherever it applies, below the
+    chunk count it needs for indices on the device; explain_transfer says so beforehand."""
+    staged.set_staging(DEV, nbytes=SMALL_STAGING, ring=2)
+    pool, host = _pools(pages=64)
+    with host:
+        n = 7  # far below STAGED_MIN_CHUNKS * CHUNK
+        h, d = _slots(host.layout.num_slots, n, 11), _slots(pool.layout.num_slots, n, 12)
+        if direction == "load":
+            for b in pool.buffers:
+                b.view(torch.uint8).fill_(0xA5)  # the poisoned destination
+            src, src_layout, dst, dst_layout, s_idx, d_idx = (host.kernel_table, host.layout, pool.table,
+                                                              pool.layout, h, d)
+            expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, h, d)
+        else:
+            host.buffer.view(torch.uint8).fill_(0xA5)
+            src, src_layout, dst, dst_layout, s_idx, d_idx = (pool.table, pool.layout, host.kernel_table,
+                                                              host.layout, d, h)
+            expected = reference_transfer(pool_bytes(pool), pool.layout, host.buffer, host.layout, d, h)
+        choice = pd.explain_transfer(src, dst, s_idx, d_idx, src_layout=src_layout, dst_layout=dst_layout)
+        assert (choice.path, choice.host_indices) == ("staged", True), choice
+        before = dict(cuda_like.calls)
+        if direction == "load":
+            host.load(pool, h, d)
+            got = pool_bytes(pool)
+        else:
+            host.backup(pool, d, h)
+            got = as_bytes(host.buffer)
+        assert cuda_like.calls["staged"] == before["staged"] + 1 and cuda_like.calls["launch"] == before["launch"]
+        assert torch.equal(got.reshape(-1), as_bytes(expected).reshape(-1))
+        # the same slots on the device: too few chunks to overlap, the kernel
+        on_device = pd.explain_transfer(src, dst, _on_device(s_idx), _on_device(d_idx), src_layout=src_layout,
+                                        dst_layout=dst_layout)
+        assert (on_device.path, on_device.host_indices) == ("kernel", False), on_device
+        # per layer the staged path does not apply: the kernel reads host memory here
+        per_layer = pd.explain_transfer(src, dst, s_idx, d_idx, src_layout=src_layout, dst_layout=dst_layout,
+                                        layer_id=1)
+        assert per_layer.path == "kernel", per_layer
+
+
+def test_explain_transfer_runs_every_check_and_launches_nothing() -> None:
+    pool, host = _pools()
+    with host:
+        before = _unchanged(pool, host)
+        idx = torch.arange(4)
+        plain = pd.explain_transfer(host.kernel_table, pool.table, idx, idx, src_layout=host.layout,
+                                    dst_layout=pool.layout)
+        assert (plain.path, plain.host_indices) == ("kernel", True) and "kernel" in plain.reason
+        asked = pd.explain_transfer(host.kernel_table, pool.table, idx, idx, src_layout=host.layout,
+                                    dst_layout=pool.layout, backend="copy_engine")
+        assert asked.path == "copy_engine" and "asked" in asked.reason
+        with pytest.raises(errors.DomainError):
+            pd.explain_transfer(host.host_table, pool.table, idx, idx, src_layout=host.layout,  # type: ignore[arg-type]
+                                dst_layout=pool.layout)
+        with pytest.raises(errors.IndexValidationError):
+            pd.explain_transfer(host.kernel_table, pool.table, idx, idx[:3], src_layout=host.layout,
+                                dst_layout=pool.layout)
+        with pytest.raises(errors.IndexValidationError):
+            pd.explain_transfer(host.kernel_table, pool.table, idx, idx, src_layout=host.layout,
+                                dst_layout=pool.layout, layer_id=3)
+        assert all(torch.equal(a, b) for a, b in zip(before, _unchanged(pool, host)))
 
 
 def test_auto_keeps_the_kernel_for_other_host_layouts_and_large_items(cuda_like: CudaLike) -> None:

@@ -65,9 +65,11 @@ __all__ = [
     "Path",
     "TransferBackend",
     "ValidateIndices",
+    "TransferChoice",
     "WholeGpu",
     "check_call",
     "choose_path",
+    "explain_transfer",
     "index_tensor",
     "launch_options",
     "run",
@@ -177,28 +179,42 @@ _CURRENT_STREAM: Final = -1  # LaunchArgs.stream until the launch asks the devic
 _MAX_CTAS = 2**31 - 1  # a CUDA grid's x dimension (and the C++ int the budget travels in)
 
 
-def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
+_IDX_BAD: Final = 0  # a check fails: run the worded checks
+_IDX_DEVICE: Final = 1  # both in the launch device's memory
+_IDX_HOST: Final = 2  # both pass, one or both in host memory (read there, or by a kernel that reads host memory)
+
+
+def _index_memory(s_idx: object, d_idx: object, plan: TransferPlan) -> int:
     """Every check of :func:`_check_indices` for both index tensors at once, without
-    messages: True when both pass (the common case; the caller runs the per-tensor checks
-    for the error otherwise)."""
+    messages, and where they lie: :data:`_IDX_DEVICE` or :data:`_IDX_HOST` when both pass
+    (the common case), :data:`_IDX_BAD` otherwise (the caller then runs the per-tensor
+    checks, which word the error; CPU indices of a GPU launch take that way too)."""
     if not (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor)):
-        return False
+        return _IDX_BAD
     # stride (1,): 1-D and contiguous in one query (a 1-D tensor contiguous with another
     # stride, possible at one element, takes the worded checks, which pass it)
     if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
-        return False
+        return _IDX_BAD
     device = plan.device
     if not plan.host_memory:
-        return s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal
+        ok = s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal
+        return _IDX_DEVICE if ok else _IDX_BAD
     if s_idx.is_cuda or s_idx.is_meta or d_idx.is_cuda or d_idx.is_meta:
-        return False
+        return _IDX_BAD
     # emulated: CPU tensors, in host memory or this emulated device's (memory_device, by address)
     lookup, ordinal = plan.platform.device_lookup, device.ordinal
-    where = lookup(s_idx.data_ptr(), max(s_idx.numel() * 8, 1))
-    if where >= 0 and where != ordinal:
-        return False
-    where = lookup(d_idx.data_ptr(), max(d_idx.numel() * 8, 1))
-    return where < 0 or where == ordinal
+    s_where = lookup(s_idx.data_ptr(), max(s_idx.numel() * 8, 1))
+    if s_where >= 0 and s_where != ordinal:
+        return _IDX_BAD
+    d_where = lookup(d_idx.data_ptr(), max(d_idx.numel() * 8, 1))
+    if d_where >= 0 and d_where != ordinal:
+        return _IDX_BAD
+    return _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
+
+
+def _in_host_memory(idx: torch.Tensor) -> bool:
+    """Whether checked indices lie in host memory rather than the launch device's."""
+    return idx.is_cpu and memory_device(idx) is None
 
 
 class Path(enum.Enum):
@@ -309,11 +325,12 @@ def check_call(
     max_ctas: MaxCtas,
     backend: TransferBackend,
     validate_indices: ValidateIndices,
-) -> tuple[TransferPlan, LaunchOptions, LaunchArgs]:
+) -> tuple[TransferPlan, LaunchOptions, LaunchArgs, bool]:
     """The launch's first step: every check of the call (tables, indices, options), and the
-    call bound into its plan, options and :class:`LaunchArgs`. Nothing is launched."""
+    call bound into its plan, options and :class:`LaunchArgs`, and whether an index tensor
+    lies in host memory (:func:`choose_path` reads it). Nothing is launched."""
     # Every check below runs on every launch; the common case takes one combined test per
-    # group (plan.live, _indices_ok, the options cache) and only a failure runs the
+    # group (plan.live, _index_memory, the options cache) and only a failure runs the
     # per-item checks that word the error.
     plan = plan_for(src, src_layout, dst, dst_layout)
     if not plan.live(src, dst):
@@ -323,10 +340,12 @@ def check_call(
             except ClosedError as exc:
                 raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     device = plan.device
-    if not _indices_ok(src_indices, dst_indices, plan):  # not both on the device: the worded checks
-        host_read = backend == "staged" or backend == "copy_engine"  # these may take CPU indices
+    where = _index_memory(src_indices, dst_indices, plan)
+    if where == _IDX_BAD:  # not both on the device: the worded checks
+        host_read = backend != "kernel"  # the other paths may take CPU indices
         _check_indices("src_indices", src_indices, device, host_read)
         _check_indices("dst_indices", dst_indices, device, host_read)
+        where = _IDX_HOST if _in_host_memory(src_indices) or _in_host_memory(dst_indices) else _IDX_DEVICE
     n = src_indices.numel()
     if n != dst_indices.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
@@ -345,18 +364,22 @@ def check_call(
     else:
         options = launch_options(max_ctas, backend, validate_indices, stream)
     return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device,
-                                                 _CURRENT_STREAM if stream is None else stream, options.ctas))
+                                                 _CURRENT_STREAM if stream is None else stream, options.ctas)), \
+        where == _IDX_HOST
 
 
 def choose_path(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], options: LaunchOptions,
-    args: LaunchArgs,
+    args: LaunchArgs, host_indices: bool = False,
 ) -> Path:
-    """The launch's second step: the path that runs it (never :attr:`Path.AUTO`).
+    """The launch's second step: the path that runs it (never :attr:`Path.AUTO`);
+    ``host_indices``: an index tensor lies in host memory (from :func:`check_call`).
 
     Raises:
         UnpinnedMemoryError: a table over unpinned memory with a path other than the copy engine.
-        InvalidArgumentError: the copy engine or the staged path during graph capture.
+        InvalidArgumentError: the copy engine or the staged path during graph capture, or
+            ``"auto"`` with CPU indices that only a path reading them on the host can take
+            during capture.
     """
     path = options.path
     unpinned = plan.unpinned  # a registration of either table that kernels cannot read
@@ -376,6 +399,17 @@ def choose_path(
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if args.max_ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
         if plan.run_bytes >= threshold and not platform.is_capturing(device):
             return _COPY_ENGINE
+        if host_indices:  # read on the host anyway: the staged path wherever it applies
+            if platform.staged_auto and staged.auto_picks_staged(plan, src, dst, args, host_indices=True):
+                return _STAGED
+            if plan.host_memory:
+                return _KERNEL  # the kernel reads host memory (emulated device)
+            if platform.is_capturing(device):
+                raise InvalidArgumentError(
+                    "backend='auto' with CPU index tensors reads them on the host, which cannot be captured in a "
+                    "CUDA graph; pass indices on the device for a captured launch"
+                )
+            return _COPY_ENGINE  # a kernel on the GPU cannot read them
         if args.n >= staged.STAGED_MIN_CHUNKS and staged.auto_picks_staged(plan, src, dst, args):
             return _STAGED
         return _KERNEL
@@ -578,9 +612,10 @@ def transfer_kv_all_layer(
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
     num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
-    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
-                                     stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args), options.check)
+    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
+                                           stream, max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
+        options.check)
 
 
 def transfer_kv_per_layer(
@@ -610,6 +645,84 @@ def transfer_kv_per_layer(
         raise IndexValidationError(f"layer_id must be an int, got {layer_id!r}")
     if not 0 <= layer_id < src_layout.num_layers:
         raise IndexValidationError(f"layer_id {layer_id!r} outside [0, {src_layout.num_layers})")
-    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
-                                     stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args), options.check)
+    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
+                                           stream, max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
+        options.check)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferChoice:
+    """What a transfer call would run (:func:`explain_transfer`).
+
+    Attributes:
+        path: ``"kernel"``, ``"copy_engine"`` or ``"staged"``: the path ``backend`` resolves to.
+        reason: why, in one sentence.
+        host_indices: an index tensor lies in host memory (read on the host, or by a
+            kernel that reads host memory: the emulated device).
+    """
+
+    path: str
+    reason: str
+    host_indices: bool
+
+
+def _reason(plan: TransferPlan, options: LaunchOptions, args: LaunchArgs, path: Path, host: bool) -> str:
+    if options.path is not _AUTO:
+        return f"backend={options.path.value!r} was asked for"
+    if plan.unpinned is not None:
+        return "a table is over unpinned host memory, which only the copy engine reads"
+    threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if args.max_ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
+    if path is _COPY_ENGINE and plan.run_bytes >= threshold:
+        return f"both layouts give contiguous runs of {plan.run_bytes} bytes (>= {threshold}): the copy engine's size"
+    if path is _STAGED:
+        return ("CPU index tensors and a host pool whose slots are one block: the staged path reads them on the host "
+                "(the fastest path measured with CPU indices)" if host else
+                f"{args.n} slots fill at least {staged.STAGED_MIN_CHUNKS} staging chunks: the staged path overlaps "
+                "the copy engine with the kernel")
+    if path is _COPY_ENGINE:
+        return "CPU index tensors where the staged path does not apply: the copy engine reads them on the host"
+    if host and plan.host_memory:
+        return "the kernel (it reads host-memory indices on this device)"
+    return "the kernel (graph-safe, no host sync; faster than the copy engine for runs this short)"
+
+
+def explain_transfer(
+    src: PointerTable[DeviceAlias],
+    dst: PointerTable[DeviceAlias],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    src_layout: KVLayout,
+    dst_layout: KVLayout,
+    layer_id: int | None = None,
+    stream: int | None = None,
+    max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
+    backend: TransferBackend = "auto",
+    validate_indices: ValidateIndices = True,
+) -> TransferChoice:
+    """The path :func:`transfer_kv_all_layer` (``layer_id`` None) or
+    :func:`transfer_kv_per_layer` (``layer_id``) would run with these arguments, and why;
+    every check of the call runs, nothing is launched or copied. With ``backend="auto"``
+    the answer can change with the arguments' sizes, the indices' memory, the stream's
+    capture state and the staging configuration, so it holds for this call.
+
+    Returns:
+        A :class:`TransferChoice`.
+
+    Raises:
+        The errors of the transfer call raised before its launch (see
+        :func:`transfer_kv_all_layer`).
+    """
+    if not isinstance(cast(object, src_layout), KVLayout):
+        raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
+    if layer_id is None:
+        layer_begin, layer_count = 0, src_layout.num_layers
+    elif type(layer_id) is not int or not 0 <= layer_id < src_layout.num_layers:
+        raise IndexValidationError(f"layer_id {layer_id!r} is not None or an int in [0, {src_layout.num_layers})")
+    else:
+        layer_begin, layer_count = layer_id, 1
+    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,
+                                           layer_count, stream, max_ctas, backend, validate_indices)
+    path = choose_path(plan, src, dst, options, args, host)
+    return TransferChoice(path.value, _reason(plan, options, args, path, host), host)
