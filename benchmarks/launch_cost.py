@@ -17,10 +17,13 @@ torch reference on a poisoned destination before it is timed. The path ``"auto"`
 in the row's label (:func:`pointerdomain.explain_transfer`).
 
 Timing, made for a noisy shared machine: every call is timed in batches of ``--calls``
-calls (the batch mean), the batches of all calls and both rows interleaved round-robin
-``--repeats`` times, and each figure is the median over the repeats; ``ratio_64_to_1`` is
-the median of the per-repeat ratios of the public call over 64 allocations to the one over
-one allocation (1.0: the cost does not grow with the storages). ``--max-ratio X`` exits 1
+calls (the batch mean), the batches of all calls and both rows interleaved ``--repeats``
+times (each call next to what it is compared with: the row's bare launch, the other row's
+same call; the order reversed every other repeat), and each figure is the median over the
+repeats: of the times, of the per-repeat differences to the bare launch (``over``), of the
+per-repeat ratios. ``ratio_64_to_1`` is the median of the per-repeat ratios of the public
+call over 64 allocations to the one over one allocation (1.0: the cost does not grow with
+the storages). ``--max-ratio X`` exits 1
 when it is above ``X`` (the CI stage). ``--steps`` also times the public call's three
 steps one by one (``check_call``, ``choose_path``, ``run`` of
 :mod:`pointerdomain.transfer.kernels`).
@@ -160,20 +163,27 @@ def measure(calls: int, repeats: int, dev: pd.Device, steps: bool = False) -> di
     for fn in fns.values():  # warm-up
         for _ in range(200):
             fn()
+    # Each call next to the one it is compared with (a row's bare launch, the other row's
+    # public call), the order reversed every other repeat: load from other processes shifts
+    # both sides of a comparison alike.
+    order = [(row, name) for name in CALLS for row in ROWS]
     times: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for key, fn in fns.items():
-            times[key].append(_batch_us(fn, calls, sync))
+    for r in range(repeats):
+        for key in order if r % 2 == 0 else reversed(order):
+            times[key].append(_batch_us(fns[key], calls, sync))
     sync()
     rows = []
     for row in ROWS:
-        bare_us = statistics.median(times[(row, "bare launch")])
+        bare = times[(row, "bare launch")]
+        bare_us = statistics.median(bare)
         call_us = {name: statistics.median(times[(row, name)]) for name in CALLS[1:]}
+        over = {name: statistics.median(a - b for a, b in zip(times[(row, name)], bare)) for name in CALLS[1:]}
+        public = times[(row, "transfer_kv_all_layer")]
         entry: dict[str, Any] = dict(
             table=row, path=paths[row], bare_us=bare_us, public_us=call_us["transfer_kv_all_layer"],
-            over_bare_us=call_us["transfer_kv_all_layer"] - bare_us,
-            ratio_to_bare=call_us["transfer_kv_all_layer"] / bare_us,
-            calls_us=call_us, calls_over_bare_us={k: v - bare_us for k, v in call_us.items()},
+            over_bare_us=over["transfer_kv_all_layer"],
+            ratio_to_bare=statistics.median(a / b for a, b in zip(public, bare)),
+            calls_us=call_us, calls_over_bare_us=over,
         )
         if steps:
             entry["steps_us"] = _steps(src, sl, devices[row].table, si, di, calls, repeats, sync)
@@ -186,8 +196,8 @@ def measure(calls: int, repeats: int, dev: pd.Device, steps: bool = False) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.launch_cost", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=200, help="calls per timed batch (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=25, help="interleaved batches per call (default %(default)s)")
+    ap.add_argument("--calls", type=int, default=50, help="calls per timed batch (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=61, help="interleaved batches per call (default %(default)s)")
     ap.add_argument("--json", default=None, help="also write the result to this JSON file")
     ap.add_argument("--device", default=None,
                     help="cuda:N or emulated:N (default cuda:0 where a GPU with the GPU ops is, else emulated:0)")
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['ratio_to_bare']:7.2f}")
         for name, us in r["calls_us"].items():
             if name != "transfer_kv_all_layer":
-                print(f"    {name:48s} {'':7s} {us:7.2f} {us - r['bare_us']:+7.2f}")
+                print(f"    {name:48s} {'':7s} {us:7.2f} {r['calls_over_bare_us'][name]:+7.2f}")
         for step, us in r.get("steps_us", {}).items():
             print(f"    step {step:43s} {'':7s} {us:7.2f}")
     print(f"ratio_64_to_1 (public call, 64 allocations / one): {result['ratio_64_to_1']:.3f}")

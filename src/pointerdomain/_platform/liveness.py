@@ -31,7 +31,7 @@ from typing import Any, Final, NamedTuple, cast
 
 import torch
 
-__all__ = ["StorageWatch", "storage_watch", "word_layout_found"]
+__all__ = ["JointWatch", "StorageWatch", "joint_watch", "storage_watch", "word_layout_found"]
 
 #: Words read when looking for the fields (64 / 192 bytes: inside both objects, whose
 #: layouts in the torch builds this package supports are larger).
@@ -184,3 +184,31 @@ def storage_watch(storages: Sequence[torch.UntypedStorage], tensors: Sequence[to
         return StorageWatch(layout, storages, tensors)
     except _LayoutMismatch:
         return None
+
+
+class JointWatch:
+    """The words of several watches, compared in one native call, holding no reference to
+    the watched objects: valid only while the watches' owners live (a launch plan of two
+    tables, which reads it only while the call holds both tables)."""
+
+    __slots__ = ("_addresses", "_expected", "_address_ptr", "_expected_ptr", "_count", "_differ")
+
+    def __init__(self, watches: Sequence[StorageWatch]) -> None:
+        from pointerdomain import _C
+
+        self._addresses = torch.cat([w._addresses for w in watches])  # noqa: SLF001 -- same module
+        self._expected = torch.cat([w._expected for w in watches])  # noqa: SLF001
+        self._address_ptr = int(self._addresses.data_ptr())
+        self._expected_ptr = int(self._expected.data_ptr())
+        self._count = int(self._addresses.numel())
+        self._differ = _C.words_differ
+
+    def intact(self) -> bool:
+        """:meth:`StorageWatch.intact` of every watch at once."""
+        return self._differ(self._address_ptr, self._expected_ptr, self._count) < 0
+
+
+def joint_watch(*watches: StorageWatch | None) -> JointWatch | None:
+    """One :class:`JointWatch` over ``watches``, or None where one of them is None."""
+    present = [w for w in watches if w is not None]
+    return JointWatch(present) if len(present) == len(watches) else None

@@ -34,7 +34,7 @@ from pointerdomain.errors import (
     NotRegisteredError,
     RegistrationSpanError,
 )
-from pointerdomain._platform.liveness import storage_watch
+from pointerdomain._platform.liveness import StorageWatch, storage_watch
 from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.process_local import ProcessLocal
@@ -263,6 +263,11 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         elif not (tuple(map(_nbytes, storages)) == state and tuple(map(_data_ptr, storages)) == self._storage_ptrs):
             return False
         return tuple(map(_tensor_ptr, self._keepalive)) == self._tensor_ptrs
+
+    def storage_watch(self) -> StorageWatch | None:
+        """The native liveness check of this table (:mod:`pointerdomain._platform.liveness`),
+        or None where the per-storage reads of :meth:`storages_intact` stand in for it."""
+        return self._watch
 
     def check_live(self) -> None:
         """Every launch calls this (one native pass over the words of the table's storages

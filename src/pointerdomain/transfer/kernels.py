@@ -176,6 +176,7 @@ _Tensor: Final = torch.Tensor
 
 _UNIT = (1,)
 _CURRENT_STREAM: Final = -1  # LaunchArgs.stream until the launch asks the device's current stream
+_NO_TOKENS: Final[list[int]] = []  # the leases of a launch over tables without registrations
 _MAX_CTAS = 2**31 - 1  # a CUDA grid's x dimension (and the C++ int the budget travels in)
 
 
@@ -363,8 +364,10 @@ def check_call(
             raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
     else:
         options = launch_options(max_ctas, backend, validate_indices, stream)
-    return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device,
-                                                 _CURRENT_STREAM if stream is None else stream, options.ctas)), \
+    if stream is None:  # asked at the launch, where streams exist (run)
+        stream = _CURRENT_STREAM if plan.streams else 0
+    return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream,
+                                                 options.ctas)), \
         where == _IDX_HOST
 
 
@@ -436,6 +439,10 @@ def run(
         # state of the launch stream there): no Python device switch on the hot path.
         _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
         return
+    runtime = plan.runtime
+    if runtime is not None and runtime.current_ordinal() == args.device.ordinal:
+        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)  # on the tables' device already
+        return
     # The rest (host copies of the indices, checked mode, the staged path's streams and
     # events, the emulated kernels) on the tables' device; the caller's current device
     # comes back afterwards, also on error.
@@ -482,7 +489,7 @@ def _run_on_device(
     # keeps its tensors alive); with leases, an event after the launch tells close() when
     # the GPU is past it.
     owners = plan.owners
-    tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else []
+    tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else _NO_TOKENS
     if tokens is None:
         for owner in owners:
             owner.check_open()  # the closed one raises ClosedError
@@ -503,10 +510,10 @@ def _run_on_device(
     finally:
         if owners:
             leases.release_all(owners, tokens, event, platform)
-    if path is not _COPY_ENGINE and check is not _CHECK_OFF and platform.host_readable:
-        word = launch_errors.host_word(device)  # synchronous launch: a slot the kernel skipped (indices changed)
-        if word is not None and word.value:
-            launch_errors.raise_now(device)
+    word = plan.host_word  # host-readable error word: the launch was synchronous
+    if word is not None and word.value and path is not _COPY_ENGINE and check is not _CHECK_OFF and \
+            platform.host_readable:
+        launch_errors.raise_now(device)  # a slot the kernel skipped (indices changed after the check)
 
 
 def transfer_kv_all_layer(
