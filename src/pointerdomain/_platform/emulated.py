@@ -85,6 +85,8 @@ class EmulatedBackend(RuntimeTraits):
         self._device_count = device_count
         self._lock = threading.Lock()
         self._pinned: dict[int, int] = {}
+        # the launch path asks it for every index tensor: the native call itself, no Python frame
+        self.device_lookup = _C.emu_device_lookup  # type: ignore[method-assign]
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)

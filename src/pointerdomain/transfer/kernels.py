@@ -41,6 +41,7 @@ import torch
 from pointerdomain.registration import leases
 from pointerdomain.transfer import checked, launch_errors, overlap, staged
 from pointerdomain._platform import LaunchArgs, memory_device
+from pointerdomain._platform.host_indices import slots_problem
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
@@ -180,37 +181,12 @@ _NO_TOKENS: Final[list[int]] = []  # the leases of a launch over tables without 
 _MAX_CTAS = 2**31 - 1  # a CUDA grid's x dimension (and the C++ int the budget travels in)
 
 
+# Where check_call found the index tensors (its combined test of every check of
+# _check_indices, without messages: only a failure runs the per-tensor checks that word
+# the error; CPU indices of a GPU launch take that way too).
 _IDX_BAD: Final = 0  # a check fails: run the worded checks
 _IDX_DEVICE: Final = 1  # both in the launch device's memory
 _IDX_HOST: Final = 2  # both pass, one or both in host memory (read there, or by a kernel that reads host memory)
-
-
-def _index_memory(s_idx: object, d_idx: object, plan: TransferPlan) -> int:
-    """Every check of :func:`_check_indices` for both index tensors at once, without
-    messages, and where they lie: :data:`_IDX_DEVICE` or :data:`_IDX_HOST` when both pass
-    (the common case), :data:`_IDX_BAD` otherwise (the caller then runs the per-tensor
-    checks, which word the error; CPU indices of a GPU launch take that way too)."""
-    if not (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor)):
-        return _IDX_BAD
-    # stride (1,): 1-D and contiguous in one query (a 1-D tensor contiguous with another
-    # stride, possible at one element, takes the worded checks, which pass it)
-    if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
-        return _IDX_BAD
-    device = plan.device
-    if not plan.host_memory:
-        ok = s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal
-        return _IDX_DEVICE if ok else _IDX_BAD
-    if s_idx.is_cuda or s_idx.is_meta or d_idx.is_cuda or d_idx.is_meta:
-        return _IDX_BAD
-    # emulated: CPU tensors, in host memory or this emulated device's (memory_device, by address)
-    lookup, ordinal = plan.platform.device_lookup, device.ordinal
-    s_where = lookup(s_idx.data_ptr(), max(s_idx.numel() * 8, 1))
-    if s_where >= 0 and s_where != ordinal:
-        return _IDX_BAD
-    d_where = lookup(d_idx.data_ptr(), max(d_idx.numel() * 8, 1))
-    if d_where >= 0 and d_where != ordinal:
-        return _IDX_BAD
-    return _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
 
 
 def _in_host_memory(idx: torch.Tensor) -> bool:
@@ -331,26 +307,49 @@ def check_call(
     call bound into its plan, options and :class:`LaunchArgs`, and whether an index tensor
     lies in host memory (:func:`choose_path` reads it). Nothing is launched."""
     # Every check below runs on every launch; the common case takes one combined test per
-    # group (plan.live, _index_memory, the options cache) and only a failure runs the
+    # group (the tables' liveness words, the index tests, the options cache) and only a failure runs the
     # per-item checks that word the error.
     plan = plan_for(src, src_layout, dst, dst_layout)
-    if not plan.live(src, dst):
+    watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
+    live = watch.intact() if watch is not None else plan.live(src, dst)
+    for owner in plan.owners:
+        if owner.closed:
+            live = False
+    if not live:
         for name, table in (("src", src), ("dst", dst)):
             try:
                 table.check_live()
             except ClosedError as exc:
                 raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     device = plan.device
-    where = _index_memory(src_indices, dst_indices, plan)
+    # the index tests: each tensor query costs ~0.1 us, so each is asked once here
+    s_idx: object = src_indices  # checked at run time too: callers may be untyped
+    d_idx: object = dst_indices
+    where = _IDX_BAD
+    if (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
+            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
+        if not plan.host_memory:
+            if s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal:
+                where = _IDX_DEVICE
+        elif s_idx.is_cpu and d_idx.is_cpu:  # emulated: host memory or this emulated device's, by address
+            n, sp, dp = s_idx.numel(), s_idx.data_ptr(), d_idx.data_ptr()
+            lookup, ordinal = plan.platform.device_lookup, device.ordinal
+            s_where = lookup(sp, n * 8 or 8)
+            d_where = lookup(dp, d_idx.numel() * 8 or 8)
+            if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
+                where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
     if where == _IDX_BAD:  # not both on the device: the worded checks
         host_read = backend != "kernel"  # the other paths may take CPU indices
         _check_indices("src_indices", src_indices, device, host_read)
         _check_indices("dst_indices", dst_indices, device, host_read)
         where = _IDX_HOST if _in_host_memory(src_indices) or _in_host_memory(dst_indices) else _IDX_DEVICE
-    n = src_indices.numel()
+        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
+    elif not plan.host_memory:
+        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
     if n != dst_indices.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
-    sp, dp = (src_indices.data_ptr(), dst_indices.data_ptr()) if n else (0, 0)
+    if not n:
+        sp = dp = 0
     if n and plan.dst_starts and plan.indices_in_dst(sp, dp, 8 * n):
         raise OverlapError(
             "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
@@ -470,7 +469,9 @@ def _run_on_device(
     elif check is _CHECK_HOST or (check is _CHECK_DEFERRED and platform.host_readable):
         # host-readable indices (emulated device): no sync, so check before launching
         # (staged: launch_staged checks its own host copies of the indices)
-        _check_range(s_idx, d_idx, plan)
+        if not (plan.host_memory and args.n and plan.lowering is None) or slots_problem(
+                args.src_idx, args.dst_idx, args.n, plan.src_slots, plan.dst_slots):
+            _check_range(s_idx, d_idx, plan)  # (the addresses in args are these indices': check_call)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
     if args.n == 0:

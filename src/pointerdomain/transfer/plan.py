@@ -78,6 +78,7 @@ class TransferPlan:
             (:func:`~pointerdomain.layouts.lower_pair`), or None (the common case).
         host_memory, launch_sets_device, streams: the device's
             :class:`~pointerdomain.devices.DeviceRuntime` flags, read once per plan.
+        src_slots, dst_slots: ``num_slots`` of the given layouts (the slot range a launch checks).
         runtime: that runtime (its current device, asked per launch).
         host_word: the CPU view of the device's error word where it is host-readable.
         watch: both tables' liveness words in one native check, or None (each table's own
@@ -108,6 +109,8 @@ class TransferPlan:
     host_memory: bool = False
     launch_sets_device: bool = False
     streams: bool = True
+    src_slots: int = 0
+    dst_slots: int = 0
     runtime: DeviceRuntime | None = None
     host_word: ctypes.c_uint32 | None = None
     watch: JointWatch | None = None
@@ -340,7 +343,8 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args),
                         owners, same_memory, unpinned, starts, ends, lowering, device.runtime.host_memory,
-                        device.runtime.launch_sets_device, device.runtime.streams, device.runtime, host_word(device),
+                        device.runtime.launch_sets_device, device.runtime.streams, given_src.num_slots,
+                        given_dst.num_slots, device.runtime, host_word(device),
                         joint_watch(src.storage_watch(), dst.storage_watch()))
 
 
