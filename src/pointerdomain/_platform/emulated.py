@@ -63,7 +63,7 @@ _WRONG_DEVICE = 101
 def _require_current(device: Device, what: str) -> None:
     """The emulated form of "a kernel runs on the current device": work for ``device``
     while another emulated device is current would use that device's mappings."""
-    ordinal = getattr(EMULATED_CURRENT, "ordinal", 0)
+    ordinal = EMULATED_CURRENT.ordinal
     if ordinal != device.ordinal:
         current = f"emulated:{ordinal}"
         raise RuntimeCallError(

@@ -490,7 +490,12 @@ def _run_on_device(
     # keeps its tensors alive); with leases, an event after the launch tells close() when
     # the GPU is past it.
     owners = plan.owners
-    tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else _NO_TOKENS
+    single = owners[0].leases if len(owners) == 1 else None  # the common case (one host pool)
+    if single is not None:  # acquire_all without its list
+        token = single.acquire(("transfer", args.n, device, threading.get_ident()))
+        tokens: list[int] | None = None if token == -1 else _NO_TOKENS
+    else:
+        tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else _NO_TOKENS
     if tokens is None:
         for owner in owners:
             owner.check_open()  # the closed one raises ClosedError
@@ -509,7 +514,9 @@ def _run_on_device(
         else:
             platform.launch(kernel, args)
     finally:
-        if owners:
+        if single is not None:
+            single.release(token, event, platform)
+        elif owners:
             leases.release_all(owners, tokens, event, platform)
     word = plan.host_word  # host-readable error word: the launch was synchronous
     if word is not None and word.value and path is not _COPY_ENGINE and check is not _CHECK_OFF and \

@@ -99,6 +99,7 @@ class TransferPlan:
     run_bytes: int
     kernel: KernelPlan
     dst_ref: weakref.ref[PointerTable[DeviceAlias]]
+    src_ref: weakref.ref[PointerTable[DeviceAlias]]
     unchecked: KernelPlan | None = None
     owners: tuple[RegisteredHostMemory, ...] = ()
     same_memory: bool = False
@@ -341,7 +342,8 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
     starts, ends = _merged_ranges(dst.storage_spans())
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
-                        src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args),
+                        src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
+                        kernel_plan(*args),
                         owners, same_memory, unpinned, starts, ends, lowering, device.runtime.host_memory,
                         device.runtime.launch_sets_device, device.runtime.streams, given_src.num_slots,
                         given_dst.num_slots, device.runtime, host_word(device),
@@ -364,9 +366,19 @@ def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...],
 _plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], TransferPlan]] = (
     weakref.WeakKeyDictionary()
 )
+# The same plans by the ids of (src, dst, src_layout, dst_layout), for the launch path: one
+# dict lookup instead of the weak dictionary's reference per call. An entry is taken only
+# where the plan's own references say it is for these very objects (an id can be reused
+# once its object is gone), and dropped with its src.
+_by_ids: dict[tuple[int, int, int, int], TransferPlan] = {}
 
 
-on_backend_change(_plans.clear)
+def _clear() -> None:
+    _plans.clear()
+    _by_ids.clear()
+
+
+on_backend_change(_clear)
 
 
 def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTable[DeviceAlias], dst_layout: KVLayout) -> TransferPlan:
@@ -382,7 +394,12 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
             splits its items is paired with one it cannot be lowered with
             (:func:`~pointerdomain.layouts.lower_pair`).
     """
-    key = (id(dst), id(src_layout), id(dst_layout))
+    ids = (id(src), id(dst), id(src_layout), id(dst_layout))
+    plan = _by_ids.get(ids)
+    if (plan is not None and plan.src_ref() is src and plan.dst_ref() is dst and plan.given_src_layout is src_layout
+            and plan.given_dst_layout is dst_layout):
+        return plan
+    key = ids[1:]
     per_src = _plans.get(src) if isinstance(cast(object, src), PointerTable) else None
     plan = per_src.get(key) if per_src is not None else None
     if (plan is not None and plan.dst_ref() is dst and plan.given_src_layout is src_layout
@@ -390,4 +407,7 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
         return plan
     plan = _build(src, src_layout, dst, dst_layout)
     _plans.setdefault(src, {})[key] = plan
+    if _by_ids.get(ids) is None:
+        weakref.finalize(src, _by_ids.pop, ids, None)
+    _by_ids[ids] = plan
     return plan
