@@ -53,10 +53,14 @@ def cpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int) -> None:
     """memcpy runs: addresses of uint64 arrays of dst, src, bytes."""
 
 def words_differ(addresses: int, expected: int, count: int) -> int:
-    """Index of the first i with *addresses[i] != expected[i] (uint64 arrays by address), or -1."""
+    """
+    Index of the first i with *addresses[i] != expected[i] (uint64 arrays by address), or -1.
+    """
 
 def host_slots_problem(src_idx: int, dst_idx: int, n: int, src_slots: int, dst_slots: int) -> int:
-    """0, or 1 / 2: a src / dst slot outside [0, slots), 3: a dst slot twice (int64 host arrays by address)."""
+    """
+    0, or 1 / 2: a src / dst slot outside [0, slots), 3: a dst slot twice (int64 host arrays by address).
+    """
 
 def read_words(address: int, count: int) -> list[int]:
     """count uint64 words from address (of a live object)."""

@@ -350,7 +350,10 @@ def check_call(
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
     if not n:
         sp = dp = 0
-    if n and plan.dst_starts and plan.indices_in_dst(sp, dp, 8 * n):
+    starts = plan.dst_starts  # plan.indices_in_dst, its one-storage case inlined
+    if n and starts and (plan.indices_in_dst(sp, dp, 8 * n) if len(starts) > 1 else
+                         (sp < plan.dst_ends[0] and sp + 8 * n > starts[0])
+                         or (dp < plan.dst_ends[0] and dp + 8 * n > starts[0])):
         raise OverlapError(
             "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
             "overwrite the indices it is reading, and later slots would land in the wrong place; nothing was "
@@ -547,10 +550,10 @@ def transfer_kv_all_layer(
             ``src_layout`` / ``dst_layout``; same device.
         src_indices, dst_indices: ``int64`` 1-D token slots of equal length ``n``,
             on the launch device (CPU for an emulated device). With
-            ``backend="copy_engine"`` or ``"staged"``, which read the indices on the
-            host, they may be CPU tensors instead, which saves the device sync of
-            reading them (the staged path copies a device pool's checked indices to
-            the device itself).
+            ``backend="auto"``, ``"copy_engine"`` or ``"staged"``, which can read the
+            indices on the host, they may be CPU tensors instead, which saves the device
+            sync of reading them (the staged path copies a device pool's checked indices
+            to the device itself); ``"kernel"`` needs them on the device.
         src_layout, dst_layout: must agree on everything but ``kind``, ``num_pages`` and
             ``head_groups``. Where one splits its items (``page_head`` with
             ``num_heads`` > 1, ``page_unified`` with ``head_groups`` > 1) the launch runs
@@ -575,6 +578,12 @@ def transfer_kv_all_layer(
             both layouts give runs of at least 512 KiB (1 MiB with the whole GPU) and
             not capturing, else the staged path where it wins, else the kernel (faster
             than the engine up to 64 KiB runs even at 2 CTAs, measured on the H200).
+            With CPU index tensors (host memory on the emulated device) ``"auto"`` reads
+            them on the host: the staged path wherever it applies (any size; with CPU
+            indices it is the fastest path measured on the H200, 0.97-0.99 x bulk), else
+            the copy engine (the kernel on the emulated device, which reads host memory);
+            during capture CPU indices are refused. :func:`explain_transfer` says which
+            path a call takes and why.
             ``"staged"`` (:mod:`pointerdomain.transfer.staged`): the copy engine moves whole host
             runs of a ``page_first`` pool through a small device staging ring while the
             kernel (``max_ctas`` CTAs) scatters or gathers the items; all layers only,
@@ -616,7 +625,8 @@ def transfer_kv_all_layer(
             of a buffer of the dst table (the copy would overwrite its own indices).
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
             ``max_ctas``, ``backend`` or ``validate_indices``; ``backend="staged"`` or
-            ``"copy_engine"`` during CUDA-graph capture; ``"staged"`` per-layer, not
+            ``"copy_engine"`` during CUDA-graph capture, or ``"auto"`` with CPU index
+            tensors there; ``"staged"`` per-layer, not
             between a host and a device pool, or with a staging buffer too small.
         LayoutError: ``backend="staged"`` with a host layout whose slot is not one block.
         ExtensionUnavailableError: ``backend="staged"`` in a build without it.
