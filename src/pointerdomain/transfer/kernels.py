@@ -65,8 +65,8 @@ __all__ = [
     "MaxCtas",
     "Path",
     "TransferBackend",
-    "ValidateIndices",
     "TransferChoice",
+    "ValidateIndices",
     "WholeGpu",
     "check_call",
     "choose_path",
@@ -307,8 +307,8 @@ def check_call(
     call bound into its plan, options and :class:`LaunchArgs`, and whether an index tensor
     lies in host memory (:func:`choose_path` reads it). Nothing is launched."""
     # Every check below runs on every launch; the common case takes one combined test per
-    # group (the tables' liveness words, the index tests, the options cache) and only a failure runs the
-    # per-item checks that word the error.
+    # group (the tables' liveness words, the index tests, the options cache) and only a
+    # failure runs the per-item checks that word the error.
     plan = plan_for(src, src_layout, dst, dst_layout)
     watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
     live = watch.intact() if watch is not None else plan.live(src, dst)

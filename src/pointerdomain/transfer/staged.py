@@ -22,9 +22,10 @@ sync, while reading CUDA indices waits for the stream's earlier work, which back
 leaves the GPU idle while the host prepares the next call (docs/performance.md has both
 on the H200).
 
-Where it applies (else an explicit ``backend="staged"`` raises, and ``"auto"`` uses the
-kernel): all layers (:func:`~pointerdomain.transfer_kv_all_layer`), one table over
-registered host memory and the other over device memory of the same device, the host
+``backend="auto"`` takes it for CPU index tensors wherever it applies, at any size (see
+:func:`auto_picks_staged`). Where it applies (else an explicit ``backend="staged"`` raises,
+and ``"auto"`` uses the kernel, or the copy engine for CPU indices): all layers
+(:func:`~pointerdomain.transfer_kv_all_layer`), one table over registered host memory and the other over device memory of the same device, the host
 layout ``page_first`` or ``page_first_direct`` with a slot's layers contiguous
 (``page_first_direct`` only when ``page_size`` is 1: its layers are ``page_size`` items
 apart), ``page_head`` (a slot's head holds its layers contiguously; with several heads
