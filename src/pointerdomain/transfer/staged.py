@@ -23,15 +23,16 @@ leaves the GPU idle while the host prepares the next call (docs/performance.md h
 on the H200).
 
 ``backend="auto"`` takes it for CPU index tensors wherever it applies, at any size (see
-:func:`auto_picks_staged`). Where it applies (else an explicit ``backend="staged"`` raises,
-and ``"auto"`` uses the kernel, or the copy engine for CPU indices): all layers
+:func:`auto_picks_staged`). Where it applies (else an explicit ``backend="staged"``
+raises, and ``"auto"`` uses the kernel, or the copy engine for CPU indices): all layers
 (:func:`~pointerdomain.transfer_kv_all_layer`), one table over registered host memory and
 the other over device memory of the same device, the host layout ``page_first`` or
 ``page_first_direct`` with a slot's layers contiguous (``page_first_direct`` only when
-``page_size`` is 1: its layers are ``page_size`` items apart), ``page_head`` (a slot's head holds its layers contiguously; with several heads
-the launch is lowered to per-head items, :func:`pointerdomain.layouts.lower_pair`, and
-``"auto"`` does not pick the path for those: their speed is not measured) or
-``page_unified`` with one layer, and a staging buffer that holds at least one slot.
+``page_size`` is 1: its layers are ``page_size`` items apart), ``page_head`` (a slot's
+head holds its layers contiguously; with several heads the launch is lowered to per-head
+items, :func:`pointerdomain.layouts.lower_pair`, and ``"auto"`` does not pick the path for
+those: their speed is not measured) or ``page_unified`` with one layer, and a staging
+buffer that holds at least one slot.
 
 The staging buffer is device memory cached per device (:func:`set_staging`; default
 :data:`DEFAULT_STAGING_BYTES` in :data:`DEFAULT_STAGING_RING` ring slots), allocated on the
