@@ -15,7 +15,7 @@ def platform(va: HostVA, table: PointerTable[DeviceAlias], plan: _C.KernelPlan, 
     # Wrong arity.
     backend.register(va.value, 4096)  # type: ignore[call-arg]
     backend.alias(va.value)  # type: ignore[call-arg]
-    backend.launch(plan, 0, 0, 1, 0, 1, dev, 0, 4)  # type: ignore[call-arg]
+    backend.launch(plan)  # type: ignore[call-arg]
     # An address object or a table where the backend takes a raw int.
     backend.unregister(va, dev)  # type: ignore[arg-type]
     backend.copy_runs(table, 0, 0, 1, dev, 0)  # type: ignore[arg-type]
