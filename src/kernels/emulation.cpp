@@ -1,5 +1,7 @@
 #include "emulation.h"
 
+#include "strict_alloc.h"
+
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -17,13 +19,19 @@ struct Region {       // memory that a memfd backs, so it can be mapped again
     int fd;
     bool owned;       // from host_alloc (unmapped by host_free)
 };
+struct Guarded {                // an alias mapping inside a reservation of inaccessible pages
+    std::uint64_t base;         // the mapping (map_len bytes)
+    std::uint64_t reserve_base; // the reservation around it, PROT_NONE outside the mapping
+    std::uint64_t reserve_len;
+};
 struct Registration {
     std::uint64_t len;
     std::uint64_t alias;      // alias of va
     std::uint64_t map_base;   // start of the alias mapping (page aligned)
     std::uint64_t map_len;
     std::uint64_t region;     // key of the Region it came from
-    std::map<int, std::uint64_t> other_devices;  // ordinal > 0 -> its mapping's base (map_len bytes)
+    Guarded own;              // device 0's mapping (own.base == map_base)
+    std::map<int, Guarded> other_devices;  // ordinal > 0 -> its mapping (map_len bytes)
 };
 struct DeviceAlloc {
     std::uint64_t len;
@@ -99,6 +107,28 @@ std::map<std::uint64_t, Region>::iterator make_shareable(std::uint64_t va, std::
     return regions.emplace(lo, Region{hi - lo, fd, false}).first;
 }
 
+// Aliases of separately registered ranges are not one range (MI355X gives adjacent host
+// ranges aliases far apart, in the other order): each alias mapping sits at a random page
+// gap inside a reservation of inaccessible pages, below the previous one
+// (strict::reserve_guarded), so alias arithmetic that walks from one registration's alias
+// into the next one's host range touches a guard page (SIGSEGV) or an unrelated alias,
+// never the next registration.
+bool map_guarded(int fd, std::uint64_t off, std::uint64_t len, Guarded *out) {
+    std::uint64_t reserve = 0, total = 0;
+    const std::uint64_t at = strict::reserve_guarded(len, &reserve, &total);
+    if (at == 0) return false;
+    void *m = mmap(reinterpret_cast<void *>(at), len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                   static_cast<off_t>(off));
+    if (m == MAP_FAILED) {
+        munmap(reinterpret_cast<void *>(reserve), total);
+        return false;
+    }
+    *out = Guarded{at, reserve, total};
+    return true;
+}
+
+void unmap_guarded(const Guarded &g) { munmap(reinterpret_cast<void *>(g.reserve_base), g.reserve_len); }
+
 }  // namespace
 
 void *host_alloc(std::uint64_t nbytes) {
@@ -136,12 +166,10 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
     if (reg == regions.end()) reg = make_shareable(va, nbytes, &why);
     if (reg == regions.end()) return why;
     const std::uint64_t p = page(), lo = va & ~(p - 1), hi = (va + nbytes + p - 1) & ~(p - 1);
-    void *m = mmap(nullptr, hi - lo, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
-                   static_cast<off_t>(lo - reg->first));
-    if (m == MAP_FAILED) return kMapFailed;
-    const std::uint64_t base = reinterpret_cast<std::uint64_t>(m);
-    *alias = base + (va - lo);
-    registrations.emplace(va, Registration{nbytes, *alias, base, hi - lo, reg->first});
+    Guarded g{};
+    if (!map_guarded(reg->second.fd, lo - reg->first, hi - lo, &g)) return kMapFailed;
+    *alias = g.base + (va - lo);
+    registrations.emplace(va, Registration{nbytes, *alias, g.base, hi - lo, reg->first, g, {}});
     return kOk;
 }
 
@@ -154,46 +182,93 @@ int prepare_range(std::uint64_t va, std::uint64_t nbytes) {
 }
 
 namespace {
+// Back a region made in place (the caller's pages, which may share a page with its malloc
+// heap) by a new memfd holding a copy of its bytes, mapped at the same addresses: the
+// caller's mapping and every alias of the region's registrations. The child of a fork
+// calls it (single-threaded then), so its pages are its own at once and stay coherent
+// with their aliases: neither process's later writes reach the other.
+bool copy_into_own_file(std::uint64_t base, Region &r) {
+    const int fd = make_fd(r.len);
+    if (fd < 0) return false;
+    if (pwrite(fd, reinterpret_cast<void *>(base), r.len, 0) != static_cast<ssize_t>(r.len)) {
+        close(fd);
+        return false;
+    }
+    mmap(reinterpret_cast<void *>(base), r.len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+    for (auto &kv : registrations) {
+        if (kv.second.region != base) continue;
+        const off_t off = static_cast<off_t>((kv.first & ~(page() - 1)) - base);
+        mmap(reinterpret_cast<void *>(kv.second.map_base), kv.second.map_len, PROT_READ | PROT_WRITE,
+             MAP_SHARED | MAP_FIXED, fd, off);
+        for (auto &dev : kv.second.other_devices)
+            mmap(reinterpret_cast<void *>(dev.second.base), kv.second.map_len, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_FIXED, fd, off);
+    }
+    close(r.fd);
+    r.fd = fd;
+    return true;
+}
+
 // fork(): CUDA pinned memory of a malloc'd range is private to each process after
 // fork (Linux >= 5.9 copies pinned pages into the child early), so a child's writes
-// never reach the parent. Our memfd mappings are MAP_SHARED; in the child, map the
-// same file pages MAP_PRIVATE at the same addresses (copy on write, no copy now).
+// never reach the parent. Our memfd mappings are MAP_SHARED. In the child: the caller's
+// pages (regions made in place) are copied into a file of the child's own at once, as
+// CUDA copies pinned pages; memory this library allocated (owned regions, whole pages of
+// their own) maps the same file pages MAP_PRIVATE at the same addresses (copy on write,
+// no copy now).
 void before_fork() { mu.lock(); }
 void after_fork_parent() { mu.unlock(); }
 void after_fork_child() {
-    for (auto &kv : regions)
+    for (auto &kv : regions) {
+        if (!kv.second.owned && copy_into_own_file(kv.first, kv.second)) continue;
         mmap(reinterpret_cast<void *>(kv.first), kv.second.len, PROT_READ | PROT_WRITE,
              MAP_PRIVATE | MAP_FIXED, kv.second.fd, 0);
-    for (auto &kv : registrations) {
-        auto r = regions.find(kv.second.region);
-        if (r == regions.end()) continue;
-        const off_t off = static_cast<off_t>((kv.first & ~(page() - 1)) - r->first);
-        mmap(reinterpret_cast<void *>(kv.second.map_base), kv.second.map_len, PROT_READ | PROT_WRITE,
-             MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
-        for (auto &dev : kv.second.other_devices)  // other emulated devices' aliases
-            mmap(reinterpret_cast<void *>(dev.second), kv.second.map_len, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
+        for (auto &reg : registrations) {
+            if (reg.second.region != kv.first) continue;
+            const off_t off = static_cast<off_t>((reg.first & ~(page() - 1)) - kv.first);
+            mmap(reinterpret_cast<void *>(reg.second.map_base), reg.second.map_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_FIXED, kv.second.fd, off);
+            for (auto &dev : reg.second.other_devices)  // other emulated devices' aliases
+                mmap(reinterpret_cast<void *>(dev.second.base), reg.second.map_len, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_FIXED, kv.second.fd, off);
+        }
     }
     mu.unlock();
 }
 const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+
+// The caller's pages of a region made in place, once no registration uses it: private
+// anonymous memory again, with their bytes (a copy moved over them in one mremap), so
+// a later fork gives the child its own copy (a shared file mapping would carry the
+// child's writes, malloc heap included, into the parent). Writes to these pages by
+// another thread while this runs may be lost: close() must not race with them (the
+// Python binding holds the GIL). If the copy cannot be made the pages stay a shared
+// mapping of the file (bytes kept).
+void restore_private(std::uint64_t base, const Region &r) {
+    void *copy = mmap(nullptr, r.len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy == MAP_FAILED) return;
+    std::memcpy(copy, reinterpret_cast<const void *>(base), r.len);
+    if (mremap(copy, r.len, r.len, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void *>(base)) == MAP_FAILED)
+        munmap(copy, r.len);
+}
 }  // namespace
 
 int unregister_range(std::uint64_t va) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = registrations.find(va);
     if (it == registrations.end()) return kNotRegistered;
-    munmap(reinterpret_cast<void *>(it->second.map_base), it->second.map_len);
-    for (auto &kv : it->second.other_devices) munmap(reinterpret_cast<void *>(kv.second), it->second.map_len);
+    unmap_guarded(it->second.own);
+    for (auto &kv : it->second.other_devices) unmap_guarded(kv.second);
     const std::uint64_t region = it->second.region;
     registrations.erase(it);
     // A region made in place for an existing tensor lives while registrations use it;
-    // its pages stay mapped (the tensor still owns them), only the fd goes.
+    // its pages stay mapped (the tensor still owns them), private again, and the fd goes.
     auto r = regions.find(region);
     if (r != regions.end() && !r->second.owned) {
         bool used = false;
         for (auto &kv : registrations) used = used || kv.second.region == region;
         if (!used) {
+            restore_private(r->first, r->second);
             close(r->second.fd);
             regions.erase(r);
         }
@@ -222,12 +297,11 @@ int get_device_pointer_on(std::uint64_t va, int ordinal, std::uint64_t *alias) {
             auto reg = regions.find(r.region);
             if (reg == regions.end()) return kNotRegistered;
             const std::uint64_t lo = it->first & ~(page() - 1);
-            void *m = mmap(nullptr, r.map_len, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
-                           static_cast<off_t>(lo - reg->first));
-            if (m == MAP_FAILED) return kMapFailed;
-            dev = r.other_devices.emplace(ordinal, reinterpret_cast<std::uint64_t>(m)).first;
+            Guarded g{};
+            if (!map_guarded(reg->second.fd, lo - reg->first, r.map_len, &g)) return kMapFailed;
+            dev = r.other_devices.emplace(ordinal, g).first;
         }
-        base = dev->second;
+        base = dev->second.base;
     }
     *alias = base + (r.alias - r.map_base) + (va - it->first);
     return kOk;
@@ -239,7 +313,7 @@ int alias_lookup(std::uint64_t addr, std::uint64_t nbytes) {
         const Registration &r = kv.second;
         if (inside(addr, nbytes, r.map_base, r.map_len)) return 0;
         for (auto &dev : r.other_devices)
-            if (inside(addr, nbytes, dev.second, r.map_len)) return dev.first;
+            if (inside(addr, nbytes, dev.second.base, r.map_len)) return dev.first;
     }
     return -1;
 }

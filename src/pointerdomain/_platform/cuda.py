@@ -20,10 +20,12 @@ import torch
 
 from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
+from pointerdomain._platform.batch_copy import batch_allowed, plan_copy_runs
 from pointerdomain._platform.cuda_hint import BUILD_HINT
+from pointerdomain._platform.graph_holds import CudaGraphHolds, HeldGraph
 from pointerdomain._platform.pointer_query import PointerInfo, cuda_pointer_info
 from pointerdomain._platform.status import check, check_staged
-from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
+from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError, RuntimeCallError
 
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
@@ -42,6 +44,17 @@ _CUDA_ATTRIBUTE_IDS = {
     "PciBusId": 33,
     "PciDeviceId": 34,
 }
+
+
+_holds: list[CudaGraphHolds] = []
+_holds_lock = threading.Lock()
+
+
+def _graph_holds() -> CudaGraphHolds:
+    with _holds_lock:
+        if not _holds:
+            _holds.append(CudaGraphHolds())
+        return _holds[0]
 
 
 def load_cudart() -> Any:
@@ -125,6 +138,21 @@ class _TorchDevice(RuntimeTraits):
         with torch.cuda.device(device.ordinal):  # torch asks the current device's current stream
             return bool(torch.cuda.is_current_stream_capturing())
 
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        """The graph ``stream`` is being captured into (:mod:`.graph_holds`; CUDA's driver
+        API), or None. HIP: None (not tracked).
+
+        Raises:
+            RuntimeCallError: the driver could not be asked.
+        """
+        if self.runtime != "cuda":
+            return None
+        try:
+            holds = _graph_holds()
+            return holds.hold(device, stream)
+        except (OSError, RuntimeError) as exc:
+            raise RuntimeCallError("cuStreamGetCaptureInfo / cuUserObjectCreate", -1, str(exc)) from None
+
     def synchronize(self, device: Device) -> None:
         torch.cuda.synchronize(device.ordinal)
 
@@ -144,6 +172,8 @@ class CudaBackend(_TorchDevice):
         # The launch leases' events (pointerdomain.registration.leases): one per (ordinal, stream), made on
         # first use and kept for the process (a few bytes of driver state per stream used).
         self._events: dict[tuple[int, int], int] = {}
+        # The batched copy contract (batch_copy): never the batch call on HIP.
+        self._batch = batch_allowed(self.runtime, bool(_C.gpu_has_batch_copy))
 
     def _event(self, device: Device, stream: int) -> int:
         status, event = _C.gpu_event_create(device.ordinal)
@@ -156,6 +186,13 @@ class CudaBackend(_TorchDevice):
         status, capturing = _C.gpu_stream_capturing(device.ordinal, self.current_stream(device))
         check(self, "cudaStreamIsCapturing", status)
         return bool(capturing)
+
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        # The extension's capture query first (one native call): launches outside capture,
+        # the common case, never reach the driver through ctypes.
+        status, capturing = _C.gpu_stream_capturing(device.ordinal, stream)
+        check(self, "cudaStreamIsCapturing", status)
+        return super().graph_hold(device, stream) if capturing else None
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         return _C.gpu_host_register(va, nbytes, device.ordinal)
@@ -225,9 +262,19 @@ class CudaBackend(_TorchDevice):
         return True
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
-        status = _C.gpu_copy_runs(dsts, srcs, sizes, count, device.ordinal, stream, _C.gpu_has_batch_copy)
-        if status != 0:
-            check(self, "cudaMemcpyBatchAsync", status)
+        # Planned before anything is submitted (batch_copy): capped submissions, per-run
+        # copies while the stream is captured, the legacy stream through an ordered side stream.
+        capturing = False
+        if self._batch and count:
+            status, captured = _C.gpu_stream_capturing(device.ordinal, stream)
+            check(self, "cudaStreamIsCapturing", status)
+            capturing = bool(captured)
+        for sub in plan_copy_runs(count, stream, batched=self._batch, capturing=capturing):
+            skip = 8 * sub.first  # the submission's slice of the three uint64 arrays
+            status = _C.gpu_copy_runs(dsts + skip, srcs + skip, sizes + skip, sub.count, device.ordinal, stream,
+                                      sub.batched)
+            if status != 0:
+                check(self, "cudaMemcpyBatchAsync" if sub.batched else "cudaMemcpyAsync (copy runs)", status)
 
     def staged_available(self) -> bool:
         return True

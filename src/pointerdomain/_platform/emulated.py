@@ -15,6 +15,7 @@ unprivileged container counts them.
 
 from __future__ import annotations
 
+import collections
 import resource
 import threading
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ import torch
 
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
+from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
+from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain._platform.runtimes import EMULATED_CURRENT
@@ -56,6 +59,9 @@ _MESSAGES = {
 }
 
 
+#: Copy submissions the emulated backend keeps (the latest; older ones drop off).
+_RECORDED = 1 << 16
+
 #: cudaErrorInvalidDevice: the status of emulated work for a device that is not current.
 _WRONG_DEVICE = 101
 
@@ -74,7 +80,14 @@ def _require_current(device: Device, what: str) -> None:
 
 
 class EmulatedBackend(RuntimeTraits):
-    """See the module docstring."""
+    """See the module docstring.
+
+    Attributes:
+        copy_submissions: each submission of :meth:`copy_runs` as the batched copy
+            contract plans it (:mod:`.batch_copy`: descriptors, attributes, stream, batch
+            call or per-run copies), the latest ``2**16``; the emulated device stands in
+            for a runtime with the batch call, so the CPU suite checks the plan.
+    """
 
     name = "emulated"
     runtime = "emulated"
@@ -85,6 +98,7 @@ class EmulatedBackend(RuntimeTraits):
         self._device_count = device_count
         self._lock = threading.Lock()
         self._pinned: dict[int, int] = {}
+        self.copy_submissions: collections.deque[Submission] = collections.deque(maxlen=_RECORDED)
         # the launch path asks it for every index tensor: the native call itself, no Python frame
         self.device_lookup = _C.emu_device_lookup  # type: ignore[method-assign]
 
@@ -180,7 +194,14 @@ class EmulatedBackend(RuntimeTraits):
         return 0
 
     def is_capturing(self, device: Device) -> bool:
-        return False
+        """True while the calling thread captures ``device`` into an
+        :class:`~pointerdomain._platform.graph_holds.EmulatedGraph` (the stand-in for
+        stream capture: launches are recorded, not run)."""
+        return emulated_capture(device) is not None
+
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        graph = emulated_capture(device)
+        return None if graph is None else graph.held
 
     def load_kernels(self, device: Device) -> None:
         return None  # the CPU kernels are in the extension already
@@ -188,6 +209,10 @@ class EmulatedBackend(RuntimeTraits):
     def launch(self, plan: _C.KernelPlan, args: LaunchArgs) -> None:
         src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args
         _require_current(device, "transfer kernel launch")
+        graph = emulated_capture(device)
+        if graph is not None:  # captured: runs at each replay, with these addresses
+            graph.record(plan, (src_idx, dst_idx, n, layer_begin, layer_count))
+            return
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
 
     def launch_recorded(self, plan: _C.KernelPlan, args: LaunchArgs) -> int:
@@ -202,7 +227,12 @@ class EmulatedBackend(RuntimeTraits):
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         _require_current(device, "copy-engine runs")
-        _C.cpu_copy_runs(dsts, srcs, sizes, count)
+        plan = plan_copy_runs(count, stream, batched=batch_allowed(self.runtime, True),
+                              capturing=self.is_capturing(device))
+        for sub in plan:  # each submission's slice of the three uint64 arrays
+            skip = 8 * sub.first
+            _C.cpu_copy_runs(dsts + skip, srcs + skip, sizes + skip, sub.count)
+        self.copy_submissions.extend(plan)
 
     def staged_available(self) -> bool:
         return False  # no copy engine to stage through: staged() runs the kernel path

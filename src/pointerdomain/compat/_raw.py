@@ -172,6 +172,21 @@ def _open(table: PointerTable[DeviceAlias]) -> bool:
     return not owners or not any(owner.closed for owner in owners)
 
 
+def resolution_holds(table: PointerTable[DeviceAlias]) -> bool:
+    """True while what ``table`` was resolved against is unchanged: its registrations open
+    and each device-memory range still one allocation of its device. A cache keyed by
+    address values re-resolves otherwise: the same numbers may name new memory, and the
+    aliases of a new registration differ from the old one's."""
+    if not _open(table):
+        return False
+    for lo, hi, kind in table.resolved_regions():
+        if kind == "device":
+            info = pointer_info(table.device, lo)
+            if info is None or info.kind != "device" or not info.start <= lo < hi <= info.start + info.size:
+                return False
+    return True
+
+
 def _same(refs: tuple[weakref.ref[torch.Tensor], ...], items: tuple[torch.Tensor, ...]) -> bool:
     for r, t in zip(refs, items):
         if r() is not t:

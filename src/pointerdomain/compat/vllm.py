@@ -597,14 +597,15 @@ def swap_blocks_batch(
     s_raw = src.detach().to("cpu", copy=True).view(torch.int64)
     d_raw = dst.detach().to("cpu", copy=True).view(torch.int64)
     size = nbytes.detach().to("cpu", copy=True).view(torch.int64)
-    # The same descriptors as a batch checked before (an engine that repeats a transfer):
-    # its resolution holds as a cached raw table's does (pointerdomain.compat._raw: closed
-    # registrations are seen by the launch, freed device memory by checked mode), and its
-    # overlap check gave the same answer.
+    # The same descriptors as a batch checked before (an engine that repeats a transfer),
+    # while what it was resolved against holds (its registrations open, its device memory
+    # the same allocations: the same numbers may name memory allocated since, whose aliases
+    # differ): its tables serve again, and its overlap check gave the same answer.
     key = (n, int(s_raw[0]), int(d_raw[0]), int(size[0]))
     seen = _batches.get(key)
     if (seen is not None and torch.equal(seen.src, s_raw) and torch.equal(seen.dst, d_raw)
-            and torch.equal(seen.sizes, size)):
+            and torch.equal(seen.sizes, size)
+            and all(_raw.resolution_holds(t) for launch in seen.launches for t in launch[:2])):
         for src_table, dst_table, layout, slots in seen.launches:
             pd.transfer_kv_all_layer(src_table, dst_table, slots, slots, src_layout=layout, dst_layout=layout,
                                      backend="copy_engine")

@@ -22,13 +22,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
 from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.base import PinnedAllocator
 from pointerdomain._platform.numa import node_of
-from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
+from pointerdomain._platform.status import registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
@@ -46,6 +47,9 @@ from pointerdomain.errors import (
     with_address,
 )
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
+
+if TYPE_CHECKING:
+    from pointerdomain._platform.strict_alloc import ChunkTwins
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -70,7 +74,7 @@ class Chunk:
     host_va: HostVA
     nbytes: int
     #: Where the registration call was made, when not at ``host_va`` (strict alias mode:
-    #: the second, registered mapping of the same pages).
+    #: the chunk's registered mapping of the same pages, apart from the other chunks').
     register_va: int | None = None
     #: This library made the registration call and undoes it (False: pinned_copy memory,
     #: a foreign registration, unpinned memory).
@@ -314,11 +318,18 @@ class RegisteredHostMemory(ProcessLocal):
                     f"{other.host_va!r} (+{other.nbytes} bytes); close that one first or reuse it"
                 )
             self.tensor: torch.Tensor = tensor
-            self.host_va: HostVA = HostVA.unsafe_from_int(tensor.data_ptr())
+            # knows its span: ``host_va + n`` past the registration raises RegistrationSpanError
+            self.host_va: HostVA = HostVA.unsafe_from_int(tensor.data_ptr()).bounded(
+                tensor.data_ptr(), tensor.data_ptr() + nbytes)
             self.nbytes: int = nbytes
             record: list[str] = []
+            twins = None
+            if registered is not None:
+                from pointerdomain._platform.strict_alloc import ChunkTwins  # imports _C: strict mode only
+
+                twins = ChunkTwins(backend, registered)
             rung, chunks, self._registered = self._climb(
-                backend, registered, granularity, max_chunk_bytes, policy, library_owned, record)
+                backend, registered, twins, granularity, max_chunk_bytes, policy, library_owned, record)
             self.chunks = chunks
             self.rung: Rung = rung
             self.ladder_record: tuple[str, ...] = tuple(record)
@@ -331,7 +342,7 @@ class RegisteredHostMemory(ProcessLocal):
             _registry.pinned_bytes += counted
         note_rung(rung)
         self.numa_node: int | None = node_of(self.host_va.value)
-        keep = (self.tensor, self._registered)  # unregister before the mappings can go
+        keep = (self.tensor, self._registered, twins)  # unregister before the mappings can go
         if rung is Rung.PINNED_COPY and isinstance(backend, PinnedAllocator):
             release = functools.partial(_release_pinned, backend, device, chunks, counted, keep)
         else:
@@ -341,8 +352,8 @@ class RegisteredHostMemory(ProcessLocal):
         self._finalizer = weakref.finalize(self, _drop, self._pin, self.host_va.value)
 
     def _climb(
-        self, backend: Backend, registered: torch.Tensor | None, granularity: int, max_chunk_bytes: int,
-        policy: RegistrationPolicy, library_owned: bool, record: list[str],
+        self, backend: Backend, registered: torch.Tensor | None, twins: ChunkTwins | None, granularity: int,
+        max_chunk_bytes: int, policy: RegistrationPolicy, library_owned: bool, record: list[str],
     ) -> tuple[Rung, tuple[Chunk, ...], torch.Tensor | None]:
         """Register down the ladder (pointerdomain.registration.ladder); called with the registry lock held."""
         base = self.host_va.value if registered is None else registered.data_ptr()
@@ -357,19 +368,19 @@ class RegisteredHostMemory(ProcessLocal):
             plans.append((Rung.CHUNKED, small))
         error: Exception | None = None
         for rung, size in plans:
-            chunks = self._cuts(size, reg_va)
+            chunks = self._cuts(size, reg_va, twins)
             code, k = self._register_all(backend, chunks)
             if code == 0:
                 if rung is Rung.CHUNKED:
                     self._degraded(record, rung, "chunked")
                 return rung, chunks, registered
-            if code == ALREADY_REGISTERED and backend.pointer_is_host(base) and backend.pointer_is_host(
+            if code == backend.status.already_registered and backend.pointer_is_host(base) and backend.pointer_is_host(
                     base + self.nbytes - 1):
                 record.append(f"already registered by another owner (error {code}): used, never unregistered")
                 return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             error = self._registration_error(backend, code, chunks[k], k, len(chunks))
             record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
-            if policy.on_failure == "fail" or code == ALREADY_REGISTERED:
+            if policy.on_failure == "fail" or code == backend.status.already_registered:
                 raise error
         assert error is not None
         if library_owned and policy.allow_pinned_copy and isinstance(backend, PinnedAllocator):
@@ -387,11 +398,16 @@ class RegisteredHostMemory(ProcessLocal):
             return Rung.UNPINNED, (Chunk(self.host_va, self.nbytes, owned=False),), None
         raise type(error)(f"{error}; registration ladder exhausted: " + " | ".join(record))
 
-    def _cuts(self, size: int, reg_va: int | None) -> tuple[Chunk, ...]:
-        return tuple(
-            Chunk(self.host_va + start, min(size, self.nbytes - start), None if reg_va is None else reg_va + start)
-            for start in range(0, self.nbytes, size)
-        )
+    def _cuts(self, size: int, reg_va: int | None, twins: ChunkTwins | None) -> tuple[Chunk, ...]:
+        whole = size >= self.nbytes
+        out = []
+        for start in range(0, self.nbytes, size):
+            n = min(size, self.nbytes - start)
+            where = None if reg_va is None else reg_va + start
+            if twins is not None:  # strict: each chunk at its own mapping, apart from the others
+                where = twins.address(start, n, whole)
+            out.append(Chunk(self.host_va + start, n, where))
+        return tuple(out)
 
     def _register_all(self, backend: Backend, chunks: tuple[Chunk, ...]) -> tuple[int, int]:
         """(0, n) when every chunk registered, else (status, index of the failing chunk) after
@@ -417,10 +433,11 @@ class RegisteredHostMemory(ProcessLocal):
 
     def registered_address_of(self, va: HostVA) -> int:
         """The address the backend knows ``va`` by: ``va`` itself, or in strict alias mode the
-        same offset in the registered mapping (ask the alias of this, never of ``va``)."""
+        same offset in its chunk's registered mapping (ask the alias of this, never of ``va``)."""
         if self._registered is None:
             return va.value
-        return self._registered.data_ptr() + (va.value - self.host_va.value)
+        chunk = self.chunk_of(va, 1)  # each chunk has its own registered mapping
+        return chunk.registered_address + (va.value - chunk.host_va.value)
 
     def note_alias_device(self, device: Device) -> None:
         """Record that an alias of this registration was asked for on ``device`` (the

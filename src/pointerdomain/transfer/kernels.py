@@ -39,7 +39,7 @@ from typing import Any, Final, Literal, cast
 import torch
 
 from pointerdomain.registration import leases
-from pointerdomain.transfer import checked, launch_errors, overlap, staged
+from pointerdomain.transfer import checked, graphs, launch_errors, overlap, staged
 from pointerdomain._platform import LaunchArgs, memory_device
 from pointerdomain._platform.host_indices import slots_problem
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
@@ -516,6 +516,8 @@ def _run_on_device(
             event = platform.launch_recorded(kernel, args)
         else:
             platform.launch(kernel, args)
+        if event == 0:  # nothing to wait for: synchronous, or captured into a graph (which then holds the memory)
+            graphs.note_launch(platform, plan, src, dst, device, args.stream, (s_idx, d_idx))
     finally:
         if single is not None:
             single.release(token, event, platform)
