@@ -372,14 +372,16 @@ class Bench:
 
         # Baseline: the platform layer's launch of the same plan, no checks at all (what the
         # public call costs over it is the typed layer's overhead; target <= 5 us).
+        from pointerdomain._platform import LaunchArgs
         from pointerdomain.transfer.plan import plan_for
 
         plan = plan_for(src.table, src.layout, dst.table, dst.layout)
         stream = int(self.stream.cuda_stream) if self.cuda else 0
 
+        args = LaunchArgs(si.data_ptr(), di.data_ptr(), si.numel(), 0, src.layout.num_layers, plan.device, stream, 2)
+
         def direct() -> None:
-            plan.platform.launch(plan.unchecked or plan.kernel, si.data_ptr(), di.data_ptr(), si.numel(), 0,
-                                 src.layout.num_layers, plan.device, stream, 2)
+            plan.platform.launch(plan.unchecked or plan.kernel, args)
 
         calls: list[tuple[str, Callable[[], Fn]]] = [("platform launch (no checks), max_ctas=2", lambda: direct)]
         for backend in ("kernel", "auto"):

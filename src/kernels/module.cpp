@@ -6,11 +6,13 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
 
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "emulation.h"
 #include "strict_alloc.h"
@@ -110,6 +112,60 @@ NB_MODULE(_C, m) {
         },
         nb::arg("dsts"), nb::arg("srcs"), nb::arg("sizes"), nb::arg("count"),
         nb::call_guard<nb::gil_scoped_release>(), "memcpy runs: addresses of uint64 arrays of dst, src, bytes.");
+    // The launch path's liveness check (pointerdomain._platform.liveness): one pass over the
+    // words a table recorded when it was built (each storage's data pointer and size, each
+    // kept tensor's storage and offset), instead of two Python calls per storage.
+    m.def(
+        "words_differ",
+        [](std::uint64_t addresses, std::uint64_t expected, std::size_t count) -> std::int64_t {
+            const auto *a = reinterpret_cast<const std::uint64_t *>(addresses);
+            const auto *e = reinterpret_cast<const std::uint64_t *>(expected);
+            for (std::size_t i = 0; i < count; ++i) {
+                std::uint64_t word;
+                std::memcpy(&word, reinterpret_cast<const void *>(a[i]), sizeof word);
+                if (word != e[i]) return static_cast<std::int64_t>(i);
+            }
+            return -1;
+        },
+        nb::arg("addresses"), nb::arg("expected"), nb::arg("count"),
+        "Index of the first i with *addresses[i] != expected[i] (uint64 arrays by address), or -1.");
+    // The host-side index check of indices in host memory (the emulated device, the copy
+    // engine's copies): every slot inside its side's [0, slots), no destination twice; the
+    // caller words the error (pointerdomain.transfer.plan) when this says there is one.
+    m.def(
+        "host_slots_problem",
+        [](std::uint64_t src_idx, std::uint64_t dst_idx, std::size_t n, std::int64_t src_slots,
+           std::int64_t dst_slots) -> int {
+            const auto *s = reinterpret_cast<const std::int64_t *>(src_idx);
+            const auto *d = reinterpret_cast<const std::int64_t *>(dst_idx);
+            for (std::size_t i = 0; i < n; ++i) {
+                if (s[i] < 0 || s[i] >= src_slots) return 1;
+                if (d[i] < 0 || d[i] >= dst_slots) return 2;
+            }
+            if (n < 2) return 0;
+            if (n <= 32) {
+                for (std::size_t i = 1; i < n; ++i)
+                    for (std::size_t j = 0; j < i; ++j)
+                        if (d[i] == d[j]) return 3;
+                return 0;
+            }
+            std::vector<bool> seen(static_cast<std::size_t>(dst_slots), false);
+            for (std::size_t i = 0; i < n; ++i) {
+                if (seen[static_cast<std::size_t>(d[i])]) return 3;
+                seen[static_cast<std::size_t>(d[i])] = true;
+            }
+            return 0;
+        },
+        nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("src_slots"), nb::arg("dst_slots"),
+        "0, or 1 / 2: a src / dst slot outside [0, slots), 3: a dst slot twice (int64 host arrays by address).");
+    m.def(
+        "read_words",
+        [](std::uint64_t address, std::size_t count) {
+            std::vector<std::uint64_t> words(count);
+            if (count) std::memcpy(words.data(), reinterpret_cast<const void *>(address), count * sizeof(std::uint64_t));
+            return words;
+        },
+        nb::arg("address"), nb::arg("count"), "count uint64 words from address (of a live object).");
     m.def(
         "emu_host_alloc",
         [](std::uint64_t nbytes) {

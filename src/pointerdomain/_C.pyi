@@ -52,6 +52,19 @@ def cpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_beg
 def cpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int) -> None:
     """memcpy runs: addresses of uint64 arrays of dst, src, bytes."""
 
+def words_differ(addresses: int, expected: int, count: int) -> int:
+    """
+    Index of the first i with *addresses[i] != expected[i] (uint64 arrays by address), or -1.
+    """
+
+def host_slots_problem(src_idx: int, dst_idx: int, n: int, src_slots: int, dst_slots: int) -> int:
+    """
+    0, or 1 / 2: a src / dst slot outside [0, slots), 3: a dst slot twice (int64 host arrays by address).
+    """
+
+def read_words(address: int, count: int) -> list[int]:
+    """count uint64 words from address (of a live object)."""
+
 def emu_host_alloc(nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
     """Page-aligned, memfd-backed host memory as a uint8 tensor."""
 

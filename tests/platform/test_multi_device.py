@@ -30,7 +30,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import Backend, backend_for
+from pointerdomain._platform import Backend, LaunchArgs, backend_for
 from pointerdomain._platform.emulated import EmulatedBackend
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
@@ -66,10 +66,9 @@ class RecordingBackend(FaultyBackend):
         super().__init__(inner, fail or {})
         self.seen: list[tuple[pd.Device, pd.Device]] = []  # (device argument, current device)
 
-    def launch(self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-               device: pd.Device, stream: int, max_ctas: int) -> None:
-        self.seen.append((device, current_device("emulated")))
-        super().launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+    def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
+        self.seen.append((args.device, current_device("emulated")))
+        super().launch(plan, args)
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: pd.Device, stream: int) -> None:
         self.seen.append((device, current_device("emulated")))

@@ -16,7 +16,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import checked, errors
-from pointerdomain._platform import backend_for
+from pointerdomain._platform import LaunchArgs, backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.transfer.plan import TransferPlan, plan_for
@@ -83,7 +83,7 @@ def test_failed_copy_engine_run_raises_the_typed_error(pools: tuple[pd.DeviceKVP
         with pytest.raises(errors.RuntimeCallError, match="copy runs failed with error 1"):
             host.backup(dev, torch.tensor([3]), torch.tensor([4]), backend="copy_engine")
     assert faulty.calls == {"register": 0, "unregister": 0, "launch": 0, "copy_runs": 1,
-                            "staged_transfer": 0}
+                            "staged": 0}
     assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), before)
 
 
@@ -125,8 +125,30 @@ def test_checked_mode_refuses_a_plan_of_other_tables(pools: tuple[pd.DeviceKVPoo
     other = pd.DeviceKVPool(DEV_LAYOUT, DEV)
     plan = plan_for(other.table, DEV_LAYOUT, host.kernel_table, HOST_LAYOUT)
     slots = torch.tensor([1])
+    args = LaunchArgs(slots.data_ptr(), slots.data_ptr(), 1, 0, 3, DEV, 0, 2)
     with checked.checked_mode(True), pytest.raises(errors.DomainError, match="plan's src table is not this src table"):
-        checked.verify_launch(plan, dev.table, host.kernel_table, slots, slots, 0, 3)
+        checked.verify_launch(plan, dev.table, host.kernel_table, slots, slots, args)
+
+
+@pytest.mark.parametrize("wrong", ["indices", "count", "layers", "device"])
+def test_checked_mode_refuses_launch_arguments_that_are_not_the_checked_call(
+    pools: tuple[pd.DeviceKVPool, pd.HostKVPool], wrong: str
+) -> None:
+    """Checked mode verifies what the backend receives: the bound LaunchArgs must name the
+    checked index tensors, their count, layers of the layouts and the plan's device."""
+    dev, host = pools
+    plan = plan_for(dev.table, DEV_LAYOUT, host.kernel_table, HOST_LAYOUT)
+    slots, other = torch.tensor([1, 2]), torch.tensor([1, 2])
+    good = LaunchArgs(slots.data_ptr(), slots.data_ptr(), 2, 0, 3, DEV, 0, 2)
+    checked.verify_launch(plan, dev.table, host.kernel_table, slots, slots, good)  # the call itself passes
+    bad, error = {
+        "indices": (good._replace(dst_idx=other.data_ptr()), errors.IndexValidationError),
+        "count": (good._replace(n=3), errors.IndexValidationError),
+        "layers": (good._replace(layer_begin=1), errors.LayoutError),
+        "device": (good._replace(device=pd.Device("emulated", 1)), errors.DeviceMismatchError),
+    }[wrong]
+    with pytest.raises(error, match="checked mode"):
+        checked.verify_launch(plan, dev.table, host.kernel_table, slots, slots, bad)
 
 
 # ------------------------------------------------------------------ SM budget

@@ -20,7 +20,8 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
+from pointerdomain._platform import LaunchArgs, backend_for
+from pointerdomain._platform.native import KernelPlan
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.devices import Device
@@ -38,10 +39,10 @@ class BlockingBackend(FaultyBackend):
         self.started = threading.Event()
         self.go = threading.Event()
 
-    def launch(self, plan, src_idx, dst_idx, n, layer_begin, layer_count, device: Device, stream, max_ctas):  # type: ignore[no-untyped-def]
+    def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
         self.started.set()
         assert self.go.wait(10)
-        super().launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+        super().launch(plan, args)
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ def _backup(host: pd.HostKVPool, pool: pd.DeviceKVPool, **kw: Any) -> TransferOu
 
 
 @pytest.mark.parametrize(("call", "backend"),
-                         [("launch", "kernel"), ("staged_transfer", "staged"), ("copy_runs", "copy_engine")])
+                         [("launch", "kernel"), ("staged", "staged"), ("copy_runs", "copy_engine")])
 def test_a_fault_mid_batch_is_a_partial_outcome_with_the_failed_spans(call: str, backend: str) -> None:
     pool = pd.DeviceKVPool(LAYOUT, DEV)
     fill_pool(pool, 1)

@@ -12,7 +12,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors, staged
-from pointerdomain._platform import Backend, backend_for
+from pointerdomain._platform import Backend, LaunchArgs, StagingArgs, backend_for
 from pointerdomain._platform.native import KernelPlan
 from pointerdomain._platform.cuda import TorchCudartBackend
 from pointerdomain._platform.faulty import FaultyBackend
@@ -173,17 +173,25 @@ def test_explicit_staged_during_capture_is_refused(cuda_like: CudaLike) -> None:
         cuda_like.capturing = True
         with pytest.raises(errors.InvalidArgumentError, match="captured"):
             host.load(pool, idx, idx, backend="staged")
-        assert cuda_like.calls["staged_transfer"] == 0 and cuda_like.calls["launch"] == 0
+        assert cuda_like.calls["staged"] == 0 and cuda_like.calls["launch"] == 0
+
+
+def _on_device(idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` in emulated device memory: indices on the device, as a CUDA caller's are."""
+    out = pd.device_empty(tuple(idx.shape), torch.int64, DEV)
+    out.copy_(idx)
+    return out
 
 
 def _auto_load(cuda_like: CudaLike, pool: pd.DeviceKVPool, host: pd.HostKVPool, n: int, **kwargs: object) -> str:
-    """Run an auto load of n slots; which path ran; the bytes checked against the reference."""
-    h, d = _slots(host.layout.num_slots, n, 5), _slots(pool.layout.num_slots, n, 6)
+    """Run an auto load of n slots (indices in device memory); which path ran; the bytes
+    checked against the reference."""
+    h, d = _on_device(_slots(host.layout.num_slots, n, 5)), _on_device(_slots(pool.layout.num_slots, n, 6))
     expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, h, d)
     before = dict(cuda_like.calls)
     host.load(pool, h, d, **kwargs)  # type: ignore[arg-type]
     assert torch.equal(pool_bytes(pool), expected)
-    ran = [name for name in ("staged_transfer", "launch", "copy_runs") if cuda_like.calls[name] != before[name]]
+    ran = [name for name in ("staged", "launch", "copy_runs") if cuda_like.calls[name] != before[name]]
     assert len(ran) == 1, ran
     return ran[0]
 
@@ -193,8 +201,8 @@ def test_auto_picks_staged_where_it_wins_and_the_kernel_elsewhere(cuda_like: Cud
     pool, host = _pools(pages=64)  # 256 slots
     with host:
         need = staged.STAGED_MIN_CHUNKS * CHUNK
-        assert _auto_load(cuda_like, pool, host, need) == "staged_transfer"
-        assert _auto_load(cuda_like, pool, host, need, max_ctas=pd.WHOLE_GPU) == "staged_transfer"
+        assert _auto_load(cuda_like, pool, host, need) == "staged"
+        assert _auto_load(cuda_like, pool, host, need, max_ctas=pd.WHOLE_GPU) == "staged"
         assert _auto_load(cuda_like, pool, host, need - 1) == "launch"  # too few chunks to overlap
         assert _auto_load(cuda_like, pool, host, need, max_ctas=1) == "launch"  # 1 CTA: the kernel wins
         cuda_like.capturing = True
@@ -202,9 +210,74 @@ def test_auto_picks_staged_where_it_wins_and_the_kernel_elsewhere(cuda_like: Cud
         cuda_like.capturing = False
         h, d = _slots(host.layout.num_slots, need, 8), _slots(pool.layout.num_slots, need, 9)
         host.load_layer(pool, h, d, 1)  # per-layer: the kernel
-        assert cuda_like.calls["staged_transfer"] == 2
+        assert cuda_like.calls["staged"] == 2
         staged.set_staging(DEV)  # the default ring: the same transfer is now a fraction of one chunk
         assert _auto_load(cuda_like, pool, host, need) == "launch"
+
+
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_auto_takes_cpu_indices_through_the_staged_path_at_any_size(cuda_like: CudaLike, direction: str) -> None:
+    """Indices in host memory (CPU tensors where the device is a GPU) are read on the host
+    anyway: ``"auto"`` takes them through the staged path wherever it applies, below the
+    chunk count it needs for indices on the device; explain_transfer says so beforehand."""
+    staged.set_staging(DEV, nbytes=SMALL_STAGING, ring=2)
+    pool, host = _pools(pages=64)
+    with host:
+        n = 7  # far below STAGED_MIN_CHUNKS * CHUNK
+        h, d = _slots(host.layout.num_slots, n, 11), _slots(pool.layout.num_slots, n, 12)
+        if direction == "load":
+            for b in pool.buffers:
+                b.view(torch.uint8).fill_(0xA5)  # the poisoned destination
+            src, src_layout, dst, dst_layout, s_idx, d_idx = (host.kernel_table, host.layout, pool.table,
+                                                              pool.layout, h, d)
+            expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, h, d)
+        else:
+            host.buffer.view(torch.uint8).fill_(0xA5)
+            src, src_layout, dst, dst_layout, s_idx, d_idx = (pool.table, pool.layout, host.kernel_table,
+                                                              host.layout, d, h)
+            expected = reference_transfer(pool_bytes(pool), pool.layout, host.buffer, host.layout, d, h)
+        choice = pd.explain_transfer(src, dst, s_idx, d_idx, src_layout=src_layout, dst_layout=dst_layout)
+        assert (choice.path, choice.host_indices) == ("staged", True), choice
+        before = dict(cuda_like.calls)
+        if direction == "load":
+            host.load(pool, h, d)
+            got = pool_bytes(pool)
+        else:
+            host.backup(pool, d, h)
+            got = as_bytes(host.buffer)
+        assert cuda_like.calls["staged"] == before["staged"] + 1 and cuda_like.calls["launch"] == before["launch"]
+        assert torch.equal(got.reshape(-1), as_bytes(expected).reshape(-1))
+        # the same slots on the device: too few chunks to overlap, the kernel
+        on_device = pd.explain_transfer(src, dst, _on_device(s_idx), _on_device(d_idx), src_layout=src_layout,
+                                        dst_layout=dst_layout)
+        assert (on_device.path, on_device.host_indices) == ("kernel", False), on_device
+        # per layer the staged path does not apply: the kernel reads host memory here
+        per_layer = pd.explain_transfer(src, dst, s_idx, d_idx, src_layout=src_layout, dst_layout=dst_layout,
+                                        layer_id=1)
+        assert per_layer.path == "kernel", per_layer
+
+
+def test_explain_transfer_runs_every_check_and_launches_nothing() -> None:
+    pool, host = _pools()
+    with host:
+        before = _unchanged(pool, host)
+        idx = torch.arange(4)
+        plain = pd.explain_transfer(host.kernel_table, pool.table, idx, idx, src_layout=host.layout,
+                                    dst_layout=pool.layout)
+        assert (plain.path, plain.host_indices) == ("kernel", True) and "kernel" in plain.reason
+        asked = pd.explain_transfer(host.kernel_table, pool.table, idx, idx, src_layout=host.layout,
+                                    dst_layout=pool.layout, backend="copy_engine")
+        assert asked.path == "copy_engine" and "asked" in asked.reason
+        with pytest.raises(errors.DomainError):
+            pd.explain_transfer(host.host_table, pool.table, idx, idx, src_layout=host.layout,  # type: ignore[arg-type]
+                                dst_layout=pool.layout)
+        with pytest.raises(errors.IndexValidationError):
+            pd.explain_transfer(host.kernel_table, pool.table, idx, idx[:3], src_layout=host.layout,
+                                dst_layout=pool.layout)
+        with pytest.raises(errors.IndexValidationError):
+            pd.explain_transfer(host.kernel_table, pool.table, idx, idx, src_layout=host.layout,
+                                dst_layout=pool.layout, layer_id=3)
+        assert all(torch.equal(a, b) for a, b in zip(before, _unchanged(pool, host)))
 
 
 def test_auto_keeps_the_kernel_for_other_host_layouts_and_large_items(cuda_like: CudaLike) -> None:
@@ -224,14 +297,14 @@ def test_auto_never_stages_without_a_native_path() -> None:
     with host, install_backend(FaultyBackend(backend_for(DEV), {}), "emulated") as emulated:
         h, d = torch.arange(200), torch.arange(200)
         host.load(pool, h, d)
-        assert emulated.calls["staged_transfer"] == 0 and emulated.calls["launch"] == 1
+        assert emulated.calls["staged"] == 0 and emulated.calls["launch"] == 1
 
 
 def test_native_bad_index_status_is_a_typed_error(cuda_like: CudaLike) -> None:
     pool, host = _pools()
     with host:
         before = _unchanged(pool, host)
-        cuda_like.fail["staged_transfer"] = {1: -2, 2: -1}
+        cuda_like.fail["staged"] = {1: -2, 2: -1}
         idx = torch.arange(8)
         with pytest.raises(errors.IndexValidationError, match="nothing was copied"):
             host.load(pool, idx, idx, backend="staged")
@@ -245,8 +318,8 @@ def test_a_build_without_the_gpu_ops_reports_not_built() -> None:
     assert not stand_in.staged_available()
     pool = pd.DeviceKVPool(model_layout(), DEV)
     with pytest.raises(errors.ExtensionUnavailableError, match="not built"):
-        stand_in.staged_transfer(_plan_kernel(pool), 0, 0, 1, 0, 3, True, 0, 0, 0, 1 << 24, 2,
-                                 DEV, 0, 2)
+        stand_in.staged(_plan_kernel(pool), LaunchArgs(0, 0, 1, 0, 3, DEV, 0, 2),
+                        StagingArgs(True, 0, 0, 0, 1 << 24, 2))
 
 
 def _plan_kernel(pool: pd.DeviceKVPool) -> KernelPlan:

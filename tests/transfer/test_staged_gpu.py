@@ -12,7 +12,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors, staged
-from pointerdomain._platform import backend_for
+from pointerdomain._platform import LaunchArgs, StagingArgs, backend_for
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.testing import install_backend
 from pointerdomain.transfer.plan import plan_for
@@ -165,9 +165,10 @@ def test_native_staged_check_refuses_a_bad_host_index_with_nothing_written() -> 
         buf = torch.empty(SMALL_STAGING, dtype=torch.uint8, device="cuda")
         backend = backend_for(dev)
         with pytest.raises(errors.IndexValidationError):
-            backend.staged_transfer(plan.kernel, h_dev.data_ptr(), d.data_ptr(), 100, 0, 4, True,
-                                    table.data_ptr(), h_host.data_ptr(), buf.data_ptr(), SMALL_STAGING, 2, dev,
-                                    torch.cuda.current_stream().cuda_stream, 2)
+            backend.staged(plan.kernel,
+                           LaunchArgs(h_dev.data_ptr(), d.data_ptr(), 100, 0, 4, dev,
+                                      torch.cuda.current_stream().cuda_stream, 2),
+                           StagingArgs(True, table.data_ptr(), h_host.data_ptr(), buf.data_ptr(), SMALL_STAGING, 2))
         after = _snapshot(pool, host)
         assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
@@ -203,12 +204,12 @@ def test_auto_stages_outside_capture_and_uses_the_kernel_in_graph_capture_and_re
         expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, h, d)
         host.load(pool, h.cuda(), d.cuda())
         torch.cuda.synchronize()
-        assert counting.calls["staged_transfer"] == 1 and counting.calls["launch"] == 0
+        assert counting.calls["staged"] == 1 and counting.calls["launch"] == 0
         assert torch.equal(pool_bytes(pool), expected)
         expected = reference_transfer(pool_bytes(pool), dev_layout, host.buffer, host_layout, d, h.flip(0))
         host.backup(pool, d.cuda(), h.flip(0).cuda())
         torch.cuda.synchronize()
-        assert counting.calls["staged_transfer"] == 2 and counting.calls["launch"] == 0
+        assert counting.calls["staged"] == 2 and counting.calls["launch"] == 0
         assert torch.equal(as_bytes(host.buffer).reshape(-1), expected)
         # inside capture: auto falls back to the kernel; an explicit staged request is refused
         src = torch.zeros(n, dtype=torch.int64, device="cuda")
@@ -220,7 +221,7 @@ def test_auto_stages_outside_capture_and_uses_the_kernel_in_graph_capture_and_re
             host.load(pool, src, dst)
             with pytest.raises(errors.InvalidArgumentError, match="captured"):
                 host.load(pool, src, dst, backend="staged")
-        assert counting.calls["launch"] == 1 and counting.calls["staged_transfer"] == 2
+        assert counting.calls["launch"] == 1 and counting.calls["staged"] == 2
         for seed in range(3):  # replay with new indices: the bytes of each
             h, d = _slots(1024, 16, n, 20 + seed, "tokens"), _slots(1024, 16, n, 30 + seed, "pages")
             src.copy_(h)
@@ -231,7 +232,7 @@ def test_auto_stages_outside_capture_and_uses_the_kernel_in_graph_capture_and_re
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(pool_bytes(pool), expected), f"replay {seed}"
-        assert counting.calls["launch"] == 1 and counting.calls["staged_transfer"] == 2
+        assert counting.calls["launch"] == 1 and counting.calls["staged"] == 2
         del graph  # a graph that captured the pool's launches holds it open (pointerdomain.transfer.graphs)
 
 

@@ -38,7 +38,8 @@ EXEMPT = {
                       "KVLayoutChanges", "BufferInfoChanges",  # TypedDicts (static only)
                       "is_host_table", "is_kernel_table", "has_domain",  # predicates: False for any other object
                       "Rung", "StrictCapability", "strict_alias_enabled",
-                      "Explanation"},  # a result record built by explain()  # an enum, a result record, a query  # predicates: False for any other object
+                      "Explanation",  # a result record built by explain()
+                      "TransferChoice"},  # a result record built by explain_transfer()  # an enum, a result record, a query  # predicates: False for any other object
     "pointerdomain.adapters.mooncake": {"EngineUnavailableError", "TransferEngineLike", "BatchTransferEngineLike",
                                         "RpcPortEngineLike"},  # + Protocols
     "pointerdomain.adapters.nixl": {"MemType", "NixlUnavailableError", "NixlRegistration", "HostNixlAgent",
@@ -143,6 +144,12 @@ CASES: list[Case] = [
     ("pointerdomain.transfer_kv_all_layer", "table", lambda: pd.transfer_kv_all_layer(  # type: ignore[arg-type]
         3, 3, torch.arange(2), torch.arange(2), src_layout=LAYOUT, dst_layout=LAYOUT), TypeError,
      ("src", "int", "PointerTable[DeviceAlias]", "make_kernel_ptr_table")),
+    ("pointerdomain.explain_transfer", "table", lambda: pd.explain_transfer(  # type: ignore[arg-type]
+        3, 3, torch.arange(2), torch.arange(2), src_layout=LAYOUT, dst_layout=LAYOUT), TypeError,
+     ("src", "int", "PointerTable[DeviceAlias]", "make_kernel_ptr_table")),
+    ("pointerdomain.explain_transfer", "layer", lambda: pd.explain_transfer(  # type: ignore[arg-type]
+        3, 3, torch.arange(2), torch.arange(2), layer_id="0", src_layout=LAYOUT, dst_layout=LAYOUT), IndexError,
+     ("layer_id", "'0'", "int")),
     ("pointerdomain.load_layers", "table", lambda: pd.load_layers(  # type: ignore[arg-type]
         3, 3, torch.arange(2), torch.arange(2), src_layout=LAYOUT, dst_layout=LAYOUT), TypeError,
      ("src", "int", "PointerTable[DeviceAlias]", "make_kernel_ptr_table")),

@@ -109,6 +109,7 @@ EXEMPT = {
     "KernelOp.__init__:var_positional": "built by kernel_op() from the op's signature",
     "KernelOp.__init__:var_keyword": "built by kernel_op() from the op's signature",
     "KernelOp.__init__:table_tensor": "built by kernel_op() (sampled there)",
+    "TransferChoice.__init__:host_indices": "built by explain_transfer(), a frozen record",
 }
 
 
@@ -188,6 +189,11 @@ for _per_layer, _name in ((False, "transfer_kv_all_layer"), (True, "transfer_kv_
                 return fn(w.host.kernel_table, w.device.table, w.idx, w.idx, **layouts, **extra)
             return _transfer(per_layer, **{param: v})(w)
         SAMPLES[f"{_name}:{_param}"] = _sample
+for _param in ("backend", "validate_indices", "max_ctas", "src_layout", "dst_layout"):
+    def _explain_sample(w: World, v: object, param: str = _param) -> object:
+        kw: dict[str, object] = {"src_layout": w.host_layout, "dst_layout": w.layout, param: v}
+        return pd.explain_transfer(w.host.kernel_table, w.device.table, w.idx, w.idx, **kw)
+    SAMPLES[f"explain_transfer:{_param}"] = _explain_sample
 for _param in ("backend", "validate_indices", "max_ctas", "src_layout", "dst_layout"):
     def _layers_sample(w: World, v: object, param: str = _param) -> object:
         kw: dict[str, object] = {"src_layout": w.host_layout, "dst_layout": w.layout, param: v}

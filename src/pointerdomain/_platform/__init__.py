@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery, StagedCopy
+from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery, StagedCopy, StagingArgs
 from pointerdomain._platform.pointer_query import PointerInfo
 from pointerdomain.errors import ExtensionUnavailableError
 
@@ -42,6 +42,7 @@ __all__ = [
     "Backend",
     "LaunchArgs",
     "StagedCopy",
+    "StagingArgs",
     "backend_for",
     "default_device",
     "device_holding",

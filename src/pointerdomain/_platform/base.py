@@ -30,6 +30,7 @@ __all__ = [
     "PointerQuery",
     "RuntimeTraits",
     "StagedCopy",
+    "StagingArgs",
 ]
 
 #: Device attributes a backend answers (:meth:`Backend.device_attribute`): the CUDA
@@ -49,9 +50,10 @@ DEVICE_ATTRIBUTES: tuple[DeviceAttributeName, ...] = get_args(DeviceAttributeNam
 
 
 class LaunchArgs(NamedTuple):
-    """One launch's per-call arguments, bound once by the launch path: ``backend.launch(plan,
-    *args)`` and ``backend.launch_recorded(plan, *args)`` take them in this order (the
-    runtime's own call, ``_C.gpu_transfer``, takes them flat)."""
+    """One launch's per-call arguments, bound once by the launch path and handed to the
+    backend whole: ``backend.launch(plan, args)``, ``backend.launch_recorded(plan, args)``,
+    ``backend.staged(plan, args, staging)`` (the runtime's own call, ``_C.gpu_transfer``,
+    takes them flat)."""
 
     src_idx: int  #: address of the ``n`` source slots (``int64``)
     dst_idx: int  #: address of the ``n`` destination slots (``int64``)
@@ -61,6 +63,17 @@ class LaunchArgs(NamedTuple):
     device: Device
     stream: int  #: the stream as an int (0 where streams do not exist)
     max_ctas: int  #: the CTA budget; <= 0 is the whole GPU
+
+
+class StagingArgs(NamedTuple):
+    """The staged path's arguments beside :class:`LaunchArgs` (:meth:`StagedCopy.staged`)."""
+
+    host_is_src: bool  #: the host pool is the source (H2D); else the destination (D2H)
+    host_table: int  #: address of the host side's table values in HOST memory (``uint64``)
+    host_idx: int  #: address of the host side's ``n`` slot indices in HOST memory (``int64``)
+    staging: int  #: address of the device staging buffer
+    staging_bytes: int  #: its size in bytes
+    ring: int  #: ring slots it is cut into
 
 
 class Backend(Protocol):
@@ -191,23 +204,17 @@ class Backend(Protocol):
         """
         ...
 
-    def launch(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
-        """Run the transfer kernel of ``plan`` on ``n`` slot pairs (index arrays by
-        address) on ``stream``; ``max_ctas`` <= 0 is the whole GPU. The arguments after ``plan`` are a
-        :class:`LaunchArgs` (``launch(plan, *args)``).
+    def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
+        """Run the transfer kernel of ``plan`` on the call ``args``: ``args.n`` slot pairs
+        (index arrays by address), its layer range, on ``args.stream`` of ``args.device``,
+        at most ``args.max_ctas`` CTAs (<= 0: the whole GPU).
 
         Raises:
             RuntimeCallError: the launch failed.
         """
         ...
 
-    def launch_recorded(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> int:
+    def launch_recorded(self, plan: KernelPlan, args: LaunchArgs) -> int:
         """:meth:`launch`, then :meth:`record_event` on the same stream (CUDA: one native
         call). The launch leases use it (:mod:`pointerdomain.registration.leases`).
 
@@ -283,23 +290,19 @@ class StagedCopy(Protocol):
     ``backend="staged"`` raises ExtensionUnavailableError and ``"auto"`` never picks it."""
 
     def staged_available(self) -> bool:
-        """True where :meth:`staged_transfer` runs the staged copy-engine path
+        """True where :meth:`staged` runs the staged copy-engine path
         (``src/kernels/staged_gpu.cu``); False where it runs the plain kernel instead
         (the emulated device) or raises ExtensionUnavailableError (not built)."""
         ...
 
-    def staged_transfer(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
-        """The staged copy-engine transfer of ``n`` slot pairs: the copy engine moves whole
-        contiguous host runs between the host side and a device staging ring of ``ring``
-        slots in ``staging`` (``staging_bytes`` of device memory), a kernel of at most
-        ``max_ctas`` CTAs moves the items between the ring and the device side.
-        ``src_idx`` / ``dst_idx``: device index arrays (by address, as for :meth:`launch`);
-        ``host_table``: the host side's table values in HOST memory (uint64 array);
-        ``host_idx``: the host side's ``n`` slot indices in HOST memory (int64 array).
+    def staged(self, plan: KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
+        """The staged copy-engine transfer of the call ``args`` (as for :meth:`Backend.launch`:
+        ``args.src_idx`` / ``args.dst_idx`` are index arrays the kernel stage reads): the copy
+        engine moves whole contiguous host runs between the host side and a device staging
+        ring of ``staging.ring`` slots in ``staging.staging`` (``staging.staging_bytes`` of
+        device memory), a kernel of at most ``args.max_ctas`` CTAs moves the items between the
+        ring and the device side; ``staging.host_table`` / ``staging.host_idx``: the host
+        side's table values and slot indices in HOST memory.
 
         Raises:
             IndexValidationError: a host slot out of range (nothing was launched).

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pointerdomain import _C
-from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
+from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
 from pointerdomain._platform.batch_copy import batch_allowed, plan_copy_runs
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.graph_holds import CudaGraphHolds, HeldGraph
@@ -166,7 +166,7 @@ class CudaBackend(_TorchDevice):
         self.runtime = _C.gpu_runtime
         self.name = self.runtime
         # The staged path's copy stream, events and staging buffer are per device: one call
-        # at a time, and a call on another stream waits for the previous one (see staged_transfer).
+        # at a time, and a call on another stream waits for the previous one (see staged).
         self._staged_lock = threading.Lock()
         self._staged_last: dict[int, tuple[int, Any]] = {}
         # The launch leases' events (pointerdomain.registration.leases): one per (ordinal, stream), made on
@@ -227,18 +227,14 @@ class CudaBackend(_TorchDevice):
     def load_kernels(self, device: Device) -> None:
         check(self, "cudaFuncGetAttributes (kernel preload)", _C.gpu_preload_kernels(device.ordinal))
 
-    def launch(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def launch(self, plan: _C.KernelPlan, args: LaunchArgs) -> None:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
         status = _C.gpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream, max_ctas)
         if status != 0:
             check(self, "transfer kernel launch", status)
 
-    def launch_recorded(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> int:
+    def launch_recorded(self, plan: _C.KernelPlan, args: LaunchArgs) -> int:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
         event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
         status = _C.gpu_transfer_recorded(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
                                           max_ctas, event)
@@ -283,11 +279,8 @@ class CudaBackend(_TorchDevice):
     def staged_available(self) -> bool:
         return True
 
-    def staged_transfer(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def staged(self, plan: _C.KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
         cuda = cast(Any, torch.cuda)
         ext = cuda.ExternalStream(stream, device=device.torch_device)
         with cuda.stream(ext):  # the stream given, not only the current one: descriptors read on the host
@@ -300,9 +293,8 @@ class CudaBackend(_TorchDevice):
             last = self._staged_last.get(device.ordinal)
             if last is not None and last[0] != stream:
                 ext.wait_event(last[1])  # the staging ring is free only once the previous call has passed it
-            status = _C.gpu_staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src,
-                                            host_table, host_idx, staging, staging_bytes, ring, device.ordinal,
-                                            stream, max_ctas)
+            status = _C.gpu_staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, *staging,
+                                            device.ordinal, stream, max_ctas)
             if status == 0:
                 done = cuda.Event()
                 done.record(ext)
@@ -358,16 +350,10 @@ class TorchCudartBackend(_TorchDevice):
     def load_kernels(self, device: Device) -> None:
         return None  # no kernels in this build (launches raise)
 
-    def launch(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def launch(self, plan: _C.KernelPlan, args: LaunchArgs) -> None:
         raise ExtensionUnavailableError(f"this pointerdomain build has no GPU kernels; {BUILD_HINT}")
 
-    def launch_recorded(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> int:
+    def launch_recorded(self, plan: _C.KernelPlan, args: LaunchArgs) -> int:
         raise ExtensionUnavailableError(f"this pointerdomain build has no GPU kernels; {BUILD_HINT}")
 
     def record_event(self, device: Device, stream: int) -> int:
@@ -382,9 +368,5 @@ class TorchCudartBackend(_TorchDevice):
     def staged_available(self) -> bool:
         return False
 
-    def staged_transfer(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def staged(self, plan: _C.KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
         raise ExtensionUnavailableError(f"this pointerdomain build has no staged copy-engine path (not built); {BUILD_HINT}")

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery, RuntimeTraits, StagedCopy
+from pointerdomain._platform.base import (
+    Backend,
+    DeviceAttributeName,
+    LaunchArgs,
+    PointerQuery,
+    RuntimeTraits,
+    StagedCopy,
+    StagingArgs,
+)
 from pointerdomain._platform.graph_holds import GraphHolder, HeldGraph
 from pointerdomain.errors import ExtensionUnavailableError
 
@@ -88,20 +96,14 @@ class DelegatingBackend(RuntimeTraits):
     def load_kernels(self, device: Device) -> None:
         self.inner.load_kernels(device)
 
-    def launch(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
-        self.inner.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+    def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
+        self.inner.launch(plan, args)
 
-    def launch_recorded(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> int:
+    def launch_recorded(self, plan: KernelPlan, args: LaunchArgs) -> int:
         # Two calls, not the inner one: a wrapper that overrides launch or record_event
         # (faults, blocking test backends) sees every kernel launch and record.
-        self.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
-        return self.record_event(device, stream)
+        self.launch(plan, args)
+        return self.record_event(args.device, args.stream)
 
     def record_event(self, device: Device, stream: int) -> int:
         return self.inner.record_event(device, stream)
@@ -116,16 +118,11 @@ class DelegatingBackend(RuntimeTraits):
         inner = self.inner
         return isinstance(inner, StagedCopy) and inner.staged_available()
 
-    def staged_transfer(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def staged(self, plan: KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
         inner = self.inner
         if not isinstance(inner, StagedCopy):
             raise ExtensionUnavailableError(f"the {inner.name} backend has no staged copy-engine path")
-        inner.staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
-                              host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
+        inner.staged(plan, args, staging)
 
     def synchronize(self, device: Device) -> None:
         self.inner.synchronize(device)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain import _C, env
-from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
+from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
 from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
 from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
@@ -69,7 +69,7 @@ _WRONG_DEVICE = 101
 def _require_current(device: Device, what: str) -> None:
     """The emulated form of "a kernel runs on the current device": work for ``device``
     while another emulated device is current would use that device's mappings."""
-    ordinal = getattr(EMULATED_CURRENT, "ordinal", 0)
+    ordinal = EMULATED_CURRENT.ordinal
     if ordinal != device.ordinal:
         current = f"emulated:{ordinal}"
         raise RuntimeCallError(
@@ -99,6 +99,8 @@ class EmulatedBackend(RuntimeTraits):
         self._lock = threading.Lock()
         self._pinned: dict[int, int] = {}
         self.copy_submissions: collections.deque[Submission] = collections.deque(maxlen=_RECORDED)
+        # the launch path asks it for every index tensor: the native call itself, no Python frame
+        self.device_lookup = _C.emu_device_lookup  # type: ignore[method-assign]
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -204,10 +206,8 @@ class EmulatedBackend(RuntimeTraits):
     def load_kernels(self, device: Device) -> None:
         return None  # the CPU kernels are in the extension already
 
-    def launch(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def launch(self, plan: _C.KernelPlan, args: LaunchArgs) -> None:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args
         _require_current(device, "transfer kernel launch")
         graph = emulated_capture(device)
         if graph is not None:  # captured: runs at each replay, with these addresses
@@ -215,11 +215,8 @@ class EmulatedBackend(RuntimeTraits):
             return
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
 
-    def launch_recorded(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> int:
-        self.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+    def launch_recorded(self, plan: _C.KernelPlan, args: LaunchArgs) -> int:
+        self.launch(plan, args)
         return 0  # synchronous: the copy is done when the call returns
 
     def record_event(self, device: Device, stream: int) -> int:
@@ -238,15 +235,12 @@ class EmulatedBackend(RuntimeTraits):
         self.copy_submissions.extend(plan)
 
     def staged_available(self) -> bool:
-        return False  # no copy engine to stage through: staged_transfer runs the kernel path
+        return False  # no copy engine to stage through: staged() runs the kernel path
 
-    def staged_transfer(
-        self, plan: _C.KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def staged(self, plan: _C.KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
         # The same bytes through the CPU kernel (emulated indices are host memory already).
-        _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
+        _C.cpu_transfer(plan, args.src_idx, args.dst_idx, args.n, args.layer_begin, args.layer_count,
+                        torch.get_num_threads())
 
     def synchronize(self, device: Device) -> None:
         return None

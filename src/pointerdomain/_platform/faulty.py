@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend
+from pointerdomain._platform.base import Backend, LaunchArgs, StagingArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.status import check, check_staged
 
@@ -27,10 +27,10 @@ class FaultyBackend(DelegatingBackend):
     Args:
         inner: the backend that does the work.
         fail: call name (``"register"``, ``"unregister"``, ``"launch"``, ``"copy_runs"``,
-            ``"staged_transfer"``)
+            ``"staged"``)
             -> {call number (1-based) -> status to fail with}. A failing ``register`` /
             ``unregister`` returns the status without calling ``inner``; a failing
-            ``launch`` / ``copy_runs`` / ``staged_transfer`` raises the typed error for it.
+            ``launch`` / ``copy_runs`` / ``staged`` raises the typed error for it.
 
     Attributes:
         calls: how many times each faultable call was made.
@@ -39,7 +39,7 @@ class FaultyBackend(DelegatingBackend):
     def __init__(self, inner: Backend, fail: Mapping[str, Mapping[int, int]]) -> None:
         super().__init__(inner, "faulty")
         self.fail = {name: dict(at) for name, at in fail.items()}
-        self.calls = {"register": 0, "unregister": 0, "launch": 0, "copy_runs": 0, "staged_transfer": 0}
+        self.calls = {"register": 0, "unregister": 0, "launch": 0, "copy_runs": 0, "staged": 0}
 
     def _fault(self, call: str) -> int:
         self.calls[call] += 1
@@ -51,22 +51,14 @@ class FaultyBackend(DelegatingBackend):
     def unregister(self, va: int, device: Device) -> int:
         return self._fault("unregister") or self.inner.unregister(va, device)
 
-    def launch(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
         check(self, "transfer kernel launch", self._fault("launch"))
-        self.inner.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+        self.inner.launch(plan, args)
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         check(self, "copy runs", self._fault("copy_runs"))
         self.inner.copy_runs(dsts, srcs, sizes, count, device, stream)
 
-    def staged_transfer(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        host_is_src: bool, host_table: int, host_idx: int, staging: int, staging_bytes: int, ring: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
-        check_staged(self, self._fault("staged_transfer"))
-        super().staged_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, host_is_src, host_table,
-                                host_idx, staging, staging_bytes, ring, device, stream, max_ctas)
+    def staged(self, plan: KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
+        check_staged(self, self._fault("staged"))
+        super().staged(plan, args, staging)

@@ -20,7 +20,11 @@ __all__ = ["EMULATED_CURRENT", "CudaRuntime", "EmulatedRuntime", "runtimes"]
 
 #: The calling thread's current emulated device (``ordinal``; 0 where unset): the emulated
 #: runtime's state, read directly by the emulated backend's launch check.
-EMULATED_CURRENT = threading.local()
+class _EmulatedCurrent(threading.local):
+    ordinal = 0  # every thread's until it sets its own: read without a getattr default
+
+
+EMULATED_CURRENT = _EmulatedCurrent()
 
 
 class CudaRuntime:
@@ -83,7 +87,7 @@ class EmulatedRuntime:
         return emulated_device_count()
 
     def current_ordinal(self) -> int:
-        return int(getattr(EMULATED_CURRENT, "ordinal", 0))
+        return EMULATED_CURRENT.ordinal
 
     def set_ordinal(self, ordinal: int) -> None:
         EMULATED_CURRENT.ordinal = ordinal

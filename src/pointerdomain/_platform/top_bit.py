@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend
+from pointerdomain._platform.base import Backend, LaunchArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain.errors import InvalidArgumentError
 
@@ -84,9 +84,6 @@ class TopBitAliases(DelegatingBackend):
                     for i, value in enumerate(before):
                         entries[i] = value
 
-    def launch(
-        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
-        device: Device, stream: int, max_ctas: int,
-    ) -> None:
+    def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
         with self._untagged(plan.src_table, plan.dst_table):
-            self.inner.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
+            self.inner.launch(plan, args)

@@ -34,6 +34,7 @@ from pointerdomain.errors import (
     NotRegisteredError,
     RegistrationSpanError,
 )
+from pointerdomain._platform.liveness import StorageWatch, storage_watch
 from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.process_local import ProcessLocal
@@ -101,7 +102,8 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     """
 
     __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment",
-                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "_tensor_ptrs", "_resolved", "__weakref__")
+                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "_tensor_ptrs", "_resolved", "_watch",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -144,6 +146,11 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         # Where each kept tensor points: ``t.set_(other)`` swaps a tensor's storage without
         # touching the old one (which the table keeps alive), so only the tensor shows it.
         self._tensor_ptrs = tuple(map(_tensor_ptr, keepalive))
+        # The same facts as machine words read in one native call per launch, where this
+        # torch's layout was found (_platform.liveness); else the per-storage reads below.
+        # The watch holds every storage its tensors view (also one sharing another's address).
+        distinct = {id(s): s for s in (t.untyped_storage() for t in keepalive)}
+        self._watch = storage_watch(tuple(distinct.values()), keepalive)
         host = torch.tensor(list(values), dtype=torch.uint64)
         if device is None:
             self._tensor = host
@@ -249,7 +256,12 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     def storages_intact(self) -> bool:
         """False when the storage of an entry was released or reallocated since the table
         was built: its size or its address changed (:meth:`check_live` raises for it; a
-        launch plan calls this directly)."""
+        launch plan calls this directly). One native call whatever the number of storages
+        (:mod:`pointerdomain._platform.liveness`), or two reads per storage where that does
+        not apply."""
+        watch = self._watch
+        if watch is not None:
+            return watch.intact()
         state, storages = self._storage_state, self._storages
         if len(state) == 1:  # pool tables: one allocation
             only = storages[0]
@@ -259,10 +271,14 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
             return False
         return tuple(map(_tensor_ptr, self._keepalive)) == self._tensor_ptrs
 
+    def storage_watch(self) -> StorageWatch | None:
+        """The native liveness check of this table (:mod:`pointerdomain._platform.liveness`),
+        or None where the per-storage reads of :meth:`storages_intact` stand in for it."""
+        return self._watch
+
     def check_live(self) -> None:
-        """Every launch calls this (two reads per distinct storage the table points into:
-        about 0.2-0.3 us each on this project's CPU machine, 0.12 us on the H200's host;
-        docs/performance.md).
+        """Every launch calls this (one native pass over the words of the table's storages
+        and tensors, :meth:`storages_intact`; docs/performance.md).
 
         Raises:
             ClosedError: a registration this table points into was closed, the storage

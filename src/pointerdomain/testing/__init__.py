@@ -28,7 +28,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from pointerdomain._platform import backend_for, default_device, kernel_plan
-from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArgs
+from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArgs, StagingArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
 from pointerdomain._platform.faulty import FaultyBackend
@@ -56,6 +56,7 @@ __all__ = [
     "FaultyBackend",
     "KernelPlan",
     "LaunchArgs",
+    "StagingArgs",
     "TopBitAliases",
     "TorchCudartBackend",
     "backend_for",

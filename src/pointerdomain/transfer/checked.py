@@ -5,7 +5,10 @@ Off by default; on with ``POINTERDOMAIN_CHECKED=1`` in the environment (read at
 import), :func:`set_enabled`, or for a block with :func:`checked_mode`. The
 launch functions call :func:`verify_launch` after their own argument checks
 (table domain and device, open registrations, layouts, index dtype/shape/range)
-and before the kernel.
+and before the kernel; it does not repeat those: it verifies the call the backend is
+about to receive (its :class:`~pointerdomain._platform.LaunchArgs` name the checked index
+tensors, their slot count, a layer range of the layouts, the plan's device; the plan is
+the tables' own) and then the addresses it will use.
 
 What it checks, for the ``src`` and the ``dst`` table:
 
@@ -86,10 +89,11 @@ from pointerdomain import env
 
 from pointerdomain._platform import backend_for, device_holding, memory_device, pointer_info
 from pointerdomain.devices import Device
-from pointerdomain.domains import Address, DeviceAlias, HostVA
+from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import (
     DeviceMismatchError,
     DomainError,
+    IndexValidationError,
     LayoutError,
     NotRegisteredError,
     PointerDomainError,
@@ -100,6 +104,7 @@ from pointerdomain.registration.memory import RegisteredHostMemory, find_registr
 from pointerdomain.registration.resolve import AliasPolicy, cached_policy
 
 if TYPE_CHECKING:
+    from pointerdomain._platform import LaunchArgs
     from pointerdomain.layouts import Geometry, KVLayout
     from pointerdomain.transfer.plan import TransferPlan
     from pointerdomain.registration.tables import PointerTable
@@ -482,40 +487,53 @@ def verify_launch(
     dst: PointerTable[DeviceAlias],
     src_indices: torch.Tensor,
     dst_indices: torch.Tensor,
-    layer_begin: int,
-    layer_count: int,
+    args: LaunchArgs,
 ) -> None:
-    """Check that ``plan`` belongs to these tables, then every table entry and every page
-    the launch touches against the registry of open registrations and device
-    allocations (see the module docstring), with the plan's geometry (``src_indices``,
-    ``dst_indices``: the slots the kernels address, after :meth:`TransferPlan.expand`
-    where the plan has a lowering).
+    """Verify the call about to be launched: that ``args`` (what the backend receives) is
+    the checked call of these index tensors and ``plan`` the plan of these tables, then
+    every table entry and every page the launch touches against the registry of open
+    registrations and device allocations (see the module docstring), with the plan's
+    geometry (``src_indices``, ``dst_indices``: the slots the kernels address, after
+    :meth:`TransferPlan.expand` where the plan has a lowering).
 
-    Called by the launch functions, after their own argument checks, when
-    :func:`enabled`. Reads no GPU memory (no synchronisation).
+    Called by the launch functions after their own argument checks (which it does not
+    repeat), when :func:`enabled`. Reads no GPU memory (no synchronisation).
 
     Raises:
         DomainError: an entry that is not a device address of the launch's device
             (a host VA, unregistered or unknown memory), a modified table tensor, or
             a plan that is not the tables' own.
-        DeviceMismatchError: an entry in memory of another device.
+        DeviceMismatchError: an entry in memory of another device, or ``args`` for
+            another device than the plan's.
+        IndexValidationError: ``args`` names other index arrays or another slot count
+            than the index tensors.
         NotRegisteredError: a registration the tables use was unregistered outside pointerdomain.
         RegistrationSpanError: a touched page crosses the end of its registration chunk.
-        LayoutError: a touched page crosses the end of its device allocation.
+        LayoutError: a touched page crosses the end of its device allocation, or
+            ``args``' layer range is not inside the layouts.
         ClosedError: a table's registration was closed.
     """
-    for name, table in (("src", src), ("dst", dst)):
-        domain: type[Address] = table.domain
-        if domain is not DeviceAlias or table.device is None:
-            raise DomainError(
-                f"checked mode: the {name} table is a PointerTable[{domain.__name__}]; a launch needs "
-                f"PointerTable[DeviceAlias]. Fix: {_FIX_BUILD}"
-            )
-        table.check_live()
     device = plan.device
-    if src.device != device or dst.device != device:
+    if args.device != device or src.device != device or dst.device != device:
         raise DeviceMismatchError(
-            f"checked mode: the plan is for {device} but the tables are for {src.device} and {dst.device}"
+            f"checked mode: the plan is for {device}, the launch arguments for {args.device}, the tables for "
+            f"{src.device} and {dst.device}"
+        )
+    n = src_indices.numel()
+    if args.n != n or dst_indices.numel() != n:
+        raise IndexValidationError(
+            f"checked mode: the launch arguments move {args.n} slot pairs but the index tensors hold {n} and "
+            f"{dst_indices.numel()}"
+        )
+    if n and (args.src_idx != src_indices.data_ptr() or args.dst_idx != dst_indices.data_ptr()):
+        raise IndexValidationError(
+            f"checked mode: the launch arguments read the indices at {args.src_idx:#x} and {args.dst_idx:#x}, "
+            f"not the checked index tensors at {src_indices.data_ptr():#x} and {dst_indices.data_ptr():#x}"
+        )
+    if not (args.layer_count >= 1 and 0 <= args.layer_begin <= plan.src_layout.num_layers - args.layer_count):
+        raise LayoutError(
+            f"checked mode: the launch arguments name layers [{args.layer_begin}, "
+            f"{args.layer_begin + args.layer_count}) of a layout of {plan.src_layout.num_layers}"
         )
     kernel = plan.kernel
     for name, table, values, address in (("src", src, plan.src_values, kernel.src_table),
@@ -524,6 +542,7 @@ def verify_launch(
             raise DomainError(f"checked mode: the launch plan's {name} table is not this {name} table. Fix: {_FIX_BUILD}")
     if tuple(kernel.src_geometry) != plan.src_geometry or tuple(kernel.dst_geometry) != plan.dst_geometry:
         raise LayoutError("checked mode: the bound launch struct's geometry differs from the plan's")
+    layer_begin, layer_count = args.layer_begin, args.layer_count
     _verify_table("src", src, plan.src_layout, plan.src_geometry, src_indices, layer_begin, layer_count,
                   _Regions(device, "src", src))
     _verify_table("dst", dst, plan.dst_layout, plan.dst_geometry, dst_indices, layer_begin, layer_count,

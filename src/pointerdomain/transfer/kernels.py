@@ -41,6 +41,7 @@ import torch
 from pointerdomain.registration import leases
 from pointerdomain.transfer import checked, graphs, launch_errors, overlap, staged
 from pointerdomain._platform import LaunchArgs, memory_device
+from pointerdomain._platform.host_indices import slots_problem
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
@@ -64,10 +65,12 @@ __all__ = [
     "MaxCtas",
     "Path",
     "TransferBackend",
+    "TransferChoice",
     "ValidateIndices",
     "WholeGpu",
     "check_call",
     "choose_path",
+    "explain_transfer",
     "index_tensor",
     "launch_options",
     "run",
@@ -174,31 +177,21 @@ _Tensor: Final = torch.Tensor
 
 _UNIT = (1,)
 _CURRENT_STREAM: Final = -1  # LaunchArgs.stream until the launch asks the device's current stream
+_NO_TOKENS: Final[list[int]] = []  # the leases of a launch over tables without registrations
 _MAX_CTAS = 2**31 - 1  # a CUDA grid's x dimension (and the C++ int the budget travels in)
 
 
-def _indices_ok(s_idx: object, d_idx: object, plan: TransferPlan) -> bool:
-    """Every check of :func:`_check_indices` for both index tensors at once, without
-    messages: True when both pass (the common case; the caller runs the per-tensor checks
-    for the error otherwise)."""
-    if not (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor)):
-        return False
-    # stride (1,): 1-D and contiguous in one query (a 1-D tensor contiguous with another
-    # stride, possible at one element, takes the worded checks, which pass it)
-    if not (s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
-        return False
-    device = plan.device
-    if not plan.host_memory:
-        return s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal
-    if s_idx.is_cuda or s_idx.is_meta or d_idx.is_cuda or d_idx.is_meta:
-        return False
-    # emulated: CPU tensors, in host memory or this emulated device's (memory_device, by address)
-    lookup, ordinal = plan.platform.device_lookup, device.ordinal
-    where = lookup(s_idx.data_ptr(), max(s_idx.numel() * 8, 1))
-    if where >= 0 and where != ordinal:
-        return False
-    where = lookup(d_idx.data_ptr(), max(d_idx.numel() * 8, 1))
-    return where < 0 or where == ordinal
+# Where check_call found the index tensors (its combined test of every check of
+# _check_indices, without messages: only a failure runs the per-tensor checks that word
+# the error; CPU indices of a GPU launch take that way too).
+_IDX_BAD: Final = 0  # a check fails: run the worded checks
+_IDX_DEVICE: Final = 1  # both in the launch device's memory
+_IDX_HOST: Final = 2  # both pass, one or both in host memory (read there, or by a kernel that reads host memory)
+
+
+def _in_host_memory(idx: torch.Tensor) -> bool:
+    """Whether checked indices lie in host memory rather than the launch device's."""
+    return idx.is_cpu and memory_device(idx) is None
 
 
 class Path(enum.Enum):
@@ -309,29 +302,58 @@ def check_call(
     max_ctas: MaxCtas,
     backend: TransferBackend,
     validate_indices: ValidateIndices,
-) -> tuple[TransferPlan, LaunchOptions, LaunchArgs]:
+) -> tuple[TransferPlan, LaunchOptions, LaunchArgs, bool]:
     """The launch's first step: every check of the call (tables, indices, options), and the
-    call bound into its plan, options and :class:`LaunchArgs`. Nothing is launched."""
+    call bound into its plan, options and :class:`LaunchArgs`, and whether an index tensor
+    lies in host memory (:func:`choose_path` reads it). Nothing is launched."""
     # Every check below runs on every launch; the common case takes one combined test per
-    # group (plan.live, _indices_ok, the options cache) and only a failure runs the
-    # per-item checks that word the error.
+    # group (the tables' liveness words, the index tests, the options cache) and only a
+    # failure runs the per-item checks that word the error.
     plan = plan_for(src, src_layout, dst, dst_layout)
-    if not plan.live(src, dst):
+    watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
+    live = watch.intact() if watch is not None else plan.live(src, dst)
+    for owner in plan.owners:
+        if owner.closed:
+            live = False
+    if not live:
         for name, table in (("src", src), ("dst", dst)):
             try:
                 table.check_live()
             except ClosedError as exc:
                 raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     device = plan.device
-    if not _indices_ok(src_indices, dst_indices, plan):  # not both on the device: the worded checks
-        host_read = backend == "staged" or backend == "copy_engine"  # these may take CPU indices
+    # the index tests: each tensor query costs ~0.1 us, so each is asked once here
+    s_idx: object = src_indices  # checked at run time too: callers may be untyped
+    d_idx: object = dst_indices
+    where = _IDX_BAD
+    if (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
+            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
+        if not plan.host_memory:
+            if s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal:
+                where = _IDX_DEVICE
+        elif s_idx.is_cpu and d_idx.is_cpu:  # emulated: host memory or this emulated device's, by address
+            n, sp, dp = s_idx.numel(), s_idx.data_ptr(), d_idx.data_ptr()
+            lookup, ordinal = plan.platform.device_lookup, device.ordinal
+            s_where = lookup(sp, n * 8 or 8)
+            d_where = lookup(dp, d_idx.numel() * 8 or 8)
+            if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
+                where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
+    if where == _IDX_BAD:  # not both on the device: the worded checks
+        host_read = backend != "kernel"  # the other paths may take CPU indices
         _check_indices("src_indices", src_indices, device, host_read)
         _check_indices("dst_indices", dst_indices, device, host_read)
-    n = src_indices.numel()
+        where = _IDX_HOST if _in_host_memory(src_indices) or _in_host_memory(dst_indices) else _IDX_DEVICE
+        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
+    elif not plan.host_memory:
+        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
     if n != dst_indices.numel():
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
-    sp, dp = (src_indices.data_ptr(), dst_indices.data_ptr()) if n else (0, 0)
-    if n and plan.dst_starts and plan.indices_in_dst(sp, dp, 8 * n):
+    if not n:
+        sp = dp = 0
+    starts = plan.dst_starts  # plan.indices_in_dst, its one-storage case inlined
+    if n and starts and (plan.indices_in_dst(sp, dp, 8 * n) if len(starts) > 1 else
+                         (sp < plan.dst_ends[0] and sp + 8 * n > starts[0])
+                         or (dp < plan.dst_ends[0] and dp + 8 * n > starts[0])):
         raise OverlapError(
             "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
             "overwrite the indices it is reading, and later slots would land in the wrong place; nothing was "
@@ -344,19 +366,25 @@ def check_call(
             raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
     else:
         options = launch_options(max_ctas, backend, validate_indices, stream)
-    return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device,
-                                                 _CURRENT_STREAM if stream is None else stream, options.ctas))
+    if stream is None:  # asked at the launch, where streams exist (run)
+        stream = _CURRENT_STREAM if plan.streams else 0
+    return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream,
+                                                 options.ctas)), \
+        where == _IDX_HOST
 
 
 def choose_path(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], options: LaunchOptions,
-    args: LaunchArgs,
+    args: LaunchArgs, host_indices: bool = False,
 ) -> Path:
-    """The launch's second step: the path that runs it (never :attr:`Path.AUTO`).
+    """The launch's second step: the path that runs it (never :attr:`Path.AUTO`);
+    ``host_indices``: an index tensor lies in host memory (from :func:`check_call`).
 
     Raises:
         UnpinnedMemoryError: a table over unpinned memory with a path other than the copy engine.
-        InvalidArgumentError: the copy engine or the staged path during graph capture.
+        InvalidArgumentError: the copy engine or the staged path during graph capture, or
+            ``"auto"`` with CPU indices that only a path reading them on the host can take
+            during capture.
     """
     path = options.path
     unpinned = plan.unpinned  # a registration of either table that kernels cannot read
@@ -376,6 +404,17 @@ def choose_path(
         threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if args.max_ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
         if plan.run_bytes >= threshold and not platform.is_capturing(device):
             return _COPY_ENGINE
+        if host_indices:  # read on the host anyway: the staged path wherever it applies
+            if platform.staged_auto and staged.auto_picks_staged(plan, src, dst, args, host_indices=True):
+                return _STAGED
+            if plan.host_memory:
+                return _KERNEL  # the kernel reads host memory (emulated device)
+            if platform.is_capturing(device):
+                raise InvalidArgumentError(
+                    "backend='auto' with CPU index tensors reads them on the host, which cannot be captured in a "
+                    "CUDA graph; pass indices on the device for a captured launch"
+                )
+            return _COPY_ENGINE  # a kernel on the GPU cannot read them
         if args.n >= staged.STAGED_MIN_CHUNKS and staged.auto_picks_staged(plan, src, dst, args):
             return _STAGED
         return _KERNEL
@@ -402,32 +441,15 @@ def run(
         # state of the launch stream there): no Python device switch on the hot path.
         _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
         return
+    runtime = plan.runtime
+    if runtime is not None and runtime.current_ordinal() == args.device.ordinal:
+        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)  # on the tables' device already
+        return
     # The rest (host copies of the indices, checked mode, the staged path's streams and
     # events, the emulated kernels) on the tables' device; the caller's current device
     # comes back afterwards, also on error.
     with DeviceGuard.for_launch(plan.device):
         _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
-
-
-def _launch(
-    src: PointerTable[DeviceAlias],
-    src_layout: KVLayout,
-    dst: PointerTable[DeviceAlias],
-    dst_layout: KVLayout,
-    src_indices: torch.Tensor,
-    dst_indices: torch.Tensor,
-    layer_begin: int,
-    layer_count: int,
-    stream: int | None,
-    max_ctas: MaxCtas,
-    backend: TransferBackend,
-    validate_indices: ValidateIndices,
-) -> None:
-    """The launch: :func:`check_call`, :func:`choose_path`, :func:`run`."""
-    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,
-                                     layer_count, stream, max_ctas, backend, validate_indices)
-    path = choose_path(plan, src, dst, options, args)
-    run(plan, src, dst, src_indices, dst_indices, args, path, options.check)
 
 
 def _run_on_device(
@@ -442,13 +464,17 @@ def _run_on_device(
         s_idx = s_idx.to("cpu", copy=True)
         d_idx = d_idx.to("cpu", copy=True)
         _check_range(s_idx, d_idx, plan)
+        if args.n:  # the call names the copies it runs on
+            args = args._replace(src_idx=s_idx.data_ptr(), dst_idx=d_idx.data_ptr())
     elif path is _STAGED:
         if plan.lowering is not None:  # launch_staged checks the parts' slots: report the caller's
             _check_range(s_idx, d_idx, plan)
     elif check is _CHECK_HOST or (check is _CHECK_DEFERRED and platform.host_readable):
         # host-readable indices (emulated device): no sync, so check before launching
         # (staged: launch_staged checks its own host copies of the indices)
-        _check_range(s_idx, d_idx, plan)
+        if not (plan.host_memory and args.n and plan.lowering is None) or slots_problem(
+                args.src_idx, args.dst_idx, args.n, plan.src_slots, plan.dst_slots):
+            _check_range(s_idx, d_idx, plan)  # (the addresses in args are these indices': check_call)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(device))
     if args.n == 0:
@@ -457,18 +483,22 @@ def _run_on_device(
     if plan.lowering is not None:  # a layout that splits items: from here on, the parts' slots
         s_idx, d_idx = plan.expand(s_idx, d_idx, None if stream == _CURRENT_STREAM else stream)
         args = args._replace(src_idx=s_idx.data_ptr(), dst_idx=d_idx.data_ptr(), n=s_idx.numel())
-    if checked.enabled():
-        checked.verify_launch(plan, src, dst, s_idx, d_idx, args.layer_begin, args.layer_count)
     if stream == _CURRENT_STREAM:  # asked here: after the host copies of the indices were taken
-        stream = platform.current_stream(device)
-        if path is not _KERNEL:
-            args = _new_args(LaunchArgs, (args[0], args[1], args[2], args[3], args[4], device, stream, args[7]))
+        args = _new_args(LaunchArgs, (args[0], args[1], args[2], args[3], args[4], device,
+                                      platform.current_stream(device), args[7]))
+    if checked.enabled():
+        checked.verify_launch(plan, src, dst, s_idx, d_idx, args)
     kernel = plan.kernel if check is not _CHECK_OFF or plan.unchecked is None else plan.unchecked
     # Lease the registrations both tables point into (device memory alone has none: a table
     # keeps its tensors alive); with leases, an event after the launch tells close() when
     # the GPU is past it.
     owners = plan.owners
-    tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else []
+    single = owners[0].leases if len(owners) == 1 else None  # the common case (one host pool)
+    if single is not None:  # acquire_all without its list
+        token = single.acquire(("transfer", args.n, device, threading.get_ident()))
+        tokens: list[int] | None = None if token == -1 else _NO_TOKENS
+    else:
+        tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else _NO_TOKENS
     if tokens is None:
         for owner in owners:
             owner.check_open()  # the closed one raises ClosedError
@@ -482,20 +512,21 @@ def _run_on_device(
             dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, args.layer_begin, args.layer_count)
             platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, args.stream)
             event = platform.record_event(device, args.stream) if owners else 0
-        elif owners:  # launch and record in one native call on CUDA (args, with the stream asked above)
-            event = platform.launch_recorded(kernel, args[0], args[1], args[2], args[3], args[4], device, stream,
-                                             args[7])
+        elif owners:  # launch and record in one native call on CUDA
+            event = platform.launch_recorded(kernel, args)
         else:
-            platform.launch(kernel, args[0], args[1], args[2], args[3], args[4], device, stream, args[7])
+            platform.launch(kernel, args)
         if event == 0:  # nothing to wait for: synchronous, or captured into a graph (which then holds the memory)
-            graphs.note_launch(platform, plan, src, dst, device, stream, (s_idx, d_idx))
+            graphs.note_launch(platform, plan, src, dst, device, args.stream, (s_idx, d_idx))
     finally:
-        if owners:
+        if single is not None:
+            single.release(token, event, platform)
+        elif owners:
             leases.release_all(owners, tokens, event, platform)
-    if path is not _COPY_ENGINE and check is not _CHECK_OFF and platform.host_readable:
-        word = launch_errors.host_word(device)  # synchronous launch: a slot the kernel skipped (indices changed)
-        if word is not None and word.value:
-            launch_errors.raise_now(device)
+    word = plan.host_word  # host-readable error word: the launch was synchronous
+    if word is not None and word.value and path is not _COPY_ENGINE and check is not _CHECK_OFF and \
+            platform.host_readable:
+        launch_errors.raise_now(device)  # a slot the kernel skipped (indices changed after the check)
 
 
 def transfer_kv_all_layer(
@@ -521,10 +552,10 @@ def transfer_kv_all_layer(
             ``src_layout`` / ``dst_layout``; same device.
         src_indices, dst_indices: ``int64`` 1-D token slots of equal length ``n``,
             on the launch device (CPU for an emulated device). With
-            ``backend="copy_engine"`` or ``"staged"``, which read the indices on the
-            host, they may be CPU tensors instead, which saves the device sync of
-            reading them (the staged path copies a device pool's checked indices to
-            the device itself).
+            ``backend="auto"``, ``"copy_engine"`` or ``"staged"``, which can read the
+            indices on the host, they may be CPU tensors instead, which saves the device
+            sync of reading them (the staged path copies a device pool's checked indices
+            to the device itself); ``"kernel"`` needs them on the device.
         src_layout, dst_layout: must agree on everything but ``kind``, ``num_pages`` and
             ``head_groups``. Where one splits its items (``page_head`` with
             ``num_heads`` > 1, ``page_unified`` with ``head_groups`` > 1) the launch runs
@@ -549,6 +580,12 @@ def transfer_kv_all_layer(
             both layouts give runs of at least 512 KiB (1 MiB with the whole GPU) and
             not capturing, else the staged path where it wins, else the kernel (faster
             than the engine up to 64 KiB runs even at 2 CTAs, measured on the H200).
+            With CPU index tensors (host memory on the emulated device) ``"auto"`` reads
+            them on the host: the staged path wherever it applies (any size; with CPU
+            indices it is the fastest path measured on the H200, 0.97-0.99 x bulk), else
+            the copy engine (the kernel on the emulated device, which reads host memory);
+            during capture CPU indices are refused. :func:`explain_transfer` says which
+            path a call takes and why.
             ``"staged"`` (:mod:`pointerdomain.transfer.staged`): the copy engine moves whole host
             runs of a ``page_first`` pool through a small device staging ring while the
             kernel (``max_ctas`` CTAs) scatters or gathers the items; all layers only,
@@ -590,7 +627,8 @@ def transfer_kv_all_layer(
             of a buffer of the dst table (the copy would overwrite its own indices).
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
             ``max_ctas``, ``backend`` or ``validate_indices``; ``backend="staged"`` or
-            ``"copy_engine"`` during CUDA-graph capture; ``"staged"`` per-layer, not
+            ``"copy_engine"`` during CUDA-graph capture, or ``"auto"`` with CPU index
+            tensors there; ``"staged"`` per-layer, not
             between a host and a device pool, or with a staging buffer too small.
         LayoutError: ``backend="staged"`` with a host layout whose slot is not one block.
         ExtensionUnavailableError: ``backend="staged"`` in a build without it.
@@ -601,9 +639,10 @@ def transfer_kv_all_layer(
     """
     # a non-KVLayout (possible from untyped callers) is reported by _launch
     num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
-    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
-                                     stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args), options.check)
+    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
+                                           stream, max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
+        options.check)
 
 
 def transfer_kv_per_layer(
@@ -633,6 +672,86 @@ def transfer_kv_per_layer(
         raise IndexValidationError(f"layer_id must be an int, got {layer_id!r}")
     if not 0 <= layer_id < src_layout.num_layers:
         raise IndexValidationError(f"layer_id {layer_id!r} outside [0, {src_layout.num_layers})")
-    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
-                                     stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args), options.check)
+    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
+                                           stream, max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
+        options.check)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferChoice:
+    """What a transfer call would run (:func:`explain_transfer`).
+
+    Attributes:
+        path: ``"kernel"``, ``"copy_engine"`` or ``"staged"``: the path ``backend`` resolves to.
+        reason: why, in one sentence.
+        host_indices: an index tensor lies in host memory (read on the host, or by a
+            kernel that reads host memory: the emulated device).
+    """
+
+    path: str
+    reason: str
+    host_indices: bool
+
+
+def _reason(plan: TransferPlan, options: LaunchOptions, args: LaunchArgs, path: Path, host: bool) -> str:
+    if options.path is not _AUTO:
+        return f"backend={options.path.value!r} was asked for"
+    if plan.unpinned is not None:
+        return "a table is over unpinned host memory, which only the copy engine reads"
+    threshold = CE_MIN_RUN_BYTES_WHOLE_GPU if args.max_ctas == 0 else CE_MIN_RUN_BYTES_SMALL_BUDGET
+    if path is _COPY_ENGINE and plan.run_bytes >= threshold:
+        return f"both layouts give contiguous runs of {plan.run_bytes} bytes (>= {threshold}): the copy engine's size"
+    if path is _STAGED:
+        return ("CPU index tensors and a host pool whose slots are one block: the staged path reads them on the host "
+                "(the fastest path measured with CPU indices)" if host else
+                f"{args.n} slots fill at least {staged.STAGED_MIN_CHUNKS} staging chunks: the staged path overlaps "
+                "the copy engine with the kernel")
+    if path is _COPY_ENGINE:
+        return "CPU index tensors where the staged path does not apply: the copy engine reads them on the host"
+    if host and plan.host_memory:
+        return "the kernel (it reads host-memory indices on this device)"
+    return "the kernel (graph-safe, no host sync; faster than the copy engine for runs this short)"
+
+
+def explain_transfer(
+    src: PointerTable[DeviceAlias],
+    dst: PointerTable[DeviceAlias],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    src_layout: KVLayout,
+    dst_layout: KVLayout,
+    layer_id: int | None = None,
+    stream: int | None = None,
+    max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
+    backend: TransferBackend = "auto",
+    validate_indices: ValidateIndices = True,
+) -> TransferChoice:
+    """The path :func:`transfer_kv_all_layer` (``layer_id`` None) or
+    :func:`transfer_kv_per_layer` (``layer_id``) would run with these arguments, and why;
+    every check of the call runs, nothing is launched or copied. With ``backend="auto"``
+    the answer can change with the arguments' sizes, the indices' memory, the stream's
+    capture state and the staging configuration, so it holds for this call.
+
+    Returns:
+        A :class:`TransferChoice`.
+
+    Raises:
+        DomainError, DeviceMismatchError, ClosedError, LayoutError, IndexValidationError,
+            OverlapError, InvalidArgumentError, UnpinnedMemoryError: as the transfer call
+            raises them before its launch (see :func:`transfer_kv_all_layer`);
+            IndexValidationError also for a ``layer_id`` that is not None or a layer.
+    """
+    if not isinstance(cast(object, src_layout), KVLayout):
+        raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
+    if layer_id is None:
+        layer_begin, layer_count = 0, src_layout.num_layers
+    elif type(layer_id) is not int or not 0 <= layer_id < src_layout.num_layers:
+        raise IndexValidationError(f"layer_id {layer_id!r} is not None or an int in [0, {src_layout.num_layers})")
+    else:
+        layer_begin, layer_count = layer_id, 1
+    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,
+                                           layer_count, stream, max_ctas, backend, validate_indices)
+    path = choose_path(plan, src, dst, options, args, host)
+    return TransferChoice(path.value, _reason(plan, options, args, path, host), host)

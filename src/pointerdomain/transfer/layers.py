@@ -145,15 +145,15 @@ def load_layers(
     if not isinstance(cast(object, src_layout), KVLayout):
         raise InvalidArgumentError(f"src_layout: found {type(src_layout).__name__}, expected a KVLayout")
     num_layers = src_layout.num_layers
-    plan, options, args = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
-                                     stream, max_ctas, backend, validate_indices)
+    plan, options, args, host_indices = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0,
+                                                   num_layers, stream, max_ctas, backend, validate_indices)
     if options.path is Path.STAGED:
         raise InvalidArgumentError(
             "backend: found 'staged', which moves all layers in one pass (HostKVPool.load); a layer pipeline "
             "queues one copy per layer: use backend='kernel', 'copy_engine' or 'auto'"
         )
     one = args._replace(layer_count=1)
-    path = choose_path(plan, src, dst, options, one)  # as each layer's launch would choose it
+    path = choose_path(plan, src, dst, options, one, host_indices)  # as each layer's launch would choose it
     device = plan.device
     runtime = device.runtime
     current = plan.platform.current_stream(device)

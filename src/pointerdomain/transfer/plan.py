@@ -22,6 +22,7 @@ layouts have no lowering and pay nothing for it.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -29,10 +30,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
-from pointerdomain.devices import Device
+from pointerdomain._platform.host_indices import slots_problem
+from pointerdomain._platform.liveness import JointWatch, joint_watch
+from pointerdomain.devices import Device, DeviceRuntime
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import DeviceMismatchError, IndexValidationError, InvalidArgumentError, LayoutError
-from pointerdomain.transfer.launch_errors import error_word_address
+from pointerdomain.transfer.launch_errors import error_word_address, host_word
 from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
 from pointerdomain.registration.memory import RegisteredHostMemory
 from pointerdomain.transfer.overlap import check_distinct_destinations, shared_memory
@@ -73,8 +76,13 @@ class TransferPlan:
         unpinned: the first owner kernels cannot read (the ``unpinned`` rung), or None.
         lowering: how a launch between layouts that split items runs over per-part items
             (:func:`~pointerdomain.layouts.lower_pair`), or None (the common case).
-        host_memory, launch_sets_device: the device's :class:`~pointerdomain.devices.DeviceRuntime`
-            flags, read once per plan.
+        host_memory, launch_sets_device, streams: the device's
+            :class:`~pointerdomain.devices.DeviceRuntime` flags, read once per plan.
+        src_slots, dst_slots: ``num_slots`` of the given layouts (the slot range a launch checks).
+        runtime: that runtime (its current device, asked per launch).
+        host_word: the CPU view of the device's error word where it is host-readable.
+        watch: both tables' liveness words in one native check, or None (each table's own
+            check then).
     """
 
     device: Device
@@ -91,6 +99,7 @@ class TransferPlan:
     run_bytes: int
     kernel: KernelPlan
     dst_ref: weakref.ref[PointerTable[DeviceAlias]]
+    src_ref: weakref.ref[PointerTable[DeviceAlias]]
     unchecked: KernelPlan | None = None
     owners: tuple[RegisteredHostMemory, ...] = ()
     same_memory: bool = False
@@ -100,6 +109,12 @@ class TransferPlan:
     lowering: Lowering | None = None
     host_memory: bool = False
     launch_sets_device: bool = False
+    streams: bool = True
+    src_slots: int = 0
+    dst_slots: int = 0
+    runtime: DeviceRuntime | None = None
+    host_word: ctypes.c_uint32 | None = None
+    watch: JointWatch | None = None
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
@@ -161,6 +176,9 @@ class TransferPlan:
         for owner in self.owners:
             if owner.closed:
                 return False
+        watch = self.watch  # reads words of objects src and dst hold: both are this call's
+        if watch is not None:
+            return watch.intact()
         return src.storages_intact() and dst.storages_intact()
 
     def copy_runs(
@@ -198,6 +216,11 @@ class TransferPlan:
 
 
 def _check_ranges(s_idx: torch.Tensor, d_idx: torch.Tensor, src_slots: int, dst_slots: int) -> None:
+    if (s_idx.is_cpu and d_idx.is_cpu and s_idx.dtype is _INT64 and d_idx.dtype is _INT64 and s_idx.is_contiguous()
+            and d_idx.is_contiguous() and s_idx.numel() == d_idx.numel()):
+        # host memory: one native pass; the checks below word the error where it finds one
+        if slots_problem(s_idx.data_ptr(), d_idx.data_ptr(), s_idx.numel(), src_slots, dst_slots) == 0:
+            return
     d_list: list[int] | None = None
     if not s_idx.is_cuda and s_idx.numel() <= 512:  # small CPU index sets: list min/max beats tensor ops
         s_list, d_list = s_idx.tolist(), d_idx.tolist()
@@ -209,6 +232,8 @@ def _check_ranges(s_idx: torch.Tensor, d_idx: torch.Tensor, src_slots: int, dst_
             raise IndexValidationError(f"{name}: slot {lo if lo < 0 else hi} outside [0, {slots}); nothing was copied")
     check_distinct_destinations(d_idx, d_list)  # read on the host already: two writes to one slot race
 
+
+_INT64 = torch.int64
 
 #: ``j * step`` for ``j`` in ``range(parts)``, per (device, parts, step): made once, outside
 #: any graph capture (a captured arange would hold its values only in replays).
@@ -317,9 +342,12 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
     starts, ends = _merged_ranges(dst.storage_spans())
     return TransferPlan(device, backend_for(device), src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
-                        src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), kernel_plan(*args),
+                        src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
+                        kernel_plan(*args),
                         owners, same_memory, unpinned, starts, ends, lowering, device.runtime.host_memory,
-                        device.runtime.launch_sets_device)
+                        device.runtime.launch_sets_device, device.runtime.streams, given_src.num_slots,
+                        given_dst.num_slots, device.runtime, host_word(device),
+                        joint_watch(src.storage_watch(), dst.storage_watch()))
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -338,9 +366,19 @@ def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...],
 _plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int, int], TransferPlan]] = (
     weakref.WeakKeyDictionary()
 )
+# The same plans by the ids of (src, dst, src_layout, dst_layout), for the launch path: one
+# dict lookup instead of the weak dictionary's reference per call. An entry is taken only
+# where the plan's own references say it is for these very objects (an id can be reused
+# once its object is gone), and dropped with its src.
+_by_ids: dict[tuple[int, int, int, int], TransferPlan] = {}
 
 
-on_backend_change(_plans.clear)
+def _clear() -> None:
+    _plans.clear()
+    _by_ids.clear()
+
+
+on_backend_change(_clear)
 
 
 def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTable[DeviceAlias], dst_layout: KVLayout) -> TransferPlan:
@@ -356,7 +394,12 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
             splits its items is paired with one it cannot be lowered with
             (:func:`~pointerdomain.layouts.lower_pair`).
     """
-    key = (id(dst), id(src_layout), id(dst_layout))
+    ids = (id(src), id(dst), id(src_layout), id(dst_layout))
+    plan = _by_ids.get(ids)
+    if (plan is not None and plan.src_ref() is src and plan.dst_ref() is dst and plan.given_src_layout is src_layout
+            and plan.given_dst_layout is dst_layout):
+        return plan
+    key = ids[1:]
     per_src = _plans.get(src) if isinstance(cast(object, src), PointerTable) else None
     plan = per_src.get(key) if per_src is not None else None
     if (plan is not None and plan.dst_ref() is dst and plan.given_src_layout is src_layout
@@ -364,4 +407,7 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
         return plan
     plan = _build(src, src_layout, dst, dst_layout)
     _plans.setdefault(src, {})[key] = plan
+    if _by_ids.get(ids) is None:
+        weakref.finalize(src, _by_ids.pop, ids, None)
+    _by_ids[ids] = plan
     return plan

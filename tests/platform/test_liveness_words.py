@@ -1,0 +1,102 @@
+"""The per-launch liveness check in one native pass (``pointerdomain._platform.liveness``):
+the words it reads are found on this torch, it sees every change the per-storage check
+sees, and a launch over a table of many allocations is refused before anything is written."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import pointerdomain as pd
+from pointerdomain import errors
+from pointerdomain._platform import liveness
+from tests.reference import DEV
+
+LAYOUT = pd.KVLayout(kind="layer_first", num_layers=4, num_pages=4, page_size=4, num_heads=2, head_dim=16)
+
+
+def test_the_word_layout_is_found_on_this_torch() -> None:
+    assert liveness.word_layout_found()
+
+
+@pytest.fixture(params=["native", "python"])
+def how(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Tables built with the native watch, or where no layout was found (the per-storage reads)."""
+    if request.param == "python":
+        monkeypatch.setattr(liveness, "_searched", True)
+        monkeypatch.setattr(liveness, "_layout", None)
+    yield request.param
+
+
+def _separate() -> list[torch.Tensor]:
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    return [pd.device_empty(tuple(b.shape), b.dtype, DEV) for b in pool.buffers]
+
+
+def _release(b: list[torch.Tensor]) -> None:
+    b[5].untyped_storage().resize_(0)
+
+
+def _regrow(b: list[torch.Tensor]) -> None:
+    storage = b[6].untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes // 2)
+
+
+def _swap(b: list[torch.Tensor]) -> None:
+    b[1].set_(torch.zeros_like(b[1]).untyped_storage())
+
+
+def _share(b: list[torch.Tensor]) -> None:
+    b[2].share_memory_()  # type: ignore[no-untyped-call]
+
+
+CHANGES: dict[str, Callable[[list[torch.Tensor]], None]] = {
+    "resize_(0)": _release, "resize_ smaller": _regrow, "set_": _swap, "share_memory_": _share,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_under_a_table_of_many_allocations_is_seen(how: str, change: str) -> None:
+    buffers = [torch.zeros(64, dtype=torch.uint8) for _ in range(16)]  # CPU tensors: a host table
+    table = pd.host_ptr_table(buffers)
+    assert (table.storage_watch() is not None) == (how == "native")
+    assert table.storages_intact()
+    CHANGES[change](buffers)
+    assert not table.storages_intact()
+    with pytest.raises(errors.ClosedError):
+        table.check_live()
+
+
+def test_a_view_pointed_elsewhere_in_its_own_storage_is_seen(how: str) -> None:
+    base = torch.zeros(4096, dtype=torch.uint8)
+    views = [base[:1024], base[1024:2048]]
+    table = pd.host_ptr_table(views)
+    assert table.storages_intact()
+    views[1].set_(base.untyped_storage(), 3072, (1024,), (1,))  # same storage, another offset
+    assert not table.storages_intact()
+
+
+@pytest.mark.parametrize("change", ["set_", "share_memory_"])  # (emulated device memory cannot be resized)
+def test_a_launch_over_many_allocations_after_a_change_writes_nothing(how: str, change: str) -> None:
+    buffers = _separate()
+    dst = pd.make_kernel_ptr_table(buffers, DEV, layout=LAYOUT)
+    with pd.HostKVPool(LAYOUT.replace(kind="page_first"), DEV) as host:
+        host.buffer.view(torch.uint8).fill_(0x5A)
+        for b in buffers:
+            b.view(torch.uint8).fill_(0xA5)
+        idx = torch.tensor([1, 2])
+        pd.transfer_kv_all_layer(host.kernel_table, dst, idx, idx, src_layout=host.layout, dst_layout=LAYOUT)
+        assert all(bool((b.view(torch.uint8)[1:3] == 0x5A).all()) for b in buffers)  # the call works
+        for b in buffers:
+            b.view(torch.uint8).fill_(0xA5)
+        CHANGES[change](buffers)
+        changed = {"set_": 1, "share_memory_": 2}[change]
+        kept = [b.view(torch.uint8).clone() for b in buffers]
+        with pytest.raises(errors.ClosedError):
+            pd.transfer_kv_all_layer(host.kernel_table, dst, idx, idx, src_layout=host.layout, dst_layout=LAYOUT)
+        assert all(torch.equal(b.view(torch.uint8), before) for b, before in zip(buffers, kept))
+        assert all(bool((b.view(torch.uint8) == 0xA5).all()) for i, b in enumerate(buffers) if i != changed)
