@@ -46,6 +46,7 @@ __all__ = [
     "BusyError",
     "OverlapError",
     "UnpinnedMemoryError",
+    "GroupRegistrationError",
 ]
 
 
@@ -239,3 +240,16 @@ class GpuRuntimeMismatchError(ExtensionUnavailableError):
         super().__init__(message)
         self.built = built
         self.torch = torch
+
+
+class GroupRegistrationError(RegistrationError):
+    """The ranks of a process group did not reach one registration outcome
+    (:func:`pointerdomain.distributed.register_group`): a rank failed to register, or
+    registered on another rung of the ladder than the others and the group refuses the
+    difference. Raised on every rank, with the same text; nothing stays registered.
+    Attributes: ``ranks`` (the ranks at fault, ascending) and ``causes`` (rank -> cause)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...], causes: dict[int, str]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.causes = causes
