@@ -32,17 +32,21 @@ LAYOUT = model_layout("page_first", 16)
 BLOCK = LAYOUT.page_block_bytes()
 DEGRADE = {"on_failure": "degrade", "chunk_bytes": 4 * BLOCK}
 
-#: name -> (rank with faults, DriverFaults arguments, RegistrationPolicy arguments, on_mismatch)
-SCENARIOS: dict[str, tuple[int, dict[str, Any], dict[str, Any] | None, str]] = {
-    "agree": (-1, {}, None, "refuse"),
-    "chunked_refuse": (1, {"per_call_cap": 4 * BLOCK}, DEGRADE, "refuse"),
-    "chunked_match": (-1, {"per_call_cap": 4 * BLOCK}, DEGRADE, "match"),  # -1: the last rank
-    "pinned_copy_match": (0, {"refuse_all": NOT_SUPPORTED}, DEGRADE, "match"),
-    "unpinned_match": (1, {"refuse_all": NOT_SUPPORTED, "refuse_pinned_alloc": 2},
-                       dict(DEGRADE, allow_unpinned=True), "match"),
-    "fail": (-1, {"refuse_all": NOT_SUPPORTED}, None, "match"),
-    "bad_argument": (1, {}, None, "degrade"),  # rank 1 alone passes an invalid on_mismatch
-    "different_modes": (0, {}, None, "match"),  # rank 0 alone says "match", the others "refuse"
+CAP = {"per_call_cap": 4 * BLOCK}  # one registration call of the whole pool is refused: the chunked rung
+REFUSE = {"refuse_all": NOT_SUPPORTED}  # every registration call is refused: pinned_copy
+
+#: name -> ({rank with faults (-1: the last): DriverFaults arguments}, RegistrationPolicy arguments, on_mismatch)
+SCENARIOS: dict[str, tuple[dict[int, dict[str, Any]], dict[str, Any] | None, str]] = {
+    "agree": ({}, None, "refuse"),
+    "chunked_refuse": ({1: CAP}, DEGRADE, "refuse"),
+    "chunked_match": ({-1: CAP}, DEGRADE, "match"),
+    "pinned_copy_match": ({0: REFUSE}, DEGRADE, "match"),
+    "unpinned_match": ({1: dict(REFUSE, refuse_pinned_alloc=2)}, dict(DEGRADE, allow_unpinned=True), "match"),
+    "fail": ({-1: REFUSE}, None, "match"),
+    "bad_argument": ({1: {}}, None, "degrade"),  # rank 1 alone passes an invalid on_mismatch
+    "different_modes": ({0: {}}, None, "match"),  # rank 0 alone says "match", the others "refuse"
+    "two_rungs_refuse": ({1: CAP, -1: REFUSE}, DEGRADE, "refuse"),
+    "two_rungs_match": ({1: CAP, -1: REFUSE}, DEGRADE, "match"),
 }
 
 
@@ -67,12 +71,12 @@ def _roundtrip(host: pd.HostKVPool, device: pd.Device, seed: int) -> bool:
 
 
 def _scenario(name: str, rank: int, world: int, device: pd.Device, group: Any) -> dict[str, Any]:
-    faulty, fault_args, policy_args, mode = SCENARIOS[name]
-    faulty = faulty % world
-    if name in ("bad_argument", "different_modes") and rank != faulty:
+    faulty, policy_args, mode = SCENARIOS[name]
+    mine = {r % world: args for r, args in faulty.items()}.get(rank)
+    if name in ("bad_argument", "different_modes") and mine is None:
         mode = "refuse"
     policy = None if policy_args is None else pd.RegistrationPolicy(**policy_args)
-    faults = DriverFaults(backend_for(device), **fault_args) if rank == faulty and fault_args else None
+    faults = DriverFaults(backend_for(device), **mine) if mine else None
     open_before = len(open_registrations())
     seen: dict[str, Any] = {"rank": rank}
     with warnings.catch_warnings():

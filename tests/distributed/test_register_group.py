@@ -27,7 +27,8 @@ from tests.reference import DEV
 
 THREE = ["agree", "chunked_refuse", "chunked_match", "pinned_copy_match", "unpinned_match", "fail", "bad_argument",
          "different_modes"]
-PLAN = [(3, name) for name in THREE] + [(2, "chunked_match"), (4, "pinned_copy_match"), (4, "fail")]
+PLAN = [(3, name) for name in THREE] + [(2, "chunked_match"), (4, "pinned_copy_match"), (4, "two_rungs_refuse"),
+                                        (4, "two_rungs_match"), (4, "fail")]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,13 @@ def test_groups_of_two_and_four(ranks: list[dict[str, Any]]) -> None:
     four = _group(ranks, 4, "pinned_copy_match")
     _ok(four, "pinned_copy_match", "pinned_copy", [1, 2, 3])
     _refused(_group(ranks, 4, "fail"), "fail", [3], "rank 3 (", "error 801")
+
+
+def test_two_ranks_on_two_lower_rungs(ranks: list[dict[str, Any]]) -> None:
+    # rank 1 chunked, rank 3 pinned_copy: both named when refused; everyone on pinned_copy when matched
+    _refused(_group(ranks, 4, "two_rungs_refuse"), "two_rungs_refuse", [1, 3], "rank 1 (", ": chunked because",
+             "rank 3 (", ": pinned_copy because")
+    _ok(_group(ranks, 4, "two_rungs_match"), "two_rungs_match", "pinned_copy", [0, 1, 2])
 
 
 def test_doctor_inside_a_rank_reports_the_group(ranks: list[dict[str, Any]]) -> None:

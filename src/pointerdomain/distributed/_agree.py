@@ -236,7 +236,8 @@ def register_group(
     lowest = max(level(Rung(r.rung)) for r in records)
     rematched: tuple[int, ...] = ()
     if any(level(Rung(r.rung)) != lowest for r in records):
-        below = [r for r in records if level(Rung(r.rung)) == lowest]
+        best = min(level(Rung(r.rung)) for r in records)
+        below = [r for r in records if level(Rung(r.rung)) != best]
         if on_mismatch == "refuse":
             causes = {r.rank: r.describe() for r in below}
             message = ("the ranks registered on different rungs of the ladder (on_mismatch='refuse'): "
