@@ -34,8 +34,8 @@ PLAN = [(3, name) for name in THREE] + [(2, "chunked_match"), (4, "pinned_copy_m
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ranks")
-    mp.start_processes(rank_worker.main, args=(4, str(out / "store"), PLAN, str(out)), nprocs=4,
-                       start_method="spawn", join=True)
+    mp.start_processes(rank_worker.main, args=(4, str(out / "store"), PLAN, str(out)),  # type: ignore[attr-defined,no-untyped-call]
+                       nprocs=4, start_method="spawn", join=True)
     return [json.loads((out / f"{r}.json").read_text()) for r in range(4)]
 
 

@@ -233,7 +233,7 @@ def world() -> World:
 
         moon, nix = Loopback(), Loopback()
         local, remote, stray = (pd.HostKVPool(POOL, DEV) for _ in range(3))
-        engine = HostTransferEngine(moon, "127.0.0.1")  # type: ignore[arg-type]
+        engine = HostTransferEngine(moon, "127.0.0.1")
         engine.batch_register_memory(local.get_contiguous_buf_infos())
         agent = HostNixlAgent("fuzz", agent=nix)  # type: ignore[arg-type]
         agent.register_pool(local)
@@ -663,8 +663,8 @@ class SurfaceMachine(RuleBasedStateMachine):
                 expect = {"remote": want.reshape(-1)}
 
         def call() -> None:
-            w.agent.transfer(kind, [dram_desc(b) for b in local_meta], [dram_desc(b) for b in remote_meta],
-                             "peer")  # type: ignore[arg-type]
+            w.agent.transfer(kind, [dram_desc(b) for b in local_meta],  # type: ignore[arg-type]
+                             [dram_desc(b) for b in remote_meta], "peer")
         self._call("nixl", fault, call, expect)
         w.nix.fail = False
 
