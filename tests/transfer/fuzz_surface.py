@@ -31,6 +31,7 @@ import ctypes
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ class Loopback:
     (``fail``: the next transfer reports an error without copying)."""
 
     def __init__(self) -> None:
-        self.calls: list[str] = []
+        self.calls: Counter[str] = Counter()  # calls per method (a count: the engine lives across sequences)
         self.fail = False
         self._xfers: dict[int, tuple[str, list[tuple[int, int, int]], list[tuple[int, int, int]]]] = {}
 
@@ -109,29 +110,29 @@ class Loopback:
 
     # Mooncake's TransferEngine
     def register_memory(self, *args: Any) -> Any:
-        self.calls.append("register_memory")
-        return ("handle", len(self.calls)) if len(args) >= 2 and isinstance(args[0], list) else 0
+        self.calls["register_memory"] += 1
+        return ("handle", self.calls.total()) if len(args) >= 2 and isinstance(args[0], list) else 0
 
     def unregister_memory(self, addr: int) -> int:
-        self.calls.append("unregister_memory")
+        self.calls["unregister_memory"] += 1
         return 0
 
     def transfer_sync_read(self, target: str, buffer: int, peer: int, length: int) -> int:
-        self.calls.append("transfer_sync_read")
+        self.calls["transfer_sync_read"] += 1
         if self.fail:
             return -1
         self._copy(buffer, peer, length)
         return 0
 
     def transfer_sync_write(self, target: str, buffer: int, peer: int, length: int) -> int:
-        self.calls.append("transfer_sync_write")
+        self.calls["transfer_sync_write"] += 1
         if self.fail:
             return -1
         self._copy(peer, buffer, length)
         return 0
 
     def batch_transfer_sync_read(self, target: str, buffers: list[int], peers: list[int], lengths: list[int]) -> int:
-        self.calls.append("batch_transfer_sync_read")
+        self.calls["batch_transfer_sync_read"] += 1
         if self.fail:
             return -1
         for b, p, n in zip(buffers, peers, lengths):
@@ -139,7 +140,7 @@ class Loopback:
         return 0
 
     def batch_transfer_sync_write(self, target: str, buffers: list[int], peers: list[int], lengths: list[int]) -> int:
-        self.calls.append("batch_transfer_sync_write")
+        self.calls["batch_transfer_sync_write"] += 1
         if self.fail:
             return -1
         for b, p, n in zip(buffers, peers, lengths):
@@ -148,7 +149,7 @@ class Loopback:
 
     # NIXL's nixl_agent
     def deregister_memory(self, handle: Any) -> None:
-        self.calls.append("deregister_memory")
+        self.calls["deregister_memory"] += 1
 
     def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem_type: str) -> list[tuple[int, int, int]]:
         return list(descs)
@@ -160,7 +161,7 @@ class Loopback:
         return handle
 
     def transfer(self, handle: int) -> str:
-        self.calls.append("transfer")
+        self.calls["transfer"] += 1
         if self.fail:
             return "ERR"
         op, local, remote = self._xfers[handle]
@@ -176,6 +177,11 @@ class Loopback:
 
     def release_xfer_handle(self, handle: int) -> None:
         self._xfers.pop(handle, None)
+
+
+def transfers(engine: Loopback) -> int:
+    """Transfer calls that reached ``engine`` so far (registrations not counted)."""
+    return sum(n for name, n in engine.calls.items() if "transfer" in name)
 
 
 @dataclass
@@ -272,7 +278,7 @@ class SurfaceMachine(RuleBasedStateMachine):
         return t
 
     # helpers -----------------------------------------------------------------------
-    def _call(self, name: str, fault: str, call: Any, expect: dict[str, torch.Tensor], accepted: bool = False) -> None:
+    def _call(self, name: str, fault: str, call: Any, expect: dict[str, torch.Tensor], accepted: bool = False) -> bool:
         """Run ``call``; a refusal must leave every tracked byte as it was; a success must
         give ``expect`` (tracked name -> its bytes after) and leave the rest. ``accepted``:
         the fault is one the call may take (e.g. an out-of-range slot that is skipped)."""
@@ -286,7 +292,7 @@ class SurfaceMachine(RuleBasedStateMachine):
             STATS[f"{name}_refused"] += 1
             for key, t in self.w.tracked().items():
                 assert torch.equal(u8(t), self.snap[key]), f"{name} ({fault}): refused, but {key} changed"
-            return
+            return False
         STATS["calls_ok"] += 1
         STATS[f"{name}_ok"] += 1
         assert fault == "none" or accepted, f"{name}: accepted the fault {fault!r}"
@@ -294,6 +300,7 @@ class SurfaceMachine(RuleBasedStateMachine):
             want = expect.get(key, self.snap[key])
             assert torch.equal(u8(t), want), f"{name} ({fault}): {key} differs from the torch reference"
             self.snap[key] = u8(t).clone()
+        return True
 
     @staticmethod
     def _slots(data: st.DataObject, n: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -620,7 +627,9 @@ class SurfaceMachine(RuleBasedStateMachine):
             finally:
                 if fault == "closed":
                     engine.unregister_memory(keep[0].memory.host_va)
-        self._call("mooncake", fault, call, expect)
+        moved = transfers(w.moon)
+        if not self._call("mooncake", fault, call, expect) and fault != "engine_fails":
+            assert transfers(w.moon) == moved, f"mooncake ({fault}): refused, but a transfer reached the engine"
         w.moon.fail = False
 
     @rule(data=st.data(), op=st.sampled_from(["READ", "WRITE"]),
@@ -665,7 +674,9 @@ class SurfaceMachine(RuleBasedStateMachine):
         def call() -> None:
             w.agent.transfer(kind, [dram_desc(b) for b in local_meta],  # type: ignore[arg-type]
                              [dram_desc(b) for b in remote_meta], "peer")
-        self._call("nixl", fault, call, expect)
+        moved = transfers(w.nix)
+        if not self._call("nixl", fault, call, expect) and fault != "agent_fails":
+            assert transfers(w.nix) == moved, f"nixl ({fault}): refused, but a transfer reached the agent"
         w.nix.fail = False
 
     @invariant()
