@@ -22,6 +22,7 @@ from pointerdomain import errors
 from pointerdomain.distributed import GroupRegistrationError, group_report, last_outcome, register_group
 from pointerdomain.distributed._cap import RungCap
 from pointerdomain.testing import backend_for
+from pointerdomain.tools import doctor
 from tests.distributed import rank_worker
 from tests.reference import DEV
 
@@ -146,7 +147,7 @@ def test_doctor_inside_a_rank_reports_the_group(ranks: list[dict[str, Any]]) -> 
 
 # in this process: no group, a group of one, and the rung cap ---------------------------------
 def test_without_a_process_group() -> None:
-    assert not dist.is_initialized() and group_report() is None
+    assert not dist.is_initialized() and group_report() is None and doctor.group_row() is None
     with pytest.raises(errors.InvalidArgumentError, match="init_process_group"):
         register_group(lambda p: pd.alloc_registered(4096, DEV, policy=p))
 
@@ -160,8 +161,16 @@ def group_of_one(tmp_path: Path) -> Any:
         dist.destroy_process_group()
 
 
-def test_a_group_of_one(group_of_one: None) -> None:
+def test_a_group_of_one(group_of_one: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert doctor.group_row() == {"rank": 0, "world_size": 1, "backend": "gloo", "registration": None}
     reg = register_group(lambda p: pd.alloc_registered(8192, DEV, policy=p))
+    report = doctor.collect([DEV])
+    assert report["distributed"]["registration"]["rung"] == "single" and report["ok"]
+    doctor.render_text(report)
+    text = capsys.readouterr().out
+    group = text[text.index("Process group"):]
+    assert "this rank" in group and "0 of 1" in group and "backend gloo" in group
+    assert "registration" in group and "rank 0" in group and "single" in group
     with reg.value as mem:
         assert reg.memory is mem and mem.rung is pd.Rung.SINGLE and reg.outcome.ok and reg.outcome.world_size == 1
         assert last_outcome() is reg.outcome and group_report() == {

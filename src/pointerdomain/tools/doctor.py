@@ -380,11 +380,11 @@ def render_text(report: dict[str, Any]) -> None:
         console.print(table)
     group = report.get("distributed")
     if group is not None:
-        table = Table(title=f"Process group: rank {group['rank']} of {group['world_size']} ({group['backend']})",
-                      title_justify="left", show_header=False)
+        table = Table(title="Process group", title_justify="left", show_header=False)
         table.add_column(style="bold", no_wrap=True)
         table.add_column()
         table.add_column(style="dim")
+        table.add_row("this rank", f"{group['rank']} of {group['world_size']}", f"backend {group['backend']}")
         outcome = group["registration"]
         if outcome is None:
             table.add_row("registration", "no register_group call yet", "")
