@@ -122,6 +122,11 @@ def main(rank: int, world: int, store: str, plan: list[tuple[int, str]], out: st
             if rank < size:
                 results[f"{size}:{name}"] = _scenario(name, rank, size, device, groups[size])
             dist.barrier()
+        if rank == world - 1:  # not a member of the group of 2: refused here, before any collective
+            try:
+                register_group(lambda p: pd.HostKVPool(LAYOUT, device, policy=p), group=groups[2])
+            except errors.PointerDomainError as exc:
+                results["non_member"] = f"{type(exc).__name__}: {exc}"
         if rank == 0:
             from pointerdomain.tools.doctor import collect
 

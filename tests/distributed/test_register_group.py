@@ -136,6 +136,10 @@ def test_two_ranks_on_two_lower_rungs(ranks: list[dict[str, Any]]) -> None:
     _ok(_group(ranks, 4, "two_rungs_match"), "two_rungs_match", "pinned_copy", [0, 1, 2])
 
 
+def test_a_rank_outside_the_group_is_refused_before_any_collective(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[3]["non_member"].startswith("InvalidArgumentError: group: this rank (3) is not a member")
+
+
 def test_doctor_inside_a_rank_reports_the_group(ranks: list[dict[str, Any]]) -> None:
     doctor = ranks[0]["doctor"]  # the last register_group of rank 0: the group of 4 that failed
     assert doctor["rank"] == 0 and doctor["world_size"] == 4 and doctor["backend"] == "gloo"

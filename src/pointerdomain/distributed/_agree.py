@@ -189,8 +189,8 @@ def register_group(
     Raises:
         GroupRegistrationError: (a ``RegistrationError``, a ``RuntimeError``) on every rank
             when the ranks reach no common outcome; ``ranks`` and ``causes`` say which and why.
-        InvalidArgumentError: torch.distributed has no process group (on this rank, before
-            any collective).
+        InvalidArgumentError: torch.distributed has no process group, or this rank is not in
+            ``group`` (on this rank, before any collective).
         InvalidTypeError: ``register`` is not callable or ``group`` not a ProcessGroup
             (before any collective). A bad ``policy`` or ``on_mismatch`` on one rank is
             sent to the others first (they raise GroupRegistrationError, so none waits
@@ -202,6 +202,10 @@ def register_group(
     if not callable(register):
         raise InvalidTypeError(f"register: found a {type(register).__name__}, expected a callable policy -> "
                                "registration. Fix: pass lambda p: pointerdomain.HostKVPool(layout, device, policy=p)")
+    if group is not None and (group is dist.GroupMember.NON_GROUP_MEMBER or (
+            isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0)):
+        raise InvalidArgumentError(f"group: this rank ({dist.get_rank()}) is not a member of it, expected a group "
+                                   "this rank belongs to. Fix: call register_group on the group's ranks only")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise InvalidTypeError(f"group: found a {type(group).__name__}, expected a torch.distributed ProcessGroup "
                                "or None (the default group)")
