@@ -35,6 +35,7 @@ from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, Registere
 from pointerdomain.registration.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.registration.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 from pointerdomain.transfer.launch_errors import ensure_error_word
+from pointerdomain.transfer.layers import LayerLoad, load_layers
 
 __all__ = ["DeviceKVPool", "DevicePool", "HostKVPool"]
 
@@ -105,6 +106,11 @@ class DeviceKVPool(ProcessLocal):
         lay = self.layout
         return (f"DeviceKVPool({lay.kind}, {lay.attention}, {lay.num_layers} layer(s), {lay.num_slots} slot(s), "
                 f"{lay.nbytes} bytes, {self.device})")
+
+    @property
+    def generation(self) -> int:
+        """0: device memory never closes under a pool (:mod:`pointerdomain.transfer.graphs`)."""
+        return self.table.generation
 
     def buffer(self, kv: int, layer: int) -> torch.Tensor:
         """The ``[num_slots, num_heads, head_dim]`` buffer of K (kv=0) or V (kv=1) of ``layer``."""
@@ -232,6 +238,24 @@ class HostKVPool(ProcessLocal):
             max_ctas=max_ctas, backend=backend, validate_indices=validate_indices,
         )
 
+    def load_layers(
+        self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
+        validate_indices: ValidateIndices = True,
+    ) -> LayerLoad:
+        """H2D for every layer, queued at once on ``stream`` with a completion per layer:
+        the model's layer ``i`` calls ``load.wait(i)`` on its own stream (see
+        :func:`pointerdomain.transfer.layers.load_layers`). Moves what :meth:`load` moves.
+
+        Keywords and errors as :meth:`load`, all raised before the first layer is queued.
+        """
+        _check_device_pool("load_layers", device_pool)
+        return load_layers(
+            self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
+            src_layout=self.layout, dst_layout=device_pool.layout, stream=stream, max_ctas=max_ctas,
+            backend=backend, validate_indices=validate_indices,
+        )
+
     def _table_for_pool(self, device_pool: DevicePool) -> PointerTable[DeviceAlias]:
         # one host pool serves device pools on several devices, each through its own table
         # a Device for a kernel table (its type); None only for a host table cast to one
@@ -255,6 +279,13 @@ class HostKVPool(ProcessLocal):
         offset = self.layout.byte_offset(page, layer, kv, token=token)
         self.memory.check_open()
         return self.host_table[0] + offset
+
+    @property
+    def generation(self) -> int:
+        """Changes (grows) when the pool closes: an engine records it with a graph that
+        captured the pool's launches and compares before a replay
+        (:mod:`pointerdomain.transfer.graphs`)."""
+        return self.memory.leases.generation
 
     def get_contiguous_buf_infos(self) -> list[BufferInfo]:
         """The pool buffer as host-VA metadata (for a transfer engine's ``register_memory``)."""
