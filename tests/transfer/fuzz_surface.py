@@ -15,11 +15,16 @@ adapters, on the emulated device, good and bad input mixed:
   ``pointerdomain.adapters.nixl.HostNixlAgent`` over loop-back engines that copy the raw
   addresses they are handed (``ctypes.memmove``), so a wrong address shows in the bytes.
 
+* graph capture on the emulated device (``pointerdomain.testing.EmulatedGraph``): a host
+  pool's load or backup captured, the indices rewritten in place, replayed; closing the
+  captured pool, replaying a reset graph, capturing twice, out-of-range slots at capture;
+* the layer pipeline (``HostKVPool.load_layers``, ``pointerdomain.load_layers``) and its
+  per-layer waits.
+
 After each call: a call either raised a typed ``PointerDomainError`` and no tracked byte
 changed (every buffer is compared with its snapshot), or its destination equals the
 plain-torch reference and every other buffer is unchanged. A fault the wrapper must refuse
-that it accepts is a failure. There is no graph-capture API on the emulated device and no
-layer pipeline in the library, so neither is fuzzed here.
+that it accepts is a failure.
 
 Usage: ``python -m tests.transfer.fuzz_surface --profile ci --summary out.json``.
 """
@@ -45,6 +50,8 @@ from pointerdomain import errors
 from pointerdomain.adapters.mooncake import HostTransferEngine
 from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
 from pointerdomain.compat import lmcache, sgl_kernel, vllm
+from pointerdomain.testing import EmulatedGraph
+from tests.reference import reference_transfer
 
 DEV = pd.Device("emulated", 0)
 OTHER = pd.Device("emulated", 1)
@@ -66,7 +73,7 @@ settings.register_profile("long", max_examples=20000, stateful_step_count=12, de
 
 STATS: dict[str, int] = {"sequences": 0, "steps": 0, "calls_ok": 0, "calls_refused": 0}
 CALLS = ("sgl_per_layer", "sgl_all_layer", "vllm_swap_blocks", "vllm_swap_blocks_batch", "lmcache_multi_layer",
-         "mooncake", "nixl")
+         "mooncake", "nixl", "graph_capture", "layer_pipeline")
 STATS.update({f"{name}_ok": 0 for name in CALLS})
 STATS.update({f"{name}_refused": 0 for name in CALLS})
 
@@ -203,6 +210,8 @@ class World:
     local: pd.HostKVPool
     remote: pd.HostKVPool
     stray: pd.HostKVPool  # a pool never registered with the engines
+    kv_host: pd.HostKVPool  # graph capture and the layer pipeline: host pool <-> device pool
+    kv_dev: pd.DeviceKVPool
     owners: list[pd.RegisteredHostMemory]
     engine: HostTransferEngine
     moon: Loopback
@@ -216,8 +225,10 @@ class World:
                 named[f"{side}{i}"] = t
         for name in ("dev_blocks", "dev2_blocks", "host_blocks", "mem_dev", "mem_host"):
             named[name] = getattr(self, name)
-        for name in ("local", "remote", "stray"):
+        for name in ("local", "remote", "stray", "kv_host"):
             named[name] = getattr(self, name).buffer
+        for i, t in enumerate(self.kv_dev.buffers):
+            named[f"kv_dev{i}"] = t
         return named
 
 
@@ -251,7 +262,8 @@ def world() -> World:
             host_blocks=h((BLOCKS, BLOCK), torch.uint8),
             caches=[d((2, NB, BS, NH, HS), torch.bfloat16) for _ in range(LAYERS)],
             mem_dev=d((2, LAYERS, T, NH * HS), torch.bfloat16), mem_host=h((2, LAYERS, T, NH * HS), torch.bfloat16),
-            local=local, remote=remote, stray=stray, owners=owners, engine=engine, moon=moon, agent=agent, nix=nix,
+            local=local, remote=remote, stray=stray, kv_host=pd.HostKVPool(POOL, DEV),
+            kv_dev=pd.DeviceKVPool(POOL.replace(kind="layer_first"), DEV), owners=owners, engine=engine, moon=moon, agent=agent, nix=nix,
         )
     return _world
 
@@ -678,6 +690,125 @@ class SurfaceMachine(RuleBasedStateMachine):
         if not self._call("nixl", fault, call, expect) and fault != "agent_fails":
             assert transfers(w.nix) == moved, f"nixl ({fault}): refused, but a transfer reached the agent"
         w.nix.fail = False
+
+    # graph capture (the emulated stand-in) and the layer pipeline ------------------------
+    def _kv_expect(self, load: bool, s_idx: torch.Tensor, d_idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a host pool load (H2D) or backup (D2H) of every layer leaves, from the torch model."""
+        w = self.w
+        dev_bytes = torch.cat([u8(b) for b in w.kv_dev.buffers])
+        if load:
+            want = reference_transfer(u8(w.kv_host.buffer), POOL, dev_bytes, w.kv_dev.layout, s_idx, d_idx)
+            per = want.numel() // len(w.kv_dev.buffers)
+            return {f"kv_dev{i}": want[i * per : (i + 1) * per] for i in range(len(w.kv_dev.buffers))}
+        want = reference_transfer(dev_bytes, w.kv_dev.layout, u8(w.kv_host.buffer), POOL, s_idx, d_idx)
+        return {"kv_host": want}
+
+    @rule(data=st.data(), load=st.booleans(), n=st.integers(0, POOL.num_slots),
+          fault=st.sampled_from(["none"] * 5 + ["close_under_graph", "replay_after_reset", "capture_twice",
+                                                "capture_other_type", "out_of_range_at_capture"]))
+    def graph_capture(self, data: st.DataObject, load: bool, n: int, fault: str) -> None:
+        """Capture a pool load or backup into an EmulatedGraph: nothing runs at capture; a
+        replay copies with the index values at replay time (rewritten in place after
+        capture); memory the graph captured refuses to close; a reset graph refuses to
+        replay; a second capture or a capture of a non-emulated device is refused."""
+        w = self.w
+        s_idx, d_idx = self._slots(data, n, POOL.num_slots)
+        graph = EmulatedGraph("fuzz step")
+        op = w.kv_host.load if load else w.kv_host.backup
+        if fault == "out_of_range_at_capture":
+            d_idx = torch.cat([d_idx, torch.tensor([POOL.num_slots + 1])])
+            s_idx = torch.cat([s_idx, torch.tensor([0])])
+        if fault == "capture_other_type":
+            self._call("graph_capture", fault, lambda: graph.capture("cuda:0").__enter__(), {})
+            return
+        try:
+            def capture() -> None:
+                with graph.capture(DEV):
+                    op(w.kv_dev, s_idx, d_idx)
+            # a capture may take an out-of-range slot: under a graph the indices are read at replay
+            if not self._call("graph_capture", fault, capture, {}, accepted=True):
+                return  # refused at capture: nothing recorded, nothing written (checked)
+            if fault == "out_of_range_at_capture":  # replayed as they are: refused, or the slot is skipped
+                keep = d_idx < POOL.num_slots
+                if self._call("graph_capture", fault, graph.replay, self._kv_expect(load, s_idx[keep], d_idx[keep]),
+                              accepted=True):
+                    # a replay reads nothing back (as on CUDA): the skipped slot is reported by check_errors
+                    try:
+                        pd.check_errors(DEV)
+                    except errors.IndexValidationError:
+                        return
+                    raise AssertionError("a replay skipped an out-of-range slot and check_errors reported nothing")
+                return
+            if fault == "capture_twice":
+                self._call("graph_capture", fault, lambda: graph.capture(DEV).__enter__(), {})
+            if fault == "close_under_graph":
+                self._call("graph_capture", fault, lambda: w.kv_host.close(timeout=0), {})
+                assert not w.kv_host.memory.closed, "a pool a live graph captured was closed"
+            # rewrite the indices in place (a replay reads them then), in range
+            s_idx.copy_(torch.tensor(data.draw(st.lists(st.integers(0, POOL.num_slots - 1), min_size=n, max_size=n)),
+                                     dtype=torch.int64))
+            d_idx.copy_(torch.tensor(data.draw(st.permutations(range(POOL.num_slots)))[:n], dtype=torch.int64))
+            if fault == "replay_after_reset":
+                graph.reset()
+                self._call("graph_capture", fault, graph.replay, {})
+                return
+            self._call("graph_capture", "none", graph.replay, self._kv_expect(load, s_idx, d_idx))
+        finally:
+            graph.reset()
+
+    @rule(data=st.data(), n=st.integers(0, POOL.num_slots), how=st.sampled_from(["pool", "tables"]),
+          backend=st.sampled_from(["auto", "kernel", "copy_engine"]),
+          fault=st.sampled_from(["none"] * 5 + ["out_of_range", "int32", "staged", "bad_stream", "layout",
+                                                "wait_out_of_range", "closed"]))
+    def layer_pipeline(self, data: st.DataObject, n: int, how: str, backend: str, fault: str) -> None:
+        """HostKVPool.load_layers / pd.load_layers: every layer's H2D queued at once, a
+        completion per layer; bad input refused before the first layer is queued."""
+        w = self.w
+        s_idx, d_idx = self._slots(data, n, POOL.num_slots)
+        kw: dict[str, Any] = {"backend": backend}
+        host_layout = POOL
+        table = w.kv_host.kernel_table
+        if fault == "out_of_range":
+            d_idx = torch.cat([d_idx, torch.tensor([POOL.num_slots + data.draw(st.integers(0, 3))])])
+            s_idx = torch.cat([s_idx, torch.tensor([0])])
+        elif fault == "int32":
+            s_idx = s_idx.to(torch.int32)
+        elif fault == "staged":
+            kw["backend"] = "staged"
+        elif fault == "bad_stream":
+            kw["stream"] = data.draw(st.sampled_from([-1, 1 << 64, "0"]))
+        elif fault == "layout":
+            host_layout = POOL.replace(num_pages=POOL.num_pages + 1)
+            how = "tables"
+        elif fault == "closed":
+            pool = pd.HostKVPool(POOL, DEV)
+            table = pool.kernel_table
+            pool.close()
+            how = "tables"
+        expect = self._kv_expect(True, s_idx, d_idx) if fault in ("none", "wait_out_of_range") else {}
+        holder: list[Any] = []
+
+        def call() -> None:
+            if how == "pool":
+                holder.append(w.kv_host.load_layers(w.kv_dev, s_idx, d_idx, **kw))
+            else:
+                holder.append(pd.load_layers(table, w.kv_dev.table, s_idx, d_idx, src_layout=host_layout,
+                                             dst_layout=w.kv_dev.layout, **kw))
+        if not self._call("layer_pipeline", fault, call, expect, accepted=fault == "wait_out_of_range"):
+            return
+        load = holder[0]
+        assert load.num_layers == POOL.num_layers
+        for layer in range(POOL.num_layers):
+            load.wait(layer)
+            assert load.ready(layer)
+        load.synchronize()
+        if fault == "wait_out_of_range":
+            for bad in (POOL.num_layers, -1):
+                try:
+                    load.wait(bad)
+                except errors.IndexValidationError:
+                    continue
+                raise AssertionError(f"LayerLoad.wait({bad}) was accepted")
 
     @invariant()
     def count_steps(self) -> None:

@@ -1,7 +1,7 @@
 """The stateful fuzzers in child processes, both at once (one per core on the 2-core CI
 machine): the KV machine (tests/transfer/fuzz_machine.py) and the engine-facing surface
-machine (tests/transfer/fuzz_surface.py: the compat call shapes and the transfer-engine
-adapters). A segfault or an abort there is a failure here, with the child's output, not
+machine (tests/transfer/fuzz_surface.py: the compat call shapes, the transfer-engine
+adapters, graph capture on the emulated device and the layer pipeline). A segfault or an abort there is a failure here, with the child's output, not
 a dead pytest.
 
 The hypothesis profile comes from ``FUZZ_PROFILE`` (``ci``, the default: 2,000 KV and
@@ -65,5 +65,6 @@ def test_stateful_fuzzers_in_child_processes(tmp_path: Path) -> None:
     assert kv["launches_ok"] > 0 and kv["launches_refused"] > 0, kv
     assert kv["compat_calls"] > 0, kv  # the engines' call shapes are reached by the KV machine too
     for call in ("sgl_per_layer", "sgl_all_layer", "vllm_swap_blocks", "vllm_swap_blocks_batch",
-                 "lmcache_multi_layer", "mooncake", "nixl"):  # every entry point both accepted and refused
+                 "lmcache_multi_layer", "mooncake", "nixl", "graph_capture", "layer_pipeline"):
+        # every entry point both accepted and refused
         assert surface[f"{call}_ok"] > 0 and surface[f"{call}_refused"] > 0, (call, surface)
