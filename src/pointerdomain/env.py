@@ -5,8 +5,11 @@ variable                                  values                                
 ========================================  ==============================================  =========
 ``POINTERDOMAIN_CHECKED``                 ``0`` (off) or ``1`` (checked mode on, read at   ``0``
                                           import; :mod:`pointerdomain.transfer.checked`)
+``POINTERDOMAIN_CGROUP_ROOT``             the cgroup file system's directory (the memory  ``/sys/fs/cgroup``
+                                          budget reads ``memory.max`` / ``memory.current``)
 ``POINTERDOMAIN_EMULATE_MEMLOCK``         ``0`` or ``1`` (the emulated backend counts      ``0``
                                           registered bytes against RLIMIT_MEMLOCK)
+``POINTERDOMAIN_SEGMENT_DIR``             the ledger of registered shared segments         ``/dev/shm/...``
 ``POINTERDOMAIN_EMULATED_DEVICES``        a positive int (number of emulated devices;     ``2``
                                           ``devices.emulated_device_count`` raises
                                           InvalidDeviceError for anything else)
@@ -31,10 +34,12 @@ from dataclasses import dataclass
 
 __all__ = [
     "BUILD_TIME",
+    "CGROUP_ROOT",
     "CHECKED",
     "EMULATED_DEVICES",
     "EMULATE_MEMLOCK",
     "REGISTRATION_API",
+    "SEGMENT_DIR",
     "SGLANG_BLOCK_QUOTA",
     "STRICT_ALIAS",
     "VARIABLES",
@@ -47,10 +52,12 @@ __all__ = [
 ]
 
 CHECKED = "POINTERDOMAIN_CHECKED"
+CGROUP_ROOT = "POINTERDOMAIN_CGROUP_ROOT"
 EMULATE_MEMLOCK = "POINTERDOMAIN_EMULATE_MEMLOCK"
 EMULATED_DEVICES = "POINTERDOMAIN_EMULATED_DEVICES"
 STRICT_ALIAS = "POINTERDOMAIN_STRICT_ALIAS"
 REGISTRATION_API = "POINTERDOMAIN_REGISTRATION_API"
+SEGMENT_DIR = "POINTERDOMAIN_SEGMENT_DIR"
 SGLANG_BLOCK_QUOTA = "SGLANG_HICACHE_BLOCK_QUOTA"
 
 
@@ -76,6 +83,10 @@ VARIABLES: tuple[Variable, ...] = (
              "strict alias mode at import (`pointerdomain.strict_alias` at run time)"),
     Variable(REGISTRATION_API, "`driver`, `runtime`", "`driver`",
              "CUDA registrations through the driver API (`runtime`: the runtime API; HIP: always the runtime)"),
+    Variable(CGROUP_ROOT, "a directory", "`/sys/fs/cgroup`",
+             "where the memory budget reads the cgroup's `memory.max` / `memory.current` (v1: `memory/`)"),
+    Variable(SEGMENT_DIR, "a directory", "`/dev/shm/pointerdomain-segments-<uid>`",
+             "the host-wide ledger of registered shared segments (processes that share one must agree)"),
     Variable(SGLANG_BLOCK_QUOTA, "an int; anything else is the default", "`2` (HIP: `16`)",
              "upstream sgl-kernel's block quota, read by `pointerdomain.compat.sgl_kernel` as upstream reads it"),
 )

@@ -48,6 +48,10 @@ __all__ = [
     "LatchedError",
     "OverlapError",
     "UnpinnedMemoryError",
+    "BudgetExceededError",
+    "MemlockBudgetError",
+    "RegistrationRefusedError",
+    "QuarantinedError",
     "GroupRegistrationError",
 ]
 
@@ -252,6 +256,46 @@ class GpuRuntimeMismatchError(ExtensionUnavailableError):
         super().__init__(message)
         self.built = built
         self.torch = torch
+
+
+class BudgetExceededError(OutOfMemoryError, RegistrationError):
+    """A request of ``nbytes`` exceeds a limit of the memory budget
+    (:mod:`pointerdomain.registration.budget`), found before anything was allocated or
+    registered. Attributes: ``limit`` (its name: ``"cgroup"``, ``"memlock"``,
+    ``"wddm"``, ``"device_cap"``, ...), ``room`` (bytes left under it), ``fix``."""
+
+    def __init__(self, message: str, nbytes: int, limit: str, room: int, fix: str) -> None:
+        super().__init__(message, nbytes)
+        self.limit = limit
+        self.room = room
+        self.fix = fix
+
+
+class MemlockBudgetError(BudgetExceededError, MemlockLimitError):
+    """The budget's ``RLIMIT_MEMLOCK`` limit: registering ``nbytes`` more would pass it."""
+
+
+class RegistrationRefusedError(RegistrationError):
+    """The platform refuses host registration at every size (GPU Confidential Computing:
+    ``cudaHostRegister`` returns 801), found before any call. Attributes: ``limit``
+    (``"confidential_computing"``), ``fix``."""
+
+    def __init__(self, message: str, limit: str, fix: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.fix = fix
+
+
+class QuarantinedError(RegistrationError):
+    """The range lies in quarantined memory: a teardown step (an engine's deregistration
+    or the runtime's unregister) failed there, so the memory is never freed nor
+    registered again in this process (:func:`pointerdomain.registration.teardown.quarantined`).
+    Attributes: ``owner`` (the quarantined owner's description), ``stage``."""
+
+    def __init__(self, message: str, owner: str, stage: str) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.stage = stage
 
 
 class GroupRegistrationError(RegistrationError):

@@ -120,6 +120,14 @@ def test_good_tables_read_and_copy_through_aliases(toy: ModuleType) -> None:
         assert toy.entries_on(table, DEV) == 3
 
 
+def test_addresses_at_and_above_2_63_cross_the_caster(toy: ModuleType) -> None:
+    from pointerdomain.registration.tables import resolved_kernel_table
+
+    high = [1 << 63, (1 << 63) + 0x1000, (1 << 64) - 2, 0x7FFFFFFFF000]
+    table = resolved_kernel_table(high, [1] * len(high), pd.as_device(DEV), [])
+    assert toy.alias_values(table, DEV) == [v for h in high for v in (h, h + 1)]
+
+
 def test_bad_arguments_raise_typed_errors_before_the_body(toy: ModuleType) -> None:
     with pd.alloc_registered(4096, DEV) as mem:
         host = mem.tensor

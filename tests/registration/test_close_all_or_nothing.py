@@ -1,5 +1,6 @@
-"""Closing a host pool is all or nothing: every hook runs once and the memory is
-unregistered even when a hook raises; hooks are refused once the pool is closed."""
+"""Closing a host pool is all or nothing: every hook runs once; when one raises (an engine
+kept the memory) the pool closes and its memory is quarantined, not unregistered; hooks are
+refused once the pool is closed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.registration import teardown
 from tests.reference import DEV, model_layout
 
 
@@ -29,11 +31,14 @@ def test_a_raising_hook_neither_half_closes_nor_drops_the_others() -> None:
     for hook in (first, failing, last):
         pool.add_close_hook(hook)
     va = pool.memory.host_va
-    with pytest.raises(RuntimeError, match="engine deregistration failed") as info:
+    with pytest.raises(errors.QuarantinedError, match="engine deregistration failed") as info:
         pool.close()
     assert ran == ["last", "failing", "first"]
     assert any("every hook ran" in note for note in info.value.__notes__)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, RuntimeError)
     assert pool.memory.closed and pd.find_registration(va) is None
+    held = teardown.find_quarantine(va.value, pool.memory.nbytes)
+    assert held is not None and held.stage == "engine" and info.value.owner == held.owner
     idx = torch.arange(4, dtype=torch.int64)
     with pytest.raises(errors.ClosedError):
         pool.load(device, idx, idx)

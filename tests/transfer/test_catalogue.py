@@ -35,9 +35,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import checked, errors
 from pointerdomain.registration import memory
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.status import NOT_REGISTERED
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import FaultyBackend, NOT_REGISTERED, install_backend
 from pointerdomain.domains import HostVA
 from tests.reference import EMU, fill_pool, fill_random, items, same, table_storage
 
@@ -246,16 +244,21 @@ _MEMLOCK_CHILD = textwrap.dedent(
     import pointerdomain as pd
     from pointerdomain import errors
     from pointerdomain.registration import memory
-    from pointerdomain._platform import backend_for
+    from pointerdomain.testing import backend_for
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
     out = {}
-    for name, kwargs in (("one", {}), ("chunked", {"max_chunk_bytes": 16 << 10})):
+    from pointerdomain.registration.budget import simulated_host
+    for name, kwargs in (("one", {}), ("chunked", {"max_chunk_bytes": 16 << 10}), ("driver", {"max_chunk_bytes": 16 << 10})):
         try:
-            pd.alloc_registered(128 << 10, "emulated:0", **kwargs)
-            out[name] = ["no error", ""]
+            if name == "driver":  # the budget looks away: the runtime's own refusal and rollback
+                with simulated_host(memlock_counts=False):
+                    pd.alloc_registered(128 << 10, "emulated:0", **kwargs)
+            else:
+                pd.alloc_registered(128 << 10, "emulated:0", **kwargs)
+            out[name] = ["no error", "", False]
         except errors.PointerDomainError as exc:
-            out[name] = [type(exc).__name__, str(exc)]
+            out[name] = [type(exc).__name__, str(exc), isinstance(exc, errors.MemlockLimitError)]
     out["pinned_after"] = memory.pinned_bytes() + backend_for(pd.Device("emulated", 0)).pinned_bytes()
     with pd.alloc_registered(16 << 10, "emulated:0") as small:  # still usable: under the limit
         src = pd.device_empty((16 << 10,), torch.uint8, "emulated:0")
@@ -278,13 +281,15 @@ def test_memlock_limit_gives_hint_and_rolls_back() -> None:
     proc = subprocess.run([sys.executable, "-c", _MEMLOCK_CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("one", "chunked"):
-        cls, message = out[name]
-        assert cls == "MemlockLimitError", message
+    for name in ("one", "chunked", "driver"):
+        cls, message, is_memlock = out[name]
+        # the budget refuses before any call; without it, the runtime's refusal names the limit too
+        assert cls == ("MemlockLimitError" if name == "driver" else "MemlockBudgetError") and is_memlock, message
         for needle in ("RLIMIT_MEMLOCK is 65536 bytes", "131072 would be pinned", "ulimit -l unlimited",
                        "--ulimit memlock=-1", "register less"):
             assert needle in message, message
-    assert "chunk 5/8" in out["chunked"][1] and "the 4 chunk(s) before it were unregistered" in out["chunked"][1]
+    assert "nothing was allocated or registered" in out["chunked"][1] and "'memlock' limit" in out["chunked"][1]
+    assert "chunk 5/8" in out["driver"][1] and "the 4 chunk(s) before it were unregistered" in out["driver"][1]
     assert out["pinned_after"] == 0 and out["usable"] is True
     still_usable()
 

@@ -25,7 +25,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain.adapters import lmcache, nixl, sglang, vllm
+from pointerdomain.adapters import lmcache, mooncake, nixl, sglang, vllm
 from pointerdomain.compat import lmcache as compat_lmcache
 from pointerdomain.compat import vllm as compat_vllm
 from pointerdomain.compat import wrap
@@ -101,6 +101,7 @@ EXEMPT = {
     "StrictCapability.__init__:can_fault": "built by strict_mode_capability(), a frozen record",
     "RegisteredHostMemory.__init__:library_owned": "built by alloc_registered / register_host_tensor",
     "RegisteredHostMemory.__init__:policy": "built by alloc_registered / register_host_tensor (sampled there)",
+    "RegisteredHostMemory.__init__:segment": "built by register_host_tensor (segments.segment_of)",
     "PointerTable.__init__:token": "a private token: built by make_kernel_ptr_table / host_ptr_table",
     "PointerTable.__init__:layout": "a private token: sampled through make_kernel_ptr_table",
     "NixlDesc.__init__:mem_type": "a private token: built by dram_desc / vram_desc / file_desc",
@@ -165,6 +166,9 @@ SAMPLES: dict[str, Sample] = {
         lambda w, v: sglang.HostKVCacheAdapter(w.host.buffer, v, DEV),  # type: ignore[arg-type]
     "HostKVCacheAdapter.from_pool:pool": lambda w, v: sglang.HostKVCacheAdapter.from_pool(v),  # type: ignore[arg-type]
     "HostNixlAgent.register_pool:pool": lambda w, v: nixl.HostNixlAgent("a", agent=object()).register_pool(v),  # type: ignore[arg-type]
+    "HostTransferEngine.register_pool:pool":
+        lambda w, v: mooncake.HostTransferEngine(object(), "h").register_pool(v),  # type: ignore[arg-type]
+    "RegisteredHostMemory.quarantine:stage": lambda w, v: w.host.memory.quarantine(v, "sample"),  # type: ignore[arg-type]
     "HostNixlAgent.transfer:op": lambda w, v: nixl.HostNixlAgent("a", agent=object()).transfer(v, [], [], "p"),  # type: ignore[arg-type]
     "PagedKVConnector.__init__:pointer_cache": lambda w, v: lmcache.PagedKVConnector(pointer_cache=v),  # type: ignore[arg-type]
     "run_batch_copy:batch": lambda w, v: vllm.run_batch_copy(v, lambda *a: None),  # type: ignore[arg-type]

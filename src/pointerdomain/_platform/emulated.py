@@ -15,6 +15,7 @@ unprivileged container counts them.
 
 from __future__ import annotations
 
+import collections
 import resource
 import threading
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ import torch
 
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
+from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
 from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
@@ -57,6 +59,9 @@ _MESSAGES = {
 }
 
 
+#: Copy submissions the emulated backend keeps (the latest; older ones drop off).
+_RECORDED = 1 << 16
+
 #: cudaErrorInvalidDevice: the status of emulated work for a device that is not current.
 _WRONG_DEVICE = 101
 
@@ -75,7 +80,14 @@ def _require_current(device: Device, what: str) -> None:
 
 
 class EmulatedBackend(RuntimeTraits):
-    """See the module docstring."""
+    """See the module docstring.
+
+    Attributes:
+        copy_submissions: each submission of :meth:`copy_runs` as the batched copy
+            contract plans it (:mod:`.batch_copy`: descriptors, attributes, stream, batch
+            call or per-run copies), the latest ``2**16``; the emulated device stands in
+            for a runtime with the batch call, so the CPU suite checks the plan.
+    """
 
     name = "emulated"
     runtime = "emulated"
@@ -86,6 +98,7 @@ class EmulatedBackend(RuntimeTraits):
         self._device_count = device_count
         self._lock = threading.Lock()
         self._pinned: dict[int, int] = {}
+        self.copy_submissions: collections.deque[Submission] = collections.deque(maxlen=_RECORDED)
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -217,7 +230,12 @@ class EmulatedBackend(RuntimeTraits):
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         _require_current(device, "copy-engine runs")
-        _C.cpu_copy_runs(dsts, srcs, sizes, count)
+        plan = plan_copy_runs(count, stream, batched=batch_allowed(self.runtime, True),
+                              capturing=self.is_capturing(device))
+        for sub in plan:  # each submission's slice of the three uint64 arrays
+            skip = 8 * sub.first
+            _C.cpu_copy_runs(dsts + skip, srcs + skip, sizes + skip, sub.count)
+        self.copy_submissions.extend(plan)
 
     def staged_available(self) -> bool:
         return False  # no copy engine to stage through: staged_transfer runs the kernel path

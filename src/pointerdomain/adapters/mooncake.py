@@ -35,8 +35,11 @@ from typing_extensions import TypeAlias
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
 from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
+from pointerdomain.registration.engine_teardown import quarantine_engine_range
 from pointerdomain.registration.metadata import check_metadata_live
+from pointerdomain.transfer.pools import HostKVPool
 from pointerdomain.errors import (
+    QuarantinedError,
     DomainError,
     ExtensionUnavailableError,
     InvalidArgumentError,
@@ -410,13 +413,49 @@ class HostTransferEngine(ProcessLocal):
         """Write ``local[i]`` to the peer's ``remote[i]`` for every ``i``. As :meth:`batch_transfer_sync_read`."""
         return self._batch("batch_transfer_sync_write", peer, local, remote)
 
+    def register_pool(self, pool: HostKVPool) -> None:
+        """Register a host pool's buffers (``pool.get_contiguous_buf_infos()``); closing the
+        pool unregisters them from the engine first, before the runtime's unregister
+        (:mod:`pointerdomain.registration.teardown`); if the engine refuses then, the pool's
+        memory is quarantined, never freed.
+
+        Raises:
+            DomainError: not a HostKVPool; ClosedError: the pool is closed.
+            RuntimeCallError: the engine refused (regions registered before stay registered).
+        """
+        if not isinstance(pool, HostKVPool):
+            raise DomainError(f"register_pool takes a HostKVPool, got {type(pool).__name__}")
+        infos = pool.get_contiguous_buf_infos()
+        self.batch_register_memory(infos)
+
+        def deregister() -> None:
+            for info in infos:
+                with self._lock:
+                    held = info.address.value in self._registered
+                if held:  # not already let go by close()
+                    self.unregister_memory(info.address)
+
+        pool.add_close_hook(deregister)
+
     def close(self) -> None:
-        """Unregister everything registered through this wrapper (idempotent)."""
+        """Unregister everything registered through this wrapper (idempotent).
+
+        Raises:
+            QuarantinedError: the engine refused to unregister a range: the registered memory
+                holding it is quarantined (it may still be reached by the engine), after the
+                other ranges were unregistered.
+        """
         with self._lock:
-            starts = list(self._registered)
+            starts = dict(self._registered)
             self._registered.clear()
-        for start in starts:
-            self.engine.unregister_memory(start)
+        failed: list[QuarantinedError] = []
+        for start, n in starts.items():
+            rc = int(self.engine.unregister_memory(start))
+            if rc != 0:
+                failed.append(quarantine_engine_range(HostVA.unsafe_from_int(start), n,
+                                                      f"TransferEngine.unregister_memory returned {rc}"))
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> HostTransferEngine:
         return self

@@ -54,6 +54,7 @@ from pointerdomain import errors
 from pointerdomain.arguments import check_span
 from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
+from pointerdomain.registration.engine_teardown import quarantine_engine_range
 from pointerdomain.registration.metadata import check_metadata_live
 
 __all__ = [
@@ -303,7 +304,12 @@ class NixlRegistration(ProcessLocal):
         return self._closed
 
     def close(self) -> None:
-        """Deregister from NIXL (once; later calls do nothing)."""
+        """Deregister from NIXL (once; later calls do nothing).
+
+        Raises:
+            QuarantinedError: NIXL refused to deregister DRAM memory: the registered memory
+                holding it is quarantined (NIXL may still reach it), never freed.
+            RuntimeCallError: NIXL refused to deregister other memory."""
         with self._lock:
             if self._closed:
                 return
@@ -407,7 +413,15 @@ class HostNixlAgent(ProcessLocal):
         with self._lock:
             if reg in self._registrations:
                 self._registrations.remove(reg)
-        self._call("deregister_memory", reg._handle)
+        try:
+            self._call("deregister_memory", reg._handle)
+        except errors.RuntimeCallError as exc:
+            if reg.mem_type != "DRAM":
+                raise
+            # NIXL may still reach the memory: it stays registered and mapped (registration.teardown)
+            failed = [quarantine_engine_range(pd.HostVA.unsafe_from_int(d.addr), d.nbytes, str(exc))
+                      for d in reg.descs]
+            raise failed[0] from exc
 
     def registrations(self) -> list[NixlRegistration]:
         """The open registrations, in registration order."""

@@ -13,11 +13,11 @@ import torch
 
 from pointerdomain._platform import backend_for, device_holding
 from pointerdomain._platform import memory_device as _memory_device
-from pointerdomain._platform.capacity import host_capacity
 from pointerdomain._platform.numa import bind_to_node, device_node, node_count
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
 from pointerdomain.arguments import check_bool
+from pointerdomain.registration.budget import check_allocation, check_registration
 from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy, warn_degraded
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
 from pointerdomain.registration.strict import strict_alias_enabled
@@ -56,9 +56,13 @@ def alloc_registered(
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
             positive, or ``nbytes`` not below 2**64 (a ``ValueError`` too).
         InvalidDeviceError: the device does not exist.
-        OutOfMemoryError: more than the machine can back now (memory available, commit
-            limit, RLIMIT_AS, cgroup limit: checked before any page is touched), or the
-            allocation failed (a ``MemoryError``; the message gives the size, the limit
+        BudgetExceededError: (an OutOfMemoryError) more than the memory budget allows
+            (:mod:`pointerdomain.registration.budget`: memory available, commit limit,
+            RLIMIT_AS, the cgroup's limit; with the default policy also RLIMIT_MEMLOCK where
+            it counts, the WSL2 WDDM pool, a device cap): checked before any page is touched.
+        RegistrationRefusedError: the platform refuses registration at every size
+            (Confidential Computing) and the policy is ``"fail"``.
+        OutOfMemoryError: the allocation failed (a ``MemoryError``; the message gives the size, the limit
             and what to do).
         RegistrationError: (or a subclass) the runtime refused; nothing stays registered.
     """
@@ -72,7 +76,7 @@ def alloc_registered(
         raise InvalidRegistrationError(f"numa must be None or 'local', got {numa!r}")
     resolve_policy(policy)  # before any page is allocated
     dev = validate_device(device)
-    _check_backable("nbytes", nbytes, "registered host", dev)
+    check_registration(nbytes, dev, policy=policy, allocate=True)  # every limit, before any page
     backend = backend_for(dev)
     registered = None
     strict = strict_alias_enabled()  # read once: another thread may switch it meanwhile
@@ -125,26 +129,6 @@ def _out_of_memory(exc: BaseException, what: str, nbytes: int, device: Device) -
 _ADDRESS_SPACE = 1 << 64
 
 
-def _check_backable(name: str, nbytes: int, what: str, device: Device) -> None:
-    """Refuse a host allocation the machine cannot back, before any page is touched
-    (pre-faulting or pinning more would bring the OOM killer, not an error).
-
-    Raises:
-        OutOfMemoryError: ``nbytes`` exceeds what the machine can back now.
-    """
-    capacity = host_capacity()
-    if capacity is None or nbytes <= capacity[0]:
-        return
-    room, limit = capacity
-    raise OutOfMemoryError(
-        f"{name}: found a request for nbytes={nbytes} ({nbytes / (1 << 30):.2f} GiB) of {what} memory for {device}, "
-        f"expected at most {room} bytes ({room / (1 << 30):.2f} GiB), {limit}: nothing was allocated (touching "
-        "the pages would bring the kernel's OOM killer). Fix: allocate less (fewer pages or layers per pool), "
-        "free memory first, or raise the limit",
-        nbytes,
-    )
-
-
 def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | str | torch.device) -> torch.Tensor:
     """Uninitialised device memory: a CUDA tensor, or emulated device memory (a CPU
     tensor tagged with the emulated ordinal, so CPU-only APIs refuse it).
@@ -176,7 +160,7 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
             "Fix: pass a shape that fits memory"
         )
     if dev.runtime.host_memory:  # this device's memory is host memory: the machine must back it
-        _check_backable("shape", nbytes, f"{dev.type} device", dev)
+        check_allocation(nbytes, dev, name="shape", what=f"{dev.type} device")
     try:
         raw = backend_for(dev).device_alloc(max(nbytes, 1), dev)  # a 0-byte allocation has no address
     except (MemoryError, RuntimeError) as exc:

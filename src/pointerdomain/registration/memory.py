@@ -22,13 +22,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
 from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.base import PinnedAllocator
 from pointerdomain._platform.numa import node_of
-from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
+from pointerdomain._platform.status import registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
@@ -45,7 +46,11 @@ from pointerdomain.errors import (
     RegistrationSpanError,
     with_address,
 )
+from pointerdomain.registration import budget, segments, teardown
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
+
+if TYPE_CHECKING:
+    from pointerdomain._platform.strict_alloc import ChunkTwins
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -70,7 +75,7 @@ class Chunk:
     host_va: HostVA
     nbytes: int
     #: Where the registration call was made, when not at ``host_va`` (strict alias mode:
-    #: the second, registered mapping of the same pages).
+    #: the chunk's registered mapping of the same pages, apart from the other chunks').
     register_va: int | None = None
     #: This library made the registration call and undoes it (False: pinned_copy memory,
     #: a foreign registration, unpinned memory).
@@ -188,8 +193,17 @@ def open_registrations() -> list[RegisteredHostMemory]:
 
 
 def pinned_bytes() -> int:
-    """Bytes registered through pointerdomain and not yet unregistered, in this process."""
+    """Bytes of the open registrations made through pointerdomain in this process (ranges
+    quarantined with their registration still in place are counted by
+    :func:`pointerdomain.registration.teardown.quarantined_pinned`)."""
     return _registry.pinned_bytes
+
+
+def _usage(device: Device) -> tuple[int, int]:
+    return _registry.pinned_bytes, sum(o.nbytes for o in open_registrations() if o.device == device and not o.foreign)
+
+
+budget.registry_usage = _usage  # the budget counts what is registered here
 
 
 def find_closed_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | None:
@@ -221,13 +235,27 @@ def _release(
                          DEFAULT_CLOSE_TIMEOUT_S)
         except BusyError:
             return  # left registered (a leak) rather than unmapped under a running copy
+    failed: list[str] = []
+    still = 0
     for chunk in chunks:
         if chunk.owned:  # never a foreign registration (someone else's pin)
-            backend.unregister(chunk.registered_address, device)
+            code = backend.unregister(chunk.registered_address, device)
+            if code not in (0, backend.status.not_registered):  # undone behind the owner already: nothing pinned
+                failed.append(f"unregistering the chunk at {chunk.host_va!r} (+{chunk.nbytes}): "
+                              f"{backend.describe(code)} (error {code})")
+                still += chunk.nbytes if nbytes else 0
     with _registry._lock:
         if chunks:
             _registry.remove(chunks[0].host_va.value)
-        _registry.pinned_bytes -= nbytes
+        _registry.pinned_bytes -= nbytes  # what stays pinned is the quarantine's now
+    if failed:  # still pinned: never unmapped nor freed (keep), never registered again
+        total = sum(c.nbytes for c in chunks)
+        teardown.quarantine(chunks[0].host_va, total, str(device),
+                            f"RegisteredHostMemory({chunks[0].host_va!r}, nbytes={total}, device={device})",
+                            "runtime", "; ".join(failed), (keep, chunks), still)
+        return
+    if chunks:
+        segments.forget(chunks[0].host_va.value)
 
 
 def _release_pinned(backend: PinnedAllocator, device: Device, chunks: tuple[Chunk, ...], nbytes: int, keep: object) -> None:
@@ -291,7 +319,7 @@ class RegisteredHostMemory(ProcessLocal):
     def __init__(
         self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int, *,
         policy: RegistrationPolicy | None = None, registered: torch.Tensor | None = None,
-        library_owned: bool = False,
+        library_owned: bool = False, segment: segments.Segment | None = None,
     ) -> None:
         self.device = device
         #: Order of creation in this process (metadata taken before a registration of the
@@ -307,6 +335,7 @@ class RegisteredHostMemory(ProcessLocal):
         policy = resolve_policy(policy)
         nbytes = tensor.numel() * tensor.element_size()
         with _registry._lock:
+            teardown.check_not_quarantined(tensor.data_ptr(), nbytes, "register")
             other = _registry.overlapping(tensor.data_ptr(), nbytes)
             if other is not None:
                 raise AlreadyRegisteredError(
@@ -319,8 +348,13 @@ class RegisteredHostMemory(ProcessLocal):
                 tensor.data_ptr(), tensor.data_ptr() + nbytes)
             self.nbytes: int = nbytes
             record: list[str] = []
+            twins = None
+            if registered is not None:
+                from pointerdomain._platform.strict_alloc import ChunkTwins  # imports _C: strict mode only
+
+                twins = ChunkTwins(backend, registered)
             rung, chunks, self._registered = self._climb(
-                backend, registered, granularity, max_chunk_bytes, policy, library_owned, record)
+                backend, registered, twins, granularity, max_chunk_bytes, policy, library_owned, record)
             self.chunks = chunks
             self.rung: Rung = rung
             self.ladder_record: tuple[str, ...] = tuple(record)
@@ -331,9 +365,13 @@ class RegisteredHostMemory(ProcessLocal):
             counted = self.nbytes if rung in (Rung.SINGLE, Rung.CHUNKED) else 0
             _registry.add(self)
             _registry.pinned_bytes += counted
+        #: the shared segment the range lies in (noted in the host-wide ledger), or None
+        self.segment = segment if counted else None
+        if self.segment is not None:
+            segments.note(self.host_va.value, self.segment, counted)
         note_rung(rung)
         self.numa_node: int | None = node_of(self.host_va.value)
-        keep = (self.tensor, self._registered)  # unregister before the mappings can go
+        keep = (self.tensor, self._registered, twins)  # unregister before the mappings can go
         if rung is Rung.PINNED_COPY and isinstance(backend, PinnedAllocator):
             release = functools.partial(_release_pinned, backend, device, chunks, counted, keep)
         else:
@@ -343,8 +381,8 @@ class RegisteredHostMemory(ProcessLocal):
         self._finalizer = weakref.finalize(self, _drop, self._pin, self.host_va.value)
 
     def _climb(
-        self, backend: Backend, registered: torch.Tensor | None, granularity: int, max_chunk_bytes: int,
-        policy: RegistrationPolicy, library_owned: bool, record: list[str],
+        self, backend: Backend, registered: torch.Tensor | None, twins: ChunkTwins | None, granularity: int,
+        max_chunk_bytes: int, policy: RegistrationPolicy, library_owned: bool, record: list[str],
     ) -> tuple[Rung, tuple[Chunk, ...], torch.Tensor | None]:
         """Register down the ladder (pointerdomain.registration.ladder); called with the registry lock held."""
         base = self.host_va.value if registered is None else registered.data_ptr()
@@ -359,19 +397,19 @@ class RegisteredHostMemory(ProcessLocal):
             plans.append((Rung.CHUNKED, small))
         error: Exception | None = None
         for rung, size in plans:
-            chunks = self._cuts(size, reg_va)
+            chunks = self._cuts(size, reg_va, twins)
             code, k = self._register_all(backend, chunks)
             if code == 0:
                 if rung is Rung.CHUNKED:
                     self._degraded(record, rung, "chunked")
                 return rung, chunks, registered
-            if code == ALREADY_REGISTERED and backend.pointer_is_host(base) and backend.pointer_is_host(
+            if code == backend.status.already_registered and backend.pointer_is_host(base) and backend.pointer_is_host(
                     base + self.nbytes - 1):
                 record.append(f"already registered by another owner (error {code}): used, never unregistered")
                 return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             error = self._registration_error(backend, code, chunks[k], k, len(chunks))
             record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
-            if policy.on_failure == "fail" or code == ALREADY_REGISTERED:
+            if policy.on_failure == "fail" or code == backend.status.already_registered:
                 raise error
         assert error is not None
         if library_owned and policy.allow_pinned_copy and isinstance(backend, PinnedAllocator):
@@ -389,11 +427,16 @@ class RegisteredHostMemory(ProcessLocal):
             return Rung.UNPINNED, (Chunk(self.host_va, self.nbytes, owned=False),), None
         raise type(error)(f"{error}; registration ladder exhausted: " + " | ".join(record))
 
-    def _cuts(self, size: int, reg_va: int | None) -> tuple[Chunk, ...]:
-        return tuple(
-            Chunk(self.host_va + start, min(size, self.nbytes - start), None if reg_va is None else reg_va + start)
-            for start in range(0, self.nbytes, size)
-        )
+    def _cuts(self, size: int, reg_va: int | None, twins: ChunkTwins | None) -> tuple[Chunk, ...]:
+        whole = size >= self.nbytes
+        out = []
+        for start in range(0, self.nbytes, size):
+            n = min(size, self.nbytes - start)
+            where = None if reg_va is None else reg_va + start
+            if twins is not None:  # strict: each chunk at its own mapping, apart from the others
+                where = twins.address(start, n, whole)
+            out.append(Chunk(self.host_va + start, n, where))
+        return tuple(out)
 
     def _register_all(self, backend: Backend, chunks: tuple[Chunk, ...]) -> tuple[int, int]:
         """(0, n) when every chunk registered, else (status, index of the failing chunk) after
@@ -419,10 +462,11 @@ class RegisteredHostMemory(ProcessLocal):
 
     def registered_address_of(self, va: HostVA) -> int:
         """The address the backend knows ``va`` by: ``va`` itself, or in strict alias mode the
-        same offset in the registered mapping (ask the alias of this, never of ``va``)."""
+        same offset in its chunk's registered mapping (ask the alias of this, never of ``va``)."""
         if self._registered is None:
             return va.value
-        return self._registered.data_ptr() + (va.value - self.host_va.value)
+        chunk = self.chunk_of(va, 1)  # each chunk has its own registered mapping
+        return chunk.registered_address + (va.value - chunk.host_va.value)
 
     def note_alias_device(self, device: Device) -> None:
         """Record that an alias of this registration was asked for on ``device`` (the
@@ -524,6 +568,35 @@ class RegisteredHostMemory(ProcessLocal):
             self._closed = True
         self._finalizer()
 
+    def quarantine(self, stage: teardown.Stage, reason: str) -> teardown.Quarantine:
+        """Close this registration without undoing it, for good: a teardown step before
+        the runtime's unregister failed (an engine's deregistration), so the memory may still
+        be reached by DMA and must stay registered and mapped. Every handle closes
+        (launches refuse it), nothing unregisters or frees it, and the range is refused to
+        later registrations (:mod:`pointerdomain.registration.teardown`).
+
+        Raises:
+            InvalidArgumentError: ``stage`` is not a teardown stage.
+        """
+        if stage not in teardown.STAGES:
+            raise InvalidArgumentError(f"stage: found {stage!r}, expected one of {teardown.STAGES}")
+        held = teardown.find_quarantine(self.host_va.value, self.nbytes)
+        if held is not None and held.host_va == self.host_va:
+            return held  # quarantined already (an adapter did, then the pool's close)
+        with _registry._lock:
+            for ref in self._pin.handles:
+                handle = ref()
+                if handle is not None:
+                    handle._closed = True
+                    handle._finalizer.detach()  # never unregistered
+            self._pin.refs = 0
+            self._pin._release = None
+            _registry.remove(self.host_va.value)
+            pinned = self.nbytes if self.rung in (Rung.SINGLE, Rung.CHUNKED) else 0
+            _registry.pinned_bytes -= pinned  # the quarantine's now
+        return teardown.quarantine(self.host_va, self.nbytes, str(self.device), repr(self), stage, reason,
+                                   (self.tensor, self._registered, self._pin), pinned)
+
     def __enter__(self) -> RegisteredHostMemory:
         return self
 
@@ -574,6 +647,10 @@ def register_host_tensor(
         NonContiguousError: ``tensor`` is strided.
         InvalidRegistrationError: ``tensor`` is empty (a ``ValueError`` too).
         AlreadyRegisteredError: the range overlaps a registration.
+        BudgetExceededError: registering would pass a limit of the memory budget
+            (:mod:`pointerdomain.registration.budget`; ``MemlockBudgetError`` for
+            RLIMIT_MEMLOCK); RegistrationRefusedError: the platform refuses registration
+            (Confidential Computing). Both before any runtime call.
         RegistrationError: the runtime refused; nothing stays registered.
     """
     if not isinstance(tensor, torch.Tensor):
@@ -605,4 +682,6 @@ def register_host_tensor(
             if (other is not None and not other.foreign and other.host_va.value == flat.data_ptr()
                     and other.nbytes == flat.numel() and other.device == dev):
                 return other.acquire()
-    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy)
+    segment = segments.segment_of(flat.data_ptr(), flat.numel())  # before the emulation may remap it
+    budget.check_registration(flat.numel(), dev, policy=policy, segment=segment)
+    return RegisteredHostMemory(flat, dev, granularity, max_chunk_bytes, policy=policy, segment=segment)

@@ -1,5 +1,7 @@
 """Test doubles for code that uses pointerdomain (the ``numpy.testing`` pattern): run a
-block with another backend for a device type, and backends that fail chosen calls.
+block with another backend for a device type, backends that fail chosen calls, and a profile
+whose device aliases are >= 2**63 (:class:`TopBitAliases`). (A host the memory budget sees
+differently: ``pointerdomain.registration.budget.simulated_host``.)
 
 Example (fail the third registration call with status 2)::
 
@@ -14,8 +16,10 @@ Example (fail the third registration call with status 2)::
 replay, reset), so code that captures transfers is tested on CPU.
 
 A double is a :class:`Backend`; :class:`DelegatingBackend` forwards every call to another
-one, so a double overrides only the calls it changes. ``EmulatedBackend`` and
-``TorchCudartBackend`` need the extension and are imported on first use.
+one, so a double overrides only the calls it changes. ``EmulatedBackend``,
+``TorchCudartBackend``, ``KernelPlan`` and ``load_cudart`` need the extension and are imported on first use.
+Also here for tests that drive the platform directly: :func:`kernel_plan` (a launch struct),
+:func:`default_device` (the device the CLI picks), :func:`load_cudart` (libcudart by ctypes).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform import backend_for
+from pointerdomain._platform import backend_for, default_device, kernel_plan
 from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
@@ -31,14 +35,18 @@ from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.graph_holds import EmulatedGraph
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
+from pointerdomain._platform.top_bit import TOP_BIT, TopBitAliases
 
 if TYPE_CHECKING:
     from pointerdomain._platform.cuda import TorchCudartBackend
+    from pointerdomain._platform.cuda import load_cudart
     from pointerdomain._platform.emulated import EmulatedBackend
+    from pointerdomain._platform.native import KernelPlan
 
 __all__ = [
     "NOT_REGISTERED",
     "NOT_SUPPORTED",
+    "TOP_BIT",
     "Backend",
     "DelegatingBackend",
     "DeviceAttributeName",
@@ -46,14 +54,24 @@ __all__ = [
     "EmulatedBackend",
     "EmulatedGraph",
     "FaultyBackend",
+    "KernelPlan",
     "LaunchArgs",
+    "TopBitAliases",
     "TorchCudartBackend",
     "backend_for",
+    "default_device",
     "install_backend",
+    "kernel_plan",
+    "load_cudart",
 ]
 
 #: the doubles whose modules import the extension: loaded on first use
-_NATIVE = {"EmulatedBackend": "pointerdomain._platform.emulated", "TorchCudartBackend": "pointerdomain._platform.cuda"}
+_NATIVE = {
+    "EmulatedBackend": "pointerdomain._platform.emulated",
+    "TorchCudartBackend": "pointerdomain._platform.cuda",
+    "load_cudart": "pointerdomain._platform.cuda",
+    "KernelPlan": "pointerdomain._platform.native",
+}
 
 
 def __getattr__(name: str) -> object:

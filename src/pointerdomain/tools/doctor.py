@@ -54,6 +54,7 @@ from pointerdomain.errors import PointerDomainError
 __all__ = [
     "NOT_AVAILABLE",
     "Row",
+    "budget_row",
     "add_arguments",
     "collect",
     "confidential_computing",
@@ -294,6 +295,14 @@ def group_row() -> dict[str, Any] | None:
     return group_report()
 
 
+def budget_row(device: Device) -> dict[str, object]:
+    """The memory budget of ``device`` (:func:`pointerdomain.registration.budget.budget_for`):
+    every limit, its room in bytes, whether it is enforced, and the fix."""
+    from pointerdomain.registration.budget import budget_for
+
+    return budget_for(device).as_dict()
+
+
 def device_report(device: Device) -> dict[str, Any]:
     """Every row of one device (errors become an ``error`` entry, never an exception)."""
     from pointerdomain.registration.resolve import alias_policy
@@ -309,6 +318,7 @@ def device_report(device: Device) -> dict[str, Any]:
         entry["strict_mode"] = asdict(strict_mode_row(device, attrs))
         entry["ladder"] = [asdict(r) for r in ladder_rows(device)]
         entry["self_test"] = self_test(device)
+        entry["budget"] = budget_row(device)
     except PointerDomainError as exc:
         entry["error"] = f"{type(exc).__name__}: {exc}"
     return entry
@@ -317,10 +327,13 @@ def device_report(device: Device) -> dict[str, Any]:
 def collect(devices: list[Device] | None = None) -> dict[str, Any]:
     """The whole report as JSON-ready data (``devices``: default every visible device,
     or ``[emulated:0]`` without a GPU)."""
+    from pointerdomain.registration.teardown import quarantined
+
     report: dict[str, Any] = {
         "versions": [asdict(r) for r in version_rows()],
         "host": [asdict(r) for r in host_rows()],
         "transfer_engines": [asdict(r) for r in engine_rows()],
+        "quarantined": [q.as_dict() for q in quarantined()],
     }
     group = group_row()
     if group is not None:  # only inside a rank of an initialised torch.distributed group
@@ -373,6 +386,11 @@ def render_text(report: dict[str, Any]) -> None:
             table.add_row("alias policy", dev["alias_policy"], "")
             for row in dev["ladder"]:
                 table.add_row(row["name"], _show(row["value"]), row["detail"])
+            budget = dev["budget"]
+            table.add_row("budget: room to allocate / register (bytes)",
+                          f"{_show(budget['room_allocate'])} / {_show(budget['room_register'])}",
+                          ", ".join(f"{lim['name']}={_show(lim['room'])}{'' if lim['enforced'] else ' (reported)'}"
+                                    for lim in budget["limits"]))
             st = dev["self_test"]
             table.add_row("self-test (kernel round trip)", "ok" if st["ok"] else "FAILED",
                           f"HostVA {st['host_va']}, DeviceAlias {st['device_alias']}"
@@ -394,6 +412,9 @@ def render_text(report: dict[str, Any]) -> None:
                 table.add_row(f"rank {record['rank']}", record["rung"] or "failed",
                               record["error"][:200] or "; ".join(record["ladder_record"])[:200])
         console.print(table)
+    for q in report.get("quarantined", []):
+        console.print(f"[bold red]quarantined[/]: {q['host_va']} (+{q['nbytes']} bytes, {q['device']}): "
+                      f"{q['stage']} teardown step failed: {q['reason']}")
     console.print("all self-tests passed" if report["ok"] else "[bold red]a self-test failed or the extension is missing")
 
 

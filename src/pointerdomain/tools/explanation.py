@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
+from pointerdomain.registration.teardown import find_quarantine
 from pointerdomain.explained import Domain, Explanation
 from pointerdomain.registration.memory import (
     RegisteredHostMemory,
@@ -191,6 +192,18 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
     notes: list[str] = []
     if own:
         found = _find(value, notes)
+        seg = getattr(found.get("owner_obj"), "segment", None)
+        if seg is not None:
+            notes.append(f"shared segment {seg.key} ({seg.path}), bytes [{seg.offset}, +{seg.nbytes}) of it: "
+                         "other processes may register their own mappings of it (counted once by the budget)")
+        held = find_quarantine(value)
+        if held is not None:
+            notes.append(f"QUARANTINED: [{held.host_va!r}, +{held.nbytes}) of {held.owner}: its {held.stage} teardown "
+                         f"step failed ({held.reason}); it stays mapped and is never registered again")
+            if found.get("domain") == "unknown":
+                found = {"domain": "host_va", "kind": "quarantined registration", "owner": held.owner,
+                         "base": held.host_va.value, "nbytes": held.nbytes, "offset": value - held.host_va.value,
+                         "device": held.device}
     else:
         notes.append(f"process {here}: its registrations are in its own registry; only its memory map is read "
                      "(call pointerdomain.explain() inside that process for the owner)")

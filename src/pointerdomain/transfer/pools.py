@@ -18,7 +18,7 @@ import torch
 from pointerdomain.registration.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.errors import ClosedError, InvalidArgumentError, InvalidTypeError, LayoutError
+from pointerdomain.errors import ClosedError, InvalidArgumentError, InvalidTypeError, LayoutError, QuarantinedError
 from pointerdomain.transfer.kernels import (
     DEFAULT_MAX_CTAS,
     MaxCtas,
@@ -323,9 +323,9 @@ class HostKVPool(ProcessLocal):
         Raises:
             BusyError: a launch still used the pool after ``timeout``; nothing was closed
                 and no hook ran.
-            Exception: the first exception a close hook raised, re-raised after every hook
-                ran and the memory was unregistered (the others attached as notes): closing
-                is all or nothing.
+            QuarantinedError: a close hook (an engine's deregistration) raised: after every
+                hook ran the pool is closed but its memory is quarantined, not unregistered
+                (the first exception is the cause, the others notes; registration.teardown).
             InvalidTypeError: ``timeout`` is not an int or float; InvalidArgumentError:
                 negative or NaN (both before anything is closed).
         """
@@ -341,17 +341,27 @@ class HostKVPool(ProcessLocal):
                     hook()
                 except Exception as exc:  # re-raised below, once the pool is closed
                     failures.append(exc)
-        finally:
+        except BaseException:
             self.memory.close(timeout=timeout)
-        if failures:
-            first = failures[0]
-            first.add_note(
-                f"raised by a close hook of the host KV pool at {self.memory.host_va!r}; every hook ran "
-                f"({len(hooks)}, {len(failures)} raised) and the pool is closed (unregistered)"
-            )
-            for other in failures[1:]:
-                first.add_note(f"another close hook raised too: {type(other).__name__}: {other}")
-            raise first
+            raise
+        if not failures:
+            self.memory.close(timeout=timeout)  # engines first, then the runtime (registration.teardown)
+            return
+        # an engine may still reach the memory: it stays registered and mapped (quarantined)
+        first = failures[0]
+        reason = f"{type(first).__name__}: {first}"
+        record = self.memory.quarantine("engine", reason)
+        error = QuarantinedError(
+            f"closing the host KV pool at {self.memory.host_va!r}: a close hook (an engine's deregistration) "
+            f"failed ({reason}), so its memory ({record.owner}) is quarantined: the pool is closed but the memory "
+            "stays registered and mapped for the life of the process and is never registered again. Fix: find why "
+            "the engine kept the memory (`pointerdomain doctor` lists quarantined ranges)",
+            record.owner, "engine",
+        )
+        error.add_note(f"every hook ran ({len(hooks)}, {len(failures)} raised) and the pool is closed (quarantined)")
+        for other in failures[1:]:
+            error.add_note(f"another close hook raised too: {type(other).__name__}: {other}")
+        raise error from first
 
     def __enter__(self) -> HostKVPool:
         return self

@@ -109,6 +109,15 @@ static_assert(!std::is_convertible_v<HostVA, DeviceAlias> && !std::is_convertibl
 static_assert(!std::is_constructible_v<DeviceAlias, HostVA> && !std::is_constructible_v<HostVA, DeviceAlias>,
               "not even explicitly");
 static_assert(!std::is_convertible_v<std::uint64_t, HostVA>, "an integer becomes an address only explicitly");
+// Addresses keep all 64 bits (Intel XPU USM hands out addresses >= 2^63): unsigned
+// storage, comparison and arithmetic, never a signed type on the way.
+static_assert(DeviceAlias(std::uint64_t{1} << 63).value() == 0x8000000000000000ull, "bit 63 is kept");
+static_assert(DeviceAlias(std::uint64_t{1} << 63) > DeviceAlias(std::uint64_t{0x7FFFFFFFFFFFFFFFull}),
+              "addresses compare unsigned");
+static_assert(DeviceAlias(std::uint64_t{0xFFFFFFFFFFFFF000ull}) + 0xFFF ==
+                  DeviceAlias(std::uint64_t{0xFFFFFFFFFFFFFFFFull}), "offsets reach the top of the space");
+static_assert(DeviceAlias(std::uint64_t{1} << 63) - DeviceAlias(std::uint64_t{0x7FFFFFFFFFFFF000ull}) == 0x1000,
+              "distances across 2^63");
 
 namespace detail {
 struct KernelTableAccess;

@@ -75,6 +75,18 @@ std::size_t entries_on(pd::KernelTable table, pd::Device device) {
     return table.size();
 }
 
+// The entries as integers, each with the entry one byte on (DeviceAlias arithmetic):
+// [e0, e0 + 1, e1, e1 + 1, ...]; no memory is read.
+std::vector<std::uint64_t> alias_values(pd::KernelTable table, pd::Device device) {
+    require_cpu_readable(table);
+    std::vector<std::uint64_t> out;
+    for (std::size_t e = 0; e < table.size(); ++e) {
+        out.push_back(table.entries()[e].value());
+        out.push_back((table.entries()[e] + 1).value());
+    }
+    return out;
+}
+
 }  // namespace
 
 NB_MODULE(toy_cache, m) {
@@ -84,5 +96,7 @@ NB_MODULE(toy_cache, m) {
     m.def("copy_items", pd::nanobind::same_device(&copy_items), "src"_a, "dst"_a, "device"_a, "item_bytes"_a,
           "src_items"_a, "dst_items"_a, nb::call_guard<nb::gil_scoped_release>(),
           "Copy items between two kernel tables of one device, entry by entry.");
+    m.def("alias_values", pd::nanobind::same_device(&alias_values), "table"_a, "device"_a,
+          "The entries and the entries one byte on, as integers (nothing is read through them).");
     m.def("entries_on", &entries_on, "table"_a, "device"_a, "Number of entries; the body checks the device.");
 }

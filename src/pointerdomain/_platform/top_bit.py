@@ -1,0 +1,92 @@
+"""A backend profile whose device aliases have the top bit set (addresses >= 2**63), as
+Intel XPU USM hands out: every path that carries an address (uint64 tables, the
+``int64`` Triton view, ``BufferInfo`` / ``HostVA`` JSON, the C++ ``Address``) must keep
+all 64 bits. Wraps the emulated backend: :meth:`TopBitAliases.alias` returns the inner
+alias with bit 63 set, and a launch translates its tables back to the inner aliases for
+the CPU kernel (in place, restored after the synchronous launch), so the bytes that
+move are exactly those of the real mappings. Installed with
+:func:`pointerdomain._platform.testing.install_backend`::
+
+    with install_backend(TopBitAliases(backend_for(dev)), "emulated"):
+        ...
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from pointerdomain._platform.base import Backend
+from pointerdomain._platform.delegating import DelegatingBackend
+from pointerdomain.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from pointerdomain._C import KernelPlan
+    from pointerdomain.devices import Device
+
+__all__ = ["TOP_BIT", "TopBitAliases"]
+
+#: Bit 63: set on every alias this profile hands out.
+TOP_BIT = 1 << 63
+
+
+class TopBitAliases(DelegatingBackend):
+    """``inner`` (the emulated backend) with every device alias at ``inner's alias | 2**63``.
+
+    Attributes:
+        translated: table entries translated back for launches so far (a test can see
+            that the kernel got top-bit addresses).
+    """
+
+    def __init__(self, inner: Backend) -> None:
+        if not inner.host_readable:
+            raise InvalidArgumentError(f"TopBitAliases needs a backend whose tables the CPU reads, got {inner.name}")
+        super().__init__(inner, "top-bit")
+        self._lock = threading.Lock()
+        self.translated = 0
+
+    def alias(self, va: int, device: Device) -> tuple[int, int]:
+        status, alias = self.inner.alias(va, device)
+        if status != 0 or alias & TOP_BIT:
+            return status, alias
+        return status, alias | TOP_BIT
+
+    def alias_device(self, addr: int, nbytes: int) -> int:
+        """The emulated device whose alias mapping holds the range (see the emulated backend)."""
+        lookup = getattr(self.inner, "alias_device", None)
+        return -1 if lookup is None else int(lookup(addr & ~TOP_BIT if addr & TOP_BIT else addr, nbytes))
+
+    @contextmanager
+    def _untagged(self, *tables: int) -> Iterator[None]:
+        """The tables at these addresses (emulated device memory) with bit 63 cleared in
+        each entry for the duration of the block, then restored."""
+        saved: list[tuple[ctypes.Array[ctypes.c_uint64], list[int]]] = []
+        with self._lock:
+            try:
+                for table in tables:
+                    info = self.pointer_info(table)
+                    if info is None:
+                        continue
+                    count = (info.start + info.size - table) // 8
+                    entries = (ctypes.c_uint64 * count).from_address(table)
+                    before = list(entries)
+                    saved.append((entries, before))
+                    for i, value in enumerate(before):
+                        if value & TOP_BIT:
+                            entries[i] = value & ~TOP_BIT
+                            self.translated += 1
+                yield
+            finally:
+                for entries, before in saved:
+                    for i, value in enumerate(before):
+                        entries[i] = value
+
+    def launch(
+        self, plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int,
+        device: Device, stream: int, max_ctas: int,
+    ) -> None:
+        with self._untagged(plan.src_table, plan.dst_table):
+            self.inner.launch(plan, src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas)
