@@ -52,6 +52,7 @@ __all__ = [
     "MemlockBudgetError",
     "RegistrationRefusedError",
     "QuarantinedError",
+    "GroupRegistrationError",
 ]
 
 
@@ -295,3 +296,16 @@ class QuarantinedError(RegistrationError):
         super().__init__(message)
         self.owner = owner
         self.stage = stage
+
+
+class GroupRegistrationError(RegistrationError):
+    """The ranks of a process group did not reach one registration outcome
+    (:func:`pointerdomain.distributed.register_group`): a rank failed to register, or
+    registered on another rung of the ladder than the others and the group refuses the
+    difference. Raised on every rank, with the same text; nothing stays registered.
+    Attributes: ``ranks`` (the ranks at fault, ascending) and ``causes`` (rank -> cause)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...], causes: dict[int, str]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.causes = causes

@@ -90,6 +90,13 @@ def test_wrapper_checks_registration_sizes_and_return_codes(pool: pd.HostKVPool)
     other = pd.BufferInfo(address=block.address, nbytes=block.nbytes // 2, item_bytes=1)
     with pytest.raises(ValueError, match="bytes"):
         eng.batch_transfer_sync_read("peer:1", [block], [other])
+    for call in (eng.transfer_sync_read, eng.transfer_sync_write):  # one block: the remote's own size counts
+        with pytest.raises(errors.InvalidArgumentError, match="16-byte block for a 32-byte"):
+            call("peer:1", pd.BufferInfo(address=block.address, nbytes=32, item_bytes=16),
+                 pd.BufferInfo(address=block.address, nbytes=16, item_bytes=16))
+        with pytest.raises(errors.InvalidArgumentError, match="16-byte block for a 32-byte"):
+            call("peer:1", block.address, pd.BufferInfo(address=block.address, nbytes=16, item_bytes=16), 32)
+    assert [name for name, _ in eng.engine.calls] == ["register_memory"]  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="nbytes"):
         eng.register_memory(block.address)
     with pytest.raises(errors.NotRegisteredError):

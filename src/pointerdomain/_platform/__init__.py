@@ -23,9 +23,11 @@ needs it raises :class:`~pointerdomain.errors.ExtensionUnavailableError`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery, StagedCopy, StagingArgs
@@ -56,6 +58,7 @@ __all__ = [
     "pointer_info",
     "register_backend",
     "runtime_devices",
+    "scoped_backend",
     "visible_devices",
 ]
 
@@ -63,6 +66,9 @@ _lock = threading.Lock()
 _factories: dict[str, Callable[[], Backend]] = {}
 _backends: dict[str, Backend] = {}  # device type -> the backend in use (read without the lock)
 _on_swap: list[Callable[[], None]] = []  # caches of backend-derived state (launch plans)
+#: device type -> backend for the current thread / task only (scoped_backend); None: none set
+_scoped: contextvars.ContextVar[dict[str, Backend] | None] = contextvars.ContextVar("pointerdomain_scoped_backends",
+                                                                                     default=None)
 
 
 def _import(name: str) -> object:
@@ -129,6 +135,9 @@ def backend_for(device: Device) -> Backend:
     Raises:
         ExtensionUnavailableError: the extension does not import.
     """
+    scoped = _scoped.get()
+    if scoped is not None and device.type in scoped:
+        return scoped[device.type]
     backend = _backends.get(device.type)
     if backend is not None:
         return backend
@@ -138,6 +147,19 @@ def backend_for(device: Device) -> Backend:
             backend = _factories[device.type]()
             _backends[device.type] = backend
     return backend
+
+
+@contextlib.contextmanager
+def scoped_backend(device_type: str, backend: Backend) -> Iterator[Backend]:
+    """Make ``backend`` the backend of ``device_type`` devices for the block, in the
+    current thread (or asyncio task) only: other threads keep the process's backend.
+    Objects made inside keep the backend they were made with."""
+    current = _scoped.get()
+    token = _scoped.set({**(current or {}), device_type: backend})
+    try:
+        yield backend
+    finally:
+        _scoped.reset(token)
 
 
 def on_backend_change(callback: Callable[[], None]) -> None:

@@ -312,10 +312,12 @@ class HostTransferEngine(ProcessLocal):
         remote: HostRegion, nbytes: int | None,
     ) -> None:
         l_va, l_n = self._span(local, nbytes, "local")
-        r_va, r_n = self._span(remote, nbytes if nbytes is not None else l_n, "remote")
-        if type(remote) is BufferInfo and r_n != l_n:
+        # a remote BufferInfo carries its own size: compare it, never lend it the local one
+        r_size = nbytes if nbytes is not None or type(remote) is BufferInfo else l_n
+        r_va, r_n = self._span(remote, r_size, "remote")
+        if type(remote) is BufferInfo and (r_n != l_n or r_n > remote.nbytes):
             raise InvalidArgumentError(
-                f"remote: found a {r_n}-byte block for a {l_n}-byte local block, expected equal sizes. "
+                f"remote: found a {remote.nbytes}-byte block for a {l_n}-byte local block, expected equal sizes. "
                 "Fix: pair blocks of the same size (or pass nbytes)"
             )
         self._check_registered(l_va, l_n, "local")

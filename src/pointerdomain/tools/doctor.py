@@ -6,7 +6,10 @@ PageableMemoryAccess, PageableMemoryAccessUsesHostPageTables, HostRegisterSuppor
 HostRegisterReadOnlySupported), the PCI bus id and NUMA node, the alias policy,
 strict-mode capability, a self-test per registration-ladder rung and a
 registered-memory round trip through the transfer kernel. For the host: WSL2,
-Confidential Computing, ``ulimit -l``; transfer engines importable; versions.
+Confidential Computing, ``ulimit -l``; transfer engines importable; versions. Inside a
+rank of an initialised ``torch.distributed`` group (:func:`collect` called there): the
+group and the registration outcome its ranks agreed on (``"distributed"`` in ``--json``,
+:mod:`pointerdomain.distributed`).
 
 On a machine without a GPU the emulated device's rows are shown (its attributes are
 what the emulation does, see ``_platform/emulated.py``).
@@ -58,6 +61,7 @@ __all__ = [
     "device_attributes",
     "engine_rows",
     "gpu_numa_node",
+    "group_row",
     "host_rows",
     "ladder_rows",
     "pci_bus_id",
@@ -282,6 +286,15 @@ def self_test(device: Device) -> dict[str, Any]:
     return {"ok": ok, "host_va": hex(va.value), "device_alias": hex(alias.value), "alias_equals_va": va.value == alias.value}
 
 
+def group_row() -> dict[str, Any] | None:
+    """The process group (rank, world size, backend) and the registration outcome its
+    ranks agreed on (:func:`pointerdomain.distributed.group_report`), or None outside
+    an initialised torch.distributed group. Makes no collective call."""
+    from pointerdomain.distributed import group_report
+
+    return group_report()
+
+
 def budget_row(device: Device) -> dict[str, object]:
     """The memory budget of ``device`` (:func:`pointerdomain.registration.budget.budget_for`):
     every limit, its room in bytes, whether it is enforced, and the fix."""
@@ -322,6 +335,9 @@ def collect(devices: list[Device] | None = None) -> dict[str, Any]:
         "transfer_engines": [asdict(r) for r in engine_rows()],
         "quarantined": [q.as_dict() for q in quarantined()],
     }
+    group = group_row()
+    if group is not None:  # only inside a rank of an initialised torch.distributed group
+        report["distributed"] = group
     try:
         extension_path()
     except PointerDomainError:
@@ -379,6 +395,22 @@ def render_text(report: dict[str, Any]) -> None:
             table.add_row("self-test (kernel round trip)", "ok" if st["ok"] else "FAILED",
                           f"HostVA {st['host_va']}, DeviceAlias {st['device_alias']}"
                           f" ({'equal' if st['alias_equals_va'] else 'distinct'})")
+        console.print(table)
+    group = report.get("distributed")
+    if group is not None:
+        table = Table(title="Process group", title_justify="left", show_header=False)
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        table.add_column(style="dim")
+        table.add_row("this rank", f"{group['rank']} of {group['world_size']}", f"backend {group['backend']}")
+        outcome = group["registration"]
+        if outcome is None:
+            table.add_row("registration", "no register_group call yet", "")
+        else:
+            table.add_row("registration", outcome["rung"] if outcome["ok"] else "REFUSED", outcome["error"][:200])
+            for record in outcome["records"]:
+                table.add_row(f"rank {record['rank']}", record["rung"] or "failed",
+                              record["error"][:200] or "; ".join(record["ladder_record"])[:200])
         console.print(table)
     for q in report.get("quarantined", []):
         console.print(f"[bold red]quarantined[/]: {q['host_va']} (+{q['nbytes']} bytes, {q['device']}): "
