@@ -33,6 +33,7 @@ __all__ = [
     "BUILD_TIME",
     "CHECKED",
     "EMULATED_DEVICES",
+    "EMULATED_PROFILE",
     "EMULATE_MEMLOCK",
     "REGISTRATION_API",
     "SGLANG_BLOCK_QUOTA",
@@ -40,6 +41,7 @@ __all__ = [
     "VARIABLES",
     "EnvironmentValueWarning",
     "Variable",
+    "choice",
     "flag",
     "markdown_table",
     "positive_int",
@@ -49,6 +51,7 @@ __all__ = [
 CHECKED = "POINTERDOMAIN_CHECKED"
 EMULATE_MEMLOCK = "POINTERDOMAIN_EMULATE_MEMLOCK"
 EMULATED_DEVICES = "POINTERDOMAIN_EMULATED_DEVICES"
+EMULATED_PROFILE = "POINTERDOMAIN_EMULATED_PROFILE"
 STRICT_ALIAS = "POINTERDOMAIN_STRICT_ALIAS"
 REGISTRATION_API = "POINTERDOMAIN_REGISTRATION_API"
 SGLANG_BLOCK_QUOTA = "SGLANG_HICACHE_BLOCK_QUOTA"
@@ -72,6 +75,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(EMULATED_DEVICES, "a positive decimal int", "`2`",
              "number of emulated devices; anything else: `InvalidDeviceError` at first use "
              "(`devices.emulated_device_count`)"),
+    Variable(EMULATED_PROFILE, "`distinct`, `coherent`, `vmm-host`", "`distinct`",
+             "the emulated platform: distinct aliases; a coherent part (pageable memory device-readable, "
+             "registration refused); host allocations as VMM handles (read when the emulated backend is built)"),
     Variable(STRICT_ALIAS, "`1`; anything else is off", "off",
              "strict alias mode at import (`pointerdomain.strict_alias` at run time)"),
     Variable(REGISTRATION_API, "`driver`, `runtime`", "`driver`",
@@ -142,6 +148,18 @@ def flag(name: str) -> bool:
         return True
     _warn(name, text, "'0' or '1'", "0")
     return False
+
+
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """``name`` as one of ``choices``; unset or ``""`` gives ``default``; anything else
+    warns (:class:`EnvironmentValueWarning`) and gives ``default``."""
+    text = _read(name)
+    if text == "":
+        return default
+    if text in choices:
+        return text
+    _warn(name, text, " or ".join(repr(c) for c in choices), default)
+    return default
 
 
 def positive_int(name: str, default: int) -> int:

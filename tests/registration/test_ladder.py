@@ -49,7 +49,7 @@ def test_default_policy_fails_and_rolls_back() -> None:
             pd.alloc_registered(8 * PAGE, DEV, max_chunk_bytes=2 * PAGE)
         assert "chunk 3/4" in str(info.value) and "the 2 chunk(s) before it were unregistered" in str(info.value)
         assert fb.pinned_bytes() == 0 and fb.pinned_calls == 0
-    assert ladder.rung_counts() == dict.fromkeys(["single", "chunked", "pinned_copy", "unpinned", "foreign"], 0)
+    assert ladder.rung_counts() == dict.fromkeys([r.value for r in pd.Rung], 0)
 
 
 def test_single_call_is_the_first_rung() -> None:

@@ -21,6 +21,7 @@ import torch
 from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.cuda_hint import BUILD_HINT
+from pointerdomain._platform.host_memory import VmmAllocation
 from pointerdomain._platform.pointer_query import PointerInfo, cuda_pointer_info
 from pointerdomain._platform.status import check, check_staged
 from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
@@ -96,6 +97,16 @@ class _TorchDevice(RuntimeTraits):
 
     def device_name(self, device: Device) -> str:
         return str(torch.cuda.get_device_name(device.ordinal))
+
+    def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
+        """The VMM allocation (``cuMemCreate`` / ``cuMemMap``) at ``addr``, through the driver
+        API (:mod:`.cuda_driver`); None for ordinary memory or where libcuda cannot be used."""
+        if self.runtime != "cuda":
+            return None  # HIP's VMM query is not wired: its memory registers as usual
+        from pointerdomain._platform.cuda_driver import driver_api
+
+        api = driver_api()
+        return api.vmm_allocation(addr, device.ordinal) if api is not None else None
 
     def free_device_memory(self, device: Device) -> int | None:
         free, _total = torch.cuda.mem_get_info(device.ordinal)

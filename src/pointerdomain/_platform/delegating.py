@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery, RuntimeTraits, StagedCopy
+from pointerdomain._platform.host_memory import VmmAllocation, vmm_allocation
 from pointerdomain.errors import ExtensionUnavailableError
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class DelegatingBackend(RuntimeTraits):
 
     def pointer_is_host(self, ptr: int) -> bool:
         return self.inner.pointer_is_host(ptr)
+
+    def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
+        return vmm_allocation(self.inner, addr, device)
 
     def pointer_info(self, addr: int) -> PointerInfo | None:
         return self.inner.pointer_info(addr) if isinstance(self.inner, PointerQuery) else None

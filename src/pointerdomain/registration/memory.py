@@ -28,11 +28,16 @@ import torch
 from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.base import PinnedAllocator
 from pointerdomain._platform.numa import node_of
+from pointerdomain._platform.host_memory import NOT_SUPPORTED
 from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.ladder import RegistrationPolicy, Rung, note_rung, resolve_policy, warn_degraded
+from pointerdomain.registration.kinds import MemoryKind, describe_vmm, detect_vmm, kind_of, pageable_access_of
+from pointerdomain.registration.pacing import RegistrationStats, Stopwatch, note_registration, register_in_calls
+from pointerdomain.registration.prefault import NONE as NO_PREFAULT
+from pointerdomain.registration.prefault import PrefaultReport, huge_page_share, prefault
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     BusyError,
@@ -272,10 +277,15 @@ class RegisteredHostMemory(ProcessLocal):
         device: the device the registration was made for.
         chunks: the registration calls, in address order.
         rung: how it was registered (:class:`pointerdomain.registration.ladder.Rung`: single, chunked,
-            pinned_copy, unpinned, foreign).
-        ladder_record: why each rung above ``rung`` failed (empty when none did).
-        owner: ``"pointerdomain"``, or ``"foreign"`` (another owner registered the range;
-            pointerdomain never unregisters it). ``foreign`` is the same as a bool.
+            not_needed, pinned_copy, unpinned; or the outcomes foreign, vmm_host).
+        kind: the kind of memory (:class:`pointerdomain.registration.kinds.MemoryKind`).
+        ladder_record: why each rung above ``rung`` failed, and recognised answers such as a
+            coherent device's NotSupported (empty when there was nothing to say).
+        owner: ``"pointerdomain"``, ``"foreign"`` (another owner registered the range;
+            pointerdomain never unregisters it) or, for VMM host memory, the VMM handle
+            that owns it (``"VMM handle 0x..."``). ``foreign`` is the same as a bool.
+        stats: how the registration ran (:class:`pointerdomain.registration.pacing.RegistrationStats`:
+            calls, seconds per GiB, the longest call, prefault, huge-page share).
         kernel_readable: False on the ``unpinned`` rung (only the copy engine may read it).
         strict: the host VA is a never-registered second mapping (strict alias mode).
         numa_node: NUMA node of the first page (None if unknown).
@@ -291,7 +301,7 @@ class RegisteredHostMemory(ProcessLocal):
     def __init__(
         self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int, *,
         policy: RegistrationPolicy | None = None, registered: torch.Tensor | None = None,
-        library_owned: bool = False,
+        library_owned: bool = False, prefaulted: PrefaultReport | None = None,
     ) -> None:
         self.device = device
         #: Order of creation in this process (metadata taken before a registration of the
@@ -317,19 +327,27 @@ class RegisteredHostMemory(ProcessLocal):
             self.host_va: HostVA = HostVA.unsafe_from_int(tensor.data_ptr())
             self.nbytes: int = nbytes
             record: list[str] = []
+            self._vmm_owner = ""
+            self._prefaulted = prefaulted
+            self._watch = Stopwatch()
+            self._prefault = NO_PREFAULT
             rung, chunks, self._registered = self._climb(
                 backend, registered, granularity, max_chunk_bytes, policy, library_owned, record)
             self.chunks = chunks
             self.rung: Rung = rung
+            self.kind: MemoryKind = kind_of(rung)
             self.ladder_record: tuple[str, ...] = tuple(record)
             self.foreign = rung is Rung.FOREIGN
-            self.owner = "foreign" if self.foreign else "pointerdomain"
+            self.owner = "foreign" if self.foreign else self._vmm_owner or "pointerdomain"
+            share = huge_page_share(self.host_va.value, self.nbytes) if self._watch.durations else None
+            self.stats: RegistrationStats = self._watch.stats(policy.max_call_seconds, self._prefault, share)
             self.kernel_readable = rung is not Rung.UNPINNED
             self.strict = self._registered is not None
             counted = self.nbytes if rung in (Rung.SINGLE, Rung.CHUNKED) else 0
             _registry.add(self)
             _registry.pinned_bytes += counted
         note_rung(rung)
+        note_registration(self.stats, self.nbytes, self.kind.value)
         self.numa_node: int | None = node_of(self.host_va.value)
         keep = (self.tensor, self._registered)  # unregister before the mappings can go
         if rung is Rung.PINNED_COPY and isinstance(backend, PinnedAllocator):
@@ -347,6 +365,12 @@ class RegisteredHostMemory(ProcessLocal):
         """Register down the ladder (pointerdomain.registration.ladder); called with the registry lock held."""
         base = self.host_va.value if registered is None else registered.data_ptr()
         reg_va = None if registered is None else base
+        vmm = detect_vmm(backend, self.device, base, self.nbytes)  # raises MemoryKindError for a mixed range
+        if vmm is not None:  # mapped for the device by its VMM handle: registering it again is refused
+            self._vmm_owner = describe_vmm(vmm)
+            record.append(f"VMM host memory owned by {self._vmm_owner}: the device reads it at its VA; never "
+                          "registered nor unregistered")
+            return Rung.VMM_HOST, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
         if backend.pointer_is_host(base) and backend.pointer_is_host(base + self.nbytes - 1):
             record.append("already registered by another owner (pointer attributes): used, never unregistered")
             return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
@@ -356,9 +380,11 @@ class RegisteredHostMemory(ProcessLocal):
         if policy.on_failure == "degrade" and small < cut and small < self.nbytes:
             plans.append((Rung.CHUNKED, small))
         error: Exception | None = None
+        access = pageable_access_of(backend, self.device)
+        self._prefault = self._prefaulted or prefault(self.tensor if registered is None else registered,
+                                                      policy.prefault_threads, policy.huge_pages)
         for rung, size in plans:
-            chunks = self._cuts(size, reg_va)
-            code, k = self._register_all(backend, chunks)
+            code, chunks, k = self._register_all(backend, size, reg_va, granularity, policy.max_call_seconds)
             if code == 0:
                 if rung is Rung.CHUNKED:
                     self._degraded(record, rung, "chunked")
@@ -369,9 +395,15 @@ class RegisteredHostMemory(ProcessLocal):
                 return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             error = self._registration_error(backend, code, chunks[k], k, len(chunks))
             record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
+            if code == NOT_SUPPORTED and access.coherent:  # an answer, not a failure: nothing to warn about
+                record.append(f"not_needed: {access.reason}")
+                return Rung.NOT_NEEDED, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             if policy.on_failure == "fail" or code == ALREADY_REGISTERED:
                 raise error
         assert error is not None
+        if access.coherent:  # the device reads the memory in place: better than any copy
+            self._degraded(record, Rung.NOT_NEEDED, "not_needed")
+            return Rung.NOT_NEEDED, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
         if library_owned and policy.allow_pinned_copy and isinstance(backend, PinnedAllocator):
             status, pinned = backend.pinned_alloc(self.nbytes, self.device)
             if status == 0 and pinned is not None:
@@ -387,27 +419,30 @@ class RegisteredHostMemory(ProcessLocal):
             return Rung.UNPINNED, (Chunk(self.host_va, self.nbytes, owned=False),), None
         raise type(error)(f"{error}; registration ladder exhausted: " + " | ".join(record))
 
-    def _cuts(self, size: int, reg_va: int | None) -> tuple[Chunk, ...]:
-        return tuple(
-            Chunk(self.host_va + start, min(size, self.nbytes - start), None if reg_va is None else reg_va + start)
-            for start in range(0, self.nbytes, size)
-        )
-
-    def _register_all(self, backend: Backend, chunks: tuple[Chunk, ...]) -> tuple[int, int]:
-        """(0, n) when every chunk registered, else (status, index of the failing chunk) after
-        unregistering the chunks before it."""
+    def _register_all(
+        self, backend: Backend, size: int, reg_va: int | None, granularity: int, max_call_seconds: float | None,
+    ) -> tuple[int, tuple[Chunk, ...], int]:
+        """(0, chunks, n) when every call succeeded, else (status, chunks made so far and the
+        failing one last, index of the failing one) after unregistering the ones before it.
+        Calls of ``size`` bytes, or sized to ``max_call_seconds`` (pointerdomain.registration.pacing)."""
         prepare = getattr(backend, "prepare", None)  # emulated only: one memfd for all chunks (mid-page starts)
-        if prepare is not None and len(chunks) > 1:
-            code = prepare(chunks[0].registered_address, sum(c.nbytes for c in chunks))
+        if prepare is not None and (size < self.nbytes or max_call_seconds is not None):
+            code = prepare(self.host_va.value if reg_va is None else reg_va, self.nbytes)
             if code != 0:
-                return code, 0
-        for k, chunk in enumerate(chunks):
-            code = backend.register(chunk.registered_address, chunk.nbytes, self.device)
-            if code != 0:
-                for d in reversed(chunks[:k]):
-                    backend.unregister(d.registered_address, self.device)
-                return code, k
-        return 0, len(chunks)
+                return code, (Chunk(self.host_va, min(size, self.nbytes), reg_va),), 0
+        chunks: list[Chunk] = []
+
+        def call(start: int, length: int) -> int:
+            chunks.append(Chunk(self.host_va + start, length, None if reg_va is None else reg_va + start))
+            return backend.register(chunks[-1].registered_address, length, self.device)
+
+        code, made, planned = register_in_calls(self.nbytes, granularity, size, max_call_seconds, call, self._watch)
+        if code == 0:
+            return 0, tuple(chunks), made
+        for d in reversed(chunks[:-1]):
+            backend.unregister(d.registered_address, self.device)
+        # padded with the planned count, so messages say "chunk k/n"
+        return code, (*chunks, *[chunks[-1]] * (planned - made)), made - 1
 
     def _degraded(self, record: list[str], rung: Rung, cause: str) -> None:
         why = record[-1] if record else ""
