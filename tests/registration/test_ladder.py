@@ -188,11 +188,13 @@ def test_strict_mode_chunked_rung_registers_the_second_mapping() -> None:
 
 
 def test_probe_rungs_on_emulated_and_with_refusals() -> None:
-    assert ladder.probe_rungs(DEV) == {"single": "ok", "chunked": "ok", "pinned_copy": "ok",
-                                       "unpinned": "ok (copy engine only)"}
+    out = ladder.probe_rungs(DEV)
+    assert out.pop("not_needed").startswith("PageableMemoryAccess=0")  # the distinct profile reads no pageable memory
+    assert out == {"single": "ok", "chunked": "ok", "pinned_copy": "ok", "unpinned": "ok (copy engine only)"}
     with install_backend(faults(refuse_all=NOT_SUPPORTED, refuse_pinned_alloc=2), "emulated") as fb:
         out = ladder.probe_rungs(DEV)
         assert "error 801" in out["single"] and "error 801" in out["chunked"] and "error 2" in out["pinned_copy"]
+        assert "cannot read unregistered memory" in out["not_needed"]
         assert fb.pinned_bytes() == 0
 
 

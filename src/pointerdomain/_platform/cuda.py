@@ -14,6 +14,7 @@ import glob
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -29,7 +30,7 @@ from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
 
-__all__ = ["BUILD_HINT", "CudaBackend", "TorchCudartBackend", "load_cudart"]
+__all__ = ["BUILD_HINT", "CudaBackend", "TorchCudartBackend", "install_vmm_query", "load_cudart"]
 
 #: cudaDeviceAttr values (CUDA runtime's driver_types.h) for the torch-cudart stand-in,
 #: which calls libcudart directly; the extension maps names itself (attributes_gpu.cu).
@@ -75,6 +76,17 @@ def runtime_report() -> dict[str, object]:
     return {"gpu_runtime_version": version, "gpu_device_count": count, "gpu_devices": devices}
 
 
+#: The driver's VMM query, (address, ordinal) -> allocation or None; installed by
+#: :mod:`.cuda_driver` (which loads libcuda) when it is imported.
+_vmm_query: Callable[[int, int], VmmAllocation | None] | None = None
+
+
+def install_vmm_query(query: Callable[[int, int], VmmAllocation | None]) -> None:
+    """Make ``query`` the CUDA backends' VMM query (:mod:`.cuda_driver` calls this)."""
+    global _vmm_query
+    _vmm_query = query
+
+
 #: torch's current raw stream of a device, where torch has it (no Stream object: ~10x cheaper).
 _raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -100,13 +112,11 @@ class _TorchDevice(RuntimeTraits):
 
     def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
         """The VMM allocation (``cuMemCreate`` / ``cuMemMap``) at ``addr``, through the driver
-        API (:mod:`.cuda_driver`); None for ordinary memory or where libcuda cannot be used."""
-        if self.runtime != "cuda":
+        API (:mod:`.cuda_driver` installs the query); None for ordinary memory, on HIP, or
+        where libcuda cannot be used."""
+        if self.runtime != "cuda" or _vmm_query is None:
             return None  # HIP's VMM query is not wired: its memory registers as usual
-        from pointerdomain._platform.cuda_driver import driver_api
-
-        api = driver_api()
-        return api.vmm_allocation(addr, device.ordinal) if api is not None else None
+        return _vmm_query(addr, device.ordinal)
 
     def free_device_memory(self, device: Device) -> int | None:
         free, _total = torch.cuda.mem_get_info(device.ordinal)

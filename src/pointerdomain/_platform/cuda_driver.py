@@ -24,7 +24,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from pointerdomain import env
-from pointerdomain._platform.cuda import CudaBackend
+from pointerdomain._platform.cuda import CudaBackend, install_vmm_query
 from pointerdomain._platform.host_memory import VmmAllocation, VmmLocation
 
 if TYPE_CHECKING:
@@ -213,6 +213,15 @@ def device_attributes(ordinal: int) -> dict[str, int | None]:
     or no driver). For ``pointerdomain doctor`` and :func:`pointerdomain.strict_mode_capability`."""
     api = driver_api()
     return {name: (api.attribute(name, ordinal) if api is not None else None) for name in ATTRIBUTES}
+
+
+def vmm_allocation(va: int, ordinal: int) -> VmmAllocation | None:
+    """:meth:`DriverApi.vmm_allocation` of the process's driver API (None without libcuda)."""
+    api = driver_api()
+    return api.vmm_allocation(va, ordinal) if api is not None else None
+
+
+install_vmm_query(vmm_allocation)
 
 
 class CudaDriverBackend(CudaBackend):

@@ -211,7 +211,9 @@ def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> d
     """Self-test of each rung on ``device`` (for ``pointerdomain doctor``): ``{rung: "ok" or
     why not}``. Makes real, small calls through the device's backend and undoes them:
     ``single`` one registration of ``nbytes``; ``chunked`` the same range in two page-aligned
-    calls; ``pinned_copy`` one pinned allocation; ``unpinned`` needs no runtime call.
+    calls; ``not_needed`` reads the device's pageable-access attributes (on a coherent part
+    a NotSupported from the first two is reported as recognised); ``pinned_copy`` one pinned
+    allocation; ``unpinned`` needs no runtime call.
 
     Raises:
         InvalidDeviceError: the device does not exist.
@@ -240,8 +242,16 @@ def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> d
             backend.unregister(d, dev)
         return "ok"
 
+    from pointerdomain._platform.host_memory import NOT_SUPPORTED, pageable_access
+
+    access = pageable_access(backend, dev)
+    recognised = f"not supported ({access.reason}: the not_needed rung serves)"
     out[Rung.SINGLE.value] = attempt([(va, nbytes)])
     out[Rung.CHUNKED.value] = attempt([(va, half), (va + half, nbytes - half)])
+    for rung in (Rung.SINGLE.value, Rung.CHUNKED.value):
+        if access.coherent and out[rung].endswith(f"(error {NOT_SUPPORTED})"):
+            out[rung] = recognised  # an answer on a coherent part, not a failure
+    out[Rung.NOT_NEEDED.value] = "ok (device reads pageable memory in place)" if access.coherent else access.reason
     if isinstance(backend, PinnedAllocator):
         status, pinned = backend.pinned_alloc(nbytes, dev)
         if status == 0 and pinned is not None:
