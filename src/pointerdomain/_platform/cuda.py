@@ -22,7 +22,7 @@ import torch
 from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.cuda_hint import BUILD_HINT
-from pointerdomain._platform.host_memory import VmmAllocation
+from pointerdomain._platform.host_memory import VmmAllocation, pageable_access
 from pointerdomain._platform.pointer_query import PointerInfo, cuda_pointer_info
 from pointerdomain._platform.status import check, check_staged
 from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
@@ -188,7 +188,16 @@ class CudaBackend(_TorchDevice):
         return _C.gpu_error_string(code)
 
     def alias(self, va: int, device: Device) -> tuple[int, int]:
-        return _C.gpu_host_get_device_pointer(va, device.ordinal)
+        status, alias = _C.gpu_host_get_device_pointer(va, device.ordinal)
+        if status != 0 and self._reads_in_place(va, device):
+            return 0, va  # VMM host memory, or pageable memory a coherent part reads: the VA itself
+        return status, alias
+
+    def _reads_in_place(self, va: int, device: Device) -> bool:
+        found = self.vmm_allocation(va, device)
+        if found is not None:
+            return found.is_host
+        return pageable_access(self, device).coherent
 
     def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
         return _C.gpu_pinned_alloc(nbytes, device.ordinal)

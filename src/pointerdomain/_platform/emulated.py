@@ -18,10 +18,12 @@ host-memory kinds of other platforms, so each kind is tested on CPU:
 * ``distinct`` (default): the above; registration works, aliases differ from host VAs;
 * ``coherent``: a GH200 / GB10-like part: the device reads pageable memory in place
   (``PageableMemoryAccess`` and ``...UsesHostPageTables`` are 1) and registration is
-  refused with ``NotSupported`` (801); the device address of host memory is its VA;
+  refused with ``NotSupported`` (801); the device address of host memory is its VA
+  (:meth:`EmulatedBackend.alias` answers it for any address the runtime's own
+  pinned allocations do not cover);
 * ``vmm-host``: host allocations are VMM handles (``cuMemCreate`` with a host NUMA
-  location): :meth:`EmulatedBackend.vmm_allocation` reports them and registering over
-  one is refused (status 1), as the driver refuses it.
+  location): :meth:`EmulatedBackend.vmm_allocation` reports them, registering over
+  one is refused (status 1), as the driver refuses it, and their device address is the VA.
 """
 
 from __future__ import annotations
@@ -173,7 +175,10 @@ class EmulatedBackend(RuntimeTraits):
         return _MESSAGES.get(code, "unknown")
 
     def alias(self, va: int, device: Device) -> tuple[int, int]:
-        return _C.emu_get_device_pointer_on(va, device.ordinal)
+        status, alias = _C.emu_get_device_pointer_on(va, device.ordinal)
+        if status != 0 and (self.profile == "coherent" or self.vmm_allocation(va, device) is not None):
+            return 0, va  # the device reads this memory in place: its device address is the VA
+        return status, alias
 
     def alias_device(self, addr: int, nbytes: int) -> int:
         """Ordinal of the emulated device whose alias mapping holds ``[addr, addr + nbytes)``,
