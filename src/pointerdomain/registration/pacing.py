@@ -7,7 +7,9 @@ call over a 64 GiB pool can stall every neighbour for tens of seconds. With
 set, :func:`register_in_calls` makes a first small call, measures the rate (seconds per
 byte), and sizes every later call to end within 3/4 of the bound from the rate of the
 call before it (growing at most 4x per call, never past ``max_chunk_bytes``), so a
-slower stretch of memory shrinks the next call instead of stretching the stall.
+slower stretch of memory shrinks the next call instead of stretching the stall. The bound
+holds while the rate does not worsen by more than a third from one call to the next; the
+first call, of :data:`PROBE_BYTES` or 1/64 of the range, is the one sized blind.
 
 Every registration records its calls (:class:`RegistrationStats`, the owner's
 ``stats``) and the process keeps totals (:func:`registration_counters`, shown by
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pointerdomain.registration.prefault import NONE, PrefaultReport
 
 __all__ = [
+    "CLOCK",
     "PROBE_BYTES",
     "RegistrationStats",
     "Stopwatch",
@@ -34,8 +37,9 @@ __all__ = [
     "reset_registration_counters",
 ]
 
-#: Size of the first, measuring call of a bounded registration, bytes (at most 1/16 of
-#: the range, at least one granule).
+#: Size of the first, measuring call of a bounded registration, bytes (at most 1/64 of
+#: the range, at least one granule). Its rate is not known before it runs: the bound
+#: holds from the second call on.
 PROBE_BYTES = 16 << 20
 _TARGET = 0.75  # of the bound: room for the rate to vary between calls
 _GROWTH = 4
@@ -68,11 +72,15 @@ class RegistrationStats:
         return asdict(self)
 
 
+#: The clock registration calls are timed with (a test may put a fake one here).
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 class Stopwatch:
     """Durations of the registration calls of one registration (thread-confined)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = CLOCK if clock is None else clock
         self.durations: list[float] = []
         self.nbytes = 0
 
@@ -104,7 +112,7 @@ def register_in_calls(
             if status != 0:
                 return status, k + 1, planned
         return 0, planned, planned
-    size = max(granularity, min(cap, PROBE_BYTES, nbytes // 16) // granularity * granularity)
+    size = max(granularity, min(cap, PROBE_BYTES, nbytes // 64) // granularity * granularity)
     start = made = 0
     while start < nbytes:
         length = min(size, nbytes - start)
