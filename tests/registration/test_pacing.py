@@ -221,3 +221,24 @@ def test_nothing_registered_after_a_refused_policy() -> None:
     with pytest.raises(errors.InvalidRegistrationError):
         pd.alloc_registered(MIB, DEV, policy=pd.RegistrationPolicy(prefault_threads=-3))
     assert len(memory.open_registrations()) == before
+
+
+def test_numa_local_prefaults_on_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pointerdomain.registration import allocation
+
+    bound: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(allocation, "node_count", lambda: 2)  # as on a two-socket host
+    monkeypatch.setattr(allocation, "bind_to_node", lambda va, n, node: bound.append((va, n, node)) or "")
+    seen: list[int | None] = []
+    real = prefault.prefault
+
+    def spy(t: torch.Tensor, threads: int, huge: str = "off", node: int | None = None) -> prefault.PrefaultReport:
+        seen.append(node)
+        return real(t, threads, huge, node)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(allocation, "prefault", spy)
+    policy = pd.RegistrationPolicy(prefault_threads=2)
+    with pd.alloc_registered(2 * MIB, DEV, numa="local", policy=policy) as mem:
+        assert bound == [(mem.host_va.value, 2 * MIB, 0)] and seen == [0]  # bound first, then touched on node 0
+        assert mem.stats.prefault.threads == 2  # the report of the node-bound prefault, not a second one
+        bytes_through_aliases(mem)

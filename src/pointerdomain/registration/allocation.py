@@ -20,6 +20,7 @@ from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, Invalid
 from pointerdomain.arguments import check_bool
 from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy, warn_degraded
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
+from pointerdomain.registration.prefault import prefault
 from pointerdomain.registration.strict import strict_alias_enabled
 
 __all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
@@ -50,7 +51,8 @@ def alloc_registered(
             default: :func:`pointerdomain.registration.ladder.default_policy`, which fails).
         numa: ``"local"`` moves the pages to the device's NUMA node before registering
             (mbind; a no-op on a one-node machine or where the node is unknown, and a
-            :class:`~pointerdomain.registration.ladder.RegistrationDegradedWarning` where mbind is refused).
+            :class:`~pointerdomain.registration.ladder.RegistrationDegradedWarning` where mbind is refused);
+            with ``policy.prefault_threads`` the prefault threads then run on that node's CPUs.
 
     Raises:
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
@@ -85,21 +87,29 @@ def alloc_registered(
             tensor = backend.host_alloc(nbytes)
     except (MemoryError, RuntimeError) as exc:  # strict mode's double mapping too
         raise _out_of_memory(exc, "host", nbytes, dev) from None
+    prefaulted = None
     if numa == "local":
-        _place_local(tensor, dev)
+        node = _place_local(tensor, dev)
+        chosen = resolve_policy(policy)
+        if node is not None and chosen.prefault_threads:  # first touch on the node's CPUs, under its policy
+            prefaulted = prefault(tensor if registered is None else registered, chosen.prefault_threads,
+                                  chosen.huge_pages, node)
     return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes, policy=policy, registered=registered,
-                                library_owned=True)
+                                library_owned=True, prefaulted=prefaulted)
 
 
-def _place_local(tensor: torch.Tensor, dev: Device) -> None:
-    """Move the pages to ``dev``'s NUMA node (before pinning: pinned pages do not move)."""
+def _place_local(tensor: torch.Tensor, dev: Device) -> int | None:
+    """Move the pages to ``dev``'s NUMA node (before pinning: pinned pages do not move);
+    the node when they are bound to it, else None."""
     node = device_node(dev)
     if node is None or node_count() == 1:
-        return  # nothing to choose between, or the platform does not say
+        return None  # nothing to choose between, or the platform does not say
     why = bind_to_node(tensor.data_ptr(), tensor.numel(), node)
     if why:
         warn_degraded(f"numa:{why}", f"pointerdomain: numa='local' could not place memory on node {node} "
                                      f"for {dev}: {why}; the memory stays where the kernel put it")
+        return None
+    return node
 
 
 def _out_of_memory(exc: BaseException, what: str, nbytes: int, device: Device) -> BaseException:
