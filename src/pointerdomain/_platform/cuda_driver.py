@@ -158,8 +158,8 @@ class DriverApi:
                 return status
             try:
                 status = int(self._lib.cuMemGetAllocationPropertiesFromHandle(ctypes.byref(prop), handle.value))
-                if status == 0:
-                    status = int(self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), va))
+                if status == 0 and int(self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), va)):
+                    base.value, size.value = va, 0  # the range is unknown: the handle still names the owner
                 return status
             finally:
                 self._lib.cuMemRelease(handle.value)  # the retain's reference, not the owner's

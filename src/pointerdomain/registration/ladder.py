@@ -225,7 +225,15 @@ def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> d
     dev = validate_device(device)
     backend = backend_for(dev)
     out: dict[str, str] = {}
+    from pointerdomain._platform.host_memory import vmm_allocation
+
     buf = backend.host_alloc(nbytes)
+    if vmm_allocation(backend, buf.data_ptr(), dev) is not None:
+        # the backend hands out VMM memory, which is never registered: probe ordinary pages instead
+        import torch
+
+        raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+        buf = raw[-raw.data_ptr() % mmap.PAGESIZE:][:nbytes]
     va = buf.data_ptr()
     half = (nbytes // 2) & ~(mmap.PAGESIZE - 1)
 
