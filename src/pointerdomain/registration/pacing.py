@@ -5,11 +5,11 @@ process's driver calls (``cudaMemGetInfo``, launches, allocations) wait meanwhil
 call over a 64 GiB pool can stall every neighbour for tens of seconds. With
 :attr:`RegistrationPolicy.max_call_seconds <pointerdomain.registration.ladder.RegistrationPolicy>`
 set, :func:`register_in_calls` makes a first small call, measures the rate (seconds per
-byte), and sizes every later call to end within 3/4 of the bound from the rate of the
-call before it (growing at most 4x per call, never past ``max_chunk_bytes``), so a
+byte), and sizes every later call to end within 3/4 of the bound at the slowest rate of the
+last four calls (growing at most 4x per call, never past ``max_chunk_bytes``), so a
 slower stretch of memory shrinks the next call instead of stretching the stall. The bound
-holds while the rate does not worsen by more than a third from one call to the next; the
-first call, of :data:`PROBE_BYTES` or 1/64 of the range, is the one sized blind.
+holds while no call runs more than a third slower than the slowest of the four before
+it; the first call, of :data:`PROBE_BYTES` or 1/64 of the range, is the one sized blind.
 
 Every registration records its calls (:class:`RegistrationStats`, the owner's
 ``stats``) and the process keeps totals (:func:`registration_counters`, shown by
@@ -43,6 +43,7 @@ __all__ = [
 PROBE_BYTES = 16 << 20
 _TARGET = 0.75  # of the bound: room for the rate to vary between calls
 _GROWTH = 4
+_WINDOW = 4  # calls whose slowest rate sizes the next one
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ def register_in_calls(
         return 0, planned, planned
     size = max(granularity, min(cap, PROBE_BYTES, nbytes // 64) // granularity * granularity)
     start = made = 0
+    rates: list[float] = []
     while start < nbytes:
         length = min(size, nbytes - start)
         status = _timed(call, start, length, watch)
@@ -122,7 +124,8 @@ def register_in_calls(
             left = nbytes - start - length
             return status, made, made + (-(-left // max(size, 1)) if left > 0 else 0)
         start += length
-        rate = watch.durations[-1] / length  # seconds per byte, of this stretch of memory
+        rates.append(watch.durations[-1] / length)  # seconds per byte, of this stretch of memory
+        rate = max(rates[-_WINDOW:])  # the slowest recent call: one fast call must not size a long one
         want = int(_TARGET * max_call_seconds / rate) if rate > 0 else cap
         size = max(granularity, min(cap, _GROWTH * length, want) // granularity * granularity)
     return 0, made, made
