@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pointerdomain.layouts import KVLayout, KVLayoutChanges
     from pointerdomain.registration.memory import RegisteredHostMemory, find_registration, register_host_tensor
     from pointerdomain.registration.metadata import BufferInfo, BufferInfoChanges, buffer_infos, page_buffer_meta
+    from pointerdomain.transfer.layers import LayerLoad, load_layers
     from pointerdomain.transfer.pools import DeviceKVPool, DevicePool, HostKVPool
     from pointerdomain.registration.strict import StrictCapability, strict_alias, strict_alias_enabled, strict_mode_capability
     from pointerdomain.registration.resolve import AliasPolicy, alias_policy, fallback_count, reset_resolver_cache, resolve_alias
@@ -92,6 +93,8 @@ _LAZY = {
     "BufferInfoChanges": "pointerdomain.registration.metadata",
     "buffer_infos": "pointerdomain.registration.metadata",
     "page_buffer_meta": "pointerdomain.registration.metadata",
+    "LayerLoad": "pointerdomain.transfer.layers",
+    "load_layers": "pointerdomain.transfer.layers",
     "DeviceKVPool": "pointerdomain.transfer.pools",
     "DevicePool": "pointerdomain.transfer.pools",
     "HostKVPool": "pointerdomain.transfer.pools",
@@ -173,6 +176,7 @@ __all__ = [
     "HostVA",
     "KVLayout",
     "KVLayoutChanges",
+    "LayerLoad",
     "MaxCtas",
     "PointerTable",
     "RegisteredHostMemory",
@@ -202,6 +206,7 @@ __all__ = [
     "is_host_table",
     "is_kernel_table",
     "ladder",
+    "load_layers",
     "make_kernel_ptr_table",
     "memory_device",
     "memory_device_at",

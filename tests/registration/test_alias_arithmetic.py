@@ -66,3 +66,18 @@ def test_unbounded_addresses_keep_plain_arithmetic() -> None:
     t = torch.zeros(16, dtype=torch.uint8)
     va = pd.HostVA.unsafe_from_int(t.data_ptr())
     assert (va + (1 << 20)).value == va.value + (1 << 20)  # a hand-made HostVA knows no span
+
+
+def test_host_va_of_a_registration_knows_its_span() -> None:
+    """``memory.host_va`` steps anywhere inside its registration (host VAs are contiguous
+    across chunks) and is refused past either end."""
+    mem = pd.alloc_registered(3 * 4096, DEV, max_chunk_bytes=4096)
+    try:
+        assert (mem.host_va + 3 * 4096).value == mem.host_va.value + mem.nbytes  # the end: a range's end
+        assert (mem.host_va + 5000).value == mem.host_va.value + 5000  # across a chunk boundary: host side
+        with pytest.raises(errors.RegistrationSpanError, match="leaves the buffer"):
+            mem.host_va + (3 * 4096 + 1)
+        with pytest.raises(errors.RegistrationSpanError):
+            mem.host_va - 1
+    finally:
+        mem.close()

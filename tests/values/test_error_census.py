@@ -22,6 +22,13 @@ from tests.reference import DEV, model_layout
 LAYOUT = model_layout("layer_first", pages=4)
 HOST_LAYOUT = model_layout("page_first", pages=4)
 
+
+def _layer_load() -> pd.LayerLoad:
+    """A real LayerLoad (three layers on the emulated device), its pools closed after."""
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    with pd.HostKVPool(HOST_LAYOUT, DEV) as host:
+        return host.load_layers(pool, torch.arange(2), torch.arange(2))
+
 #: Public names that take no input that could be bad (constants, types, modules,
 #: zero-argument queries) or are built only by other public functions.
 EXEMPT = {
@@ -136,6 +143,10 @@ CASES: list[Case] = [
     ("pointerdomain.transfer_kv_all_layer", "table", lambda: pd.transfer_kv_all_layer(  # type: ignore[arg-type]
         3, 3, torch.arange(2), torch.arange(2), src_layout=LAYOUT, dst_layout=LAYOUT), TypeError,
      ("src", "int", "PointerTable[DeviceAlias]", "make_kernel_ptr_table")),
+    ("pointerdomain.load_layers", "table", lambda: pd.load_layers(  # type: ignore[arg-type]
+        3, 3, torch.arange(2), torch.arange(2), src_layout=LAYOUT, dst_layout=LAYOUT), TypeError,
+     ("src", "int", "PointerTable[DeviceAlias]", "make_kernel_ptr_table")),
+    ("pointerdomain.LayerLoad", "layer", lambda: _layer_load().wait(99), IndexError, ("layer", "99", "outside")),
     ("pointerdomain.transfer_kv_per_layer", "layer", lambda: pd.transfer_kv_per_layer(  # type: ignore[arg-type]
         3, 3, torch.arange(2), torch.arange(2), layer_id="0", src_layout=LAYOUT, dst_layout=LAYOUT), IndexError,
      ("layer_id", "'0'", "int")),

@@ -186,7 +186,13 @@ for _per_layer, _name in ((False, "transfer_kv_all_layer"), (True, "transfer_kv_
                 return fn(w.host.kernel_table, w.device.table, w.idx, w.idx, **layouts, **extra)
             return _transfer(per_layer, **{param: v})(w)
         SAMPLES[f"{_name}:{_param}"] = _sample
-for _method in ("backup", "load", "load_layer"):
+for _param in ("backend", "validate_indices", "max_ctas", "src_layout", "dst_layout"):
+    def _layers_sample(w: World, v: object, param: str = _param) -> object:
+        kw: dict[str, object] = {"src_layout": w.host_layout, "dst_layout": w.layout, param: v}
+        return pd.load_layers(w.host.kernel_table, w.device.table, w.idx, w.idx, **kw)  # type: ignore[arg-type]
+    SAMPLES[f"load_layers:{_param}"] = _layers_sample
+SAMPLES["HostKVPool.load_layers:device_pool"] = lambda w, v: w.host.load_layers(v, w.idx, w.idx)  # type: ignore[arg-type]
+for _method in ("backup", "load", "load_layer", "load_layers"):
     for _param in ("backend", "validate_indices", "max_ctas"):
         def _pool_sample(w: World, v: object, method: str = _method, param: str = _param) -> object:
             args: tuple[object, ...] = (w.device, w.idx, w.idx) + ((0,) if method == "load_layer" else ())

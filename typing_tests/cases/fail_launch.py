@@ -13,6 +13,7 @@ from pointerdomain import (
     KVLayout,
     PointerTable,
     RegisteredHostMemory,
+    load_layers,
     make_kernel_ptr_table,
     transfer_kv_all_layer,
     transfer_kv_per_layer,
@@ -34,6 +35,13 @@ def launches(
     transfer_kv_per_layer(host, kernel, idx, idx, layer_id=0, src_layout=layout, dst_layout=layout)  # type: ignore[arg-type]
     transfer_kv_per_layer(kernel, host, idx, idx, layer_id=0, src_layout=layout, dst_layout=layout)  # type: ignore[arg-type]
     transfer_kv_per_layer(host, host, idx, idx, layer_id=0, src_layout=layout, dst_layout=layout)  # type: ignore[arg-type]
+    # load_layers (the layer pipeline): the same.
+    load_layers(host, kernel, idx, idx, src_layout=layout, dst_layout=layout)  # type: ignore[arg-type]
+    load_layers(kernel, host, idx, idx, src_layout=layout, dst_layout=layout)  # type: ignore[arg-type]
+    # A LayerLoad's layer is an int, its stream an int or None.
+    done = load_layers(kernel, kernel, idx, idx, src_layout=layout, dst_layout=layout)
+    done.wait("0")  # type: ignore[arg-type]
+    done.wait(0, stream="s")  # type: ignore[arg-type]
     # A table of unknown domain must be narrowed first (there is no isinstance for a type argument).
     transfer_kv_all_layer(either, kernel, idx, idx, src_layout=layout, dst_layout=layout)  # type: ignore[arg-type]
     # Not a table at all: one address, a raw int, the table's escape-hatch tensor.

@@ -324,7 +324,9 @@ class RegisteredHostMemory(ProcessLocal):
                     f"{other.host_va!r} (+{other.nbytes} bytes); close that one first or reuse it"
                 )
             self.tensor: torch.Tensor = tensor
-            self.host_va: HostVA = HostVA.unsafe_from_int(tensor.data_ptr())
+            # knows its span: ``host_va + n`` past the registration raises RegistrationSpanError
+            self.host_va: HostVA = HostVA.unsafe_from_int(tensor.data_ptr()).bounded(
+                tensor.data_ptr(), tensor.data_ptr() + nbytes)
             self.nbytes: int = nbytes
             record: list[str] = []
             self._vmm_owner = ""

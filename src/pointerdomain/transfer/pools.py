@@ -35,6 +35,7 @@ from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, Registere
 from pointerdomain.registration.metadata import BufferInfo, buffer_infos, page_buffer_meta
 from pointerdomain.registration.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 from pointerdomain.transfer.launch_errors import ensure_error_word
+from pointerdomain.transfer.layers import LayerLoad, load_layers
 
 __all__ = ["DeviceKVPool", "DevicePool", "HostKVPool"]
 
@@ -230,6 +231,24 @@ class HostKVPool(ProcessLocal):
             self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
             layer_id=layer_id, src_layout=self.layout, dst_layout=device_pool.layout, stream=stream,
             max_ctas=max_ctas, backend=backend, validate_indices=validate_indices,
+        )
+
+    def load_layers(
+        self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
+        stream: int | None = None, max_ctas: MaxCtas = DEFAULT_MAX_CTAS, backend: TransferBackend = "auto",
+        validate_indices: ValidateIndices = True,
+    ) -> LayerLoad:
+        """H2D for every layer, queued at once on ``stream`` with a completion per layer:
+        the model's layer ``i`` calls ``load.wait(i)`` on its own stream (see
+        :func:`pointerdomain.transfer.layers.load_layers`). Moves what :meth:`load` moves.
+
+        Keywords and errors as :meth:`load`, all raised before the first layer is queued.
+        """
+        _check_device_pool("load_layers", device_pool)
+        return load_layers(
+            self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
+            src_layout=self.layout, dst_layout=device_pool.layout, stream=stream, max_ctas=max_ctas,
+            backend=backend, validate_indices=validate_indices,
         )
 
     def _table_for_pool(self, device_pool: DevicePool) -> PointerTable[DeviceAlias]:

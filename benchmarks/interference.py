@@ -1,0 +1,285 @@
+"""What a KV transfer costs the model: a bf16 GEMM runs on its own stream while each
+transfer method runs on another, measured in one run.
+
+    python -m benchmarks.interference [--gemm 8192] [--seconds 0.5] [--json OUT] [--emulated]
+
+Rows, one per transfer method (H2D loads of 1 KiB items, 32 layers, random slots):
+``kernel@1``, ``kernel@2``, ``kernel@4``, ``kernel@gpu`` (the whole GPU), ``staged@2`` (CPU
+index tensors), ``copy_engine``. For each: the GEMM's TFLOP/s alone and during the transfer,
+the transfer's GB/s (10^9 bytes/s) alone and during the GEMM, and the bulk copy's GB/s (one
+``copy_`` of the same bytes from pinned memory) in the same run. A decode-like part then
+times many small GEMMs (1, 8 and 64 rows x ``--gemm`` x ``--gemm``) one by one, alone and
+during each transfer, and reports their p50 / p99 latency in microseconds.
+
+Every method is first checked byte for byte: the device pool poisoned, the load run, every
+moved item compared with the host pool's item by plain torch indexing of its page_first
+buffer, every other byte still the poison.
+
+Goal (recorded on the H200 in docs/performance.md): a method with >= 0.95 x bulk while the
+GEMM loses <= 3 %. ``--emulated`` runs the same code on the CPU's emulated device with tiny
+sizes and no concurrency (a smoke test of the checks and the report, no figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import pointerdomain as pd
+
+LAYERS, PAGE_SIZE, HEADS, DIM = 32, 16, 4, 128  # 1 KiB bf16 items
+IN_FLIGHT = 4  # calls a timed loop keeps queued ahead of the device
+
+
+@dataclass
+class KVCase:
+    """A device pool (layer_first) and a registered host pool (page_first) on one device,
+    the host filled with random bytes, and the slots of one call."""
+
+    device: pd.Device
+    pool: pd.DeviceKVPool
+    host: pd.HostKVPool
+    host_slots: torch.Tensor  # on the device (CPU for the emulated device)
+    dev_slots: torch.Tensor
+    bytes_per_call: int
+
+    @classmethod
+    def build(cls, device: pd.Device, tokens: int, seed: int = 0) -> KVCase:
+        pages = 2 * tokens // PAGE_SIZE + 2
+        common: dict[str, Any] = dict(attention="mha", num_layers=LAYERS, page_size=PAGE_SIZE, num_heads=HEADS,
+                                      head_dim=DIM, dtype="bfloat16")
+        pool = pd.DeviceKVPool(pd.KVLayout(kind="layer_first", num_pages=pages, **common), device)
+        host = pd.HostKVPool(pd.KVLayout(kind="page_first", num_pages=2 * pages, **common), device)
+        flat = host.buffer.view(torch.uint8).reshape(-1)
+        g = torch.Generator().manual_seed(seed)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
+        hs = torch.randperm(host.layout.num_slots, generator=g)[:tokens]
+        ds = torch.randperm(pool.layout.num_slots, generator=g)[:tokens]
+        moved = tokens * pool.layout.num_kv * LAYERS * pool.layout.item_bytes
+        return cls(device, pool, host, hs.to(device.torch_device), ds.to(device.torch_device), moved)
+
+    def host_items(self, kv: int, layer: int) -> torch.Tensor:
+        """The host items of the call's slots by plain torch indexing of the page_first
+        buffer ``[kv, slots, layers, item bytes]``."""
+        lay = self.host.layout
+        flat = self.host.buffer.view(torch.uint8).reshape(lay.num_kv, lay.num_slots, LAYERS, lay.item_bytes)
+        return flat[kv][self.host_slots.cpu(), layer]
+
+    def check(self, load: Callable[[], None], name: str) -> None:
+        """``load`` moves exactly the call's items: nothing else of the poisoned pool changes."""
+        for b in self.pool.buffers:
+            b.view(torch.uint8).fill_(0xA5)
+        load()
+        sync(self.device)
+        item = self.pool.layout.item_bytes
+        d = self.dev_slots.cpu()
+        for kv in range(self.pool.layout.num_kv):
+            for layer in range(LAYERS):
+                got = self.pool.buffer(kv, layer).view(torch.uint8).reshape(-1, item).cpu()
+                if not torch.equal(got[d], self.host_items(kv, layer)):
+                    raise SystemExit(f"{name}: kv {kv} layer {layer}: moved items are not the host's")
+                rest = torch.ones(got.shape[0], dtype=torch.bool)
+                rest[d] = False
+                if not bool((got[rest] == 0xA5).all()):
+                    raise SystemExit(f"{name}: kv {kv} layer {layer}: a byte outside the moved slots changed")
+
+    def close(self) -> None:
+        self.host.close()
+
+
+def sync(device: pd.Device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device.ordinal)
+
+
+def transfer_methods(case: KVCase) -> dict[str, Callable[[int | None], None]]:
+    """Each method as a call taking the stream to run on (None: the current one)."""
+    h, d = case.host_slots, case.dev_slots
+    h_cpu, d_cpu = h.cpu(), d.cpu()
+    host, pool = case.host, case.pool
+    return {
+        "kernel@1": lambda s: host.load(pool, h, d, max_ctas=1, backend="kernel", stream=s),
+        "kernel@2": lambda s: host.load(pool, h, d, max_ctas=2, backend="kernel", stream=s),
+        "kernel@4": lambda s: host.load(pool, h, d, max_ctas=4, backend="kernel", stream=s),
+        "kernel@gpu": lambda s: host.load(pool, h, d, max_ctas=pd.WHOLE_GPU, backend="kernel", stream=s),
+        "staged@2": lambda s: host.load(pool, h_cpu, d_cpu, max_ctas=2, backend="staged", stream=s),
+        "copy_engine": lambda s: host.load(pool, h, d, backend="copy_engine", stream=s),
+    }
+
+
+def _time_loop(device: pd.Device, stream: Any, fn: Callable[[], object], seconds: float) -> tuple[float, int]:
+    """Calls ``fn`` enqueued on ``stream`` until ``seconds`` of host time passed; returns the
+    device seconds between the first and the last call's end and the call count."""
+    if device.type != "cuda":
+        start, n = time.perf_counter(), 0
+        while n == 0 or time.perf_counter() - start < seconds:
+            fn()
+            n += 1
+        return time.perf_counter() - start, n
+    # At most IN_FLIGHT calls queued ahead of the device: the loop then lasts about as long
+    # on the device as on the host, so two loops started together overlap on the device.
+    from collections import deque
+
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    pending: deque[Any] = deque()
+    with torch.cuda.stream(stream):
+        begin.record()
+        start, n = time.perf_counter(), 0
+        while n == 0 or time.perf_counter() - start < seconds:
+            fn()
+            n += 1
+            pending.append(torch.cuda.Event())
+            pending[-1].record()
+            if len(pending) > IN_FLIGHT:
+                pending.popleft().synchronize()
+        end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3, n
+
+
+def _concurrently(device: pd.Device, a: Callable[[], tuple[float, int]], b: Callable[[], tuple[float, int]]
+                  ) -> tuple[tuple[float, int], tuple[float, int]]:
+    """Run two enqueue loops from two host threads (each on its own stream), so both streams
+    hold work at the same time; on the emulated device one after the other."""
+    if device.type != "cuda":
+        return a(), b()
+    import threading
+
+    out: dict[str, tuple[float, int]] = {}
+
+    def run(key: str, fn: Callable[[], tuple[float, int]]) -> None:
+        torch.cuda.set_device(device.ordinal)
+        out[key] = fn()
+
+    threads = [threading.Thread(target=run, args=("a", a)), threading.Thread(target=run, args=("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out["a"], out["b"]
+
+
+def _latencies(device: pd.Device, stream: Any, fn: Callable[[], None], count: int) -> list[float]:
+    """Per-call device latency (us) of ``count`` calls of ``fn`` on ``stream``, one by one."""
+    out = []
+    for _ in range(count):
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e6)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record()
+            fn()
+            b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3)
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gemm", type=int, default=None, help="GEMM size N (N x N x N; default 8192, 64 emulated)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per transfer (default 8192, 32 emulated)")
+    parser.add_argument("--seconds", type=float, default=None, help="seconds per timed loop (default 0.5)")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--emulated", action="store_true", help="the CPU's emulated device (smoke test)")
+    opts = parser.parse_args(argv)
+    emulated = opts.emulated or not torch.cuda.is_available()
+    device = pd.Device("emulated", 0) if emulated else pd.Device("cuda", 0)
+    n = opts.gemm or (64 if emulated else 8192)
+    tokens = opts.tokens or (32 if emulated else 8192)
+    seconds = opts.seconds if opts.seconds is not None else (0.02 if emulated else 0.5)
+    tdev = device.torch_device
+    dtype = torch.float32 if emulated else torch.bfloat16  # CPU bf16 matmul is slow and not the point
+    a, b = torch.randn(n, n, device=tdev, dtype=dtype), torch.randn(n, n, device=tdev, dtype=dtype)
+    c = torch.empty(n, n, device=tdev, dtype=dtype)
+    small = {rows: torch.randn(rows, n, device=tdev, dtype=dtype) for rows in (1, 8, 64)}
+    gemm_stream = torch.cuda.Stream(device.ordinal) if not emulated else None
+    copy_stream = torch.cuda.Stream(device.ordinal) if not emulated else None
+    copy_int = None if copy_stream is None else copy_stream.cuda_stream
+
+    def gemm() -> None:
+        torch.matmul(a, b, out=c)
+
+    def decode() -> None:
+        for rows, x in small.items():
+            torch.matmul(x, b)
+
+    case = KVCase.build(device, tokens)
+    try:
+        methods: dict[str, Callable[[int | None], None]] = {}
+        skipped: dict[str, str] = {}
+        for name, fn in transfer_methods(case).items():
+            try:
+                case.check(lambda fn=fn: fn(None), name)  # type: ignore[misc]
+            except pd.errors.PointerDomainError as exc:  # a path this device does not have (staged: CUDA only)
+                skipped[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                continue
+            methods[name] = fn
+        flops = 2.0 * n * n * n
+        g_s, g_n = _time_loop(device, gemm_stream, gemm, seconds)
+        gemm_alone = flops * g_n / g_s / 1e12
+        lat_alone = _latencies(device, gemm_stream, decode, 50 if not emulated else 5)
+        bulk_src = torch.empty(case.bytes_per_call, dtype=torch.uint8)
+        if not emulated:
+            bulk_src = bulk_src.pin_memory()
+        bulk_dst = torch.empty(case.bytes_per_call, dtype=torch.uint8, device=tdev)
+        b_s, b_n = _time_loop(device, copy_stream, lambda: bulk_dst.copy_(bulk_src, non_blocking=True), seconds)
+        bulk = case.bytes_per_call * b_n / b_s / 1e9
+        rows: list[dict[str, Any]] = []
+        for name, fn in methods.items():
+            t_s, t_n = _time_loop(device, copy_stream, lambda fn=fn: fn(copy_int), seconds)  # type: ignore[misc]
+            alone = case.bytes_per_call * t_n / t_s / 1e9
+            (gs, gn), (ts, tn) = _concurrently(
+                device, lambda: _time_loop(device, gemm_stream, gemm, seconds),
+                lambda fn=fn: _time_loop(device, copy_stream, lambda: fn(copy_int), seconds))  # type: ignore[misc]
+            lat_during: list[float] = []
+
+            def decode_job() -> tuple[float, int]:
+                lat_during.extend(_latencies(device, gemm_stream, decode, 50 if not emulated else 5))
+                return 1.0, len(lat_during)
+
+            _concurrently(device, decode_job,
+                          lambda fn=fn: _time_loop(device, copy_stream, lambda: fn(copy_int), seconds))  # type: ignore[misc]
+            rows.append({
+                "method": name, "transfer_gbps_alone": alone, "transfer_gbps_during": case.bytes_per_call * tn / ts / 1e9,
+                "bulk_gbps": bulk, "ratio_during": case.bytes_per_call * tn / ts / 1e9 / bulk,
+                "gemm_tflops_alone": gemm_alone, "gemm_tflops_during": flops * gn / gs / 1e12,
+                "gemm_loss": 1.0 - (flops * gn / gs / 1e12) / gemm_alone,
+                "decode_p50_us_alone": _pct(lat_alone, 0.5), "decode_p99_us_alone": _pct(lat_alone, 0.99),
+                "decode_p50_us_during": _pct(lat_during, 0.5), "decode_p99_us_during": _pct(lat_during, 0.99),
+            })
+    finally:
+        case.close()
+    print(f"interference on {device}: GEMM {n}^3 {'fp32 (emulated smoke)' if emulated else 'bf16'}, "
+          f"{tokens} tokens x {LAYERS} layers x 1 KiB items per transfer, bulk {bulk:.1f} GB/s")
+    print(f"{'method':>12} {'GB/s alone':>10} {'during':>8} {'x bulk':>7} {'TFLOP/s':>8} {'during':>8} {'loss':>6}"
+          f" {'p99 us':>8} {'during':>8}")
+    for name, why in skipped.items():
+        print(f"{name:>12} not run here: {why}")
+    for r in rows:
+        print(f"{r['method']:>12} {r['transfer_gbps_alone']:10.2f} {r['transfer_gbps_during']:8.2f}"
+              f" {r['ratio_during']:7.3f} {r['gemm_tflops_alone']:8.1f} {r['gemm_tflops_during']:8.1f}"
+              f" {r['gemm_loss']:6.1%} {r['decode_p99_us_alone']:8.1f} {r['decode_p99_us_during']:8.1f}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"device": str(device), "gemm": n, "tokens": tokens, "rows": rows, "skipped": skipped,
+                       "median_loss": statistics.median(float(r["gemm_loss"]) for r in rows) if rows else None}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
