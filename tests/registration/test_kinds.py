@@ -71,8 +71,9 @@ def test_default_profile_registers_and_names_the_kind() -> None:
 
 def test_not_supported_without_pageable_access_is_a_failure_not_a_rung() -> None:
     with install_backend(DriverFaults(backend_for(DEV), refuse_all=NOT_SUPPORTED), "emulated") as fb:
-        with pytest.raises(errors.RegistrationError, match="error 801"):
+        with pytest.raises(errors.RegistrationError, match="error 801") as info:
             pd.alloc_registered(8 * PAGE, DEV)
+        assert "not device-accessible without registration (PageableMemoryAccess=0" in str(info.value)
         assert fb.pinned_bytes() == 0
     assert ladder.rung_counts()["not_needed"] == 0
 

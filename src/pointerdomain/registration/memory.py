@@ -341,7 +341,9 @@ class RegisteredHostMemory(ProcessLocal):
             self.ladder_record: tuple[str, ...] = tuple(record)
             self.foreign = rung is Rung.FOREIGN
             self.owner = "foreign" if self.foreign else self._vmm_owner or "pointerdomain"
-            share = huge_page_share(self.host_va.value, self.nbytes) if self._watch.durations else None
+            # read only when huge pages were asked for: /proc/self/smaps costs ~50 ms in a large process
+            thp = policy.huge_pages == "thp" and bool(self._watch.durations)
+            share = huge_page_share(self.host_va.value, self.nbytes) if thp else None
             self.stats: RegistrationStats = self._watch.stats(policy.max_call_seconds, self._prefault, share)
             self.kernel_readable = rung is not Rung.UNPINNED
             self.strict = self._registered is not None
@@ -396,6 +398,9 @@ class RegisteredHostMemory(ProcessLocal):
                 record.append(f"already registered by another owner (error {code}): used, never unregistered")
                 return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             error = self._registration_error(backend, code, chunks[k], k, len(chunks))
+            if code == NOT_SUPPORTED and not access.coherent:  # say why reading in place is no answer here
+                error = type(error)(f"{error}; the memory is not device-accessible without registration "
+                                    f"({access.reason})")
             record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
             if code == NOT_SUPPORTED and access.coherent:  # an answer, not a failure: nothing to warn about
                 record.append(f"not_needed: {access.reason}")

@@ -57,7 +57,8 @@ class RegistrationStats:
         seconds_per_gib: ``call_seconds`` per GiB registered (None: nothing registered).
         max_call_seconds: the bound asked for (None: none).
         prefault: what the prefault did (:class:`~pointerdomain.registration.prefault.PrefaultReport`).
-        huge_page_share: share of the range's resident memory on huge pages (None: unknown).
+        huge_page_share: share of the range's resident memory on huge pages, read when the
+            policy asked for huge pages (``huge_pages="thp"``); None otherwise or where unknown.
     """
 
     calls: int = 0
