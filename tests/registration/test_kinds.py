@@ -261,3 +261,16 @@ def test_unknown_profile_warns_and_is_distinct(monkeypatch: pytest.MonkeyPatch) 
     assert backend.profile == "distinct"
     with pytest.raises(errors.InvalidArgumentError, match="profile: found 'gh200'"):
         EmulatedBackend(2, profile="gh200")
+
+
+def test_explain_names_another_owners_pin_foreign() -> None:
+    t = torch.zeros(8 * PAGE, dtype=torch.uint8)
+    with install_backend(DriverFaults(backend_for(DEV)), "emulated") as fb:
+        assert fb.register_foreign(t.data_ptr(), t.numel(), DEV) == 0
+        try:
+            got = explain(t.data_ptr() + 5)
+        finally:
+            fb.unregister_foreign(t.data_ptr())
+    assert got.domain == "unknown" and got.memory_kind == "foreign"
+    assert any("pinned) by another owner" in note for note in got.notes)
+    assert explain(t.data_ptr() + 5).memory_kind is None  # the pin is gone: plain pageable memory

@@ -175,3 +175,15 @@ def test_bounded_registration_keeps_every_call_short(dev: Device) -> None:
         assert load_cudart().cudaMemcpy(ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(alias.value),
                                         ctypes.c_size_t(1 << 20), 4) == 0  # cudaMemcpyDefault, through the alias
         assert torch.equal(out.cpu(), data)
+
+
+def test_pin_memory_is_foreign_and_its_rounded_block_is_named(dev: Device) -> None:
+    nbytes = (20 << 20) + 100 * 4096  # 20.4 MiB asked
+    t = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    got = explain(t.data_ptr())
+    assert got.memory_kind == "foreign"
+    (note,) = [n for n in got.notes if "pinned block" in n]
+    size = int(note.split("+")[1].split(")")[0])
+    assert size >= nbytes  # torch's caching host allocator rounds the block up (a power of two: 32 MiB)
+    with pd.register_host_tensor(t, dev) as mem:  # used, never unregistered by pointerdomain
+        assert mem.kind is MemoryKind.FOREIGN and mem.owner == "foreign"

@@ -117,7 +117,7 @@ def host_memory_kind(address: int, device: Device | None = None) -> tuple[str | 
     platform can tell it: VMM host memory (owner: its handle), another owner's pin
     (``foreign``), pageable memory a coherent device reads in place (``device_accessible``);
     (None, None, "") where it cannot tell. Never raises."""
-    from pointerdomain._platform import backend_for, default_device
+    from pointerdomain._platform import backend_for, default_device, pointer_info
     from pointerdomain.registration.kinds import MemoryKind, describe_vmm, pageable_access_of
     from pointerdomain._platform.host_memory import vmm_allocation
 
@@ -129,7 +129,10 @@ def host_memory_kind(address: int, device: Device | None = None) -> tuple[str | 
             kind = MemoryKind.VMM_HOST.value if found.is_host else None
             return kind, describe_vmm(found), f"VMM memory ({found.location}): its handle maps it; never registered"
         if backend.pointer_is_host(address):
-            return MemoryKind.FOREIGN.value, None, "registered (pinned) by another owner, not by pointerdomain"
+            info = pointer_info(dev, address)
+            block = (f"; the runtime's pinned block is [{info.start:#x}, +{info.size}) bytes (a rounding allocator "
+                     "such as pin_memory() pins more than was asked)") if info is not None and info.kind == "host" else ""
+            return MemoryKind.FOREIGN.value, None, f"registered (pinned) by another owner, not by pointerdomain{block}"
         access = pageable_access_of(backend, dev)
         if access.coherent and maps_line(address) is not None:
             return MemoryKind.DEVICE_ACCESSIBLE.value, None, f"pageable memory {dev} reads in place ({access.reason})"
