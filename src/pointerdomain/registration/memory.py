@@ -10,6 +10,12 @@ a failing chunk rolls back the chunks already registered. On the emulated
 backend each chunk gets a second virtual mapping of the same pages, so device
 aliases differ from host VAs and separately registered chunks are not contiguous
 in alias space, as on MI355X.
+
+Before any call, the range's kind is asked of the platform
+(:mod:`pointerdomain.registration.kinds`): VMM host memory is used as it is, never
+registered again; on a device that reads pageable memory in place a ``NotSupported``
+refusal takes the ``not_needed`` rung. The calls themselves may be paced and the pages
+faulted in first (:mod:`pointerdomain.registration.pacing`).
 """
 
 from __future__ import annotations
