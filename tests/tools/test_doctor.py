@@ -97,6 +97,13 @@ def test_doctor_json_names_memory_kinds_and_registration_counters() -> None:
     assert kinds["pageable memory"] == "needs registration"  # the distinct profile
     assert kinds["VMM host memory"] == "detected, never registered again"
     assert kinds["kind of a fresh allocation"] == "registered"
+    host = {row["name"]: row["value"] for row in report["host"]}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+        assert host["transparent huge pages"] == text[text.index("[") + 1:text.index("]")]
+    except OSError:
+        assert host["transparent huge pages"] == "unknown"
     counters = report["registration"]
     # the doctor's own registrations (rung tests, self-test) were counted and timed
     assert counters["registrations"] >= 4 and counters["calls"] >= counters["registrations"] - counters["vmm_host"]

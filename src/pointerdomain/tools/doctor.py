@@ -69,6 +69,7 @@ __all__ = [
     "run",
     "self_test",
     "strict_mode_row",
+    "transparent_huge_pages",
     "version_rows",
 ]
 
@@ -123,12 +124,25 @@ def memlock() -> Row:
     return Row("ulimit -l (RLIMIT_MEMLOCK bytes, soft/hard)", show, "unlimited = null; pinning beyond it fails")
 
 
+def transparent_huge_pages() -> Row:
+    """The kernel's THP mode (``/sys/kernel/mm/transparent_hugepage/enabled``, the bracketed
+    word): ``madvise`` means only ranges advised ``MADV_HUGEPAGE`` (``huge_pages="thp"``) get them."""
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return Row("transparent huge pages", "unknown", f"{path} unreadable")
+    start, end = text.find("["), text.find("]")
+    return Row("transparent huge pages", text[start + 1:end] if 0 <= start < end else text.strip(), path)
+
+
 def host_rows() -> list[Row]:
-    """The host's rows: WSL2, Confidential Computing, ``ulimit -l``, NUMA nodes."""
+    """The host's rows: WSL2, Confidential Computing, ``ulimit -l``, NUMA nodes, THP mode."""
     nodes = sorted(n for n in os.listdir("/sys/devices/system/node") if n.startswith("node")) if os.path.isdir(
         "/sys/devices/system/node") else []
     return [wsl2(), confidential_computing(), memlock(),
-            Row("NUMA nodes", len(nodes) or "unknown", "/sys/devices/system/node")]
+            Row("NUMA nodes", len(nodes) or "unknown", "/sys/devices/system/node"), transparent_huge_pages()]
 
 
 # versions and engines ------------------------------------------------------------------
