@@ -178,6 +178,7 @@ def test_prefault_keeps_a_caller_tensors_bytes(huge: str) -> None:
 
 def test_prefault_touch_fallback_keeps_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefault, "_MADV_POPULATE_WRITE", 12345)  # an advice no kernel knows: EINVAL
+    monkeypatch.setattr(prefault, "_SUPPORTED", [False])
     t = torch.empty(2 * MIB + 17, dtype=torch.uint8)
     fill_random(t, 4)
     before = t.clone()
@@ -242,3 +243,18 @@ def test_numa_local_prefaults_on_the_node(monkeypatch: pytest.MonkeyPatch) -> No
         assert bound == [(mem.host_va.value, 2 * MIB, 0)] and seen == [0]  # bound first, then touched on node 0
         assert mem.stats.prefault.threads == 2  # the report of the node-bound prefault, not a second one
         bytes_through_aliases(mem)
+
+
+def test_prefault_never_writes_a_read_only_mapping() -> None:
+    import mmap as mm
+    import warnings
+
+    if not prefault.populate_supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    ro = mm.mmap(-1, 2 * MIB, prot=mm.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable
+        t = torch.frombuffer(ro, dtype=torch.uint8)
+    report = prefault.prefault(t, 2)  # a write here would be a SIGSEGV, not an exception
+    assert report.method == "populate_write" and "MADV_POPULATE_WRITE refused" in report.note
+    assert int(t.sum()) == 0

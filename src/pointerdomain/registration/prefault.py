@@ -7,7 +7,8 @@ the pages in beforehand, on several threads, leaves the driver only the pinning.
 :func:`prefault` splits the range into page-aligned pieces (2 MiB-aligned under
 ``huge_pages="thp"``) and has ``threads`` threads fault them in writable with
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+; contents kept), or where the kernel lacks
-it by writing each page's first byte back to itself. With a NUMA node the threads run on
+it (EINVAL) by writing each page's first byte back to itself; pages the kernel refuses to
+populate writable (a read-only mapping) are never written, only left to the registration. With a NUMA node the threads run on
 that node's CPUs (the pages follow the memory policy, e.g. an ``mbind`` made before,
 :func:`pointerdomain._platform.numa.bind_to_node`). ``huge_pages="thp"`` advises
 ``MADV_HUGEPAGE`` first. :func:`huge_page_share` reads how much of a range ended up on
@@ -17,6 +18,7 @@ huge pages (``/proc/self/smaps``).
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import time
@@ -79,6 +81,22 @@ def node_cpus(node: int) -> set[int]:
     return cpus
 
 
+_SUPPORTED: list[bool] = []
+
+
+def populate_supported() -> bool:
+    """Whether this kernel knows ``MADV_POPULATE_WRITE`` (asked once, on a page of our own)."""
+    if not _SUPPORTED:
+        libc = _libc()
+        page = mmap.mmap(-1, mmap.PAGESIZE)
+        holder = ctypes.c_char.from_buffer(page)
+        ok = libc is not None and libc.madvise(ctypes.addressof(holder), mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0
+        del holder
+        page.close()
+        _SUPPORTED.append(ok)
+    return _SUPPORTED[0]
+
+
 def _pieces(lo: int, hi: int, threads: int, align: int) -> list[tuple[int, int]]:
     step = max(align, -(-(hi - lo) // threads) // align * align or align)
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
@@ -107,19 +125,22 @@ def prefault(tensor: torch.Tensor, threads: int, huge_pages: Literal["off", "thp
     notes: list[str] = []
     if huge_pages == "thp":
         if libc is None or libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
-            errno = ctypes.get_errno() if libc is not None else 0
-            notes.append(f"MADV_HUGEPAGE refused ({os.strerror(errno) if errno else 'no libc'})")
+            code = ctypes.get_errno() if libc is not None else 0
+            notes.append(f"MADV_HUGEPAGE refused ({os.strerror(code) if code else 'no libc'})")
     cpus = node_cpus(node) if node is not None else set()
     pieces = _pieces(lo, hi, threads, _HUGE if huge_pages == "thp" else page)
     flat = tensor.reshape(-1).view(torch.uint8)
 
-    def populate(piece: tuple[int, int]) -> bool:
+    def populate(piece: tuple[int, int]) -> int:
+        """0, or the errno of MADV_POPULATE_WRITE (EINVAL: the kernel lacks it)."""
         if cpus:
             try:
                 os.sched_setaffinity(0, cpus)  # this worker thread only
             except OSError:
                 pass
-        return libc is not None and libc.madvise(piece[0], piece[1] - piece[0], _MADV_POPULATE_WRITE) == 0
+        if libc is None:
+            return errno.EINVAL
+        return 0 if libc.madvise(piece[0], piece[1] - piece[0], _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
     def touch(piece: tuple[int, int]) -> None:
         first, end = max(piece[0], va) - va, min(piece[1], va + nbytes) - va
@@ -133,11 +154,18 @@ def prefault(tensor: torch.Tensor, threads: int, huge_pages: Literal["off", "thp
 
     method: Literal["populate_write", "touch"] = "populate_write"
     with ThreadPoolExecutor(max_workers=min(threads, len(pieces))) as pool:
-        done = list(pool.map(populate, pieces))
-        if not all(done):
+        codes = list(pool.map(populate, pieces))
+        # EINVAL is both "no such advice" (an older kernel) and "not writable": only the first is touched
+        missing = [p for p, code in zip(pieces, codes) if code == errno.EINVAL] if not populate_supported() else []
+        codes = [errno.EACCES if code == errno.EINVAL and not missing else code for code in codes]
+        if missing:  # an older kernel: write each page's first byte back to itself
             method = "touch"
             notes.append("MADV_POPULATE_WRITE unavailable: pages touched one by one")
-            list(pool.map(touch, [p for p, ok in zip(pieces, done) if not ok]))
+            list(pool.map(touch, missing))
+        refused = {code for code in codes if code not in (0, errno.EINVAL)}
+        if refused:  # e.g. a read-only mapping: never written to; the registration call decides
+            notes.append("MADV_POPULATE_WRITE refused (" + ", ".join(os.strerror(c) for c in sorted(refused))
+                         + "): those pages were left to the registration call")
     return PrefaultReport(time.perf_counter() - start, min(threads, len(pieces)), method, huge_pages, "; ".join(notes))
 
 
