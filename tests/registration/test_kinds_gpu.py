@@ -38,7 +38,7 @@ class _Loc(ctypes.Structure):
 
 class _Prop(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Loc),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8), ("_room", ctypes.c_ubyte * 64)]
 
 
 class _Access(ctypes.Structure):

@@ -58,7 +58,8 @@ class MemAllocationProp(ctypes.Structure):
     """``CUmemAllocationProp`` (cuda.h): what ``cuMemGetAllocationPropertiesFromHandle`` fills."""
 
     _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _MemLocation),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags),
+                ("_room", ctypes.c_ubyte * 64)]  # room for fields a later cuda.h may add: the driver writes them
 
 
 class DriverApi:
