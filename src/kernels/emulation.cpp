@@ -154,29 +154,75 @@ int prepare_range(std::uint64_t va, std::uint64_t nbytes) {
 }
 
 namespace {
+// Back a region made in place (the caller's pages, which may share a page with its malloc
+// heap) by a new memfd holding a copy of its bytes, mapped at the same addresses: the
+// caller's mapping and every alias of the region's registrations. The child of a fork
+// calls it (single-threaded then), so its pages are its own at once and stay coherent
+// with their aliases: neither process's later writes reach the other.
+bool copy_into_own_file(std::uint64_t base, Region &r) {
+    const int fd = make_fd(r.len);
+    if (fd < 0) return false;
+    if (pwrite(fd, reinterpret_cast<void *>(base), r.len, 0) != static_cast<ssize_t>(r.len)) {
+        close(fd);
+        return false;
+    }
+    mmap(reinterpret_cast<void *>(base), r.len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+    for (auto &kv : registrations) {
+        if (kv.second.region != base) continue;
+        const off_t off = static_cast<off_t>((kv.first & ~(page() - 1)) - base);
+        mmap(reinterpret_cast<void *>(kv.second.map_base), kv.second.map_len, PROT_READ | PROT_WRITE,
+             MAP_SHARED | MAP_FIXED, fd, off);
+        for (auto &dev : kv.second.other_devices)
+            mmap(reinterpret_cast<void *>(dev.second), kv.second.map_len, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_FIXED, fd, off);
+    }
+    close(r.fd);
+    r.fd = fd;
+    return true;
+}
+
 // fork(): CUDA pinned memory of a malloc'd range is private to each process after
 // fork (Linux >= 5.9 copies pinned pages into the child early), so a child's writes
-// never reach the parent. Our memfd mappings are MAP_SHARED; in the child, map the
-// same file pages MAP_PRIVATE at the same addresses (copy on write, no copy now).
+// never reach the parent. Our memfd mappings are MAP_SHARED. In the child: the caller's
+// pages (regions made in place) are copied into a file of the child's own at once, as
+// CUDA copies pinned pages; memory this library allocated (owned regions, whole pages of
+// their own) maps the same file pages MAP_PRIVATE at the same addresses (copy on write,
+// no copy now).
 void before_fork() { mu.lock(); }
 void after_fork_parent() { mu.unlock(); }
 void after_fork_child() {
-    for (auto &kv : regions)
+    for (auto &kv : regions) {
+        if (!kv.second.owned && copy_into_own_file(kv.first, kv.second)) continue;
         mmap(reinterpret_cast<void *>(kv.first), kv.second.len, PROT_READ | PROT_WRITE,
              MAP_PRIVATE | MAP_FIXED, kv.second.fd, 0);
-    for (auto &kv : registrations) {
-        auto r = regions.find(kv.second.region);
-        if (r == regions.end()) continue;
-        const off_t off = static_cast<off_t>((kv.first & ~(page() - 1)) - r->first);
-        mmap(reinterpret_cast<void *>(kv.second.map_base), kv.second.map_len, PROT_READ | PROT_WRITE,
-             MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
-        for (auto &dev : kv.second.other_devices)  // other emulated devices' aliases
-            mmap(reinterpret_cast<void *>(dev.second), kv.second.map_len, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_FIXED, r->second.fd, off);
+        for (auto &reg : registrations) {
+            if (reg.second.region != kv.first) continue;
+            const off_t off = static_cast<off_t>((reg.first & ~(page() - 1)) - kv.first);
+            mmap(reinterpret_cast<void *>(reg.second.map_base), reg.second.map_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_FIXED, kv.second.fd, off);
+            for (auto &dev : reg.second.other_devices)  // other emulated devices' aliases
+                mmap(reinterpret_cast<void *>(dev.second), reg.second.map_len, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_FIXED, kv.second.fd, off);
+        }
     }
     mu.unlock();
 }
 const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+
+// The caller's pages of a region made in place, once no registration uses it: private
+// anonymous memory again, with their bytes (a copy moved over them in one mremap), so
+// a later fork gives the child its own copy (a shared file mapping would carry the
+// child's writes, malloc heap included, into the parent). Writes to these pages by
+// another thread while this runs may be lost: close() must not race with them (the
+// Python binding holds the GIL). If the copy cannot be made the pages stay a shared
+// mapping of the file (bytes kept).
+void restore_private(std::uint64_t base, const Region &r) {
+    void *copy = mmap(nullptr, r.len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy == MAP_FAILED) return;
+    std::memcpy(copy, reinterpret_cast<const void *>(base), r.len);
+    if (mremap(copy, r.len, r.len, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void *>(base)) == MAP_FAILED)
+        munmap(copy, r.len);
+}
 }  // namespace
 
 int unregister_range(std::uint64_t va) {
@@ -188,12 +234,13 @@ int unregister_range(std::uint64_t va) {
     const std::uint64_t region = it->second.region;
     registrations.erase(it);
     // A region made in place for an existing tensor lives while registrations use it;
-    // its pages stay mapped (the tensor still owns them), only the fd goes.
+    // its pages stay mapped (the tensor still owns them), private again, and the fd goes.
     auto r = regions.find(region);
     if (r != regions.end() && !r->second.owned) {
         bool used = false;
         for (auto &kv : registrations) used = used || kv.second.region == region;
         if (!used) {
+            restore_private(r->first, r->second);
             close(r->second.fd);
             regions.erase(r);
         }

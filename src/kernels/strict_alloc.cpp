@@ -3,8 +3,11 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <map>
 #include <mutex>
@@ -20,6 +23,26 @@ void *keep(void *m, std::uint64_t len) {
     lengths[m] = len;
     return m;
 }
+
+// fork(): both mappings of a strict allocation are MAP_SHARED, so a child writing the
+// host mapping (a forked worker filling a pool) would write the parent's pages. In the
+// child (single-threaded here) each mapping becomes a private anonymous copy of its bytes
+// at the same address, as pinned malloc'd memory is copied into a child at fork (Linux >=
+// 5.9). The two mappings no longer share bytes in the child: a child must not use them
+// for device work (CUDA does not survive fork either).
+void before_fork() { mu.lock(); }
+void after_fork_parent() { mu.unlock(); }
+void after_fork_child() {
+    for (auto &kv : lengths) {
+        void *copy = mmap(nullptr, kv.second, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (copy == MAP_FAILED) continue;
+        std::memcpy(copy, kv.first, kv.second);
+        if (mremap(copy, kv.second, kv.second, MREMAP_MAYMOVE | MREMAP_FIXED, kv.first) == MAP_FAILED)
+            munmap(copy, kv.second);
+    }
+    mu.unlock();
+}
+const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 
 std::uint64_t round_up(std::uint64_t n) {
     const auto p = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));

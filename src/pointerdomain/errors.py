@@ -45,6 +45,8 @@ __all__ = [
     "MetadataValidationError",
     "with_address",
     "BusyError",
+    "GraphInvalidatedError",
+    "LatchedError",
     "OverlapError",
     "UnpinnedMemoryError",
 ]
@@ -223,6 +225,16 @@ class BusyError(PointerDomainError, RuntimeError):
     """Memory could not be closed because a launch still uses it (a CPU copy running, or
     GPU work queued that reads it) after the bounded wait; nothing was unregistered.
     The message names the launch."""
+
+
+class GraphInvalidatedError(PointerDomainError, RuntimeError):
+    """A captured graph cannot be replayed: it was reset, or memory it captured was
+    released; nothing was replayed. The message names the graph and what changed."""
+
+
+class LatchedError(PointerDomainError, RuntimeError):
+    """A transfer stream latched an earlier failed or partial outcome and was not reset:
+    nothing was launched. The message names the outcome and the spans not copied."""
 
 
 class OverlapError(PointerDomainError, ValueError):

@@ -23,9 +23,10 @@ from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.host_memory import VmmAllocation, pageable_access
+from pointerdomain._platform.graph_holds import CudaGraphHolds, HeldGraph
 from pointerdomain._platform.pointer_query import PointerInfo, cuda_pointer_info
 from pointerdomain._platform.status import check, check_staged
-from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
+from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError, RuntimeCallError
 
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
@@ -44,6 +45,17 @@ _CUDA_ATTRIBUTE_IDS = {
     "PciBusId": 33,
     "PciDeviceId": 34,
 }
+
+
+_holds: list[CudaGraphHolds] = []
+_holds_lock = threading.Lock()
+
+
+def _graph_holds() -> CudaGraphHolds:
+    with _holds_lock:
+        if not _holds:
+            _holds.append(CudaGraphHolds())
+        return _holds[0]
 
 
 def load_cudart() -> Any:
@@ -146,6 +158,21 @@ class _TorchDevice(RuntimeTraits):
         with torch.cuda.device(device.ordinal):  # torch asks the current device's current stream
             return bool(torch.cuda.is_current_stream_capturing())
 
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        """The graph ``stream`` is being captured into (:mod:`.graph_holds`; CUDA's driver
+        API), or None. HIP: None (not tracked).
+
+        Raises:
+            RuntimeCallError: the driver could not be asked.
+        """
+        if self.runtime != "cuda":
+            return None
+        try:
+            holds = _graph_holds()
+            return holds.hold(device, stream)
+        except (OSError, RuntimeError) as exc:
+            raise RuntimeCallError("cuStreamGetCaptureInfo / cuUserObjectCreate", -1, str(exc)) from None
+
     def synchronize(self, device: Device) -> None:
         torch.cuda.synchronize(device.ordinal)
 
@@ -177,6 +204,13 @@ class CudaBackend(_TorchDevice):
         status, capturing = _C.gpu_stream_capturing(device.ordinal, self.current_stream(device))
         check(self, "cudaStreamIsCapturing", status)
         return bool(capturing)
+
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        # The extension's capture query first (one native call): launches outside capture,
+        # the common case, never reach the driver through ctypes.
+        status, capturing = _C.gpu_stream_capturing(device.ordinal, stream)
+        check(self, "cudaStreamIsCapturing", status)
+        return super().graph_hold(device, stream) if capturing else None
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
         return _C.gpu_host_register(va, nbytes, device.ordinal)

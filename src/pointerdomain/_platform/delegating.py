@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pointerdomain._platform.base import Backend, DeviceAttributeName, PointerQuery, RuntimeTraits, StagedCopy
 from pointerdomain._platform.host_memory import VmmAllocation, vmm_allocation
+from pointerdomain._platform.graph_holds import GraphHolder, HeldGraph
 from pointerdomain.errors import ExtensionUnavailableError
 
 if TYPE_CHECKING:
@@ -84,6 +85,9 @@ class DelegatingBackend(RuntimeTraits):
 
     def is_capturing(self, device: Device) -> bool:
         return self.inner.is_capturing(device)
+
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        return self.inner.graph_hold(device, stream) if isinstance(self.inner, GraphHolder) else None
 
     def load_kernels(self, device: Device) -> None:
         self.inner.load_kernels(device)

@@ -38,6 +38,7 @@ import torch
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.host_memory import NOT_SUPPORTED, VmmAllocation
+from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain._platform.runtimes import EMULATED_CURRENT
@@ -244,7 +245,14 @@ class EmulatedBackend(RuntimeTraits):
         return 0
 
     def is_capturing(self, device: Device) -> bool:
-        return False
+        """True while the calling thread captures ``device`` into an
+        :class:`~pointerdomain._platform.graph_holds.EmulatedGraph` (the stand-in for
+        stream capture: launches are recorded, not run)."""
+        return emulated_capture(device) is not None
+
+    def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
+        graph = emulated_capture(device)
+        return None if graph is None else graph.held
 
     def load_kernels(self, device: Device) -> None:
         return None  # the CPU kernels are in the extension already
@@ -254,6 +262,10 @@ class EmulatedBackend(RuntimeTraits):
         device: Device, stream: int, max_ctas: int,
     ) -> None:
         _require_current(device, "transfer kernel launch")
+        graph = emulated_capture(device)
+        if graph is not None:  # captured: runs at each replay, with these addresses
+            graph.record(plan, (src_idx, dst_idx, n, layer_begin, layer_count))
+            return
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
 
     def launch_recorded(

@@ -12,7 +12,9 @@ Each module mirrors one convention without importing the project it mimics:
 * :mod:`pointerdomain.adapters.lmcache` -- multi-layer transfer with per-device
   cached layer-pointer tables that are rebuilt when the KV tensors change;
 * :mod:`pointerdomain.adapters.mooncake` -- a typed wrapper around a transfer
-  engine (Mooncake ``TransferEngine``) that accepts only host VAs.
+  engine (Mooncake ``TransferEngine``) that accepts only host VAs;
+* :mod:`pointerdomain.adapters.outcomes` -- Mooncake and NIXL results as transfer
+  outcomes (done, failed, partial with the blocks not copied).
 
 The rule every adapter enforces: kernel tables and batch-copy descriptors carry
 :class:`~pointerdomain.DeviceAlias`; metadata, transfer engines, storage

@@ -49,6 +49,7 @@ from pointerdomain import (
 )
 from pointerdomain.errors import ClosedError, DomainError, IndexValidationError, LayoutError, NonContiguousError
 from pointerdomain.arguments import check_instance
+from pointerdomain.transfer import graphs
 from pointerdomain.process_local import ProcessLocal
 
 __all__ = ["LayerPointerCache", "PagedKVConnector", "TensorKey"]
@@ -91,6 +92,8 @@ class LayerPointerCache(ProcessLocal):
         """The kernel table of ``tensors`` for ``device``, cached.
 
         Raises:
+            BusyError: the table must be rebuilt but a live captured graph launched with
+                the cached one (it would replay the old table); the entry stays.
             Everything :func:`pointerdomain.make_kernel_ptr_table` raises (on a rebuild).
         """
         dev = validate_device(device)
@@ -105,6 +108,8 @@ class LayerPointerCache(ProcessLocal):
                 else:
                     self.hits += 1
                     return entry[1]
+            if entry is not None:
+                graphs.refuse_while_held(entry[1], f"rebuild the layer-pointer table of {dev}")
             self._entries.pop(dev, None)
             table = make_kernel_ptr_table(tensors, dev)
             self._entries[dev] = (key, table)
@@ -112,12 +117,19 @@ class LayerPointerCache(ProcessLocal):
             return table
 
     def invalidate(self, device: Device | str | torch.device | None = None) -> None:
-        """Drop the entry of ``device``, or every entry when None."""
+        """Drop the entry of ``device``, or every entry when None.
+
+        Raises:
+            BusyError: a live captured graph launched with a table to drop; nothing dropped.
+        """
         with self._lock:
-            if device is None:
-                self._entries.clear()
-            else:
-                self._entries.pop(validate_device(device), None)
+            devices = list(self._entries) if device is None else [validate_device(device)]
+            for dev in devices:
+                entry = self._entries.get(dev)
+                if entry is not None:
+                    graphs.refuse_while_held(entry[1], f"drop the layer-pointer table of {dev}")
+            for dev in devices:
+                self._entries.pop(dev, None)
 
     def __len__(self) -> int:
         return len(self._entries)

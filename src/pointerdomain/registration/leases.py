@@ -17,6 +17,12 @@ starts and releases it when the copy can no longer run:
   recorded for a launch captured into a CUDA graph: it runs at replay, which the
   caller orders (docs/reliability.md).
 
+A launch captured into a graph (a CUDA graph, or the emulated device's stand-in) holds
+the raw addresses it was given for as long as the graph exists: the launch path adds a
+:class:`GraphHold` to the set (:mod:`pointerdomain.transfer.graphs`), and ``close()``
+refuses with :class:`~pointerdomain.errors.BusyError` naming the graph while one is alive.
+:attr:`LeaseSet.generation` changes when the memory closes.
+
 ``close()`` marks the set closing (new launches then get ``ClosedError``), waits up
 to a bound for the running leases and then for the recorded events, and only then
 unregisters. When the bound passes it raises :class:`~pointerdomain.errors.BusyError`
@@ -32,16 +38,45 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 from pointerdomain.errors import BusyError, InvalidArgumentError, InvalidTypeError
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "EventBackend", "LaunchInfo", "LeaseSet", "Leased", "acquire_all", "release_all"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "GRAPH_RELEASE_WAIT_S", "EventBackend", "GraphHold", "next_generation", "LaunchInfo", "LeaseSet", "Leased", "acquire_all", "release_all"]
 
 #: How long ``close()`` waits for launches using the memory, seconds: far longer than
 #: any single copy of a KV pool (a 64 GiB pool at 50 GB/s is 1.3 s), short enough that
 #: a stuck launch is reported rather than hanging shutdown.
 DEFAULT_CLOSE_TIMEOUT_S: Final = 30.0
+
+#: The longest ``close()`` waits for a graph that holds the memory to be seen destroyed,
+#: seconds (at most its timeout, and at most the hold's own ``release_lag``): a CUDA
+#: graph's release reaches the library after the graph and its executions are gone,
+#: shortly after the caller dropped it; the emulated stand-in's at once.
+GRAPH_RELEASE_WAIT_S: Final = 2.0
+
+_generations = itertools.count(1)
+
+
+def next_generation() -> int:
+    """A process-wide generation number, larger than every one handed out before."""
+    return next(_generations)
+
+
+@runtime_checkable
+class GraphHold(Protocol):
+    """A captured graph's hold on memory (:mod:`pointerdomain.transfer.graphs`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def release_lag(self) -> float:
+        """Seconds the end of the graph may take to be seen after it was destroyed."""
+        ...
+
+    def alive(self) -> bool: ...
+
 
 #: (what, slots, device, thread id) of one launch, formatted only for a BusyError.
 LaunchInfo = tuple[str, int, object, int]
@@ -62,7 +97,7 @@ def _describe(info: LaunchInfo) -> str:
 class LeaseSet:
     """The leases on one registration (see the module docstring). Thread-safe."""
 
-    __slots__ = ("_cond", "_active", "_next", "_closing", "_events")
+    __slots__ = ("_cond", "_active", "_next", "_closing", "_events", "_graphs", "generation")
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -71,6 +106,36 @@ class LeaseSet:
         self._closing = False
         # event (one per device and stream) -> (its backend, the last launch that recorded it)
         self._events: dict[int, tuple[EventBackend, LaunchInfo]] = {}
+        self._graphs: list[GraphHold] = []  # graphs that captured a launch over this memory
+        #: changes (to a larger process-wide number) when the memory closes
+        self.generation = next_generation()
+
+    def hold_graph(self, hold: GraphHold) -> None:
+        """Keep the memory open while ``hold`` is alive (a graph captured a launch over it)."""
+        with self._cond:
+            if all(h is not hold for h in self._graphs):
+                self._graphs.append(hold)
+
+    def graphs(self) -> list[GraphHold]:
+        """The graphs alive now that captured a launch over this memory."""
+        with self._cond:
+            self._graphs = [h for h in self._graphs if h.alive()]
+            return list(self._graphs)
+
+    def _refuse_while_graphs(self, what: str, timeout: float) -> None:
+        held = self.graphs()
+        lag = max((h.release_lag for h in held), default=0.0)
+        deadline = time.monotonic() + min(timeout, GRAPH_RELEASE_WAIT_S, lag)
+        while held and time.monotonic() < deadline:
+            time.sleep(0.005)
+            held = self.graphs()
+        if held:
+            names = "; ".join(h.name for h in held[:3])
+            raise BusyError(
+                f"cannot close {what}: {len(held)} captured graph(s) hold its addresses and would replay into it "
+                f"once released: {names}; nothing was unregistered. Fix: destroy the graph first (del it, or "
+                "reset() it), then close"
+            )
 
     # acquire/release take no lock (a lock pair cost more than the rest of a launch's
     # checks): each step is one GIL-atomic operation, and acquire publishes the lease
@@ -111,6 +176,7 @@ class LeaseSet:
             raise InvalidTypeError(f"close: timeout must be seconds as an int or float, got {timeout!r}")
         if not timeout >= 0:  # NaN too
             raise InvalidArgumentError(f"close: timeout must be >= 0 seconds (math.inf: no limit), got {timeout!r}")
+        self._refuse_while_graphs(what, timeout)
         deadline = time.monotonic() + timeout
         with self._cond:
             self._closing = True
@@ -123,6 +189,13 @@ class LeaseSet:
                     f"cannot close {what}: {len(self._active)} launch(es) still copy from or to it after "
                     f"{timeout:g} s, e.g. {_describe(info)}; nothing was unregistered. Fix: wait for the "
                     "launch (join the thread that launches) before close(), or pass a longer timeout"
+                )
+            late = [h for h in self._graphs if h.alive()]  # captured by a launch that ran during the wait
+            if late:
+                self._closing = False
+                raise BusyError(
+                    f"cannot close {what}: a graph captured a launch over it while it was closing: {late[0].name}; "
+                    "nothing was unregistered. Fix: destroy the graph first, then close"
                 )
             events = list(self._events.items())
         for event, (backend, info) in events:
@@ -138,6 +211,7 @@ class LeaseSet:
                 time.sleep(0.0005)
         with self._cond:
             self._events.clear()
+            self.generation = next_generation()
 
     @property
     def closing(self) -> bool:

@@ -9,7 +9,8 @@ memfd mapped twice: the :class:`~pointerdomain.HostVA` (CPU code, metadata, host
 transfer engines) is the mapping that is never registered; the
 :class:`~pointerdomain.DeviceAlias` (kernels, copy-engine descriptors) is the alias of
 the second, registered mapping. Bytes written through one are read through the other.
-Measured on an H200 (field notes): a kernel reading the never-registered mapping fails
+In a forked child each mapping is a private copy of its bytes (a child's writes never reach
+the parent; the two no longer share bytes there). Measured on an H200 (field notes): a kernel reading the never-registered mapping fails
 with error 700; where ``PageableMemoryAccess`` = 1 (HMM / ATS) it would not fault
 (:func:`strict_mode_capability`).
 

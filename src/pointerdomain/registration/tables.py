@@ -152,6 +152,13 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
             self._tensor.copy_(host)
 
     @property
+    def generation(self) -> int:
+        """Changes (grows) when registered memory under the table closes; 0 for a table
+        over device memory alone. An engine records it with a captured graph and compares
+        before a replay (:mod:`pointerdomain.transfer.graphs`)."""
+        return max((owner.leases.generation for owner in self._owners), default=0)
+
+    @property
     def domain(self) -> type[D]:
         return self._domain
 

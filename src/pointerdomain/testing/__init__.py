@@ -10,6 +10,9 @@ Example (fail the third registration call with status 2)::
     with install_backend(FaultyBackend(backend_for(dev), fail={"register": {3: 2}}), "emulated"):
         ...  # every backend_for(Device("emulated", n)) returns the faulty backend
 
+:class:`EmulatedGraph` stands in for a CUDA graph on the emulated device (capture,
+replay, reset), so code that captures transfers is tested on CPU.
+
 A double is a :class:`Backend`; :class:`DelegatingBackend` forwards every call to another
 one, so a double overrides only the calls it changes. ``EmulatedBackend`` and
 ``TorchCudartBackend`` need the extension and are imported on first use.
@@ -25,6 +28,7 @@ from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArg
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
 from pointerdomain._platform.faulty import FaultyBackend
+from pointerdomain._platform.graph_holds import EmulatedGraph
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
 
@@ -40,6 +44,7 @@ __all__ = [
     "DeviceAttributeName",
     "DriverFaults",
     "EmulatedBackend",
+    "EmulatedGraph",
     "FaultyBackend",
     "LaunchArgs",
     "TorchCudartBackend",

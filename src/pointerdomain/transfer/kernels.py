@@ -39,7 +39,7 @@ from typing import Any, Final, Literal, cast
 import torch
 
 from pointerdomain.registration import leases
-from pointerdomain.transfer import checked, launch_errors, overlap, staged
+from pointerdomain.transfer import checked, graphs, launch_errors, overlap, staged
 from pointerdomain._platform import LaunchArgs, memory_device
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
@@ -487,6 +487,8 @@ def _run_on_device(
                                              args[7])
         else:
             platform.launch(kernel, args[0], args[1], args[2], args[3], args[4], device, stream, args[7])
+        if event == 0:  # nothing to wait for: synchronous, or captured into a graph (which then holds the memory)
+            graphs.note_launch(platform, plan, src, dst, device, stream, (s_idx, d_idx))
     finally:
         if owners:
             leases.release_all(owners, tokens, event, platform)

@@ -107,6 +107,11 @@ class DeviceKVPool(ProcessLocal):
         return (f"DeviceKVPool({lay.kind}, {lay.attention}, {lay.num_layers} layer(s), {lay.num_slots} slot(s), "
                 f"{lay.nbytes} bytes, {self.device})")
 
+    @property
+    def generation(self) -> int:
+        """0: device memory never closes under a pool (:mod:`pointerdomain.transfer.graphs`)."""
+        return self.table.generation
+
     def buffer(self, kv: int, layer: int) -> torch.Tensor:
         """The ``[num_slots, num_heads, head_dim]`` buffer of K (kv=0) or V (kv=1) of ``layer``."""
         return self.buffers[kv * self.layout.num_layers + layer]
@@ -274,6 +279,13 @@ class HostKVPool(ProcessLocal):
         offset = self.layout.byte_offset(page, layer, kv, token=token)
         self.memory.check_open()
         return self.host_table[0] + offset
+
+    @property
+    def generation(self) -> int:
+        """Changes (grows) when the pool closes: an engine records it with a graph that
+        captured the pool's launches and compares before a replay
+        (:mod:`pointerdomain.transfer.graphs`)."""
+        return self.memory.leases.generation
 
     def get_contiguous_buf_infos(self) -> list[BufferInfo]:
         """The pool buffer as host-VA metadata (for a transfer engine's ``register_memory``)."""

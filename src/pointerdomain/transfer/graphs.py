@@ -1,0 +1,147 @@
+"""Memory a captured graph uses stays as it was while the graph exists.
+
+A launch captured into a graph (``torch.cuda.graph``, or the emulated device's stand-in
+:class:`~pointerdomain.testing.EmulatedGraph`) is baked in with raw addresses: the kernel
+tables, the table entries' buffers (pool memory, registered host memory), the plan. Every
+replay reads and writes them again. The rules:
+
+* the launch path asks the backend for the graph being captured
+  (:class:`~pointerdomain._platform.graph_holds.GraphHolder`) and, when there is one,
+  keeps the launch's tables and plan alive for as long as the graph exists and adds the
+  graph to the lease set of every registration the tables point into;
+* ``close()`` of such a registration, or of a :class:`~pointerdomain.HostKVPool` over
+  it, raises :class:`~pointerdomain.errors.BusyError` naming the graph (device, capture
+  id or name, where it was captured) until the graph is destroyed, and nothing closes;
+  tables are immutable and device pools have no ``close()``; a cache that replaces a
+  table (:class:`pointerdomain.adapters.lmcache.LayerPointerCache`) refuses to while a
+  graph captured it (:func:`refuse_while_held`);
+* :attr:`PointerTable.generation <pointerdomain.PointerTable.generation>` and
+  :attr:`HostKVPool.generation <pointerdomain.HostKVPool.generation>` change when memory
+  under them closes: an engine that keeps graphs records them at capture
+  (:func:`generations`) and compares before a replay (:func:`still_valid`);
+* the emulated stand-in checks before each replay that every registration it captured is
+  open and every table's storage intact, else raises
+  :class:`~pointerdomain.errors.GraphInvalidatedError`; a reset graph refuses to replay.
+  (A CUDA graph replays through torch, which the library does not see: the refusal to
+  close is what keeps its memory valid.)
+
+Not held, and why: staging buffers (the staged path reads indices on the host and is never
+captured); the error word (kept for the life of the process). A tensor's storage resized
+or swapped under a graph (``resize_``, ``set_``) is torch's operation, which the library
+does not see: the stand-in refuses the next replay, a CUDA graph would replay into it.
+
+Where the graph's end is seen: CUDA through a user object the graph retains (its
+destructor runs once the graph and its executable instances are destroyed, shortly after
+the caller drops them); the stand-in at :meth:`EmulatedGraph.reset`. HIP graphs are not
+tracked.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Protocol
+
+from pointerdomain._platform.graph_holds import HeldGraph
+from pointerdomain.errors import BusyError
+
+if TYPE_CHECKING:
+    from pointerdomain.devices import Device
+    from pointerdomain.domains import DeviceAlias
+    from pointerdomain.registration.tables import PointerTable
+    from pointerdomain.transfer.plan import TransferPlan
+
+__all__ = ["Versioned", "generations", "graphs_holding", "held_graphs", "note_launch", "refuse_while_held", "still_valid"]
+
+_lock = threading.Lock()
+#: the holds of graphs that captured launches (each keeps what its launches use)
+_holds: weakref.WeakSet[HeldGraph] = weakref.WeakSet()
+
+
+def note_launch(
+    platform: object, plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
+    device: Device, stream: int, indices: tuple[object, ...] = (),
+) -> HeldGraph | None:
+    """Called by the launch path after a launch that recorded no event: when ``stream`` is
+    being captured into a graph, tie the launch's memory to the graph (module docstring).
+    ``indices``: the index tensors the launch was given by address, kept with the graph too
+    (a CUDA graph's memory pool keeps those it allocated; the stand-in has no pool).
+    Returns the graph's hold, or None (not capturing, or a backend that cannot tell)."""
+    hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional); no Protocol check per launch
+    if hold is None:
+        return None
+    held: HeldGraph | None = hold(device, stream)
+    if held is None:
+        return None
+    for owner in plan.owners:
+        owner.leases.hold_graph(held)
+    with _lock:
+        _holds.add(held)
+        held.keep.extend(o for o in (plan, src, dst, *indices) if all(k is not o for k in held.keep))
+    add_check = getattr(held.key, "add_check", None)  # the emulated stand-in checks before replays
+    if add_check is not None:
+        add_check(lambda: _why_invalid(plan, src, dst))
+    return held
+
+
+def _why_invalid(plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias]) -> str | None:
+    for owner in plan.owners:
+        if owner.closed:
+            return f"registered memory at {owner.host_va!r} (+{owner.nbytes} bytes) it captured was closed"
+    for name, table in (("src", src), ("dst", dst)):
+        if not table.storages_intact():
+            return f"the {name} table's storage was released or reallocated"
+    return None
+
+
+def held_graphs(obj: object) -> list[str]:
+    """Names of the live graphs that captured a launch over ``obj`` (a registration, a
+    host pool, or a kernel table)."""
+    leases = getattr(getattr(obj, "memory", obj), "leases", None)
+    if leases is not None:
+        return [h.name for h in leases.graphs()]
+    names: list[str] = []
+    for owner in getattr(obj, "registrations", ()):
+        names.extend(h.name for h in owner.leases.graphs() if h.name not in names)
+    return names
+
+
+def graphs_holding(obj: object) -> list[str]:
+    """Names of the live graphs that captured a launch with ``obj`` (a kernel table or a
+    plan) itself: what replays would read if ``obj`` were replaced."""
+    with _lock:
+        holds = list(_holds)
+    return [held.name for held in holds if held.alive() and any(o is obj for o in held.keep)]
+
+
+def refuse_while_held(obj: object, action: str) -> None:
+    """Raise when a live graph captured a launch with ``obj`` (re-tabling it would leave
+    the graph replaying the old table).
+
+    Raises:
+        BusyError: naming the graphs; the caller changes nothing.
+    """
+    names = graphs_holding(obj)
+    if names:
+        raise BusyError(
+            f"cannot {action}: {len(names)} captured graph(s) replay with it: {'; '.join(names[:3])}; nothing was "
+            "changed. Fix: destroy the graph first (del it, or reset() it), then rebuild and capture again"
+        )
+
+
+class Versioned(Protocol):
+    """Something with a generation number (tables, pools)."""
+
+    @property
+    def generation(self) -> int: ...
+
+
+def generations(*objs: Versioned) -> tuple[int, ...]:
+    """The generation numbers of ``objs`` now: record them when capturing a graph."""
+    return tuple(o.generation for o in objs)
+
+
+def still_valid(recorded: tuple[int, ...], *objs: Versioned) -> bool:
+    """True when ``objs`` have the generations :func:`generations` recorded (nothing under
+    them closed since): the graph captured over them may be replayed."""
+    return generations(*objs) == recorded

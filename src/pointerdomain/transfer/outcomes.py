@@ -1,0 +1,241 @@
+"""Honest completion: a transfer is reported done only when every byte of it was copied.
+
+The launch functions (:func:`~pointerdomain.transfer_kv_all_layer`, ...) raise on a
+failure before the launch and, on CUDA, enqueue asynchronously: a skipped slot or a fault
+shows only at :func:`~pointerdomain.synchronize`. A caller that splits a request into
+several launches (chunks) and drops an error on the way can report a partly copied
+request as complete. This module gives the result a type:
+
+* :class:`TransferOutcome`: ``done``, ``failed`` (with the reason and the error), or
+  ``partial`` (with the spans of the request that were not copied);
+* :func:`transfer_outcome`: one request in chunks of ``chunk_slots`` slot pairs, then a
+  drain of the device (its queued copies and its error word): the outcome says which
+  chunks were copied. A chunk that raised, and every chunk after it, is a failed span
+  (nothing after a failure is launched); an error word set by the drain (a slot skipped
+  somewhere on the device) fails the whole request, since which launch skipped is not
+  recorded;
+* :class:`TransferStream`: a sequence of requests on one device whose first failed or
+  partial outcome latches: later submissions raise
+  :class:`~pointerdomain.errors.LatchedError` until :meth:`TransferStream.reset`, which
+  drains the device first, so no queued copy still writes a buffer or page the caller
+  then reuses;
+* the engine adapters' failures become outcomes too
+  (:mod:`pointerdomain.adapters.outcomes`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, cast
+
+import torch
+
+from pointerdomain.devices import Device, validate_device
+from pointerdomain.domains import DeviceAlias
+from pointerdomain.errors import (
+    IndexValidationError,
+    InvalidArgumentError,
+    LatchedError,
+    PointerDomainError,
+    RuntimeCallError,
+)
+from pointerdomain.layouts import KVLayout
+from pointerdomain.registration.tables import PointerTable
+from pointerdomain.transfer import launch_errors
+from pointerdomain.transfer.kernels import DEFAULT_MAX_CTAS, MaxCtas, TransferBackend, transfer_kv_all_layer
+
+__all__ = ["Status", "TransferOutcome", "TransferStream", "run_spans", "transfer_outcome"]
+
+#: What happened to a request.
+Status = Literal["done", "failed", "partial"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOutcome:
+    """The result of one request.
+
+    Attributes:
+        status: ``"done"`` (every span copied), ``"failed"`` (nothing is known copied),
+            ``"partial"`` (the spans outside :attr:`failed_spans` were copied).
+        total: the request's size in its units (slot pairs; blocks for an engine).
+        failed_spans: ``[start, stop)`` ranges of the request that were not copied (or
+            may not have been), in order; empty when done.
+        reason: one line saying why, None when done.
+        error: the exception behind it, None when done.
+    """
+
+    status: Status
+    total: int
+    failed_spans: tuple[tuple[int, int], ...] = ()
+    reason: str | None = None
+    error: BaseException | None = field(default=None, compare=False)
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    def raise_for_status(self) -> None:
+        """Raise the error behind a failed or partial outcome (the reason as a note)."""
+        if self.error is not None:
+            self.error.add_note(f"transfer outcome: {self.status}, not copied: {list(self.failed_spans)}")
+            raise self.error
+
+    @classmethod
+    def failure(cls, total: int, error: BaseException, spans: Sequence[tuple[int, int]] | None = None) -> TransferOutcome:
+        """``failed`` when ``spans`` (default: the whole request) covers the request, else ``partial``."""
+        failed = tuple(spans) if spans is not None else ((0, total),)
+        covered = sum(b - a for a, b in failed)
+        status: Status = "failed" if covered >= total else "partial"
+        return cls(status, total, failed, f"{type(error).__name__}: {error}", error)
+
+
+#: What a failing unit of work may raise and still be an outcome (anything else propagates).
+OUTCOME_ERRORS: tuple[type[BaseException], ...] = (PointerDomainError, RuntimeError, OSError)
+
+
+def run_spans(total: int, spans: Sequence[tuple[int, int]], run: Callable[[int, int], None]) -> TransferOutcome:
+    """Run ``run(start, stop)`` for each span in order; the first that raises fails itself
+    and every later span (they are not run). ``total``: the request's size."""
+    for i, (start, stop) in enumerate(spans):
+        try:
+            run(start, stop)
+        except OUTCOME_ERRORS as exc:
+            return TransferOutcome.failure(total, exc, list(spans[i:]))
+    return TransferOutcome("done", total)
+
+
+def _check_chunk(chunk_slots: object, n: int) -> int:
+    if chunk_slots is None:
+        return max(n, 1)
+    if type(chunk_slots) is not int or chunk_slots <= 0:
+        raise InvalidArgumentError(f"chunk_slots must be a positive int or None, got {chunk_slots!r}")
+    return chunk_slots
+
+
+def transfer_outcome(
+    src: PointerTable[DeviceAlias],
+    dst: PointerTable[DeviceAlias],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    src_layout: KVLayout,
+    dst_layout: KVLayout,
+    chunk_slots: int | None = None,
+    stream: int | None = None,
+    max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
+    backend: TransferBackend = "auto",
+) -> TransferOutcome:
+    """:func:`~pointerdomain.transfer_kv_all_layer` of ``n`` slot pairs in chunks of
+    ``chunk_slots`` (default: one launch), then a drain of the tables' device
+    (``pointerdomain.synchronize``: its queued work and its error word); see the module
+    docstring for what each outcome means. The arguments are those of
+    :func:`~pointerdomain.transfer_kv_all_layer` (indices: ``int64`` 1-D, equal length).
+
+    Returns:
+        The outcome; ``failed_spans`` index the request's slot pairs ``[start, stop)``.
+
+    Raises:
+        InvalidArgumentError: ``chunk_slots`` is not a positive int or None. Every other
+            error (bad tables, indices, a runtime failure) is in the outcome.
+    """
+    given = cast(object, src_indices)  # an untyped caller's non-tensor: the launch reports it in the outcome
+    n = int(given.numel()) if isinstance(given, torch.Tensor) else 0
+    step = _check_chunk(chunk_slots, n)
+    spans = [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+
+    def launch(start: int, stop: int) -> None:
+        transfer_kv_all_layer(src, dst, src_indices[start:stop], dst_indices[start:stop], src_layout=src_layout,
+                              dst_layout=dst_layout, stream=stream, max_ctas=max_ctas, backend=backend)
+
+    outcome = run_spans(n, spans, launch)
+    device = cast(object, getattr(src, "device", None))  # an untyped caller's bad table: its error is in the outcome
+    if not isinstance(device, Device):
+        return outcome
+    try:
+        launch_errors.synchronize(device)  # queued copies finished, and the error word read
+    except (IndexValidationError, RuntimeCallError) as exc:
+        return TransferOutcome.failure(n, exc)  # which launch skipped is not recorded: the whole request
+    return outcome
+
+
+class TransferStream:
+    """Requests on one device whose first failure latches (see the module docstring).
+
+    Args:
+        device: the device the requests' tables are for.
+
+    Attributes:
+        latched: the failed or partial outcome that latched the stream, or None.
+    """
+
+    def __init__(self, device: Device | str | torch.device) -> None:
+        self.device = validate_device(device)
+        self.latched: TransferOutcome | None = None
+        self._lock = threading.Lock()
+
+    def submit(
+        self,
+        src: PointerTable[DeviceAlias],
+        dst: PointerTable[DeviceAlias],
+        src_indices: torch.Tensor,
+        dst_indices: torch.Tensor,
+        *,
+        src_layout: KVLayout,
+        dst_layout: KVLayout,
+        chunk_slots: int | None = None,
+        stream: int | None = None,
+        max_ctas: MaxCtas = DEFAULT_MAX_CTAS,
+        backend: TransferBackend = "auto",
+    ) -> TransferOutcome:
+        """:func:`transfer_outcome` of one request; a failed or partial outcome latches.
+
+        Raises:
+            LatchedError: an earlier request failed and :meth:`reset` was not called;
+                nothing was launched.
+            InvalidArgumentError: as :func:`transfer_outcome`.
+        """
+        with self._lock:
+            self._check_unlatched()
+            outcome = transfer_outcome(src, dst, src_indices, dst_indices, src_layout=src_layout,
+                                       dst_layout=dst_layout, chunk_slots=chunk_slots, stream=stream,
+                                       max_ctas=max_ctas, backend=backend)
+            if not outcome.done:
+                self.latched = outcome
+            return outcome
+
+    def run(self, total: int, spans: Sequence[tuple[int, int]], work: Callable[[int, int], None]) -> TransferOutcome:
+        """:func:`run_spans` of other work on this stream (an engine's blocks); latches the same way.
+
+        Raises:
+            LatchedError: as :meth:`submit`.
+        """
+        with self._lock:
+            self._check_unlatched()
+            outcome = run_spans(total, spans, work)
+            if not outcome.done:
+                self.latched = outcome
+            return outcome
+
+    def _check_unlatched(self) -> None:
+        if self.latched is not None:
+            raise LatchedError(
+                f"transfer stream on {self.device} latched a {self.latched.status} outcome ({self.latched.reason}); "
+                f"not copied: {list(self.latched.failed_spans)}. Nothing was launched. Fix: handle the failed "
+                "request (its pages are not valid), then reset() the stream"
+            )
+
+    def reset(self) -> TransferOutcome | None:
+        """Drain the device (every queued copy finishes before a buffer or page of the
+        failed request is reused), then clear the latch. Returns the outcome that had
+        latched, or None.
+
+        Raises:
+            IndexValidationError, RuntimeCallError: the drain found a new failure; the
+                stream stays latched.
+        """
+        with self._lock:
+            launch_errors.synchronize(self.device)
+            latched, self.latched = self.latched, None
+            return latched

@@ -1,0 +1,218 @@
+"""Honest completion (pointerdomain.transfer.outcomes, pointerdomain.adapters.outcomes):
+a request that fails part-way is never reported done. Driver faults are injected
+mid-batch and mid-staged-chunk on the emulated device (FaultyBackend); the outcome names
+the spans not copied, the bytes of the copied chunks match plain torch and the others are
+untouched; a stream latches the failure until reset; engine failures become outcomes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import pointerdomain as pd
+from pointerdomain import errors
+from pointerdomain._platform import backend_for
+from pointerdomain.adapters import outcomes as engine_outcomes
+from pointerdomain.adapters.mooncake import HostTransferEngine
+from pointerdomain.testing import FaultyBackend, install_backend
+from pointerdomain.transfer.outcomes import TransferOutcome, TransferStream, transfer_outcome
+from tests.reference import DEV, as_bytes, fill_pool, model_layout, pool_bytes, reference_transfer, same
+
+LAYOUT = model_layout("layer_first", pages=4)
+HOST = LAYOUT.replace(kind="page_first")
+SRC = torch.tensor([0, 1, 2, 3, 4, 5])
+DST = torch.tensor([9, 8, 7, 6, 5, 4])
+
+
+def _host_bytes(host: pd.HostKVPool) -> torch.Tensor:
+    return as_bytes(host.buffer).reshape(-1).clone()
+
+
+def _backup(host: pd.HostKVPool, pool: pd.DeviceKVPool, **kw: Any) -> TransferOutcome:
+    return transfer_outcome(pool.table, host.kernel_table, SRC, DST, src_layout=LAYOUT, dst_layout=HOST, **kw)
+
+
+@pytest.mark.parametrize(("call", "backend"),
+                         [("launch", "kernel"), ("staged_transfer", "staged"), ("copy_runs", "copy_engine")])
+def test_a_fault_mid_batch_is_a_partial_outcome_with_the_failed_spans(call: str, backend: str) -> None:
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 1)
+    with pd.HostKVPool(HOST, DEV) as host:
+        host.buffer.view(torch.uint8).fill_(0xEE)  # poisoned: a chunk not copied keeps it
+        poisoned = _host_bytes(host)
+        with install_backend(FaultyBackend(backend_for(DEV), fail={call: {2: 700}}), "emulated"):
+            outcome = _backup(host, pool, chunk_slots=2, backend=backend)  # type: ignore[arg-type]
+        assert outcome.status == "partial" and not outcome.done
+        assert outcome.failed_spans == ((2, 4), (4, 6)) and outcome.total == 6
+        assert isinstance(outcome.error, errors.RuntimeCallError) and "700" in (outcome.reason or "")
+        expected = reference_transfer(pool_bytes(pool), LAYOUT, poisoned, HOST, SRC[:2], DST[:2])
+        assert same(_host_bytes(host), expected)  # the first chunk copied, the rest still poisoned
+
+
+def test_a_fault_on_the_first_chunk_fails_the_request_and_a_clean_run_is_done() -> None:
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 2)
+    with pd.HostKVPool(HOST, DEV) as host:
+        before = _host_bytes(host)
+        with install_backend(FaultyBackend(backend_for(DEV), fail={"launch": {1: 700}}), "emulated"):
+            failed = _backup(host, pool, chunk_slots=4)
+        assert failed.status == "failed" and failed.failed_spans == ((0, 4), (4, 6))
+        assert same(_host_bytes(host), before)
+        with pytest.raises(errors.RuntimeCallError) as info:
+            failed.raise_for_status()
+        assert any("not copied" in note for note in info.value.__notes__)
+        done = _backup(host, pool, chunk_slots=4)
+        assert done == TransferOutcome("done", 6) and done.done and done.reason is None
+        assert same(_host_bytes(host), reference_transfer(pool_bytes(pool), LAYOUT, before, HOST, SRC, DST))
+
+
+def test_bad_input_in_a_later_chunk_fails_that_chunk_and_the_rest() -> None:
+    """Each chunk is checked before its launch: the chunks before it were copied, the bad
+    one and those after it write nothing."""
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 4)
+    with pd.HostKVPool(HOST, DEV) as host:
+        before = _host_bytes(host)
+        bad = torch.tensor([0, 1, 2, 3, 4, 99])
+        outcome = transfer_outcome(pool.table, host.kernel_table, SRC, bad, src_layout=LAYOUT, dst_layout=HOST,
+                                   chunk_slots=2)
+        assert outcome.status == "partial" and outcome.failed_spans == ((4, 6),)
+        assert isinstance(outcome.error, errors.IndexValidationError)
+        assert same(_host_bytes(host), reference_transfer(pool_bytes(pool), LAYOUT, before, HOST, SRC[:4], bad[:4]))
+        first = transfer_outcome(pool.table, host.kernel_table, SRC, bad, src_layout=LAYOUT, dst_layout=HOST)
+        assert first.status == "failed" and first.failed_spans == ((0, 6),)
+        with pytest.raises(errors.InvalidArgumentError, match="chunk_slots"):
+            _backup(host, pool, chunk_slots=0)
+
+
+def test_a_stream_latches_the_first_failure_until_reset() -> None:
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 3)
+    stream = TransferStream(DEV)
+    with pd.HostKVPool(HOST, DEV) as host:
+        kw: dict[str, Any] = {"src_layout": LAYOUT, "dst_layout": HOST, "chunk_slots": 3}
+        with install_backend(FaultyBackend(backend_for(DEV), fail={"launch": {2: 700}}), "emulated"):
+            first = stream.submit(pool.table, host.kernel_table, SRC, DST, **kw)
+        assert first.status == "partial" and stream.latched is first
+        before = _host_bytes(host)
+        with pytest.raises(RuntimeError) as info:
+            stream.submit(pool.table, host.kernel_table, SRC, DST, **kw)
+        assert type(info.value) is errors.LatchedError and "(3, 6)" in str(info.value)
+        assert same(_host_bytes(host), before)  # nothing launched while latched
+        assert stream.reset() is first and stream.latched is None
+        assert stream.submit(pool.table, host.kernel_table, SRC, DST, **kw).done
+        assert same(_host_bytes(host), reference_transfer(pool_bytes(pool), LAYOUT, before, HOST, SRC, DST))
+
+
+class _Engine:
+    """A Mooncake-like engine whose ``fail_at``-th transfer call returns -1."""
+
+    def __init__(self, fail_at: int | None) -> None:
+        self.fail_at = fail_at
+        self.transfers = 0
+        self.moved: list[int] = []
+
+    def _transfer(self, *args: Any) -> int:
+        self.transfers += 1
+        if self.transfers == self.fail_at:
+            return -1
+        self.moved.append(args[1])
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        if "transfer" in name:
+            return self._transfer
+        return lambda *args: 4242 if name == "get_rpc_port" else 0
+
+
+@pytest.mark.parametrize("fail_at", [None, 1, 3])
+def test_an_engine_failure_is_an_outcome_block_by_block(fail_at: int | None) -> None:
+    with pd.HostKVPool(HOST, DEV) as host:
+        fake = _Engine(fail_at)
+        engine = HostTransferEngine(fake, "127.0.0.1")
+        engine.batch_register_memory(host.get_contiguous_buf_infos())
+        blocks = host.get_page_buffer_meta([0, 1, 2, 3])
+        outcome = engine_outcomes.mooncake_blocks(engine, "read", "peer:1", blocks, blocks)
+        n = len(blocks)
+        if fail_at is None:
+            assert outcome.done and len(fake.moved) == n
+            return
+        assert outcome.failed_spans == tuple((i, i + 1) for i in range(fail_at - 1, n))
+        assert outcome.status == ("failed" if fail_at == 1 else "partial")
+        assert isinstance(outcome.error, errors.RuntimeCallError) and "-1" in (outcome.reason or "")
+        assert fake.moved == [b.address.value for b in blocks[: fail_at - 1]]  # nothing sent after the failure
+
+
+def test_an_engine_batch_failure_fails_every_block_and_latches() -> None:
+    with pd.HostKVPool(HOST, DEV) as host:
+        engine = HostTransferEngine(_Engine(1), "127.0.0.1")
+        engine.batch_register_memory(host.get_contiguous_buf_infos())
+        blocks = host.get_page_buffer_meta([1, 2])
+        stream = TransferStream(DEV)
+        outcome = engine_outcomes.mooncake_batch(engine, "write", "peer:1", blocks, blocks, stream=stream)
+        assert outcome.status == "failed" and outcome.failed_spans == ((0, len(blocks)),)
+        with pytest.raises(errors.LatchedError):
+            engine_outcomes.mooncake_batch(engine, "write", "peer:1", blocks, blocks, stream=stream)
+        with pytest.raises(errors.InvalidArgumentError, match="'read' or 'write'"):
+            engine_outcomes.mooncake_batch(engine, "copy", "peer:1", blocks, blocks)  # type: ignore[arg-type]
+
+
+class _NixlAgent:
+    """A NIXL-like agent: ``register_memory`` raises when ``refuse_register``; a transfer
+    ends in ``state``."""
+
+    def __init__(self, state: str = "DONE", refuse_register: bool = False) -> None:
+        self.state = state
+        self.refuse_register = refuse_register
+        self.transfers = 0
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            if name == "register_memory":
+                if self.refuse_register:
+                    raise RuntimeError("nixlBackendError: registration refused")
+                return ("handle", 1)
+            if name == "transfer":
+                self.transfers += 1
+                return self.state
+            return None
+
+        return call
+
+
+@pytest.mark.parametrize("state", ["DONE", "ERR"])
+def test_a_nixl_error_state_is_a_failed_outcome(state: str) -> None:
+    from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
+
+    with pd.HostKVPool(HOST, DEV) as host:
+        fake = _NixlAgent(state)
+        agent = HostNixlAgent("fake", agent=fake)
+        agent.register_pool(host)
+        blocks = [dram_desc(b) for b in host.get_page_buffer_meta([0, 1])]
+        outcome = engine_outcomes.nixl_transfer(agent, "READ", blocks, blocks, "peer")
+        assert fake.transfers == 1
+        if state == "DONE":
+            assert outcome.done
+            return
+        assert outcome.status == "failed" and outcome.failed_spans == ((0, len(blocks)),)
+        assert isinstance(outcome.error, errors.RuntimeCallError) and "ERR" in (outcome.reason or "")
+        agent.close()
+
+
+def test_a_dropped_registration_failure_is_a_failed_outcome_not_done() -> None:
+    """The engine refused the pool's registration and the caller went on: the transfer
+    over that pool is a failed outcome (nothing reached the engine), never done."""
+    from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
+
+    with pd.HostKVPool(HOST, DEV) as host:
+        fake = _NixlAgent(refuse_register=True)
+        agent = HostNixlAgent("fake", agent=fake)
+        with pytest.raises(errors.RuntimeCallError):
+            agent.register_pool(host)
+        blocks = [dram_desc(b) for b in host.get_page_buffer_meta([2])]
+        stream = TransferStream(DEV)
+        outcome = engine_outcomes.nixl_transfer(agent, "READ", blocks, blocks, "peer", stream=stream)
+        assert outcome.status == "failed" and isinstance(outcome.error, errors.NotRegisteredError)
+        assert fake.transfers == 0 and stream.latched is outcome
