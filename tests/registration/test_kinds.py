@@ -274,3 +274,10 @@ def test_explain_names_another_owners_pin_foreign() -> None:
     assert got.domain == "unknown" and got.memory_kind == "foreign"
     assert any("pinned) by another owner" in note for note in got.notes)
     assert explain(t.data_ptr() + 5).memory_kind is None  # the pin is gone: plain pageable memory
+
+
+def test_a_second_registration_of_vmm_memory_names_the_first_and_its_owner() -> None:
+    with install_backend(profile("vmm-host"), "emulated"), pd.alloc_registered(8 * PAGE, DEV) as mem:
+        with pytest.raises(errors.AlreadyRegisteredError) as info:
+            pd.register_host_tensor(mem.tensor[PAGE:], DEV)
+    assert f"{mem.host_va!r}" in str(info.value) and "vmm_host memory, owner VMM handle 0x" in str(info.value)

@@ -327,7 +327,8 @@ class RegisteredHostMemory(ProcessLocal):
             if other is not None:
                 raise AlreadyRegisteredError(
                     f"[{HostVA.unsafe_from_int(tensor.data_ptr())!r}, +{nbytes}) overlaps a registration at "
-                    f"{other.host_va!r} (+{other.nbytes} bytes); close that one first or reuse it"
+                    f"{other.host_va!r} (+{other.nbytes} bytes, {other.kind.value} memory, owner {other.owner}); "
+                    "close that one first or reuse it"
                 )
             self.tensor: torch.Tensor = tensor
             # knows its span: ``host_va + n`` past the registration raises RegistrationSpanError
