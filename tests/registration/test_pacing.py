@@ -258,3 +258,34 @@ def test_prefault_never_writes_a_read_only_mapping() -> None:
     report = prefault.prefault(t, 2)  # a write here would be a SIGSEGV, not an exception
     assert report.method == "populate_write" and "MADV_POPULATE_WRITE refused" in report.note
     assert int(t.sum()) == 0
+
+
+# huge-page pool (hugetlbfs) ---------------------------------------------------------------
+
+def test_hugetlbfs_where_the_pool_is_short_is_a_typed_refusal() -> None:
+    free, total, size = prefault.hugetlb_pool()
+    if free * size >= 4 * MIB:
+        pytest.skip(f"this machine has {free} free huge pages: the pool is not short")
+    before = len(memory.open_registrations())
+    with pytest.raises(errors.OutOfMemoryError) as info:
+        pd.alloc_registered(4 * MIB, DEV, policy=pd.RegistrationPolicy(huge_pages="hugetlbfs"))
+    text = str(info.value)
+    assert isinstance(info.value, MemoryError) and info.value.nbytes == 4 * MIB
+    assert f"HugePages_Free: {free} (HugePages_Total: {total}" in text and "vm.nr_hugepages=" in text
+    assert len(memory.open_registrations()) == before
+
+
+def test_hugetlbfs_memory_registers_and_moves_bytes_where_the_pool_has_pages() -> None:
+    free, _total, size = prefault.hugetlb_pool()
+    if free * size < 4 * MIB:
+        pytest.skip("no free huge pages here (HugePages_Free too small)")
+    with pd.alloc_registered(4 * MIB, DEV, policy=pd.RegistrationPolicy(huge_pages="hugetlbfs")) as mem:
+        assert mem.nbytes == 4 * MIB and mem.host_va.value % (2 << 20) == 0  # whole huge pages
+        share = mem.stats.huge_page_share
+        assert share is None or 0.0 <= share <= 1.0
+        bytes_through_aliases(mem)
+
+
+def test_hugetlbfs_is_refused_in_strict_alias_mode() -> None:
+    with pd.strict_alias(True), pytest.raises(errors.InvalidRegistrationError, match="strict alias mode"):
+        pd.alloc_registered(4 * MIB, DEV, policy=pd.RegistrationPolicy(huge_pages="hugetlbfs"))

@@ -20,7 +20,7 @@ from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, Invalid
 from pointerdomain.arguments import check_bool
 from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy, warn_degraded
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
-from pointerdomain.registration.prefault import prefault
+from pointerdomain.registration.prefault import hugetlb_alloc, hugetlb_pool, prefault
 from pointerdomain.registration.strict import strict_alias_enabled
 
 __all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
@@ -78,8 +78,16 @@ def alloc_registered(
     backend = backend_for(dev)
     registered = None
     strict = strict_alias_enabled()  # read once: another thread may switch it meanwhile
+    hugetlb = resolve_policy(policy).huge_pages == "hugetlbfs"
+    if hugetlb and strict:
+        raise InvalidRegistrationError(
+            "policy.huge_pages: found 'hugetlbfs' in strict alias mode, expected 'off' or 'thp' there: strict mode "
+            "maps the memory twice through a memfd, which huge-page pool memory cannot be. Fix: leave strict alias "
+            "mode for this allocation, or use huge_pages='thp'")
     try:
-        if strict:
+        if hugetlb:
+            tensor = _hugetlb(nbytes, dev)
+        elif strict:
             from pointerdomain._platform.strict_alloc import double_map  # imports _C: on first use only
 
             tensor, registered = double_map(backend, nbytes)
@@ -96,6 +104,26 @@ def alloc_registered(
                                   chosen.huge_pages, node)
     return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes, policy=policy, registered=registered,
                                 library_owned=True, prefaulted=prefaulted)
+
+
+def _hugetlb(nbytes: int, dev: Device) -> torch.Tensor:
+    """``nbytes`` from the huge-page pool.
+
+    Raises:
+        OutOfMemoryError: the pool is short (its free and total pages named); nothing allocated.
+    """
+    try:
+        return hugetlb_alloc(nbytes)
+    except OSError as exc:
+        free, total, size = hugetlb_pool()
+        need = -(-nbytes // (size or 2 << 20))
+        raise OutOfMemoryError(
+            f"nbytes: found a request for {nbytes} bytes of huge-page pool memory for {dev} ({need} pages of "
+            f"{(size or 2 << 20) >> 20} MiB), expected at most HugePages_Free: {free} (HugePages_Total: {total}, "
+            f"/proc/meminfo; mmap(MAP_HUGETLB): {exc.strerror or exc}). Fix: reserve pages (sysctl vm.nr_hugepages="
+            f"{max(total, 0) + need}), or use huge_pages='thp'",
+            nbytes,
+        ) from None
 
 
 def _place_local(tensor: torch.Tensor, dev: Device) -> int | None:

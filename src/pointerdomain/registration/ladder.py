@@ -113,7 +113,11 @@ class RegistrationPolicy:
             the first registration call, so the driver pins populated pages instead of
             faulting them one by one under its lock; 0 (the default) leaves it to the driver.
         huge_pages: ``"thp"`` advises transparent huge pages (``madvise(MADV_HUGEPAGE)``)
-            before the pages are faulted in; ``"off"`` leaves the system's setting.
+            before the pages are faulted in; ``"hugetlbfs"`` takes memory the library
+            allocates (``alloc_registered``, ``HostKVPool``) from the reserved huge-page pool
+            (``MAP_HUGETLB``, 2 MiB pages; ``OutOfMemoryError`` naming the pool where it is
+            short; not in strict alias mode); ``"off"`` leaves the system's setting. For a
+            caller's tensor ``"hugetlbfs"`` changes nothing: its pages are what they are.
     """
 
     on_failure: Literal["fail", "degrade"] = "fail"
@@ -122,7 +126,7 @@ class RegistrationPolicy:
     allow_unpinned: bool = False
     max_call_seconds: float | None = None
     prefault_threads: int = 0
-    huge_pages: Literal["off", "thp"] = "off"
+    huge_pages: Literal["off", "thp", "hugetlbfs"] = "off"
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("fail", "degrade"):
@@ -140,9 +144,9 @@ class RegistrationPolicy:
             raise InvalidRegistrationError(
                 f"prefault_threads: found {self.prefault_threads!r}, expected an int in [0, 1024]. Fix: pass e.g. 8 "
                 "(0: the driver faults the pages)")
-        if self.huge_pages not in ("off", "thp"):
+        if self.huge_pages not in ("off", "thp", "hugetlbfs"):
             raise InvalidRegistrationError(
-                f"huge_pages: found {self.huge_pages!r}, expected 'off' or 'thp'. Fix: pass one of them")
+                f"huge_pages: found {self.huge_pages!r}, expected 'off', 'thp' or 'hugetlbfs'. Fix: pass one of them")
 
 
 _lock = threading.Lock()

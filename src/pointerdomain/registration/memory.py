@@ -347,9 +347,9 @@ class RegisteredHostMemory(ProcessLocal):
             self.kind: MemoryKind = kind_of(rung)
             self.ladder_record: tuple[str, ...] = tuple(record)
             self.foreign = rung is Rung.FOREIGN
-            self.owner = "foreign" if self.foreign else self._vmm_owner or "pointerdomain"
+            self.owner: str = "foreign" if self.foreign else self._vmm_owner or "pointerdomain"
             # read only when huge pages were asked for: /proc/self/smaps costs ~50 ms in a large process
-            thp = policy.huge_pages == "thp" and bool(self._watch.durations)
+            thp = policy.huge_pages != "off" and bool(self._watch.durations)
             share = huge_page_share(self.host_va.value, self.nbytes) if thp else None
             self.stats: RegistrationStats = self._watch.stats(policy.max_call_seconds, self._prefault, share)
             self.kernel_readable = rung is not Rung.UNPINNED

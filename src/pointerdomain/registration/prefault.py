@@ -28,7 +28,8 @@ from typing import Literal
 
 import torch
 
-__all__ = ["PrefaultReport", "huge_page_share", "node_cpus", "prefault"]
+__all__ = ["PrefaultReport", "huge_page_share", "hugetlb_alloc", "hugetlb_pool", "node_cpus", "populate_supported",
+           "prefault"]
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
@@ -43,14 +44,14 @@ class PrefaultReport:
         seconds: wall time of the whole prefault.
         threads: threads used (0: nothing was done).
         method: ``"populate_write"``, ``"touch"`` (older kernels) or ``"none"``.
-        huge_pages: the policy applied (``"off"`` or ``"thp"``).
+        huge_pages: the policy applied (``"off"``, ``"thp"`` or ``"hugetlbfs"``).
         note: why something was skipped ("" if nothing was).
     """
 
     seconds: float
     threads: int
     method: Literal["populate_write", "touch", "none"]
-    huge_pages: Literal["off", "thp"]
+    huge_pages: Literal["off", "thp", "hugetlbfs"]
     note: str = ""
 
 
@@ -102,7 +103,7 @@ def _pieces(lo: int, hi: int, threads: int, align: int) -> list[tuple[int, int]]
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
-def prefault(tensor: torch.Tensor, threads: int, huge_pages: Literal["off", "thp"] = "off",
+def prefault(tensor: torch.Tensor, threads: int, huge_pages: Literal["off", "thp", "hugetlbfs"] = "off",
              node: int | None = None) -> PrefaultReport:
     """Fault the pages of ``tensor`` (a contiguous CPU tensor) in, writable, keeping its bytes.
 
@@ -128,7 +129,7 @@ def prefault(tensor: torch.Tensor, threads: int, huge_pages: Literal["off", "thp
             code = ctypes.get_errno() if libc is not None else 0
             notes.append(f"MADV_HUGEPAGE refused ({os.strerror(code) if code else 'no libc'})")
     cpus = node_cpus(node) if node is not None else set()
-    pieces = _pieces(lo, hi, threads, _HUGE if huge_pages == "thp" else page)
+    pieces = _pieces(lo, hi, threads, page if huge_pages == "off" else _HUGE)
     flat = tensor.reshape(-1).view(torch.uint8)
 
     def populate(piece: tuple[int, int]) -> int:
@@ -194,6 +195,39 @@ def huge_page_share(va: int, nbytes: int) -> float | None:
                     rss += int(fields[1])
                 elif fields[0] in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
                     huge += int(fields[1])
+                elif fields[0] in ("Private_Hugetlb:", "Shared_Hugetlb:"):  # not counted in Rss
+                    huge += int(fields[1])
+                    rss += int(fields[1])
     except (OSError, ValueError, IndexError):
         return None
     return min(1.0, huge / rss) if rss else None
+
+
+_MAP_HUGETLB = 0x40000  # asm-generic/mman-common.h (x86_64, aarch64)
+
+
+def hugetlb_pool() -> tuple[int, int, int]:
+    """(free pages, total pages, page size in bytes) of the huge-page pool (``/proc/meminfo``;
+    zeros where it cannot be read)."""
+    found = {"HugePages_Free:": 0, "HugePages_Total:": 0, "Hugepagesize:": 0}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0] in found:
+                    found[fields[0]] = int(fields[1]) * (1024 if fields[0] == "Hugepagesize:" else 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return found["HugePages_Free:"], found["HugePages_Total:"], found["Hugepagesize:"]
+
+
+def hugetlb_alloc(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of private anonymous memory from the huge-page pool (``MAP_HUGETLB``), a
+    uint8 tensor (the mapping is rounded up to whole 2 MiB pages and goes with the tensor).
+
+    Raises:
+        OSError: the pool cannot back it (ENOMEM: too few pages reserved).
+    """
+    size = -(-nbytes // _HUGE) * _HUGE
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]  # the tensor keeps the mapping alive
