@@ -21,7 +21,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import DeviceKVPool, KVLayout
-from pointerdomain._platform import Backend, backend_for
+from pointerdomain.testing import Backend, backend_for
 from tests.helpers.models import SMALL
 
 __all__ = [

@@ -1,5 +1,7 @@
 #include "emulation.h"
 
+#include "strict_alloc.h"
+
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -17,13 +19,19 @@ struct Region {       // memory that a memfd backs, so it can be mapped again
     int fd;
     bool owned;       // from host_alloc (unmapped by host_free)
 };
+struct Guarded {                // an alias mapping inside a reservation of inaccessible pages
+    std::uint64_t base;         // the mapping (map_len bytes)
+    std::uint64_t reserve_base; // the reservation around it, PROT_NONE outside the mapping
+    std::uint64_t reserve_len;
+};
 struct Registration {
     std::uint64_t len;
     std::uint64_t alias;      // alias of va
     std::uint64_t map_base;   // start of the alias mapping (page aligned)
     std::uint64_t map_len;
     std::uint64_t region;     // key of the Region it came from
-    std::map<int, std::uint64_t> other_devices;  // ordinal > 0 -> its mapping's base (map_len bytes)
+    Guarded own;              // device 0's mapping (own.base == map_base)
+    std::map<int, Guarded> other_devices;  // ordinal > 0 -> its mapping (map_len bytes)
 };
 struct DeviceAlloc {
     std::uint64_t len;
@@ -99,6 +107,28 @@ std::map<std::uint64_t, Region>::iterator make_shareable(std::uint64_t va, std::
     return regions.emplace(lo, Region{hi - lo, fd, false}).first;
 }
 
+// Aliases of separately registered ranges are not one range (MI355X gives adjacent host
+// ranges aliases far apart, in the other order): each alias mapping sits at a random page
+// gap inside a reservation of inaccessible pages, below the previous one
+// (strict::reserve_guarded), so alias arithmetic that walks from one registration's alias
+// into the next one's host range touches a guard page (SIGSEGV) or an unrelated alias,
+// never the next registration.
+bool map_guarded(int fd, std::uint64_t off, std::uint64_t len, Guarded *out) {
+    std::uint64_t reserve = 0, total = 0;
+    const std::uint64_t at = strict::reserve_guarded(len, &reserve, &total);
+    if (at == 0) return false;
+    void *m = mmap(reinterpret_cast<void *>(at), len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                   static_cast<off_t>(off));
+    if (m == MAP_FAILED) {
+        munmap(reinterpret_cast<void *>(reserve), total);
+        return false;
+    }
+    *out = Guarded{at, reserve, total};
+    return true;
+}
+
+void unmap_guarded(const Guarded &g) { munmap(reinterpret_cast<void *>(g.reserve_base), g.reserve_len); }
+
 }  // namespace
 
 void *host_alloc(std::uint64_t nbytes) {
@@ -136,12 +166,10 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
     if (reg == regions.end()) reg = make_shareable(va, nbytes, &why);
     if (reg == regions.end()) return why;
     const std::uint64_t p = page(), lo = va & ~(p - 1), hi = (va + nbytes + p - 1) & ~(p - 1);
-    void *m = mmap(nullptr, hi - lo, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
-                   static_cast<off_t>(lo - reg->first));
-    if (m == MAP_FAILED) return kMapFailed;
-    const std::uint64_t base = reinterpret_cast<std::uint64_t>(m);
-    *alias = base + (va - lo);
-    registrations.emplace(va, Registration{nbytes, *alias, base, hi - lo, reg->first});
+    Guarded g{};
+    if (!map_guarded(reg->second.fd, lo - reg->first, hi - lo, &g)) return kMapFailed;
+    *alias = g.base + (va - lo);
+    registrations.emplace(va, Registration{nbytes, *alias, g.base, hi - lo, reg->first, g, {}});
     return kOk;
 }
 
@@ -173,7 +201,7 @@ bool copy_into_own_file(std::uint64_t base, Region &r) {
         mmap(reinterpret_cast<void *>(kv.second.map_base), kv.second.map_len, PROT_READ | PROT_WRITE,
              MAP_SHARED | MAP_FIXED, fd, off);
         for (auto &dev : kv.second.other_devices)
-            mmap(reinterpret_cast<void *>(dev.second), kv.second.map_len, PROT_READ | PROT_WRITE,
+            mmap(reinterpret_cast<void *>(dev.second.base), kv.second.map_len, PROT_READ | PROT_WRITE,
                  MAP_SHARED | MAP_FIXED, fd, off);
     }
     close(r.fd);
@@ -201,7 +229,7 @@ void after_fork_child() {
             mmap(reinterpret_cast<void *>(reg.second.map_base), reg.second.map_len, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_FIXED, kv.second.fd, off);
             for (auto &dev : reg.second.other_devices)  // other emulated devices' aliases
-                mmap(reinterpret_cast<void *>(dev.second), reg.second.map_len, PROT_READ | PROT_WRITE,
+                mmap(reinterpret_cast<void *>(dev.second.base), reg.second.map_len, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_FIXED, kv.second.fd, off);
         }
     }
@@ -229,8 +257,8 @@ int unregister_range(std::uint64_t va) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = registrations.find(va);
     if (it == registrations.end()) return kNotRegistered;
-    munmap(reinterpret_cast<void *>(it->second.map_base), it->second.map_len);
-    for (auto &kv : it->second.other_devices) munmap(reinterpret_cast<void *>(kv.second), it->second.map_len);
+    unmap_guarded(it->second.own);
+    for (auto &kv : it->second.other_devices) unmap_guarded(kv.second);
     const std::uint64_t region = it->second.region;
     registrations.erase(it);
     // A region made in place for an existing tensor lives while registrations use it;
@@ -269,12 +297,11 @@ int get_device_pointer_on(std::uint64_t va, int ordinal, std::uint64_t *alias) {
             auto reg = regions.find(r.region);
             if (reg == regions.end()) return kNotRegistered;
             const std::uint64_t lo = it->first & ~(page() - 1);
-            void *m = mmap(nullptr, r.map_len, PROT_READ | PROT_WRITE, MAP_SHARED, reg->second.fd,
-                           static_cast<off_t>(lo - reg->first));
-            if (m == MAP_FAILED) return kMapFailed;
-            dev = r.other_devices.emplace(ordinal, reinterpret_cast<std::uint64_t>(m)).first;
+            Guarded g{};
+            if (!map_guarded(reg->second.fd, lo - reg->first, r.map_len, &g)) return kMapFailed;
+            dev = r.other_devices.emplace(ordinal, g).first;
         }
-        base = dev->second;
+        base = dev->second.base;
     }
     *alias = base + (r.alias - r.map_base) + (va - it->first);
     return kOk;
@@ -286,7 +313,7 @@ int alias_lookup(std::uint64_t addr, std::uint64_t nbytes) {
         const Registration &r = kv.second;
         if (inside(addr, nbytes, r.map_base, r.map_len)) return 0;
         for (auto &dev : r.other_devices)
-            if (inside(addr, nbytes, dev.second, r.map_len)) return dev.first;
+            if (inside(addr, nbytes, dev.second.base, r.map_len)) return dev.first;
     }
     return -1;
 }

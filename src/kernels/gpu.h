@@ -57,7 +57,12 @@ int transfer_recorded(const Transfer &t, int device, std::uint64_t stream, int m
 int stream_capturing(int device, std::uint64_t stream, int *capturing);
 // Copy-engine path: count copies dsts[i] <- srcs[i] of sizes[i] bytes (host arrays of
 // device addresses / aliases) with cudaMemcpyBatchAsync (CUDA >= 12.8) or a
-// cudaMemcpyAsync loop.
+// cudaMemcpyAsync loop. The batched copy contract (pointerdomain/_platform/batch_copy.py):
+// at most kMaxBatchDescriptors per batch call, one attribute for all of a call's
+// descriptors (numAttrs 1, attrsIdxs {0}), the legacy stream (0 or cudaStreamLegacy)
+// through a side stream ordered by events before and after, and the cudaMemcpyAsync
+// loop while the stream is being captured (a batch call is not captured).
+constexpr std::size_t kMaxBatchDescriptors = 8192;  // batch_copy.MAX_DESCRIPTORS
 int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes, std::size_t count,
               int device, std::uint64_t stream, bool use_batch);
 bool has_batch_copy();

@@ -164,6 +164,16 @@ NB_MODULE(_C, m) {
         },
         nb::arg("va"), nb::arg("nbytes"), "A second mapping of the shared pages at va (strict alias mode).");
     m.def(
+        "strict_twin",
+        [](std::uint64_t va, std::uint64_t nbytes) {
+            void *p = pd::strict::twin(va, nbytes);
+            if (p == nullptr) throw std::bad_alloc();
+            return wrap(p, nbytes, [](void *q) noexcept { pd::strict::unmap(q); });
+        },
+        nb::arg("va"), nb::arg("nbytes"),
+        "A further mapping of the shared pages at va, inside guard pages at a random gap (strict alias mode: one "
+        "chunk's registered mapping).");
+    m.def(
         "emu_get_device_pointer_on",
         [](std::uint64_t va, int ordinal) {
             std::uint64_t alias = 0;

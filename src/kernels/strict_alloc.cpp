@@ -9,13 +9,25 @@
 
 #include <cstring>
 
+#include <atomic>
 #include <map>
 #include <mutex>
+#include <random>
 
 namespace pointerdomain::strict {
 namespace {
 std::mutex mu;
 std::map<void *, std::uint64_t> lengths;  // mapping -> length, for unmap from a deleter
+struct Twin {
+    std::uint64_t len;           // the twin mapping
+    std::uint64_t reserve_base;  // its reservation (guard pages around it), unmapped whole
+    std::uint64_t reserve_len;
+};
+std::map<void *, Twin> twins;
+// Lowest reservation so far: a placement hint only, so no lock (reserve_guarded runs under
+// the emulated backend's lock too, and a second lock there would order two fork handlers).
+std::atomic<std::uint64_t> last_reserve{0};
+constexpr std::uint64_t kMaxGapPages = 256;
 
 void *keep(void *m, std::uint64_t len) {
     if (m == MAP_FAILED) return nullptr;
@@ -32,14 +44,15 @@ void *keep(void *m, std::uint64_t len) {
 // for device work (CUDA does not survive fork either).
 void before_fork() { mu.lock(); }
 void after_fork_parent() { mu.unlock(); }
+void make_private(void *at, std::uint64_t len) {
+    void *copy = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (copy == MAP_FAILED) return;
+    std::memcpy(copy, at, len);
+    if (mremap(copy, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED) munmap(copy, len);
+}
 void after_fork_child() {
-    for (auto &kv : lengths) {
-        void *copy = mmap(nullptr, kv.second, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (copy == MAP_FAILED) continue;
-        std::memcpy(copy, kv.first, kv.second);
-        if (mremap(copy, kv.second, kv.second, MREMAP_MAYMOVE | MREMAP_FIXED, kv.first) == MAP_FAILED)
-            munmap(copy, kv.second);
-    }
+    for (auto &kv : lengths) make_private(kv.first, kv.second);
+    for (auto &kv : twins) make_private(kv.first, kv.second.len);  // each chunk's registered mapping too
     mu.unlock();
 }
 const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
@@ -73,16 +86,65 @@ void *mirror(std::uint64_t va, std::uint64_t nbytes) {
     return keep(m, round_up(nbytes));
 }
 
+std::uint64_t reserve_guarded(std::uint64_t len, std::uint64_t *reserve_base, std::uint64_t *reserve_len) {
+    const std::uint64_t p = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+    thread_local std::mt19937_64 rng{std::random_device{}()};
+    const std::uint64_t before = (1 + rng() % kMaxGapPages) * p, after = (1 + rng() % kMaxGapPages) * p;
+    const std::uint64_t total = before + round_up(len) + after;
+    const std::uint64_t last = last_reserve.load(std::memory_order_relaxed);
+    void *r = MAP_FAILED;
+    if (last > total + (std::uint64_t{1} << 32)) {
+        r = mmap(reinterpret_cast<void *>(last - total), total, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+        if (r != MAP_FAILED && reinterpret_cast<std::uint64_t>(r) != last - total) {
+            munmap(r, total);  // a kernel without MAP_FIXED_NOREPLACE took the address as a hint only
+            r = MAP_FAILED;
+        }
+    }
+    if (r == MAP_FAILED) r = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (r == MAP_FAILED) return 0;
+    const std::uint64_t base = reinterpret_cast<std::uint64_t>(r);
+    last_reserve.store(base, std::memory_order_relaxed);
+    *reserve_base = base;
+    *reserve_len = total;
+    return base + before;
+}
+
+void *twin(std::uint64_t va, std::uint64_t nbytes) {
+    const auto p = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+    if (va == 0 || nbytes == 0 || (va & (p - 1)) != 0) return nullptr;
+    std::uint64_t base = 0, len = 0;
+    const std::uint64_t at = reserve_guarded(nbytes, &base, &len);
+    if (at == 0) return nullptr;
+    // old_size 0 on a shared mapping: a new mapping of the same pages, here into the reservation.
+    void *m = mremap(reinterpret_cast<void *>(va), 0, round_up(nbytes), MREMAP_MAYMOVE | MREMAP_FIXED,
+                     reinterpret_cast<void *>(at));
+    if (m == MAP_FAILED) {
+        munmap(reinterpret_cast<void *>(base), len);
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    twins[m] = Twin{round_up(nbytes), base, len};
+    return m;
+}
+
 void unmap(void *ptr) noexcept {
-    std::uint64_t len = 0;
+    std::uint64_t start = reinterpret_cast<std::uint64_t>(ptr), len = 0;
     {
         std::lock_guard<std::mutex> lock(mu);
         auto it = lengths.find(ptr);
-        if (it == lengths.end()) return;
-        len = it->second;
-        lengths.erase(it);
+        if (it != lengths.end()) {
+            len = it->second;
+            lengths.erase(it);
+        } else {
+            auto t = twins.find(ptr);
+            if (t == twins.end()) return;
+            start = t->second.reserve_base;
+            len = t->second.reserve_len;
+            twins.erase(t);
+        }
     }
-    munmap(ptr, len);
+    munmap(reinterpret_cast<void *>(start), len);
 }
 
 }  // namespace pointerdomain::strict

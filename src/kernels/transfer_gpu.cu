@@ -499,6 +499,67 @@ int stream_capturing(int device, std::uint64_t stream, int *capturing) {
     return finish(e);
 }
 
+#if !defined(POINTERDOMAIN_HIP) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+namespace {
+// One batch call per kMaxBatchDescriptors descriptors, in order on `s`.
+gpuError_t batch_submit(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes,
+                        std::size_t count, gpuStream_t s) {
+    // The driver reads numAttrs entries of both arrays: one attribute, for descriptors [0, n).
+    cudaMemcpyAttributes attrs[1] = {};
+    attrs[0].srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attrs[0].flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    std::size_t attr_idxs[1] = {0};
+    constexpr std::size_t num_attrs = 1;
+    for (std::size_t off = 0; off < count; off += kMaxBatchDescriptors) {
+        const std::size_t n = count - off < kMaxBatchDescriptors ? count - off : kMaxBatchDescriptors;
+        auto d = reinterpret_cast<void *const *>(dsts + off);
+        auto src = reinterpret_cast<const void *const *>(srcs + off);
+        auto sz = reinterpret_cast<const std::size_t *>(sizes + off);
+#if CUDART_VERSION >= 13000
+        const gpuError_t e = cudaMemcpyBatchAsync(d, src, sz, n, attrs, attr_idxs, num_attrs, s);
+#else
+        std::size_t fail_idx = 0;
+        const gpuError_t e = cudaMemcpyBatchAsync(const_cast<void **>(d), const_cast<void **>(src),
+                                                  const_cast<std::size_t *>(sz), n, attrs, attr_idxs, num_attrs,
+                                                  &fail_idx, s);
+#endif
+        if (e != gpuSuccess) return e;
+    }
+    return gpuSuccess;
+}
+
+// The batch call refuses the legacy stream: the copies run on a side stream of the device
+// that waits for the legacy stream's work so far (event `before`) and that the legacy
+// stream waits for (event `after`), so they keep the legacy stream's order both ways
+// without relying on the implicit synchronisation of blocking streams.
+struct LegacySide {
+    gpuStream_t stream = nullptr;
+    gpuEvent_t before = nullptr;
+    gpuEvent_t after = nullptr;
+};
+
+gpuError_t batch_on_legacy(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes,
+                           std::size_t count, int device, gpuStream_t legacy) {
+    static std::mutex mu;
+    static std::map<int, LegacySide> sides;
+    std::lock_guard<std::mutex> lock(mu);  // the events are re-recorded: one batch at a time per process
+    LegacySide &side = sides[device];
+    if (side.stream == nullptr) {
+        LegacySide made;
+        if (gpuError_t e = gpuStreamCreateWithFlags(&made.stream, gpuStreamNonBlocking)) return e;
+        if (gpuError_t e = gpuEventCreateWithFlags(&made.before, gpuEventDisableTiming)) return e;
+        if (gpuError_t e = gpuEventCreateWithFlags(&made.after, gpuEventDisableTiming)) return e;
+        side = made;
+    }
+    if (gpuError_t e = gpuEventRecord(side.before, legacy)) return e;
+    if (gpuError_t e = gpuStreamWaitEvent(side.stream, side.before, 0)) return e;
+    if (gpuError_t e = batch_submit(dsts, srcs, sizes, count, side.stream)) return e;
+    if (gpuError_t e = gpuEventRecord(side.after, side.stream)) return e;
+    return gpuStreamWaitEvent(legacy, side.after, 0);
+}
+}  // namespace
+#endif
+
 int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::uint64_t *sizes, std::size_t count,
               int device, std::uint64_t stream, bool use_batch) {
     if (count == 0) return 0;
@@ -506,35 +567,14 @@ int copy_runs(const std::uint64_t *dsts, const std::uint64_t *srcs, const std::u
     if (guard.status() != gpuSuccess) return finish(guard.status());
     auto s = reinterpret_cast<gpuStream_t>(stream);
 #if !defined(POINTERDOMAIN_HIP) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
-    if (use_batch && s == nullptr) {
-        // cudaMemcpyBatchAsync rejects the legacy default stream. A blocking stream
-        // is ordered with the legacy stream both ways, so the copies keep its order.
-        static std::mutex mu;
-        static std::map<int, gpuStream_t> blocking;
-        std::lock_guard<std::mutex> lock(mu);
-        auto it = blocking.find(device);
-        if (it == blocking.end()) {
-            gpuStream_t created = nullptr;
-            if (const gpuError_t e = cudaStreamCreate(&created)) return finish(e);
-            it = blocking.emplace(device, created).first;
-        }
-        s = it->second;
-    }
     if (use_batch) {
-        cudaMemcpyAttributes attr{};
-        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-        attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-        std::size_t attr_idx = 0;
-        auto d = reinterpret_cast<void *const *>(dsts);
-        auto src = reinterpret_cast<const void *const *>(srcs);
-        auto n = reinterpret_cast<const std::size_t *>(sizes);
-#if CUDART_VERSION >= 13000
-        return finish(cudaMemcpyBatchAsync(d, src, n, count, &attr, &attr_idx, 1, s));
-#else
-        std::size_t fail_idx = 0;
-        return finish(cudaMemcpyBatchAsync(const_cast<void **>(d), const_cast<void **>(src),
-                                           const_cast<std::size_t *>(n), count, &attr, &attr_idx, 1, &fail_idx, s));
-#endif
+        gpuError_t e = gpuSuccess;
+        const int capturing = capturing_of(s, &e);  // a batch call is not captured: the loop below is
+        if (e != gpuSuccess) return finish(e);
+        if (!capturing) {
+            if (s == nullptr || s == cudaStreamLegacy) return finish(batch_on_legacy(dsts, srcs, sizes, count, device, s));
+            return finish(batch_submit(dsts, srcs, sizes, count, s));
+        }
     }
 #else
     (void)use_batch;

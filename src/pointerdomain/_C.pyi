@@ -81,6 +81,11 @@ def strict_shared_alloc(nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint
 def strict_mirror(va: int, nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
     """A second mapping of the shared pages at va (strict alias mode)."""
 
+def strict_twin(va: int, nbytes: int) -> Annotated[torch.Tensor, dict(dtype='uint8', shape=(None,), order='C', device='cpu')]:
+    """
+    A further mapping of the shared pages at va, inside guard pages at a random gap (strict alias mode: one chunk's registered mapping).
+    """
+
 def emu_get_device_pointer_on(va: int, ordinal: int) -> tuple[int, int]:
     """
     Alias of a registered host address on one emulated device (each device its own mapping): (status, alias).

@@ -19,10 +19,12 @@ from pointerdomain.compat import lmcache as lmc
 from pointerdomain.compat import sgl_hicache as hc
 from pointerdomain.compat import sgl_kernel as sk
 from pointerdomain.compat import vllm as vl
+from tests.helpers.compat import POISON, rand, same, u8, untouched
+from tests.helpers.compat import dev as _dev
+from tests.helpers.compat import table as _table
 
 DEV = pd.validate_device("emulated:0")
 OTHER = pd.validate_device("emulated:1")
-POISON = 0xA5
 DT = torch.bfloat16
 L, H, D = 3, 2, 8
 ITEM = H * D * 2
@@ -49,16 +51,7 @@ def host(regs: list[pd.RegisteredHostMemory], *shape: int, dtype: torch.dtype = 
 
 
 def dev(*shape: int, dtype: torch.dtype = DT, device: pd.Device = DEV) -> torch.Tensor:
-    return pd.device_empty(shape, dtype=dtype, device=device)
-
-
-def u8(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
-def rand(t: torch.Tensor) -> torch.Tensor:
-    u8(t).copy_(torch.randint(0, 256, u8(t).shape, dtype=torch.uint8))
-    return t
+    return _dev(*shape, dtype=dtype, device=device)
 
 
 def poison(*ts: torch.Tensor) -> None:
@@ -66,17 +59,8 @@ def poison(*ts: torch.Tensor) -> None:
         u8(t).fill_(POISON)
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(u8(a).reshape(-1), u8(b).reshape(-1))
-
-
-def untouched(*ts: torch.Tensor) -> bool:
-    return all(bool((u8(t) == POISON).all()) for t in ts)
-
-
 def table(ts: list[torch.Tensor]) -> torch.Tensor:
-    t = pd.device_empty((len(ts),), dtype=torch.uint64, device=DEV)
-    return t.copy_(torch.tensor([x.data_ptr() for x in ts], dtype=torch.uint64))
+    return _table(ts, DEV)
 
 
 S = torch.tensor([3, 17, 8, 0])  # host slots

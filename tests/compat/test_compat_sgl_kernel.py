@@ -14,10 +14,12 @@ import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.compat import sgl_hicache as hc
 from pointerdomain.compat import sgl_kernel as sk
+from tests.helpers.compat import POISON, rand, same, u8
+from tests.helpers.compat import dev as _dev
+from tests.helpers.compat import table as _table
 
 DEV = pd.validate_device("emulated:0")
 OTHER = pd.validate_device("emulated:1")
-POISON = 0xA5
 DT = torch.bfloat16
 L, H, D, PS = 3, 2, 8, 4  # layers, heads, head_dim (bf16), tokens per page
 ITEM = H * D * 2  # bytes of one token's K of one layer
@@ -47,30 +49,18 @@ def host() -> Iterator[Host]:
         mem.close()
 
 
-def dev(*shape: int, dtype: torch.dtype = DT, device: pd.Device = DEV) -> torch.Tensor:
-    return pd.device_empty(shape, dtype=dtype, device=device)
-
-
-def u8(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
-def rand(t: torch.Tensor) -> torch.Tensor:
-    b = u8(t)
-    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
-    return t
-
-
 def poison(t: torch.Tensor) -> torch.Tensor:
     u8(t).fill_(POISON)
     return t
 
 
+def dev(*shape: int, dtype: torch.dtype = DT, device: pd.Device = DEV) -> torch.Tensor:
+    return _dev(*shape, dtype=dtype, device=device)
+
+
 def table(ts: list[torch.Tensor], device: pd.Device = DEV) -> torch.Tensor:
     """An upstream uint64 table of data_ptr() values, itself in device memory."""
-    t = pd.device_empty((len(ts),), dtype=torch.uint64, device=device)
-    t.copy_(torch.tensor([x.data_ptr() for x in ts], dtype=torch.uint64))
-    return t
+    return _table(ts, device)
 
 
 def raw_table(values: list[int]) -> torch.Tensor:
@@ -82,10 +72,6 @@ def raw_table(values: list[int]) -> torch.Tensor:
 def pages_runs(pages: list[int], ps: int = PS) -> torch.Tensor:
     """Token slots of whole pages, in order (upstream's src/dst indices)."""
     return torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages])
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(u8(a).reshape(-1), u8(b).reshape(-1))
 
 
 def snapshot(*ts: torch.Tensor) -> list[torch.Tensor]:

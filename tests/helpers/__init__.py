@@ -5,6 +5,8 @@
   tests' model shapes;
 * :mod:`.checks`: :func:`~tests.helpers.checks.assert_round_trip`, a D2H and H2D round
   trip compared byte for byte with the reference.
+* :mod:`.compat`: the byte helpers of the engine call-shape tests (tests/compat):
+  poison, compare, sglang's ``uint64`` pointer tables.
 
 Imported from the submodules (tests/reference.py itself uses :mod:`.models`).
 """

@@ -31,3 +31,30 @@ def test_native_doubles_load_on_first_use_and_unknown_names_raise() -> None:
     assert testing.EmulatedBackend.__name__ == "EmulatedBackend"
     with pytest.raises(AttributeError):
         getattr(testing, "NoSuchDouble")
+
+
+#: Test files that still name the platform module directly (to move to pointerdomain.testing).
+_STILL_ON_PLATFORM = {"registration/test_leases.py", "transfer/test_staged.py", "transfer/test_staged_gpu.py"}
+
+
+def test_tests_outside_the_platform_folder_use_the_public_testing_module() -> None:
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"^\s*(from|import)\s+pointerdomain\._platform\b", re.MULTILINE)
+    found = sorted(
+        str(path.relative_to(root)) for path in root.rglob("*.py")
+        if path.parent.name != "platform" and pattern.search(path.read_text())
+    )
+    assert set(found) <= _STILL_ON_PLATFORM, found
+
+
+def test_the_testing_module_names_the_platform_helpers_tests_need() -> None:
+    import pointerdomain.testing as testing
+
+    plan = testing.kernel_plan(0, (0,) * 8, 0, (0,) * 8, 1, 1, 1, 1)
+    assert isinstance(plan, testing.KernelPlan)
+    assert testing.default_device() == pd.Device("emulated", 0)  # no GPU here: the CPU stand-in
+    assert callable(testing.load_cudart)
+    assert testing.NOT_REGISTERED == 713 and testing.NOT_SUPPORTED == 801

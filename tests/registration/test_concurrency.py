@@ -20,9 +20,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import checked, errors
 from pointerdomain.registration import memory
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.status import NOT_REGISTERED
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import FaultyBackend, NOT_REGISTERED, install_backend
 from pointerdomain.domains import HostVA
 from tests.reference import EMU, fill_random
 

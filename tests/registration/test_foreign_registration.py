@@ -11,9 +11,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.registration import memory
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.driver_faults import DriverFaults
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import DriverFaults, backend_for, install_backend
 from tests.reference import DEV, EMU, fill_random
 
 #: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).

@@ -1,5 +1,5 @@
 """The registration ladder (pointerdomain.registration.ladder) against driver-like refusals injected
-on the emulated backend (pointerdomain._platform.driver_faults.DriverFaults)."""
+on the emulated backend (pointerdomain.testing.DriverFaults)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors, ladder
 from pointerdomain.registration import memory
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import DriverFaults, NOT_SUPPORTED, backend_for, install_backend
 from tests.reference import DEV, fill_pool, fill_random, filled_pools, model_layout, pool_bytes, reference_transfer
 
 #: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
@@ -202,7 +200,7 @@ def test_probe_rungs_on_emulated_and_with_refusals() -> None:
 
 @pytest.mark.gpu
 def test_gpu_registration_uses_the_driver_api_and_leaves_no_pending_error() -> None:
-    from pointerdomain._platform.cuda import load_cudart
+    from pointerdomain.testing import load_cudart
 
     dev = pd.Device("cuda", 0)
     backend = backend_for(dev)

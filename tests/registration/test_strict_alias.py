@@ -18,7 +18,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
+from pointerdomain.testing import backend_for
 from pointerdomain.registration.resolve import can_use_host_pointer
 from pointerdomain.registration.strict import ENV_VAR
 from tests.helpers.checks import assert_round_trip
@@ -110,7 +110,7 @@ _CHILD = textwrap.dedent("""
     import os, sys, torch
     import pointerdomain as pd
     from pointerdomain import _C
-    from pointerdomain._platform import kernel_plan
+    from pointerdomain.testing import kernel_plan
     from pointerdomain.transfer.plan import plan_for
     strict = sys.argv[1] == "1"
     dev = pd.Device("cuda", 0)
@@ -188,3 +188,49 @@ def test_gpu_capability_reports_pageable_memory_access() -> None:
     cap = pd.strict_mode_capability("cuda:0")
     assert cap.pageable_memory_access in (0, 1)
     assert cap.can_fault is (cap.pageable_memory_access == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strict", [False, True], ids=["normal", "strict"])
+def test_gpu_copy_engine_backup_read_back_on_the_legacy_stream(strict: bool) -> None:
+    # One D2H copy-engine backup of 8192 runs with stream=0 while the legacy stream is current,
+    # read back the ways docs/reliability.md ("Reading the host view in strict mode") calls safe.
+    from tests.reference import fill_pool
+
+    dev = pd.Device("cuda", 0)
+    dl = pd.KVLayout(kind="layer_first", num_layers=4, num_pages=128, page_size=16, num_heads=8, head_dim=128,
+                     dtype="bfloat16")
+    hl = dl.replace(kind="page_first", num_pages=256)
+    legacy = torch.cuda.default_stream(dev.ordinal)
+    with torch.cuda.device(dev.ordinal), torch.cuda.stream(legacy):
+        assert torch.cuda.current_stream().cuda_stream == 0  # the legacy stream is current
+        pool = pd.DeviceKVPool(dl, dev)
+        fill_pool(pool, 21)
+        with pd.strict_alias(strict):
+            host = pd.HostKVPool(hl, dev)
+        try:
+            assert host.memory.strict is strict
+            host.buffer.view(torch.uint8).fill_(0xA5)  # poison
+            dev_slots = torch.arange(0, dl.num_slots, 2, device="cuda")  # every other slot: no run merges
+            host_slots = torch.arange(1, hl.num_slots, 4, device="cuda")[: dev_slots.numel()]
+            torch.cuda.synchronize()
+            want = reference_transfer(pool_bytes(pool), dl, host.buffer, hl, dev_slots, host_slots)
+            host.backup(pool, dev_slots, host_slots, backend="copy_engine", stream=0)
+            if not strict:  # the registered view: torch's copy is ordered on the stream, no wait needed
+                early = host.buffer.to("cuda", non_blocking=True)
+                assert torch.equal(early.view(torch.uint8).reshape(-1).cpu(), want)
+            # the library's read: through the aliases, in stream order, no wait
+            back = pd.DeviceKVPool(dl, dev)
+            for b in back.buffers:
+                b.view(torch.uint8).fill_(0x5A)
+            want_back = reference_transfer(want, hl, pool_bytes(back), dl, host_slots, dev_slots)
+            host.load(back, host_slots, dev_slots, backend="copy_engine", stream=0)
+            assert torch.equal(pool_bytes(back), want_back)
+            # torch or the CPU after the work is done: exact in both modes
+            torch.cuda.current_stream().synchronize()
+            read = host.buffer.to("cuda", non_blocking=True)
+            assert torch.equal(read.view(torch.uint8).reshape(-1).cpu(), want)
+            assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), want)
+        finally:
+            torch.cuda.synchronize()
+            host.close()

@@ -77,7 +77,7 @@ def test_demo_says_its_device_and_shows_progress() -> None:
     out = _cli("demo", "--layers", "2", "--device-pages", "4", "--host-pages", "6", "--pages", "3", "--progress", "always")
     assert out.returncode == 0, out.stderr
     # the default device: the GPU where one with the GPU ops is present, else the emulated one
-    from pointerdomain._platform import default_device
+    from pointerdomain.testing import default_device
 
     gpu = default_device().type == "cuda"
     assert ("demo on cuda:0 (default: a GPU" if gpu else "demo on emulated:0 (default: no GPU") in out.stdout

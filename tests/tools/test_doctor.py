@@ -10,10 +10,7 @@ import sys
 import pytest
 
 from pointerdomain.tools import doctor
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.base import DeviceAttributeName
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import DeviceAttributeName, FaultyBackend, backend_for, install_backend
 from pointerdomain.devices import Device
 
 EMU = Device("emulated", 0)

@@ -35,9 +35,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import checked, errors
 from pointerdomain.registration import memory
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.status import NOT_REGISTERED
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import FaultyBackend, NOT_REGISTERED, install_backend
 from pointerdomain.domains import HostVA
 from tests.reference import EMU, fill_pool, fill_random, items, same, table_storage
 
@@ -246,7 +244,7 @@ _MEMLOCK_CHILD = textwrap.dedent(
     import pointerdomain as pd
     from pointerdomain import errors
     from pointerdomain.registration import memory
-    from pointerdomain._platform import backend_for
+    from pointerdomain.testing import backend_for
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
     out = {}

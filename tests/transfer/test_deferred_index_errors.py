@@ -20,9 +20,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import checked, errors
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import FaultyBackend, backend_for, install_backend
 from pointerdomain.transfer.plan import plan_for
 from tests.reference import DEV, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer, same
 from tests import childenv
@@ -124,9 +122,7 @@ def test_bad_validate_indices_value(pools: tuple[pd.DeviceKVPool, pd.HostKVPool]
 _TOCTOU = textwrap.dedent("""
     import torch
     import pointerdomain as pd
-    from pointerdomain._platform import backend_for
-    from pointerdomain._platform.faulty import FaultyBackend
-    from pointerdomain._platform.testing import install_backend
+    from pointerdomain.testing import FaultyBackend, backend_for, install_backend
     from tests.reference import fill_pool, fill_random, model_layout, pool_bytes, reference_transfer, same
     dev = pd.Device("emulated", 0)
 

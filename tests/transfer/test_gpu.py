@@ -108,7 +108,7 @@ def test_gpu_direct_cuda_register_conflict_reports_712() -> None:
     dev = _dev()
     t = torch.empty(1 << 20, dtype=torch.uint8)
     with pd.register_host_tensor(t, dev):
-        from pointerdomain._platform import backend_for
+        from pointerdomain.testing import backend_for
 
         backend = backend_for(dev)
         assert backend.register(t.data_ptr(), t.numel(), dev) == 712

@@ -16,9 +16,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import FaultyBackend, backend_for, install_backend
 from tests.helpers.models import Model
 from tests.reference import as_bytes, fill_pool, fill_random, pool_bytes, reference_transfer
 

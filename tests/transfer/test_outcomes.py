@@ -13,10 +13,9 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
 from pointerdomain.adapters import outcomes as engine_outcomes
 from pointerdomain.adapters.mooncake import HostTransferEngine
-from pointerdomain.testing import FaultyBackend, install_backend
+from pointerdomain.testing import FaultyBackend, backend_for, install_backend
 from pointerdomain.transfer.outcomes import TransferOutcome, TransferStream, transfer_outcome
 from tests.reference import DEV, as_bytes, fill_pool, model_layout, pool_bytes, reference_transfer, same
 

@@ -18,9 +18,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import FaultyBackend, backend_for, install_backend
 from pointerdomain.adapters.mooncake import HostTransferEngine
 from tests.reference import DEV, as_bytes, fill_random, model_layout, reference_transfer, table_storage
 
@@ -228,9 +226,7 @@ def test_address_space_failure_is_not_a_memlock_error() -> None:
     proc = _run("""
         import resource, pointerdomain as pd
         from pointerdomain import errors
-        from pointerdomain._platform import backend_for
-        from pointerdomain._platform.faulty import FaultyBackend
-        from pointerdomain._platform.testing import install_backend
+        from pointerdomain.testing import FaultyBackend, backend_for, install_backend
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
         inner = backend_for(pd.Device("emulated", 0))
         with install_backend(FaultyBackend(inner, {"register": {1: 2}}), "emulated"):

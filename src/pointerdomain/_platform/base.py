@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, get_args, runtime_checkable
 
+from pointerdomain._platform.status import StatusTable, status_table
+
 if TYPE_CHECKING:
     import torch
 
@@ -73,7 +75,7 @@ class Backend(Protocol):
             the CPU without a synchronisation (true only for the emulated backend).
 
     What follows from the runtime alone (:class:`RuntimeTraits`): ``staged_auto``,
-    ``driver_attributes``, ``alias_is_mapping``.
+    ``driver_attributes``, ``alias_is_mapping``, ``status``.
     """
 
     name: str
@@ -97,6 +99,12 @@ class Backend(Protocol):
     def alias_is_mapping(self) -> bool:
         """A device alias is this process's second mapping of the host pages (the emulated
         driver), not an address the runtime hands out."""
+        ...
+
+    @property
+    def status(self) -> StatusTable:
+        """The runtime's status codes and their names (:mod:`.status`): a HIP failure
+        reads as ``hipError...``, a CUDA one as ``cudaError...``."""
         ...
 
     # registration ------------------------------------------------------------
@@ -262,6 +270,10 @@ class RuntimeTraits:
     @property
     def alias_is_mapping(self) -> bool:
         return self.runtime == "emulated"
+
+    @property
+    def status(self) -> StatusTable:
+        return status_table(self.runtime)
 
 
 @runtime_checkable

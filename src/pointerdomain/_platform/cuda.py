@@ -21,6 +21,7 @@ import torch
 
 from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
+from pointerdomain._platform.batch_copy import batch_allowed, plan_copy_runs
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.host_memory import VmmAllocation, pageable_access
 from pointerdomain._platform.graph_holds import CudaGraphHolds, HeldGraph
@@ -192,6 +193,8 @@ class CudaBackend(_TorchDevice):
         # The launch leases' events (pointerdomain.registration.leases): one per (ordinal, stream), made on
         # first use and kept for the process (a few bytes of driver state per stream used).
         self._events: dict[tuple[int, int], int] = {}
+        # The batched copy contract (batch_copy): never the batch call on HIP.
+        self._batch = batch_allowed(self.runtime, bool(_C.gpu_has_batch_copy))
 
     def _event(self, device: Device, stream: int) -> int:
         status, event = _C.gpu_event_create(device.ordinal)
@@ -293,9 +296,19 @@ class CudaBackend(_TorchDevice):
         return True
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
-        status = _C.gpu_copy_runs(dsts, srcs, sizes, count, device.ordinal, stream, _C.gpu_has_batch_copy)
-        if status != 0:
-            check(self, "cudaMemcpyBatchAsync", status)
+        # Planned before anything is submitted (batch_copy): capped submissions, per-run
+        # copies while the stream is captured, the legacy stream through an ordered side stream.
+        capturing = False
+        if self._batch and count:
+            status, captured = _C.gpu_stream_capturing(device.ordinal, stream)
+            check(self, "cudaStreamIsCapturing", status)
+            capturing = bool(captured)
+        for sub in plan_copy_runs(count, stream, batched=self._batch, capturing=capturing):
+            skip = 8 * sub.first  # the submission's slice of the three uint64 arrays
+            status = _C.gpu_copy_runs(dsts + skip, srcs + skip, sizes + skip, sub.count, device.ordinal, stream,
+                                      sub.batched)
+            if status != 0:
+                check(self, "cudaMemcpyBatchAsync" if sub.batched else "cudaMemcpyAsync (copy runs)", status)
 
     def staged_available(self) -> bool:
         return True

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 from pointerdomain._platform.base import Backend, PinnedAllocator
 from pointerdomain._platform.delegating import DelegatingBackend
-from pointerdomain._platform.status import ALREADY_REGISTERED, NOT_REGISTERED, OUT_OF_MEMORY
 
 if TYPE_CHECKING:
     import torch
@@ -99,18 +98,19 @@ class DriverFaults(DelegatingBackend):
         k = len(self.register_calls) + 1
         if k in self.fail_at:
             return self.fail_at[k]
+        codes = self.status  # the wrapped runtime's numbers
         if self._foreign_overlap(va, nbytes):
-            return ALREADY_REGISTERED
+            return codes.already_registered
         if self.refuse_all is not None:
             return self.refuse_all
         if self.per_call_cap is not None and nbytes > self.per_call_cap:
-            return OUT_OF_MEMORY
+            return codes.out_of_memory
         pinned = sum(self._pinned.values()) + nbytes
         if self.total_cap is not None and pinned > self.total_cap:
-            return OUT_OF_MEMORY
+            return codes.out_of_memory
         if self.memlock is not None and pinned > self.memlock:
             self._memlock_hit = True
-            return OUT_OF_MEMORY
+            return codes.out_of_memory
         return 0
 
     def register(self, va: int, nbytes: int, device: Device) -> int:
@@ -127,7 +127,7 @@ class DriverFaults(DelegatingBackend):
                 self.foreign_unregisters += 1
                 return 0  # refused silently, as a real unregister of a foreign pin would "succeed"
             if va not in self._pinned:
-                return NOT_REGISTERED
+                return self.status.not_registered
             del self._pinned[va]
             return self.inner.unregister(va, device)
 
@@ -137,7 +137,7 @@ class DriverFaults(DelegatingBackend):
             return sum(self._pinned.values())
 
     def describe(self, code: int) -> str:
-        if code == OUT_OF_MEMORY and self._memlock_hit:
+        if code == self.status.out_of_memory and self._memlock_hit:
             return f"out of memory: RLIMIT_MEMLOCK ({self.memlock} bytes, injected) reached"
         if code == NOT_SUPPORTED:
             return "operation not supported (injected: host registration refused at every size)"

@@ -28,6 +28,7 @@ host-memory kinds of other platforms, so each kind is tested on CPU:
 
 from __future__ import annotations
 
+import collections
 import resource
 import threading
 import weakref
@@ -38,6 +39,7 @@ import torch
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName, RuntimeTraits
 from pointerdomain._platform.host_memory import NOT_SUPPORTED, VmmAllocation
+from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
 from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
@@ -82,6 +84,9 @@ _MESSAGES = {
 }
 
 
+#: Copy submissions the emulated backend keeps (the latest; older ones drop off).
+_RECORDED = 1 << 16
+
 #: cudaErrorInvalidDevice: the status of emulated work for a device that is not current.
 _WRONG_DEVICE = 101
 
@@ -100,7 +105,14 @@ def _require_current(device: Device, what: str) -> None:
 
 
 class EmulatedBackend(RuntimeTraits):
-    """See the module docstring."""
+    """See the module docstring.
+
+    Attributes:
+        copy_submissions: each submission of :meth:`copy_runs` as the batched copy
+            contract plans it (:mod:`.batch_copy`: descriptors, attributes, stream, batch
+            call or per-run copies), the latest ``2**16``; the emulated device stands in
+            for a runtime with the batch call, so the CPU suite checks the plan.
+    """
 
     name = "emulated"
     runtime = "emulated"
@@ -121,6 +133,7 @@ class EmulatedBackend(RuntimeTraits):
                                     CanUseHostPointerForRegisteredMem=1)
         self._vmm: dict[int, tuple[int, int]] = {}  # vmm-host profile: base -> (nbytes, handle)
         self._handles = 0
+        self.copy_submissions: collections.deque[Submission] = collections.deque(maxlen=_RECORDED)
 
     def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
         """The emulated VMM allocation holding ``addr`` (``vmm-host`` profile), or None."""
@@ -283,7 +296,12 @@ class EmulatedBackend(RuntimeTraits):
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         _require_current(device, "copy-engine runs")
-        _C.cpu_copy_runs(dsts, srcs, sizes, count)
+        plan = plan_copy_runs(count, stream, batched=batch_allowed(self.runtime, True),
+                              capturing=self.is_capturing(device))
+        for sub in plan:  # each submission's slice of the three uint64 arrays
+            skip = 8 * sub.first
+            _C.cpu_copy_runs(dsts + skip, srcs + skip, sizes + skip, sub.count)
+        self.copy_submissions.extend(plan)
 
     def staged_available(self) -> bool:
         return False  # no copy engine to stage through: staged_transfer runs the kernel path

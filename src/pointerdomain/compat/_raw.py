@@ -42,6 +42,17 @@ that launch refuses before writing (an ``IndexValidationError``) runs the call's
 path, which names the argument in its own words or accepts what the call shape accepts
 beyond the direct API (``int32`` indices, LMCache's negative slots). A key sees what the
 raw-table cache sees, and no more.
+
+Before that key is built, a repeat is looked up by its arguments' identity (:class:`Seen`:
+the call shape, the ``id`` of each tensor argument, the scalars), the entry holding those
+tensors so that no other object can take their ``id``; it holds when every tensor is at
+the same ``data_ptr()`` with the same version counter, or, for a buffer only (whose
+contents change on every step), written since but of the same shape and strides
+(:func:`seen_again`). A constant amount of work per call, no hashing of shapes. Not seen by
+it: ``.data = t.view(...)``, which changes a buffer's shape without moving its data pointer
+or its version (the repeat moves the bytes it was prepared for, inside the same storage).
+Tensors an engine makes anew per call (``k_buffer[layer_id]``) are not kept by identity
+(they would only churn the cache): those calls keep the memory key.
 """
 
 from __future__ import annotations
@@ -76,6 +87,10 @@ from pointerdomain.registration.tables import PointerTable, make_kernel_ptr_tabl
 __all__ = [
     "addresses_table",
     "held",
+    "met_again",
+    "remember_seen",
+    "seen_again",
+    "Seen",
     "plain_tensor",
     "remember",
     "clear_cache",
@@ -172,6 +187,21 @@ def _open(table: PointerTable[DeviceAlias]) -> bool:
     return not owners or not any(owner.closed for owner in owners)
 
 
+def resolution_holds(table: PointerTable[DeviceAlias]) -> bool:
+    """True while what ``table`` was resolved against is unchanged: its registrations open
+    and each device-memory range still one allocation of its device. A cache keyed by
+    address values re-resolves otherwise: the same numbers may name new memory, and the
+    aliases of a new registration differ from the old one's."""
+    if not _open(table):
+        return False
+    for lo, hi, kind in table.resolved_regions():
+        if kind == "device":
+            info = pointer_info(table.device, lo)
+            if info is None or info.kind != "device" or not info.start <= lo < hi <= info.start + info.size:
+                return False
+    return True
+
+
 def _same(refs: tuple[weakref.ref[torch.Tensor], ...], items: tuple[torch.Tensor, ...]) -> bool:
     for r, t in zip(refs, items):
         if r() is not t:
@@ -251,6 +281,99 @@ def held(*ts: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """What a prepared-call cache entry keeps alive: the argument tensors its key names (a
     raw table's ``id`` must not be reused; a buffer's memory must stay where the key says)."""
     return tuple(t for t in ts if t is not None)
+
+
+# -- prepared calls found by their arguments' identity ----------------------------------------
+
+class Seen:
+    """A prepared call as last seen with these argument objects (:func:`seen_again`).
+
+    It holds the argument tensors themselves (as a prepared call holds its own: while the
+    entry lives no other object can have their ``id``, so a key of ids that matches names
+    these very objects), and per tensor the ``data_ptr()`` and version counter last checked
+    and the shape and strides; ``tables`` marks the raw address tables, whose
+    contents (their version) count, among buffers, whose contents do not."""
+
+    __slots__ = ("tensors", "ptrs", "versions", "shapes", "strides", "tables", "value")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], tables: Sequence[bool], value: object) -> None:
+        self.tensors = tuple(tensors)
+        self.ptrs = tuple(t.data_ptr() for t in tensors)
+        self.versions = tuple(int(t._version) for t in tensors)
+        self.shapes = tuple(t.shape for t in tensors)
+        self.strides = tuple(t.stride() for t in tensors)
+        self.tables = tuple(tables)
+        self.value = value
+
+
+def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """True when ``tensors`` (the objects ``entry`` was made from: its key holds their ids,
+    and the entry keeps them alive) still are what the entry was checked for: each at the
+    same ``data_ptr()`` (``set_()``, ``.data = other``: other memory) with its version
+    counter unchanged (no in-place write, ``set_``, ``resize_`` or in-place view op since);
+    or, for a buffer only, written since (an engine writes its KV cache every step) but of
+    the same shape and strides (what an in-place op can change; its dtype cannot change
+    without ``.data =``, which no counter sees). A constant amount of work per argument:
+    two attribute reads while nothing moved, no hashing of shapes."""
+    n = len(tensors)
+    if n == 2:
+        a, b = tensors
+        if (a.data_ptr(), b.data_ptr()) != entry.ptrs:
+            return False
+        versions: tuple[int, ...] = (a._version, b._version)
+    elif n == 4:
+        a, b, c, d = tensors
+        if (a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr()) != entry.ptrs:
+            return False
+        versions = (a._version, b._version, c._version, d._version)
+    else:
+        if tuple(t.data_ptr() for t in tensors) != entry.ptrs:
+            return False
+        versions = tuple(t._version for t in tensors)
+    if versions == entry.versions:
+        return True
+    for t, v, was, table, shape, strides in zip(tensors, versions, entry.versions, entry.tables, entry.shapes,
+                                                 entry.strides):
+        # a raw table written: its addresses are resolved again; a buffer: what it is must hold
+        if v != was and (table or t.shape != shape or t.stride() != strides):
+            return False
+    entry.versions = versions  # the buffers are still the same buffers
+    return True
+
+
+def met_again(tensors: Sequence[object], held: Sequence[object], last: list[tuple[object, ...]]) -> bool:
+    """After a memory-keyed hit of a prepared call: True when ``tensors`` are the objects
+    it holds (``held``) or the objects of its previous memory-keyed hit (``last[0]``): an
+    engine's own tensors, met again, worth keeping by identity (:func:`remember_seen`).
+    Otherwise they become ``last[0]``, kept alive there, so their ids stay taken: a view
+    an engine makes anew on every call never matches, and never churns the identity cache."""
+    prev, last[0] = last[0], tuple(tensors)
+    first = tensors[0]
+    if first is not held[0] and (not prev or first is not prev[0]):
+        return False  # the common miss, cheaply: callers put the argument an engine makes anew first
+    for known in (held, prev):
+        if len(known) == len(tensors):
+            for x, y in zip(tensors, known):
+                if x is not y:
+                    break
+            else:
+                return True
+    return False
+
+
+def remember_seen(cache: OrderedDict[Any, Any], key: object, tensors: Sequence[torch.Tensor | None],
+                  tables: Sequence[bool], value: object) -> None:
+    """Keep ``value`` (a prepared call) under ``key`` (the call shape, its arguments' ids
+    and scalars) for :func:`seen_again`; ``tables`` marks the raw address tables among
+    ``tensors`` (None entries are left out of both). An inference tensor (no version
+    counter) is not kept."""
+    kept = [(t, tab) for t, tab in zip(tensors, tables) if t is not None]
+    try:
+        entry = Seen([t for t, _ in kept], [tab for _, tab in kept], value)
+    except RuntimeError:  # an inference tensor: no version counter
+        return
+    with _lock:
+        remember(cache, key, entry, 2 * CACHE_SIZE)
 
 
 # -- raw addresses ---------------------------------------------------------------------

@@ -523,6 +523,8 @@ class _Ready(NamedTuple):
     exact: bool
     limit: int
     device: Device
+    #: the arguments of the last memory-keyed hit (:func:`pointerdomain.compat._raw.met_again`)
+    last: list[tuple[object, ...]]
 
 
 _ready: OrderedDict[tuple[object, ...], _Ready] = _raw.owned_cache()
@@ -605,6 +607,34 @@ def _remember_ready(key: tuple[object, ...] | None, ready: _Ready) -> None:
             _raw.remember(_ready, key, ready, _READY_MAX)
 
 
+#: the same prepared calls by their arguments' identity (:class:`pointerdomain.compat._raw.Seen`):
+#: the first look-up of a repeat, before the memory-keyed one above
+_seen: OrderedDict[tuple[object, ...], _raw.Seen] = _raw.owned_cache()
+
+
+def _replay(fast: tuple[object, ...], tensors: tuple[object, object], slot_mapping: object) -> bool:
+    """The prepared call kept under ``fast`` launched, when ``tensors`` (the memory object and
+    the pointer table or cache) are still what it was made from; False otherwise (the caller
+    takes its keyed path)."""
+    try:
+        entry = _seen.get(fast)
+        if entry is None or not _raw.seen_again(entry, tensors):  # type: ignore[arg-type]
+            return False
+    except Exception:  # an unhashable argument: the full path names it
+        return False
+    return _launch_ready(entry.value, slot_mapping)  # type: ignore[arg-type]
+
+
+def _remember_seen(fast: tuple[object, ...], tensors: tuple[object, object], tables: tuple[bool, bool],
+                   ready: _Ready, *, again: bool = False) -> None:
+    """Keep a prepared call for :func:`_replay`; ``again`` (after a memory-keyed hit): only
+    for objects met again (:func:`pointerdomain.compat._raw.met_again`; views made anew per
+    call would churn)."""
+    if again and not _raw.met_again(tensors, ready.held, ready.last):
+        return
+    _raw.remember_seen(_seen, fast, tensors, tables, ready)  # type: ignore[arg-type]
+
+
 def _memory_object(key_value: object, kv_size: int) -> torch.Tensor:
     kv = _contiguous("key_value", _tensor("key_value", key_value))
     if kv.dim() != 4 or kv.shape[0] != kv_size:
@@ -668,16 +698,21 @@ def multi_layer_kv_transfer(
             known allocation, in a closed registration, or reaching past its allocation.
         Everything :func:`pointerdomain.transfer_kv_all_layer` raises.
     """
+    # the scalars with their types: 1, True and D2H are one direction here, 1.0 is refused
+    scalars = (paged_memory_device, page_buffer_size, direction, type(direction), engine_kv_format,
+               type(engine_kv_format), block_size, head_size, skip_prefix_n_tokens)
+    plain = type(page_buffer_size) is type(block_size) is type(head_size) is type(skip_prefix_n_tokens) is int
+    fast = ("multi", id(key_value), id(key_value_ptrs), scalars)
+    if plain and _replay(fast, (key_value, key_value_ptrs), slot_mapping):
+        return
     key: tuple[object, ...] | None
     try:
-        key = ("multi", view_key(key_value), table_key(key_value_ptrs), paged_memory_device,
-               page_buffer_size, direction, engine_kv_format, type(engine_kv_format) is bool, block_size, head_size,
-               skip_prefix_n_tokens)
+        key = ("multi", view_key(key_value), table_key(key_value_ptrs), scalars)
         hit = _ready.get(key)
     except Exception:  # not plain tensors, an inference-mode table: the full path
         key = hit = None
-    if (hit is not None and type(page_buffer_size) is int and type(block_size) is int and type(head_size) is int
-            and type(skip_prefix_n_tokens) is int and _launch_ready(hit, slot_mapping)):
+    if hit is not None and plain and _launch_ready(hit, slot_mapping):
+        _remember_seen(fast, (key_value, key_value_ptrs), (False, True), hit, again=True)
         return
     device = _launch_device(paged_memory_device)
     to_paged = _to_paged(direction)
@@ -720,9 +755,11 @@ def multi_layer_kv_transfer(
     pairs = _pairs(slots[skip:num_tokens], skip, capacity, g.heads, g)
     if pairs is not None:
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
-    if g.heads == 1 and not g.block and _keyed_device(paged_memory_device):
-        _remember_ready(key, _Ready(held(key_value, key_value_ptrs), mem, mem_layout, paged,
-                                    paged_layout, to_paged, {}, skip, num_tokens - skip, legacy, num_tokens, device))
+    if g.heads == 1 and not g.block and _keyed_device(paged_memory_device) and key is not None:
+        ready = _Ready(held(key_value, key_value_ptrs), mem, mem_layout, paged, paged_layout, to_paged, {}, skip,
+                       num_tokens - skip, legacy, num_tokens, device, [()])
+        _remember_ready(key, ready)
+        _remember_seen(fast, (key_value, key_value_ptrs), (False, True), ready)
 
 
 def multi_layer_kv_transfer_unilateral(
@@ -838,14 +875,18 @@ def single_layer_kv_transfer(
         DeviceMismatchError: memory or slots of another device.
         Everything :func:`pointerdomain.transfer_kv_all_layer` raises.
     """
+    scalars = (direction, type(direction), engine_kv_format, type(engine_kv_format), token_major, type(token_major))
+    fast = ("single", id(lmc_key_value_cache), id(vllm_key_value_cache), scalars)
+    if _replay(fast, (lmc_key_value_cache, vllm_key_value_cache), slot_mapping):
+        return
     key: tuple[object, ...] | None
     try:
-        key = ("single", view_key(lmc_key_value_cache), view_key(vllm_key_value_cache), direction,
-               engine_kv_format, type(engine_kv_format) is bool, token_major, type(token_major) is bool)
+        key = ("single", view_key(lmc_key_value_cache), view_key(vllm_key_value_cache), scalars)
         hit = _ready.get(key)
     except Exception:  # not plain tensors: the full path
         key = hit = None
     if hit is not None and _launch_ready(hit, slot_mapping):
+        _remember_seen(fast, (lmc_key_value_cache, vllm_key_value_cache), (False, False), hit, again=True)
         return
     to_paged = _to_paged(direction)
     if isinstance(engine_kv_format, bool):
@@ -894,9 +935,11 @@ def single_layer_kv_transfer(
     mem_layout, paged_layout = _layout(g.kv_size, 1, mem_runs, run_bytes), _layout(g.kv_size, 1, g.runs, run_bytes)
     if pairs is not None:
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
-    if tok_runs == 1 and not g.block:
-        _remember_ready(key, _Ready(held(lmc_key_value_cache, vllm_key_value_cache), mem,
-                                    mem_layout, paged, paged_layout, to_paged, {}, 0, None, False, buffered, device))
+    if tok_runs == 1 and not g.block and key is not None:
+        ready = _Ready(held(lmc_key_value_cache, vllm_key_value_cache), mem, mem_layout, paged, paged_layout, to_paged,
+                       {}, 0, None, False, buffered, device, [()])
+        _remember_ready(key, ready)
+        _remember_seen(fast, (lmc_key_value_cache, vllm_key_value_cache), (False, False), ready)
 
 
 def _flash(key_value: object, key_cache: object, value_cache: object, slot_mapping: object, layer_idx: object,

@@ -102,7 +102,10 @@ from pointerdomain.compat.sgl_kernel import (
     page_parts,
     prepared,
     ptr_arg,
+    remember_again,
     remember_call,
+    remember_seen,
+    replay,
     room,
     row_parts,
     runs,
@@ -283,19 +286,19 @@ def _rows_side(names: Sequence[str], ts: Sequence[torch.Tensor], element_dim: in
     return _Rows(tuple(buffers), rows, stride, element, ts[0].dtype)
 
 
-def _plain(*values: object) -> bool:
-    """Every value None or an int (not a bool), so that a cache key of them means what it says."""
-    for v in values:
-        if v is not None and type(v) is not int:
-            return False
-    return True
-
-
 def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: object, v_src: object | None,
                indices_src: object, element_dim: object, unroll: object, block_quota: object,
                names: tuple[str, str, str, str]) -> None:
     # a repeat of a call over packed rows goes straight to the direct launch (see the
-    # prepared calls of pointerdomain.compat.sgl_kernel)
+    # prepared calls of pointerdomain.compat.sgl_kernel): first by the arguments' identity,
+    # then by their memory
+    plain = ((element_dim is None or type(element_dim) is int) and (unroll is None or type(unroll) is int)
+             and (block_quota is None or type(block_quota) is int))
+    fast = ("one", id(k_dst), id(v_dst), id(k_src), id(v_src), element_dim, unroll, block_quota)
+    # sources first: the host layer views sglang makes per call differ at once (met_again)
+    ts = (k_src, k_dst) if v_dst is None else (k_src, v_src, k_dst, v_dst)
+    if plain and replay(fast, ts, indices_src, indices_dst):
+        return
     key: tuple[object, ...] | None
     try:
         key = ("one", view_key(k_dst), None if v_dst is None else view_key(v_dst),  # type: ignore[arg-type]
@@ -304,7 +307,8 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
         hit = prepared.get(key)
     except Exception:  # not plain tensors: the full path
         key = hit = None
-    if hit is not None and _plain(element_dim, unroll, block_quota) and launch_prepared(hit, indices_src, indices_dst):
+    if hit is not None and plain and launch_prepared(hit, indices_src, indices_dst):
+        remember_again(fast, ts, (False,) * len(ts), hit)
         return
     ctas = _quota(block_quota)
     _unroll(unroll)
@@ -336,8 +340,10 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     launch(sides[0], sides[1], row_parts(s_idx, src.rows, parts, src.stride // g),
            row_parts(d_idx, dst.rows, parts, dst.stride // g), layer=None, ctas=ctas)
     if parts == 1 and src.stride == dst.stride == g:  # packed rows: the indices are the slots
-        remember_call(key, Prepared(held(k_dst, v_dst, k_src, v_src), sides[0], sides[1], None,  # type: ignore[arg-type]
-                                    ctas))
+        entry = Prepared(held(k_src, v_src, k_dst, v_dst), sides[0], sides[1], None, ctas, [()])  # type: ignore[arg-type]
+        remember_call(key, entry)
+        if key is not None:
+            remember_seen(fast, ts, (False,) * len(ts), entry)
 
 
 def _indices_pair(indices_src: object, indices_dst: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,6 +428,13 @@ def _raw_rows(names: Sequence[str], ptrs: Sequence[torch.Tensor], device: Device
 def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: object, v_src: object | None,
                indices_src: object, src_stride: object, dst_stride: object, element_size: object, unroll: object,
                block_quota: object, names: tuple[str, str, str, str], stride_names: tuple[str, str]) -> None:
+    plain = (type(src_stride) is type(dst_stride) is int and (element_size is None or type(element_size) is int)
+             and (unroll is None or type(unroll) is int) and (block_quota is None or type(block_quota) is int))
+    fast = ("all", id(k_dst), id(v_dst), id(k_src), id(v_src), src_stride, dst_stride, element_size, unroll,
+            block_quota)
+    ts = (k_dst, k_src) if v_dst is None else (k_dst, v_dst, k_src, v_src)
+    if plain and replay(fast, ts, indices_src, indices_dst):
+        return
     key: tuple[object, ...] | None
     try:
         key = ("all", table_key(k_dst), None if v_dst is None else table_key(v_dst),  # type: ignore[arg-type]
@@ -430,8 +443,8 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
         hit = prepared.get(key)
     except Exception:  # not plain tensors, an inference-mode table: the full path
         key = hit = None
-    if (hit is not None and _plain(src_stride, dst_stride, element_size, unroll, block_quota)
-            and launch_prepared(hit, indices_src, indices_dst)):
+    if hit is not None and plain and launch_prepared(hit, indices_src, indices_dst):
+        remember_again(fast, ts, (True,) * len(ts), hit)
         return
     ctas = _quota(block_quota)
     _unroll(unroll)
@@ -471,7 +484,10 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     launch(src, dst, row_parts(s_idx, s_rows, parts, s_stride // g), row_parts(d_idx, d_rows, parts, d_stride // g),
            layer=None, ctas=ctas)
     if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots
-        remember_call(key, Prepared(held(k_dst, v_dst, k_src, v_src), src, dst, None, ctas))  # type: ignore[arg-type]
+        entry = Prepared(held(k_dst, v_dst, k_src, v_src), src, dst, None, ctas, [()])  # type: ignore[arg-type]
+        remember_call(key, entry)
+        if key is not None:
+            remember_seen(fast, ts, (True,) * len(ts), entry)
 
 
 def transfer_hicache_all_layer(

@@ -582,7 +582,20 @@ def _kv(k: object, v: object | None, names: tuple[str, str]) -> tuple[tuple[str,
 
 def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                   dst_indices: object, item_size: object, block_quota: object, num_warps_per_block: object,
-                  names: tuple[str, str, str, str]) -> None:
+                  names: tuple[str, str, str, str], fast: tuple[object, ...] | None) -> None:
+    ts = (k_src, k_dst) if v_src is None else (k_src, k_dst, v_src, v_dst)
+    key: tuple[object, ...] | None
+    try:
+        key = ("lf", view_key(k_src), view_key(k_dst),  # type: ignore[arg-type]
+               None if v_src is None else view_key(v_src), None if v_dst is None else view_key(v_dst),  # type: ignore[arg-type]
+               item_size, block_quota, num_warps_per_block)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors: the full path names what is wrong
+        key = hit = None
+    if (hit is not None and type(item_size) is type(block_quota) is type(num_warps_per_block) is int
+            and launch_prepared(hit, src_indices, dst_indices)):
+        remember_again(fast, ts, (False,) * len(ts), hit)
+        return
     item = _item_size(item_size)
     ctas = block_quota_of(block_quota)
     _warps(num_warps_per_block)
@@ -598,6 +611,9 @@ def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
+    remember_call(key, entry)
+    remember_seen(fast if key is not None else None, ts, (False,) * len(ts), entry)
 
 
 def transfer_kv_per_layer(
@@ -631,8 +647,12 @@ def transfer_kv_per_layer(
             DomainError, DeviceMismatchError, RegistrationSpanError, ClosedError,
             OverlapError); and the launch errors of :func:`pointerdomain.transfer_kv_all_layer`.
     """
+    fast = ("lf", id(src_k), id(dst_k), id(src_v), id(dst_v), item_size, block_quota, num_warps_per_block)
+    if (type(item_size) is type(block_quota) is type(num_warps_per_block) is int
+            and replay(fast, (src_k, dst_k, src_v, dst_v), src_indices, dst_indices)):
+        return
     _per_layer_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, block_quota,
-                  num_warps_per_block, ("src_k", "dst_k", "src_v", "dst_v"))
+                  num_warps_per_block, ("src_k", "dst_k", "src_v", "dst_v"), fast)
 
 
 def transfer_kv_per_layer_mla(
@@ -647,13 +667,31 @@ def transfer_kv_per_layer_mla(
     """:func:`transfer_kv_per_layer` for MLA's one latent buffer per layer.
     ``block_quota=None``: ``SGLANG_HICACHE_BLOCK_QUOTA`` or 16 on HIP, 2 on CUDA (upstream)."""
     quota = _default_mla_block_quota() if block_quota is None else block_quota
+    fast = ("lf", id(src), id(dst), None, None, item_size, quota, num_warps_per_block)
+    if type(item_size) is type(quota) is type(num_warps_per_block) is int and replay(fast, (src, dst), src_indices,
+                                                                                     dst_indices):
+        return
     _per_layer_lf(src, dst, None, None, src_indices, dst_indices, item_size, quota, num_warps_per_block,
-                  ("src", "dst", "", ""))
+                  ("src", "dst", "", ""), fast)
 
 
 def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                   dst_indices: object, item_size: object, num_layers: object, block_quota: object,
-                  num_warps_per_block: object, names: tuple[str, str, str, str]) -> None:
+                  num_warps_per_block: object, names: tuple[str, str, str, str],
+                  fast: tuple[object, ...] | None) -> None:
+    ts = (k_src, k_dst) if v_src is None else (k_src, k_dst, v_src, v_dst)
+    key: tuple[object, ...] | None
+    try:
+        key = ("lf_all", table_key(k_src), table_key(k_dst),  # type: ignore[arg-type]
+               None if v_src is None else table_key(v_src), None if v_dst is None else table_key(v_dst),  # type: ignore[arg-type]
+               item_size, num_layers, block_quota, num_warps_per_block)
+        hit = prepared.get(key)
+    except Exception:  # not plain tensors, an inference-mode table: the full path
+        key = hit = None
+    if (hit is not None and type(item_size) is type(num_layers) is type(block_quota) is type(num_warps_per_block)
+            is int and launch_prepared(hit, src_indices, dst_indices)):
+        remember_again(fast, ts, (True,) * len(ts), hit)
+        return
     item = _item_size(item_size)
     layers = _int("num_layers", num_layers)
     ctas = block_quota_of(block_quota)
@@ -672,6 +710,9 @@ def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
+    remember_call(key, entry)
+    remember_seen(fast if key is not None else None, ts, (True,) * len(ts), entry)
 
 
 def transfer_kv_all_layer(
@@ -703,9 +744,14 @@ def transfer_kv_all_layer(
     Other arguments and errors as :func:`transfer_kv_per_layer`; also NotRegisteredError
     for an entry that is no known memory.
     """
+    fast = ("lf_all", id(src_k_layers), id(dst_k_layers), id(src_v_layers), id(dst_v_layers), item_size, num_layers,
+            block_quota, num_warps_per_block)
+    if (type(item_size) is type(num_layers) is type(block_quota) is type(num_warps_per_block) is int
+            and replay(fast, (src_k_layers, dst_k_layers, src_v_layers, dst_v_layers), src_indices, dst_indices)):
+        return
     _all_layer_lf(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices, item_size,
                   num_layers, block_quota, num_warps_per_block,
-                  ("src_k_layers", "dst_k_layers", "src_v_layers", "dst_v_layers"))
+                  ("src_k_layers", "dst_k_layers", "src_v_layers", "dst_v_layers"), fast)
 
 
 def transfer_kv_all_layer_mla(
@@ -719,8 +765,13 @@ def transfer_kv_all_layer_mla(
     num_warps_per_block: int = DEFAULT_WARPS_PER_BLOCK,
 ) -> None:
     """:func:`transfer_kv_all_layer` for MLA (one raw table a side)."""
+    fast = ("lf_all", id(src_layers), id(dst_layers), None, None, item_size, num_layers, block_quota,
+            num_warps_per_block)
+    if (type(item_size) is type(num_layers) is type(block_quota) is type(num_warps_per_block) is int
+            and replay(fast, (src_layers, dst_layers), src_indices, dst_indices)):
+        return
     _all_layer_lf(src_layers, dst_layers, None, None, src_indices, dst_indices, item_size, num_layers,
-                  block_quota, num_warps_per_block, ("src_layers", "dst_layers", "", ""))
+                  block_quota, num_warps_per_block, ("src_layers", "dst_layers", "", ""), fast)
 
 
 # -- prepared calls -------------------------------------------------------------------------
@@ -740,10 +791,37 @@ class Prepared(NamedTuple):
     dst: "Side"
     layer: int | None
     ctas: int
+    #: the arguments of the last memory-keyed hit (:func:`pointerdomain.compat._raw.met_again`)
+    last: list[tuple[object, ...]]
 
 
 prepared: OrderedDict[tuple[object, ...], Prepared] = _raw.owned_cache()
 _PREPARED_MAX = 256
+#: the same prepared calls by their arguments' identity (:class:`pointerdomain.compat._raw.Seen`),
+#: keyed by the call shape, the ``id`` of each tensor argument and the scalars: the first
+#: look-up of a repeat (:func:`replay`), before the memory-keyed one above
+seen: OrderedDict[tuple[object, ...], _raw.Seen] = _raw.owned_cache()
+
+
+def replay(fast: tuple[object, ...], tensors: tuple[object, ...], s_idx: object, d_idx: object) -> bool:
+    """Launch the prepared call kept under ``fast`` when ``tensors`` are still the arguments it
+    was made from (:func:`pointerdomain.compat._raw.seen_again`); False when there is none or
+    the direct launch refused it before writing (the caller then takes its keyed path). The
+    caller has checked that the scalars in ``fast`` are ints (or None where the call takes None)."""
+    try:
+        entry = seen.get(fast)
+        if entry is None or not _raw.seen_again(entry, tensors):  # type: ignore[arg-type]
+            return False
+    except Exception:  # an unhashable scalar, None where a tensor belongs: the full path names it
+        return False
+    return launch_prepared(entry.value, s_idx, d_idx)  # type: ignore[arg-type]
+
+
+def remember_seen(fast: tuple[object, ...] | None, tensors: Sequence[object], tables: Sequence[bool],
+                  entry: Prepared) -> None:
+    """Keep a prepared call for :func:`replay` (``fast`` None: nothing kept)."""
+    if fast is not None:
+        _raw.remember_seen(seen, fast, tensors, tables, entry)  # type: ignore[arg-type]
 
 
 def remember_call(key: tuple[object, ...] | None, entry: Prepared) -> None:
@@ -751,6 +829,16 @@ def remember_call(key: tuple[object, ...] | None, entry: Prepared) -> None:
         return
     with _lock:
         _raw.remember(prepared, key, entry, _PREPARED_MAX)
+
+
+def remember_again(fast: tuple[object, ...] | None, tensors: Sequence[object], tables: Sequence[bool],
+                   entry: Prepared) -> None:
+    """After a memory-keyed hit: keep the call for :func:`replay` only when its arguments are
+    objects met again (:func:`pointerdomain.compat._raw.met_again`: a pool's own tensors).
+    Views an engine makes anew on every call would only churn the identity cache: those
+    calls keep the memory-keyed look-up."""
+    if _raw.met_again(tensors, entry.held, entry.last):
+        remember_seen(fast, tensors, tables, entry)
 
 
 def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
@@ -775,7 +863,11 @@ def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
 
 def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                      dst_indices: object, layer_id: object, item_size: object, src_layout_dim: object,
-                     block_quota: object, num_warps_per_block: object, names: tuple[str, str, str, str]) -> None:
+                     block_quota: object, num_warps_per_block: object, names: tuple[str, str, str, str],
+                     fast: tuple[object, ...] | None) -> None:
+    ts = (k_src, k_dst) if v_src is None else (k_src, k_dst, v_src, v_dst)
+    plain = type(layer_id) is type(item_size) is type(src_layout_dim) is type(block_quota) is type(
+        num_warps_per_block) is int
     key: tuple[object, ...] | None
     try:
         key = ("pf_lf", view_key(k_src), view_key(k_dst),  # type: ignore[arg-type]
@@ -784,9 +876,8 @@ def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
         hit = prepared.get(key)
     except Exception:  # not plain tensors: the full path names what is wrong
         key = hit = None
-    if (hit is not None and type(layer_id) is int and type(item_size) is int and type(src_layout_dim) is int
-            and type(block_quota) is int and type(num_warps_per_block) is int
-            and launch_prepared(hit, src_indices, dst_indices)):
+    if hit is not None and plain and launch_prepared(hit, src_indices, dst_indices):
+        remember_again(fast, ts, (False,) * len(ts), hit)
         return
     item = _item_size(item_size)
     layers = _layers_in("src_layout_dim", src_layout_dim, item)
@@ -811,7 +902,9 @@ def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=layer, ctas=ctas)
-    remember_call(key, Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, layer, ctas))  # type: ignore[arg-type]
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, layer, ctas, [()])  # type: ignore[arg-type]
+    remember_call(key, entry)
+    remember_seen(fast if key is not None else None, ts, (False,) * len(ts), entry)
 
 
 def transfer_kv_per_layer_pf_lf(
@@ -839,8 +932,13 @@ def transfer_kv_per_layer_pf_lf(
 
     Other arguments and errors as :func:`transfer_kv_per_layer`.
     """
+    fast = ("pf_lf", id(src_k), id(dst_k), id(src_v), id(dst_v), layer_id, item_size, src_layout_dim, block_quota,
+            num_warps_per_block)
+    if (type(layer_id) is type(item_size) is type(src_layout_dim) is type(block_quota) is type(num_warps_per_block)
+            is int and replay(fast, (src_k, dst_k, src_v, dst_v), src_indices, dst_indices)):
+        return
     _per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size, src_layout_dim,
-                     block_quota, num_warps_per_block, ("src_k", "dst_k", "src_v", "dst_v"))
+                     block_quota, num_warps_per_block, ("src_k", "dst_k", "src_v", "dst_v"), fast)
 
 
 def transfer_kv_per_layer_mla_pf_lf(
@@ -857,13 +955,22 @@ def transfer_kv_per_layer_mla_pf_lf(
     """:func:`transfer_kv_per_layer_pf_lf` for MLA. ``block_quota=None`` as
     :func:`transfer_kv_per_layer_mla`."""
     quota = _default_mla_block_quota() if block_quota is None else block_quota
+    fast = ("pf_lf", id(src), id(dst), None, None, layer_id, item_size, src_layout_dim, quota, num_warps_per_block)
+    if (type(layer_id) is type(item_size) is type(src_layout_dim) is type(quota) is type(num_warps_per_block) is int
+            and replay(fast, (src, dst), src_indices, dst_indices)):
+        return
     _per_layer_pf_lf(src, dst, None, None, src_indices, dst_indices, layer_id, item_size, src_layout_dim, quota,
-                     num_warps_per_block, ("src", "dst", "", ""))
+                     num_warps_per_block, ("src", "dst", "", ""), fast)
 
 
 def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: object | None, src_indices: object,
                      dst_indices: object, item_size: object, dst_layout_dim: object, num_layers: object,
-                     block_quota: object, num_warps_per_block: object, names: tuple[str, str, str, str]) -> None:
+                     block_quota: object, num_warps_per_block: object, names: tuple[str, str, str, str],
+                     fast: tuple[object, ...] | None) -> None:
+    ts = (k_src, k_dst) if v_src is None else (k_src, k_dst, v_src, v_dst)
+    tables = (True, False) if v_src is None else (True, False, True, False)
+    plain = type(item_size) is type(dst_layout_dim) is type(num_layers) is type(block_quota) is type(
+        num_warps_per_block) is int
     key: tuple[object, ...] | None
     try:
         key = ("lf_pf", table_key(k_src), view_key(k_dst),  # type: ignore[arg-type]
@@ -872,9 +979,8 @@ def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
         hit = prepared.get(key)
     except Exception:  # not plain tensors, an inference-mode table: the full path
         key = hit = None
-    if (hit is not None and type(item_size) is int and type(dst_layout_dim) is int and type(num_layers) is int
-            and type(block_quota) is int and type(num_warps_per_block) is int
-            and launch_prepared(hit, src_indices, dst_indices)):
+    if hit is not None and plain and launch_prepared(hit, src_indices, dst_indices):
+        remember_again(fast, ts, tables, hit)
         return
     item = _item_size(item_size)
     layers = _int("num_layers", num_layers)
@@ -901,7 +1007,9 @@ def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
-    remember_call(key, Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas))  # type: ignore[arg-type]
+    entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
+    remember_call(key, entry)
+    remember_seen(fast if key is not None else None, ts, tables, entry)
 
 
 def transfer_kv_all_layer_lf_pf(
@@ -928,8 +1036,14 @@ def transfer_kv_all_layer_lf_pf(
 
     Other arguments and errors as :func:`transfer_kv_all_layer`.
     """
+    fast = ("lf_pf", id(src_k_layers), id(dst_k), id(src_v_layers), id(dst_v), item_size, dst_layout_dim, num_layers,
+            block_quota, num_warps_per_block)
+    if (type(item_size) is type(dst_layout_dim) is type(num_layers) is type(block_quota) is type(num_warps_per_block)
+            is int and replay(fast, (src_k_layers, dst_k, src_v_layers, dst_v), src_indices, dst_indices)):
+        return
     _all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size, dst_layout_dim,
-                     num_layers, block_quota, num_warps_per_block, ("src_k_layers", "dst_k", "src_v_layers", "dst_v"))
+                     num_layers, block_quota, num_warps_per_block, ("src_k_layers", "dst_k", "src_v_layers", "dst_v"),
+                     fast)
 
 
 def transfer_kv_all_layer_mla_lf_pf(
@@ -944,8 +1058,13 @@ def transfer_kv_all_layer_mla_lf_pf(
     num_warps_per_block: int = DEFAULT_WARPS_PER_BLOCK,
 ) -> None:
     """:func:`transfer_kv_all_layer_lf_pf` for MLA."""
+    fast = ("lf_pf", id(src_layers), id(dst), None, None, item_size, dst_layout_dim, num_layers, block_quota,
+            num_warps_per_block)
+    if (type(item_size) is type(dst_layout_dim) is type(num_layers) is type(block_quota) is type(num_warps_per_block)
+            is int and replay(fast, (src_layers, dst), src_indices, dst_indices)):
+        return
     _all_layer_lf_pf(src_layers, dst, None, None, src_indices, dst_indices, item_size, dst_layout_dim, num_layers,
-                     block_quota, num_warps_per_block, ("src_layers", "dst", "", ""))
+                     block_quota, num_warps_per_block, ("src_layers", "dst", "", ""), fast)
 
 
 # -- page_head and head-group-major host pools ------------------------------------------------

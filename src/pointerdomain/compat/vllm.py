@@ -60,16 +60,20 @@ from __future__ import annotations
 
 import array
 import functools
+import importlib.util
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Final, Literal, NamedTuple
 
 import torch
 
+
 import pointerdomain as pd
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, view_key
+from pointerdomain._platform import backend_for
 from pointerdomain.devices import current_device
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import (
@@ -288,11 +292,20 @@ class _Swap(NamedTuple):
     dst: pd.PointerTable[pd.DeviceAlias]
     src_layout: pd.KVLayout
     dst_layout: pd.KVLayout
-    host_device_memory: bool  # the device's memory is host memory: a mapping may lie in it
+    #: where the device's memory is host memory (a CPU mapping may lie in it): its backend's
+    #: allocation look-up (an ordinal, or -1 for host memory); None: device memory is never host memory
+    device_lookup: Callable[[int, int], int] | None
+    #: the arguments of the last memory-keyed hit (:func:`pointerdomain.compat._raw.met_again`)
+    last: list[tuple[object, ...]]
 
 
 _swaps: OrderedDict[tuple[object, ...], _Swap] = _raw.owned_cache()
 _SWAPS_MAX: Final = 64
+#: numpy (optional) reads a block_mapping with less host time than torch's ops
+_NUMPY: Final[bool] = importlib.util.find_spec("numpy") is not None
+#: the same prepared swaps by their tensors' identity (:class:`pointerdomain.compat._raw.Seen`):
+#: the first look-up of a repeat, before the memory-keyed one above
+_seen: OrderedDict[tuple[object, ...], _raw.Seen] = _raw.owned_cache()
 #: up to this many pairs the duplicate check runs on a Python set (cheaper than torch ops)
 _SET_CHECK_MAX: Final = 64
 
@@ -303,15 +316,21 @@ def _swap_prepared(p: _Swap, block_mapping: object) -> bool:
     try:
         m = block_mapping
         if (type(m) is not torch.Tensor or m.dtype != torch.int64 or m.dim() != 2 or m.shape[1] != 2
-                or not m.is_cpu or (p.host_device_memory and _raw.memory_device_of("block_mapping", m) is not None)):
+                or not m.is_cpu
+                or (p.device_lookup is not None and p.device_lookup(m.data_ptr(), max(m.numel() * 8, 1)) >= 0)):
             return False
         n = m.shape[0]
         if n == 0:
             return False
-        s_ids, d_ids = m.t().contiguous().unbind(0)  # read once: the checked copy is the one used
+        # read once: the checked copy is the one used
+        if _NUMPY:  # one numpy copy and two zero-copy tensors: less host time than torch's ops
+            cols = m.numpy().T.copy()
+            s_ids, d_ids = torch.from_numpy(cols[0]), torch.from_numpy(cols[1])
+        else:
+            s_ids, d_ids = m.t().contiguous().unbind(0)
         if n > 1:
             if n <= _SET_CHECK_MAX:
-                if len(set(d_ids.tolist())) != n:
+                if len(set((cols[1] if _NUMPY else d_ids).tolist())) != n:
                     return False
             else:
                 ordered = torch.sort(d_ids).values
@@ -378,13 +397,25 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
             sharing memory with a block both read and written (or addressed differently).
         ClosedError, RegistrationSpanError: as :func:`pointerdomain.make_kernel_ptr_table`.
     """
+    fast = ("swap", id(src), id(dst), block_size_in_bytes)
+    plain = type(block_size_in_bytes) is int
+    if plain:
+        try:
+            again = _seen.get(fast)
+            found = again is not None and _raw.seen_again(again, (src, dst))
+        except Exception:  # not plain tensors: the full path
+            found = False
+        if found and _swap_prepared(again.value, block_mapping):  # type: ignore[union-attr, arg-type]
+            return
     key: tuple[object, ...] | None
     try:
         key = ("swap", view_key(src), view_key(dst), block_size_in_bytes)
         hit = _swaps.get(key)
     except Exception:  # not plain tensors: the full path
         key = hit = None
-    if hit is not None and type(block_size_in_bytes) is int and _swap_prepared(hit, block_mapping):
+    if hit is not None and plain and _swap_prepared(hit, block_mapping):
+        if _raw.met_again((src, dst), hit.held, hit.last):  # the cache's own tensors (not views made per call)
+            _raw.remember_seen(_seen, fast, (src, dst), (False, False), hit)
         return
     _check_blocks("src", src)
     _check_blocks("dst", dst)
@@ -428,9 +459,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
         pd.transfer_kv_all_layer(src_table, dst_table, s_ids, d_ids, src_layout=s_layout, dst_layout=d_layout,
                                  backend="copy_engine")
     if key is not None:
+        entry = _Swap(held(src, dst), src_table, dst_table, s_layout, d_layout,
+                      backend_for(device).device_lookup if device.runtime.host_memory else None, [()])
         with _flat_lock:
-            _raw.remember(_swaps, key, _Swap(held(src, dst), src_table, dst_table, s_layout, d_layout,
-                                             device.runtime.host_memory), _SWAPS_MAX)
+            _raw.remember(_swaps, key, entry, _SWAPS_MAX)
+        _raw.remember_seen(_seen, fast, (src, dst), (False, False), entry)
 
 
 # -- swap_blocks_batch -----------------------------------------------------------------
@@ -593,22 +626,25 @@ def swap_blocks_batch(
             "(one source, destination and size per copy). Fix: build the three arrays together")
     if n == 0:
         return
-    # read once: the checked copy is the one used
-    s_raw = src.detach().to("cpu", copy=True).view(torch.int64)
-    d_raw = dst.detach().to("cpu", copy=True).view(torch.int64)
-    size = nbytes.detach().to("cpu", copy=True).view(torch.int64)
-    # The same descriptors as a batch checked before (an engine that repeats a transfer):
-    # its resolution holds as a cached raw table's does (pointerdomain.compat._raw: closed
-    # registrations are seen by the launch, freed device memory by checked mode), and its
-    # overlap check gave the same answer.
-    key = (n, int(s_raw[0]), int(d_raw[0]), int(size[0]))
+    s_bits, d_bits, z_bits = (t if t.dtype == torch.int64 else t.view(torch.int64) for t in (src, dst, nbytes))
+    # The same descriptors as a batch checked before (an engine that repeats a transfer),
+    # while what it was resolved against holds (its registrations open, its device memory
+    # the same allocations: the same numbers may name memory allocated since, whose aliases
+    # differ): its tables serve again, and its overlap check gave the same answer. The arrays are compared as they are (no copy: the
+    # launches use the batch's own checked tables, whatever the arrays hold afterwards).
+    key = (n, int(s_bits[0]), int(d_bits[0]), int(z_bits[0]))
     seen = _batches.get(key)
-    if (seen is not None and torch.equal(seen.src, s_raw) and torch.equal(seen.dst, d_raw)
-            and torch.equal(seen.sizes, size)):
+    if (seen is not None and torch.equal(seen.src, s_bits) and torch.equal(seen.dst, d_bits)
+            and torch.equal(seen.sizes, z_bits)
+            and all(_raw.resolution_holds(t) for launch in seen.launches for t in launch[:2])):
         for src_table, dst_table, layout, slots in seen.launches:
             pd.transfer_kv_all_layer(src_table, dst_table, slots, slots, src_layout=layout, dst_layout=layout,
                                      backend="copy_engine")
         return
+    # read once: the checked copy is the one used
+    s_raw = s_bits.detach().to("cpu", copy=True)
+    d_raw = d_bits.detach().to("cpu", copy=True)
+    size = z_bits.detach().to("cpu", copy=True)
     bad = _first(size <= 0)
     if bad is not None:
         value = int(size[bad]) & _MASK if nbytes.dtype == torch.uint64 else int(size[bad])

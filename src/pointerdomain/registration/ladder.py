@@ -254,14 +254,14 @@ def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> d
             backend.unregister(d, dev)
         return "ok"
 
-    from pointerdomain._platform.host_memory import NOT_SUPPORTED, pageable_access
+    from pointerdomain._platform.host_memory import pageable_access
 
     access = pageable_access(backend, dev)
     recognised = f"not supported ({access.reason}: the not_needed rung serves)"
     out[Rung.SINGLE.value] = attempt([(va, nbytes)])
     out[Rung.CHUNKED.value] = attempt([(va, half), (va + half, nbytes - half)])
     for rung in (Rung.SINGLE.value, Rung.CHUNKED.value):
-        if access.coherent and out[rung].endswith(f"(error {NOT_SUPPORTED})"):
+        if access.coherent and out[rung].endswith(f"(error {backend.status.not_supported})"):
             out[rung] = recognised  # an answer on a coherent part, not a failure
     out[Rung.NOT_NEEDED.value] = "ok (device reads pageable memory in place)" if access.coherent else access.reason
     if isinstance(backend, PinnedAllocator):

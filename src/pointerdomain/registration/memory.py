@@ -28,14 +28,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 
 from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.base import PinnedAllocator
 from pointerdomain._platform.numa import node_of
-from pointerdomain._platform.host_memory import NOT_SUPPORTED
-from pointerdomain._platform.status import ALREADY_REGISTERED, registration_error
+from pointerdomain._platform.status import registration_error
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
@@ -57,6 +57,9 @@ from pointerdomain.errors import (
     with_address,
 )
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S, LeaseSet
+
+if TYPE_CHECKING:
+    from pointerdomain._platform.strict_alloc import ChunkTwins
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -81,7 +84,7 @@ class Chunk:
     host_va: HostVA
     nbytes: int
     #: Where the registration call was made, when not at ``host_va`` (strict alias mode:
-    #: the second, registered mapping of the same pages).
+    #: the chunk's registered mapping of the same pages, apart from the other chunks').
     register_va: int | None = None
     #: This library made the registration call and undoes it (False: pinned_copy memory,
     #: a foreign registration, unpinned memory).
@@ -340,8 +343,13 @@ class RegisteredHostMemory(ProcessLocal):
             self._prefaulted = prefaulted
             self._watch = Stopwatch()
             self._prefault = NO_PREFAULT
+            twins = None
+            if registered is not None:
+                from pointerdomain._platform.strict_alloc import ChunkTwins  # imports _C: strict mode only
+
+                twins = ChunkTwins(backend, registered)
             rung, chunks, self._registered = self._climb(
-                backend, registered, granularity, max_chunk_bytes, policy, library_owned, record)
+                backend, registered, twins, granularity, max_chunk_bytes, policy, library_owned, record)
             self.chunks = chunks
             self.rung: Rung = rung
             self.kind: MemoryKind = kind_of(rung)
@@ -360,7 +368,7 @@ class RegisteredHostMemory(ProcessLocal):
         note_rung(rung)
         note_registration(self.stats, self.nbytes, self.kind.value)
         self.numa_node: int | None = node_of(self.host_va.value)
-        keep = (self.tensor, self._registered)  # unregister before the mappings can go
+        keep = (self.tensor, self._registered, twins)  # unregister before the mappings can go
         if rung is Rung.PINNED_COPY and isinstance(backend, PinnedAllocator):
             release = functools.partial(_release_pinned, backend, device, chunks, counted, keep)
         else:
@@ -370,8 +378,8 @@ class RegisteredHostMemory(ProcessLocal):
         self._finalizer = weakref.finalize(self, _drop, self._pin, self.host_va.value)
 
     def _climb(
-        self, backend: Backend, registered: torch.Tensor | None, granularity: int, max_chunk_bytes: int,
-        policy: RegistrationPolicy, library_owned: bool, record: list[str],
+        self, backend: Backend, registered: torch.Tensor | None, twins: ChunkTwins | None, granularity: int,
+        max_chunk_bytes: int, policy: RegistrationPolicy, library_owned: bool, record: list[str],
     ) -> tuple[Rung, tuple[Chunk, ...], torch.Tensor | None]:
         """Register down the ladder (pointerdomain.registration.ladder); called with the registry lock held."""
         base = self.host_va.value if registered is None else registered.data_ptr()
@@ -395,24 +403,25 @@ class RegisteredHostMemory(ProcessLocal):
         self._prefault = self._prefaulted or prefault(self.tensor if registered is None else registered,
                                                       policy.prefault_threads, policy.huge_pages)
         for rung, size in plans:
-            code, chunks, k = self._register_all(backend, size, reg_va, granularity, policy.max_call_seconds)
+            code, chunks, k = self._register_all(backend, size, reg_va, twins, granularity,
+                                                 policy.max_call_seconds)
             if code == 0:
                 if rung is Rung.CHUNKED:
                     self._degraded(record, rung, "chunked")
                 return rung, chunks, registered
-            if code == ALREADY_REGISTERED and backend.pointer_is_host(base) and backend.pointer_is_host(
+            if code == backend.status.already_registered and backend.pointer_is_host(base) and backend.pointer_is_host(
                     base + self.nbytes - 1):
                 record.append(f"already registered by another owner (error {code}): used, never unregistered")
                 return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             error = self._registration_error(backend, code, chunks[k], k, len(chunks))
-            if code == NOT_SUPPORTED and not access.coherent:  # say why reading in place is no answer here
+            if code == backend.status.not_supported and not access.coherent:  # say why reading in place is no answer here
                 error = type(error)(f"{error}; the memory is not device-accessible without registration "
                                     f"({access.reason})")
             record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
-            if code == NOT_SUPPORTED and access.coherent:  # an answer, not a failure: nothing to warn about
+            if code == backend.status.not_supported and access.coherent:  # an answer, not a failure: nothing to warn about
                 record.append(f"not_needed: {access.reason}")
                 return Rung.NOT_NEEDED, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
-            if policy.on_failure == "fail" or code == ALREADY_REGISTERED:
+            if policy.on_failure == "fail" or code == backend.status.already_registered:
                 raise error
         assert error is not None
         if access.coherent:  # the device reads the memory in place: better than any copy
@@ -434,11 +443,13 @@ class RegisteredHostMemory(ProcessLocal):
         raise type(error)(f"{error}; registration ladder exhausted: " + " | ".join(record))
 
     def _register_all(
-        self, backend: Backend, size: int, reg_va: int | None, granularity: int, max_call_seconds: float | None,
+        self, backend: Backend, size: int, reg_va: int | None, twins: ChunkTwins | None, granularity: int,
+        max_call_seconds: float | None,
     ) -> tuple[int, tuple[Chunk, ...], int]:
         """(0, chunks, n) when every call succeeded, else (status, chunks made so far and the
         failing one last, index of the failing one) after unregistering the ones before it.
-        Calls of ``size`` bytes, or sized to ``max_call_seconds`` (pointerdomain.registration.pacing)."""
+        Calls of ``size`` bytes, or sized to ``max_call_seconds`` (pointerdomain.registration.pacing);
+        in strict mode each chunk at its own twin mapping (``twins``)."""
         prepare = getattr(backend, "prepare", None)  # emulated only: one memfd for all chunks (mid-page starts)
         if prepare is not None and (size < self.nbytes or max_call_seconds is not None):
             code = prepare(self.host_va.value if reg_va is None else reg_va, self.nbytes)
@@ -447,10 +458,19 @@ class RegisteredHostMemory(ProcessLocal):
         chunks: list[Chunk] = []
 
         def call(start: int, length: int) -> int:
-            chunks.append(Chunk(self.host_va + start, length, None if reg_va is None else reg_va + start))
+            where = None if reg_va is None else reg_va + start
+            if twins is not None:  # strict: each chunk at its own mapping, apart from the others
+                where = twins.address(start, length, length >= self.nbytes)
+            chunks.append(Chunk(self.host_va + start, length, where))
             return backend.register(chunks[-1].registered_address, length, self.device)
 
-        code, made, planned = register_in_calls(self.nbytes, granularity, size, max_call_seconds, call, self._watch)
+        try:
+            code, made, planned = register_in_calls(self.nbytes, granularity, size, max_call_seconds, call,
+                                                    self._watch)
+        except MemoryError:  # a strict twin could not be mapped: every chunk made so far is registered
+            for d in reversed(chunks):
+                backend.unregister(d.registered_address, self.device)
+            raise
         if code == 0:
             return 0, tuple(chunks), made
         for d in reversed(chunks[:-1]):
@@ -466,10 +486,11 @@ class RegisteredHostMemory(ProcessLocal):
 
     def registered_address_of(self, va: HostVA) -> int:
         """The address the backend knows ``va`` by: ``va`` itself, or in strict alias mode the
-        same offset in the registered mapping (ask the alias of this, never of ``va``)."""
+        same offset in its chunk's registered mapping (ask the alias of this, never of ``va``)."""
         if self._registered is None:
             return va.value
-        return self._registered.data_ptr() + (va.value - self.host_va.value)
+        chunk = self.chunk_of(va, 1)  # each chunk has its own registered mapping
+        return chunk.registered_address + (va.value - chunk.host_va.value)
 
     def note_alias_device(self, device: Device) -> None:
         """Record that an alias of this registration was asked for on ``device`` (the

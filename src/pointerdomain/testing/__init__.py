@@ -14,8 +14,10 @@ Example (fail the third registration call with status 2)::
 replay, reset), so code that captures transfers is tested on CPU.
 
 A double is a :class:`Backend`; :class:`DelegatingBackend` forwards every call to another
-one, so a double overrides only the calls it changes. ``EmulatedBackend`` and
-``TorchCudartBackend`` need the extension and are imported on first use.
+one, so a double overrides only the calls it changes. ``EmulatedBackend``,
+``TorchCudartBackend``, ``KernelPlan`` and ``load_cudart`` need the extension and are imported on first use.
+Also here for tests that drive the platform directly: :func:`kernel_plan` (a launch struct),
+:func:`default_device` (the device the CLI picks), :func:`load_cudart` (libcudart by ctypes).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform import backend_for
+from pointerdomain._platform import backend_for, default_device, kernel_plan
 from pointerdomain._platform.base import Backend, DeviceAttributeName, LaunchArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
@@ -34,7 +36,9 @@ from pointerdomain._platform.testing import install_backend
 
 if TYPE_CHECKING:
     from pointerdomain._platform.cuda import TorchCudartBackend
+    from pointerdomain._platform.cuda import load_cudart
     from pointerdomain._platform.emulated import EmulatedBackend
+    from pointerdomain._platform.native import KernelPlan
 
 __all__ = [
     "NOT_REGISTERED",
@@ -46,14 +50,23 @@ __all__ = [
     "EmulatedBackend",
     "EmulatedGraph",
     "FaultyBackend",
+    "KernelPlan",
     "LaunchArgs",
     "TorchCudartBackend",
     "backend_for",
+    "default_device",
     "install_backend",
+    "kernel_plan",
+    "load_cudart",
 ]
 
 #: the doubles whose modules import the extension: loaded on first use
-_NATIVE = {"EmulatedBackend": "pointerdomain._platform.emulated", "TorchCudartBackend": "pointerdomain._platform.cuda"}
+_NATIVE = {
+    "EmulatedBackend": "pointerdomain._platform.emulated",
+    "TorchCudartBackend": "pointerdomain._platform.cuda",
+    "load_cudart": "pointerdomain._platform.cuda",
+    "KernelPlan": "pointerdomain._platform.native",
+}
 
 
 def __getattr__(name: str) -> object:
