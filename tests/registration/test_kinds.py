@@ -14,13 +14,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import env, errors, ladder
-from pointerdomain._platform import _swap, backend_for
-from pointerdomain._platform.delegating import DelegatingBackend
-from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
-from pointerdomain._platform.emulated import EmulatedBackend
-from pointerdomain._platform.base import Backend
-from pointerdomain._platform.host_memory import VmmAllocation, VmmLocation
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import Backend, DelegatingBackend, DriverFaults, EmulatedBackend, NOT_SUPPORTED, VmmAllocation, VmmLocation, backend_for, install_backend
 from pointerdomain.devices import Device
 from pointerdomain.registration import memory
 from pointerdomain.registration.kinds import MemoryKind
@@ -243,15 +237,13 @@ def test_every_rung_has_a_kind() -> None:
 @pytest.mark.parametrize("value, expected", [("coherent", "coherent"), ("vmm-host", "vmm-host"), ("", "distinct")])
 def test_profile_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch, value: str, expected: str) -> None:
     monkeypatch.setenv(env.EMULATED_PROFILE, value)
-    previous = _swap("emulated", None)  # rebuilt from the environment on next use
-    try:
+    # what the emulated backend's factory builds (EmulatedBackend(count)): the profile from the environment
+    with install_backend(EmulatedBackend(2), "emulated"):
         backend = backend_for(DEV)
         assert isinstance(backend, EmulatedBackend) and backend.profile == expected
         with pd.alloc_registered(4 * PAGE, DEV) as mem:
             want = {"coherent": MemoryKind.DEVICE_ACCESSIBLE, "vmm-host": MemoryKind.VMM_HOST}
             assert mem.kind is want.get(expected, MemoryKind.REGISTERED)
-    finally:
-        _swap("emulated", previous)
 
 
 def test_unknown_profile_warns_and_is_distinct(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,12 +14,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors, ladder
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.base import Backend
-from pointerdomain._platform.delegating import DelegatingBackend
-from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
-from pointerdomain._platform.host_memory import pageable_access
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import Backend, DelegatingBackend, DriverFaults, NOT_SUPPORTED, backend_for, install_backend, pageable_access
 from pointerdomain.devices import Device
 from pointerdomain.registration import memory
 from pointerdomain.registration.kinds import MemoryKind
@@ -170,7 +165,7 @@ def test_bounded_registration_keeps_every_call_short(dev: Device) -> None:
         mem.tensor[-(1 << 20):].copy_(data)
         alias = pd.resolve_alias(mem.host_va + (mem.nbytes - (1 << 20)), dev)
         out = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-        from pointerdomain._platform.cuda import load_cudart
+        from pointerdomain.testing import load_cudart
 
         assert load_cudart().cudaMemcpy(ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(alias.value),
                                         ctypes.c_size_t(1 << 20), 4) == 0  # cudaMemcpyDefault, through the alias

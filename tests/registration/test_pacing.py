@@ -15,11 +15,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.base import Backend
-from pointerdomain._platform.delegating import DelegatingBackend
-from pointerdomain._platform.driver_faults import DriverFaults
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import Backend, DelegatingBackend, DriverFaults, backend_for, install_backend
 from pointerdomain.devices import Device
 from pointerdomain.registration import memory, pacing, prefault
 from tests.reference import DEV, fill_random
