@@ -14,7 +14,10 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import env, errors, ladder
-from pointerdomain.testing import Backend, DelegatingBackend, DriverFaults, EmulatedBackend, NOT_SUPPORTED, VmmAllocation, VmmLocation, backend_for, install_backend
+from pointerdomain.testing import (
+    Backend, DelegatingBackend, DriverFaults, EmulatedBackend, NOT_SUPPORTED, VmmAllocation,
+    VmmLocation, backend_for, install_backend,
+)
 from pointerdomain.devices import Device
 from pointerdomain.registration import memory
 from pointerdomain.registration.kinds import MemoryKind

@@ -14,7 +14,10 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors, ladder
-from pointerdomain.testing import Backend, DelegatingBackend, DriverFaults, NOT_SUPPORTED, backend_for, install_backend, pageable_access
+from pointerdomain.testing import (
+    Backend, DelegatingBackend, DriverFaults, NOT_SUPPORTED, backend_for, install_backend,
+    pageable_access,
+)
 from pointerdomain.devices import Device
 from pointerdomain.registration import memory
 from pointerdomain.registration.kinds import MemoryKind
