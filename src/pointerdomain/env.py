@@ -37,6 +37,7 @@ __all__ = [
     "CGROUP_ROOT",
     "CHECKED",
     "EMULATED_DEVICES",
+    "EMULATED_PROFILE",
     "EMULATE_MEMLOCK",
     "REGISTRATION_API",
     "SEGMENT_DIR",
@@ -45,6 +46,7 @@ __all__ = [
     "VARIABLES",
     "EnvironmentValueWarning",
     "Variable",
+    "choice",
     "flag",
     "markdown_table",
     "positive_int",
@@ -55,6 +57,7 @@ CHECKED = "POINTERDOMAIN_CHECKED"
 CGROUP_ROOT = "POINTERDOMAIN_CGROUP_ROOT"
 EMULATE_MEMLOCK = "POINTERDOMAIN_EMULATE_MEMLOCK"
 EMULATED_DEVICES = "POINTERDOMAIN_EMULATED_DEVICES"
+EMULATED_PROFILE = "POINTERDOMAIN_EMULATED_PROFILE"
 STRICT_ALIAS = "POINTERDOMAIN_STRICT_ALIAS"
 REGISTRATION_API = "POINTERDOMAIN_REGISTRATION_API"
 SEGMENT_DIR = "POINTERDOMAIN_SEGMENT_DIR"
@@ -79,6 +82,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(EMULATED_DEVICES, "a positive decimal int", "`2`",
              "number of emulated devices; anything else: `InvalidDeviceError` at first use "
              "(`devices.emulated_device_count`)"),
+    Variable(EMULATED_PROFILE, "`distinct`, `coherent`, `vmm-host`", "`distinct`",
+             "the emulated platform: distinct aliases; a coherent part (pageable memory device-readable, "
+             "registration refused); host allocations as VMM handles (read when the emulated backend is built)"),
     Variable(STRICT_ALIAS, "`1`; anything else is off", "off",
              "strict alias mode at import (`pointerdomain.strict_alias` at run time)"),
     Variable(REGISTRATION_API, "`driver`, `runtime`", "`driver`",
@@ -153,6 +159,18 @@ def flag(name: str) -> bool:
         return True
     _warn(name, text, "'0' or '1'", "0")
     return False
+
+
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """``name`` as one of ``choices``; unset or ``""`` gives ``default``; anything else
+    warns (:class:`EnvironmentValueWarning`) and gives ``default``."""
+    text = _read(name)
+    if text == "":
+        return default
+    if text in choices:
+        return text
+    _warn(name, text, " or ".join(repr(c) for c in choices), default)
+    return default
 
 
 def positive_int(name: str, default: int) -> int:

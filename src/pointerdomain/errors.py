@@ -31,6 +31,7 @@ __all__ = [
     "InvalidRegistrationError",
     "NotRegisteredError",
     "MemlockLimitError",
+    "MemoryKindError",
     "RegistrationSpanError",
     "ClosedError",
     "ExtensionUnavailableError",
@@ -152,6 +153,11 @@ class NotRegisteredError(RegistrationError):
 
 class MemlockLimitError(RegistrationError):
     """Pinning failed and the range exceeds RLIMIT_MEMLOCK."""
+
+
+class MemoryKindError(RegistrationError, ValueError):
+    """The memory's kind refuses the request (e.g. a range that runs past the VMM
+    allocation that maps it); the message names the kind, the limit and the owner."""
 
 
 class RegistrationSpanError(PointerDomainError, ValueError):

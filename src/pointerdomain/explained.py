@@ -35,6 +35,11 @@ class Explanation:
         state: ``"open"`` or ``"closed"`` (unregistered, owner still alive).
         chunk: ``(k, n)``: the address is in registration call k (1-based) of n.
         rung: how the registration was made (registration ladder rung).
+        memory_kind: the kind of host memory (:class:`pointerdomain.registration.kinds.MemoryKind`
+            value: ``registered``, ``pinned``, ``vmm_host``, ``device_accessible``, ``foreign``,
+            ``pageable``), for a registration or for host memory the platform can tell
+            (VMM memory, another owner's pin, pageable memory a coherent device reads).
+        memory_owner: who owns the memory where that is not the registration (a VMM handle).
         numa_node: the NUMA node of the mapping's pages when all are on one node.
         pointer_attributes: the platform's answers for the address (backend name ->
             facts such as ``registered_host``: the driver knows this very address as
@@ -57,6 +62,8 @@ class Explanation:
     state: Literal["open", "closed"] | None = None
     chunk: tuple[int, int] | None = None
     rung: str | None = None
+    memory_kind: str | None = None
+    memory_owner: str | None = None
     numa_node: int | None = None
     pointer_attributes: dict[str, dict[str, object]] = field(default_factory=dict)
     maps_line: str | None = None
@@ -89,7 +96,8 @@ class Explanation:
             lines.append(f"  offset: {self.offset} bytes from {self.base:#x}{size}")
         if self.chunk is not None:
             lines.append(f"  chunk: {self.chunk[0]} of {self.chunk[1]} registration call(s)")
-        for label, value in (("device", self.device), ("state", self.state), ("rung", self.rung)):
+        for label, value in (("device", self.device), ("state", self.state), ("rung", self.rung),
+                             ("kind", self.memory_kind), ("memory owner", self.memory_owner)):
             if value is not None:
                 lines.append(f"  {label}: {value}")
         if self.other_domain_address is not None:

@@ -47,7 +47,7 @@ def test_default_policy_fails_and_rolls_back() -> None:
             pd.alloc_registered(8 * PAGE, DEV, max_chunk_bytes=2 * PAGE)
         assert "chunk 3/4" in str(info.value) and "the 2 chunk(s) before it were unregistered" in str(info.value)
         assert fb.pinned_bytes() == 0 and fb.pinned_calls == 0
-    assert ladder.rung_counts() == dict.fromkeys(["single", "chunked", "pinned_copy", "unpinned", "foreign"], 0)
+    assert ladder.rung_counts() == dict.fromkeys([r.value for r in pd.Rung], 0)
 
 
 def test_single_call_is_the_first_rung() -> None:
@@ -186,11 +186,13 @@ def test_strict_mode_chunked_rung_registers_the_second_mapping() -> None:
 
 
 def test_probe_rungs_on_emulated_and_with_refusals() -> None:
-    assert ladder.probe_rungs(DEV) == {"single": "ok", "chunked": "ok", "pinned_copy": "ok",
-                                       "unpinned": "ok (copy engine only)"}
+    out = ladder.probe_rungs(DEV)
+    assert out.pop("not_needed").startswith("PageableMemoryAccess=0")  # the distinct profile reads no pageable memory
+    assert out == {"single": "ok", "chunked": "ok", "pinned_copy": "ok", "unpinned": "ok (copy engine only)"}
     with install_backend(faults(refuse_all=NOT_SUPPORTED, refuse_pinned_alloc=2), "emulated") as fb:
         out = ladder.probe_rungs(DEV)
         assert "error 801" in out["single"] and "error 801" in out["chunked"] and "error 2" in out["pinned_copy"]
+        assert "cannot read unregistered memory" in out["not_needed"]
         assert fb.pinned_bytes() == 0
 
 
@@ -208,8 +210,9 @@ def test_gpu_registration_uses_the_driver_api_and_leaves_no_pending_error() -> N
         assert mem.rung is pd.Rung.SINGLE and not mem.foreign
         assert backend.register(t.data_ptr(), t.numel(), dev) == 712  # the driver's own refusal
         assert load_cudart().cudaGetLastError() == 0  # ... left nothing for the runtime to report
-    assert ladder.probe_rungs(dev) == {"single": "ok", "chunked": "ok", "pinned_copy": "ok",
-                                       "unpinned": "ok (copy engine only)"}
+    out = ladder.probe_rungs(dev)
+    assert out.pop("not_needed").startswith("PageableMemoryAccess=0")  # the H200 reads no pageable memory
+    assert out == {"single": "ok", "chunked": "ok", "pinned_copy": "ok", "unpinned": "ok (copy engine only)"}
 
 
 @pytest.mark.gpu

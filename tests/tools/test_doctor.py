@@ -84,3 +84,45 @@ def test_pci_bus_id_numa_path_and_strict_prediction() -> None:
     assert "/sys/bus/pci/devices/0000:1b:00.0/numa_node" in node.detail
     assert doctor.strict_mode_row(EMU, doctor.device_attributes(EMU)).value == "cannot fault"
     assert doctor.gpu_numa_node(EMU).value.startswith("n/a")
+
+
+def test_doctor_json_names_memory_kinds_and_registration_counters() -> None:
+    out = _cli("doctor", "--json", "--device", "emulated:0")
+    report = json.loads(out.stdout)
+    (dev,) = report["devices"]
+    kinds = {row["name"]: row["value"] for row in dev["memory_kinds"]}
+    assert kinds["pageable memory"] == "needs registration"  # the distinct profile
+    assert kinds["VMM host memory"] == "detected, never registered again"
+    assert kinds["kind of a fresh allocation"] == "registered"
+    host = {row["name"]: row["value"] for row in report["host"]}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+        assert host["transparent huge pages"] == text[text.index("[") + 1:text.index("]")]
+    except OSError:
+        assert host["transparent huge pages"] == "unknown"
+    counters = report["registration"]
+    # the doctor's own registrations (rung tests, self-test) were counted and timed
+    assert counters["registrations"] >= 4 and counters["calls"] >= counters["registrations"] - counters["vmm_host"]
+    assert counters["bytes"] > 0 and 0 < counters["longest_call_s"] <= counters["call_seconds"]
+    assert counters["seconds_per_gib"] == pytest.approx(counters["call_seconds"] / (counters["bytes"] / (1 << 30)))
+
+
+@pytest.mark.parametrize("profile, pageable, fresh, single", [
+    ("coherent", "device-accessible (no registration needed)", "device_accessible", "not supported (recognised)"),
+    ("vmm-host", "needs registration", "vmm_host", "works"),
+])
+def test_doctor_under_each_emulated_profile(profile: str, pageable: str, fresh: str, single: str) -> None:
+    import os
+
+    env = {**os.environ, "POINTERDOMAIN_EMULATED_PROFILE": profile}
+    out = subprocess.run([sys.executable, "-m", "pointerdomain", "doctor", "--json", "--device", "emulated:0"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    report = json.loads(out.stdout)
+    (dev,) = report["devices"]
+    kinds = {row["name"]: row["value"] for row in dev["memory_kinds"]}
+    assert kinds["pageable memory"] == pageable and kinds["kind of a fresh allocation"] == fresh
+    ladder = {row["name"]: row["value"] for row in dev["ladder"]}
+    assert ladder["rung: single"] == single
+    assert dev["self_test"]["ok"] is True and dev["self_test"]["alias_equals_va"] is True  # read in place
+    assert out.returncode == 0

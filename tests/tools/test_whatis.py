@@ -201,3 +201,20 @@ def test_whatis_pid_of_no_process_is_a_usage_error() -> None:
         out = _cli("whatis", "--pid", pid, "0x1000")
         assert out.returncode == 2, (pid, out.stdout, out.stderr)
         assert "--pid" in out.stderr and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_whatis_names_the_kind_under_the_vmm_host_profile() -> None:
+    env = {**os.environ, "POINTERDOMAIN_EMULATED_PROFILE": "vmm-host"}
+    out = subprocess.run([sys.executable, "-m", "pointerdomain", "whatis", "--demo", "--json"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    host, interior, alias = json.loads(out.stdout)
+    assert host["memory_kind"] == interior["memory_kind"] == "vmm_host"
+    assert host["memory_owner"].startswith("VMM handle 0x")
+    assert alias["address"] == interior["address"]  # the device reads VMM memory at its VA
+
+
+def test_explain_names_the_kind_of_a_registration() -> None:
+    with pd.alloc_registered(2 * PAGE, EMU) as mem:
+        got = pd.explain(mem.host_va + 5)
+    assert got.memory_kind == "registered" and got.memory_owner is None and "kind: registered" in got.text()

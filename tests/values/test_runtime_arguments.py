@@ -102,6 +102,7 @@ EXEMPT = {
     "RegisteredHostMemory.__init__:library_owned": "built by alloc_registered / register_host_tensor",
     "RegisteredHostMemory.__init__:policy": "built by alloc_registered / register_host_tensor (sampled there)",
     "RegisteredHostMemory.__init__:segment": "built by register_host_tensor (segments.segment_of)",
+    "RegisteredHostMemory.__init__:prefaulted": "built by alloc_registered (its own prefault report)",
     "PointerTable.__init__:token": "a private token: built by make_kernel_ptr_table / host_ptr_table",
     "PointerTable.__init__:layout": "a private token: sampled through make_kernel_ptr_table",
     "NixlDesc.__init__:mem_type": "a private token: built by dram_desc / vram_desc / file_desc",
@@ -145,6 +146,7 @@ SAMPLES: dict[str, Sample] = {
     "RegistrationPolicy.__init__:allow_pinned_copy":
         lambda w, v: pd.RegistrationPolicy(allow_pinned_copy=v),  # type: ignore[arg-type]
     "RegistrationPolicy.__init__:allow_unpinned": lambda w, v: pd.RegistrationPolicy(allow_unpinned=v),  # type: ignore[arg-type]
+    "RegistrationPolicy.__init__:huge_pages": lambda w, v: pd.RegistrationPolicy(huge_pages=v),  # type: ignore[arg-type]
     "alloc_registered:numa": lambda w, v: pd.alloc_registered(4096, DEV, numa=v),  # type: ignore[arg-type]
     "alloc_registered:policy": lambda w, v: pd.alloc_registered(4096, DEV, policy=v),  # type: ignore[arg-type]
     "register_host_tensor:policy": lambda w, v: pd.register_host_tensor(w.cpu, DEV, policy=v),  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import glob
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -22,6 +23,7 @@ from pointerdomain import _C
 from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
 from pointerdomain._platform.batch_copy import batch_allowed, plan_copy_runs
 from pointerdomain._platform.cuda_hint import BUILD_HINT
+from pointerdomain._platform.host_memory import VmmAllocation, pageable_access
 from pointerdomain._platform.graph_holds import CudaGraphHolds, HeldGraph
 from pointerdomain._platform.pointer_query import PointerInfo, cuda_pointer_info
 from pointerdomain._platform.status import check, check_staged
@@ -30,7 +32,7 @@ from pointerdomain.errors import ExtensionUnavailableError, InvalidArgumentError
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
 
-__all__ = ["BUILD_HINT", "CudaBackend", "TorchCudartBackend", "load_cudart"]
+__all__ = ["BUILD_HINT", "CudaBackend", "TorchCudartBackend", "install_vmm_query", "load_cudart"]
 
 #: cudaDeviceAttr values (CUDA runtime's driver_types.h) for the torch-cudart stand-in,
 #: which calls libcudart directly; the extension maps names itself (attributes_gpu.cu).
@@ -87,6 +89,17 @@ def runtime_report() -> dict[str, object]:
     return {"gpu_runtime_version": version, "gpu_device_count": count, "gpu_devices": devices}
 
 
+#: The driver's VMM query, (address, ordinal) -> allocation or None; installed by
+#: :mod:`.cuda_driver` (which loads libcuda) when it is imported.
+_vmm_query: Callable[[int, int], VmmAllocation | None] | None = None
+
+
+def install_vmm_query(query: Callable[[int, int], VmmAllocation | None]) -> None:
+    """Make ``query`` the CUDA backends' VMM query (:mod:`.cuda_driver` calls this)."""
+    global _vmm_query
+    _vmm_query = query
+
+
 #: torch's current raw stream of a device, where torch has it (no Stream object: ~10x cheaper).
 _raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -109,6 +122,14 @@ class _TorchDevice(RuntimeTraits):
 
     def device_name(self, device: Device) -> str:
         return str(torch.cuda.get_device_name(device.ordinal))
+
+    def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
+        """The VMM allocation (``cuMemCreate`` / ``cuMemMap``) at ``addr``, through the driver
+        API (:mod:`.cuda_driver` installs the query); None for ordinary memory, on HIP, or
+        where libcuda cannot be used."""
+        if self.runtime != "cuda" or _vmm_query is None:
+            return None  # HIP's VMM query is not wired: its memory registers as usual
+        return _vmm_query(addr, device.ordinal)
 
     def free_device_memory(self, device: Device) -> int | None:
         free, _total = torch.cuda.mem_get_info(device.ordinal)
@@ -204,7 +225,16 @@ class CudaBackend(_TorchDevice):
         return _C.gpu_error_string(code)
 
     def alias(self, va: int, device: Device) -> tuple[int, int]:
-        return _C.gpu_host_get_device_pointer(va, device.ordinal)
+        status, alias = _C.gpu_host_get_device_pointer(va, device.ordinal)
+        if status != 0 and self._reads_in_place(va, device):
+            return 0, va  # VMM host memory, or pageable memory a coherent part reads: the VA itself
+        return status, alias
+
+    def _reads_in_place(self, va: int, device: Device) -> bool:
+        found = self.vmm_allocation(va, device)
+        if found is not None:
+            return found.is_host
+        return pageable_access(self, device).coherent
 
     def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
         return _C.gpu_pinned_alloc(nbytes, device.ordinal)

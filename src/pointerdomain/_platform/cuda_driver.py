@@ -12,7 +12,9 @@ HIP keeps the runtime API (:class:`~pointerdomain._platform.cuda.CudaBackend`; i
 ``gpu_host_register`` consumes the pending error). Set
 ``POINTERDOMAIN_REGISTRATION_API=runtime`` to use the runtime API on CUDA too.
 
-Also the device attributes ``pointerdomain doctor`` reports (:func:`device_attributes`).
+Also the device attributes ``pointerdomain doctor`` reports (:func:`device_attributes`), and
+the VMM query that tells memory mapped by a ``cuMemCreate`` handle (host NUMA / EGM
+memory) from ordinary host memory (:meth:`DriverApi.vmm_allocation`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from pointerdomain import env
-from pointerdomain._platform.cuda import CudaBackend
+from pointerdomain._platform.cuda import CudaBackend, install_vmm_query
+from pointerdomain._platform.host_memory import VmmAllocation, VmmLocation
 
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
 
-__all__ = ["ATTRIBUTES", "CudaDriverBackend", "DriverApi", "device_attributes", "driver_api"]
+__all__ = ["ATTRIBUTES", "CudaDriverBackend", "DriverApi", "MemAllocationProp", "device_attributes", "driver_api"]
 
 #: CUdevice_attribute values (cuda.h, CUDA 13.0) that decide strict mode and registration.
 ATTRIBUTES = {
@@ -38,6 +41,25 @@ ATTRIBUTES = {
     "HostRegisterReadOnlySupported": 113,
 }
 _PORTABLE, _DEVICEMAP = 0x01, 0x02  # CU_MEMHOSTREGISTER_*
+#: CUmemLocationType values (cuda.h, CUDA 12.2+).
+_LOCATIONS: dict[int, VmmLocation] = {1: "device", 2: "host", 3: "host_numa", 4: "host_numa_current"}
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class MemAllocationProp(ctypes.Structure):
+    """``CUmemAllocationProp`` (cuda.h): what ``cuMemGetAllocationPropertiesFromHandle`` fills."""
+
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _MemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags),
+                ("_room", ctypes.c_ubyte * 64)]  # room for fields a later cuda.h may add: the driver writes them
 
 
 class DriverApi:
@@ -63,6 +85,19 @@ class DriverApi:
         lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        # the VMM query (CUDA 10.2+ drivers); absent symbols leave it unavailable, not the API
+        self.has_vmm_query = all(hasattr(lib, n) for n in (
+            "cuMemRetainAllocationHandle", "cuMemGetAllocationPropertiesFromHandle", "cuMemRelease",
+            "cuMemGetAddressRange_v2"))
+        if self.has_vmm_query:
+            for name in ("cuMemRetainAllocationHandle", "cuMemGetAllocationPropertiesFromHandle", "cuMemRelease",
+                         "cuMemGetAddressRange_v2"):
+                getattr(lib, name).restype = ctypes.c_int
+            lib.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p]
+            lib.cuMemGetAllocationPropertiesFromHandle.argtypes = [ctypes.POINTER(MemAllocationProp), ctypes.c_uint64]
+            lib.cuMemRelease.argtypes = [ctypes.c_uint64]
+            lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                                    ctypes.c_uint64]
         status = int(lib.cuInit(0))
         if status != 0:
             raise OSError(f"cuInit failed with CUresult {status}")
@@ -109,6 +144,32 @@ class DriverApi:
         status = self._in_context(ordinal, lambda: self._lib.cuMemHostGetDevicePointer_v2(ctypes.byref(out), va, 0))
         return status, int(out.value)
 
+    def vmm_allocation(self, va: int, ordinal: int) -> VmmAllocation | None:
+        """The VMM allocation mapped at ``va`` (``cuMemRetainAllocationHandle`` succeeds only
+        for memory a ``cuMemMap`` mapped), or None: ordinary memory, or no VMM query."""
+        if not self.has_vmm_query:
+            return None
+        handle = ctypes.c_uint64(0)
+        prop = MemAllocationProp()
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+
+        def query() -> int:
+            status = int(self._lib.cuMemRetainAllocationHandle(ctypes.byref(handle), va))
+            if status != 0:
+                return status
+            try:
+                status = int(self._lib.cuMemGetAllocationPropertiesFromHandle(ctypes.byref(prop), handle.value))
+                if status == 0 and int(self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), va)):
+                    base.value, size.value = va, 0  # the range is unknown: the handle still names the owner
+                return status
+            finally:
+                self._lib.cuMemRelease(handle.value)  # the retain's reference, not the owner's
+
+        if self._in_context(ordinal, query) != 0:
+            return None
+        location = _LOCATIONS.get(int(prop.location.type), "unknown")
+        return VmmAllocation(int(base.value), int(size.value), location, int(prop.location.id), int(handle.value))
+
     def attribute(self, name: str, ordinal: int) -> int | None:
         """A device attribute of :data:`ATTRIBUTES`, or None if the driver refuses."""
         dev, value = ctypes.c_int(0), ctypes.c_int(0)
@@ -153,6 +214,15 @@ def device_attributes(ordinal: int) -> dict[str, int | None]:
     or no driver). For ``pointerdomain doctor`` and :func:`pointerdomain.strict_mode_capability`."""
     api = driver_api()
     return {name: (api.attribute(name, ordinal) if api is not None else None) for name in ATTRIBUTES}
+
+
+def vmm_allocation(va: int, ordinal: int) -> VmmAllocation | None:
+    """:meth:`DriverApi.vmm_allocation` of the process's driver API (None without libcuda)."""
+    api = driver_api()
+    return api.vmm_allocation(va, ordinal) if api is not None else None
+
+
+install_vmm_query(vmm_allocation)
 
 
 class CudaDriverBackend(CudaBackend):

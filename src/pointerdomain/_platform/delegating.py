@@ -16,6 +16,7 @@ from pointerdomain._platform.base import (
     StagedCopy,
     StagingArgs,
 )
+from pointerdomain._platform.host_memory import VmmAllocation, vmm_allocation
 from pointerdomain._platform.graph_holds import GraphHolder, HeldGraph
 from pointerdomain.errors import ExtensionUnavailableError
 
@@ -53,6 +54,9 @@ class DelegatingBackend(RuntimeTraits):
 
     def pointer_is_host(self, ptr: int) -> bool:
         return self.inner.pointer_is_host(ptr)
+
+    def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
+        return vmm_allocation(self.inner, addr, device)
 
     def pointer_info(self, addr: int) -> PointerInfo | None:
         return self.inner.pointer_info(addr) if isinstance(self.inner, PointerQuery) else None

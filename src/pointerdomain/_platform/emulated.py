@@ -11,6 +11,19 @@ kernel runs on the current GPU: it is refused unless the launch path has made th
 tables' device current (``DeviceGuard.for_launch``). The mappings are not pinned; with ``POINTERDOMAIN_EMULATE_MEMLOCK=1`` registered
 bytes are counted against RLIMIT_MEMLOCK as ``cudaHostRegister`` in an
 unprivileged container counts them.
+
+Profiles (``POINTERDOMAIN_EMULATED_PROFILE``, or the ``profile`` argument) emulate the
+host-memory kinds of other platforms, so each kind is tested on CPU:
+
+* ``distinct`` (default): the above; registration works, aliases differ from host VAs;
+* ``coherent``: a GH200 / GB10-like part: the device reads pageable memory in place
+  (``PageableMemoryAccess`` and ``...UsesHostPageTables`` are 1) and registration is
+  refused with ``NotSupported`` (801); the device address of host memory is its VA
+  (:meth:`EmulatedBackend.alias` answers it for any address the runtime's own
+  pinned allocations do not cover);
+* ``vmm-host``: host allocations are VMM handles (``cuMemCreate`` with a host NUMA
+  location): :meth:`EmulatedBackend.vmm_allocation` reports them, registering over
+  one is refused (status 1), as the driver refuses it, and their device address is the VA.
 """
 
 from __future__ import annotations
@@ -18,23 +31,33 @@ from __future__ import annotations
 import collections
 import resource
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
 from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
+from pointerdomain._platform.host_memory import NOT_SUPPORTED, VmmAllocation
 from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
 from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain._platform.runtimes import EMULATED_CURRENT
-from pointerdomain.errors import RuntimeCallError
+from pointerdomain.errors import InvalidArgumentError, RuntimeCallError
 
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
 
-__all__ = ["EmulatedBackend"]
+__all__ = ["PROFILES", "EmulatedBackend", "profile_from_env"]
+
+#: The emulated platform profiles (see the module docstring).
+PROFILES = ("distinct", "coherent", "vmm-host")
+
+
+def profile_from_env() -> str:
+    """``POINTERDOMAIN_EMULATED_PROFILE`` (unset: ``distinct``; another value warns and is ``distinct``)."""
+    return env.choice(env.EMULATED_PROFILE, PROFILES, "distinct")
 
 # What the emulation does: registration works (a second mapping), the alias is never the
 # host VA, an unregistered VA is not "device-readable" (the CPU kernels read whatever
@@ -54,6 +77,8 @@ _MESSAGES = {
     3: "the pages could not be mapped a second time: they share a page with memory registered separately "
     "(allocate with alloc_registered, or register page-aligned tensors)",
     MEMLOCK_EXCEEDED: "RLIMIT_MEMLOCK exceeded (POINTERDOMAIN_EMULATE_MEMLOCK=1 counts registered bytes)",
+    NOT_SUPPORTED: "operation not supported (emulated coherent profile: host registration is refused; the device "
+    "reads pageable memory in place)",
     712: "host memory already registered",
     713: "host memory not registered",
 }
@@ -94,15 +119,45 @@ class EmulatedBackend(RuntimeTraits):
     has_alias_op = True
     host_readable = True
 
-    def __init__(self, device_count: int) -> None:
+    def __init__(self, device_count: int, profile: str | None = None) -> None:
         self._device_count = device_count
         self._lock = threading.Lock()
         self._pinned: dict[int, int] = {}
+        self.profile = profile_from_env() if profile is None else profile
+        if self.profile not in PROFILES:
+            raise InvalidArgumentError(f"profile: found {self.profile!r}, expected one of {PROFILES}. Fix: pass one "
+                                       "of them (or set POINTERDOMAIN_EMULATED_PROFILE)")
+        self._attributes = dict(_ATTRIBUTES)
+        if self.profile == "coherent":
+            self._attributes.update(PageableMemoryAccess=1, PageableMemoryAccessUsesHostPageTables=1,
+                                    CanUseHostPointerForRegisteredMem=1)
+        self._vmm: dict[int, tuple[int, int]] = {}  # vmm-host profile: base -> (nbytes, handle)
+        self._handles = 0
         self.copy_submissions: collections.deque[Submission] = collections.deque(maxlen=_RECORDED)
         # the launch path asks it for every index tensor: the native call itself, no Python frame
         self.device_lookup = _C.emu_device_lookup  # type: ignore[method-assign]
 
+    def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
+        """The emulated VMM allocation holding ``addr`` (``vmm-host`` profile), or None."""
+        with self._lock:
+            for base, (nbytes, handle) in self._vmm.items():
+                if base <= addr < base + nbytes:
+                    return VmmAllocation(base, nbytes, "host_numa", 0, handle)
+        return None
+
+    def _forget_vmm(self, base: int) -> None:
+        with self._lock:
+            self._vmm.pop(base, None)
+
     def register(self, va: int, nbytes: int, device: Device) -> int:
+        if self.profile == "coherent":
+            return NOT_SUPPORTED
+        if self.profile == "vmm-host" and any(
+                b < va + nbytes and va < b + n for b, (n, _h) in list(self._vmm.items())):
+            return 1  # the driver refuses to register VMM-mapped memory (invalid value)
+        return self._register(va, nbytes)
+
+    def _register(self, va: int, nbytes: int) -> int:
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         limited = env.flag(env.EMULATE_MEMLOCK) and soft != resource.RLIM_INFINITY
         with self._lock:
@@ -136,7 +191,10 @@ class EmulatedBackend(RuntimeTraits):
         return _MESSAGES.get(code, "unknown")
 
     def alias(self, va: int, device: Device) -> tuple[int, int]:
-        return _C.emu_get_device_pointer_on(va, device.ordinal)
+        status, alias = _C.emu_get_device_pointer_on(va, device.ordinal)
+        if status != 0 and (self.profile == "coherent" or self.vmm_allocation(va, device) is not None):
+            return 0, va  # the device reads this memory in place: its device address is the VA
+        return status, alias
 
     def alias_device(self, addr: int, nbytes: int) -> int:
         """Ordinal of the emulated device whose alias mapping holds ``[addr, addr + nbytes)``,
@@ -161,19 +219,27 @@ class EmulatedBackend(RuntimeTraits):
         return self._device_count
 
     def can_use_host_pointer(self, device: Device) -> int | None:
-        return 0  # aliases are distinct mappings by construction
+        return self._attributes["CanUseHostPointerForRegisteredMem"]
 
     def device_attribute(self, name: DeviceAttributeName, device: Device) -> int | None:
-        return _ATTRIBUTES.get(name)
+        return self._attributes.get(name)
 
     def device_name(self, device: Device) -> str:
-        return f"emulated device {device.ordinal} (CPU memory, distinct alias mappings)"
+        what = {"distinct": "distinct alias mappings", "coherent": "coherent profile: reads pageable memory in place",
+                "vmm-host": "vmm-host profile: host allocations are VMM handles"}[self.profile]
+        return f"emulated device {device.ordinal} (CPU memory, {what})"
 
     def free_device_memory(self, device: Device) -> int | None:
         return None  # emulated device memory is host memory
 
     def host_alloc(self, nbytes: int) -> torch.Tensor:
-        return _C.emu_host_alloc(nbytes)
+        tensor = _C.emu_host_alloc(nbytes)
+        if self.profile == "vmm-host":
+            with self._lock:
+                self._handles += 1
+                self._vmm[tensor.data_ptr()] = (nbytes, self._handles)
+            weakref.finalize(tensor, self._forget_vmm, tensor.data_ptr())  # the handle goes with the memory
+        return tensor
 
     def shareable_host_alloc(self, nbytes: int) -> torch.Tensor:
         return self.host_alloc(nbytes)  # already a memfd, and the emulated registration needs its own
@@ -181,7 +247,7 @@ class EmulatedBackend(RuntimeTraits):
     def pinned_alloc(self, nbytes: int, device: Device) -> tuple[int, torch.Tensor | None]:
         """The emulated cudaHostAlloc: memfd memory registered (aliased) at once."""
         tensor = _C.emu_host_alloc(nbytes)
-        status = self.register(tensor.data_ptr(), nbytes, device)
+        status = self._register(tensor.data_ptr(), nbytes)  # the runtime's own allocation: every profile
         return (status, tensor) if status == 0 else (status, None)
 
     def pinned_release(self, va: int, device: Device) -> None:

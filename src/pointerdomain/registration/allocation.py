@@ -20,6 +20,7 @@ from pointerdomain.arguments import check_bool
 from pointerdomain.registration.budget import check_allocation, check_registration
 from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy, warn_degraded
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
+from pointerdomain.registration.prefault import hugetlb_alloc, hugetlb_pool, prefault
 from pointerdomain.registration.strict import strict_alias_enabled
 
 __all__ = ["alloc_registered", "device_empty", "memory_device", "memory_device_at"]
@@ -50,7 +51,8 @@ def alloc_registered(
             default: :func:`pointerdomain.registration.ladder.default_policy`, which fails).
         numa: ``"local"`` moves the pages to the device's NUMA node before registering
             (mbind; a no-op on a one-node machine or where the node is unknown, and a
-            :class:`~pointerdomain.registration.ladder.RegistrationDegradedWarning` where mbind is refused).
+            :class:`~pointerdomain.registration.ladder.RegistrationDegradedWarning` where mbind is refused);
+            with ``policy.prefault_threads`` the prefault threads then run on that node's CPUs.
 
     Raises:
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
@@ -80,8 +82,16 @@ def alloc_registered(
     backend = backend_for(dev)
     registered = None
     strict = strict_alias_enabled()  # read once: another thread may switch it meanwhile
+    hugetlb = resolve_policy(policy).huge_pages == "hugetlbfs"
+    if hugetlb and strict:
+        raise InvalidRegistrationError(
+            "policy.huge_pages: found 'hugetlbfs' in strict alias mode, expected 'off' or 'thp' there: strict mode "
+            "maps the memory twice through a memfd, which huge-page pool memory cannot be. Fix: leave strict alias "
+            "mode for this allocation, or use huge_pages='thp'")
     try:
-        if strict:
+        if hugetlb:
+            tensor = _hugetlb(nbytes, dev)
+        elif strict:
             from pointerdomain._platform.strict_alloc import double_map  # imports _C: on first use only
 
             tensor, registered = double_map(backend, nbytes)
@@ -89,21 +99,49 @@ def alloc_registered(
             tensor = backend.host_alloc(nbytes)
     except (MemoryError, RuntimeError) as exc:  # strict mode's double mapping too
         raise _out_of_memory(exc, "host", nbytes, dev) from None
+    prefaulted = None
     if numa == "local":
-        _place_local(tensor, dev)
+        node = _place_local(tensor, dev)
+        chosen = resolve_policy(policy)
+        if node is not None and chosen.prefault_threads:  # first touch on the node's CPUs, under its policy
+            prefaulted = prefault(tensor if registered is None else registered, chosen.prefault_threads,
+                                  chosen.huge_pages, node)
     return RegisteredHostMemory(tensor, dev, granularity, max_chunk_bytes, policy=policy, registered=registered,
-                                library_owned=True)
+                                library_owned=True, prefaulted=prefaulted)
 
 
-def _place_local(tensor: torch.Tensor, dev: Device) -> None:
-    """Move the pages to ``dev``'s NUMA node (before pinning: pinned pages do not move)."""
+def _hugetlb(nbytes: int, dev: Device) -> torch.Tensor:
+    """``nbytes`` from the huge-page pool.
+
+    Raises:
+        OutOfMemoryError: the pool is short (its free and total pages named); nothing allocated.
+    """
+    try:
+        return hugetlb_alloc(nbytes)
+    except OSError as exc:
+        free, total, size = hugetlb_pool()
+        need = -(-nbytes // (size or 2 << 20))
+        raise OutOfMemoryError(
+            f"nbytes: found a request for {nbytes} bytes of huge-page pool memory for {dev} ({need} pages of "
+            f"{(size or 2 << 20) >> 20} MiB), expected at most HugePages_Free: {free} (HugePages_Total: {total}, "
+            f"/proc/meminfo; mmap(MAP_HUGETLB): {exc.strerror or exc}). Fix: reserve pages (sysctl vm.nr_hugepages="
+            f"{max(total, 0) + need}), or use huge_pages='thp'",
+            nbytes,
+        ) from None
+
+
+def _place_local(tensor: torch.Tensor, dev: Device) -> int | None:
+    """Move the pages to ``dev``'s NUMA node (before pinning: pinned pages do not move);
+    the node when they are bound to it, else None."""
     node = device_node(dev)
     if node is None or node_count() == 1:
-        return  # nothing to choose between, or the platform does not say
+        return None  # nothing to choose between, or the platform does not say
     why = bind_to_node(tensor.data_ptr(), tensor.numel(), node)
     if why:
         warn_degraded(f"numa:{why}", f"pointerdomain: numa='local' could not place memory on node {node} "
                                      f"for {dev}: {why}; the memory stays where the kernel put it")
+        return None
+    return node
 
 
 def _out_of_memory(exc: BaseException, what: str, nbytes: int, device: Device) -> BaseException:

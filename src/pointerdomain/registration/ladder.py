@@ -18,9 +18,24 @@ rungs above it failed (``ladder_record``):
    registered; kernels refuse the memory (:class:`~pointerdomain.errors.UnpinnedMemoryError`)
    and only the copy engine reads it (it stages pageable memory itself).
 
+Between ``chunked`` and ``pinned_copy``, on a device that reads pageable memory in
+place (``PageableMemoryAccess`` and ``PageableMemoryAccessUsesHostPageTables`` both 1:
+GH200, GB200, GB10), ``not_needed``: nothing is registered and kernels read the host VA
+itself (:class:`~pointerdomain.registration.kinds.MemoryKind` ``device_accessible``).
+There a registration refused with ``NotSupported`` is an answer, taken under either
+policy without a warning; a copy to device memory in its place would move every byte
+for nothing. A device without that access never takes this rung.
+
 ``foreign`` is not a rung but an outcome: the range was already registered by another
 owner (UCX, NIXL, torch; status 712 or the runtime's pointer attributes), so it is used
 without taking ownership and never unregistered (QUDA PR #1639, intel/llvm PR #21725).
+``vmm_host`` is another: the range is VMM host memory (``cuMemCreate`` with a host
+location, EGM), mapped for the device by its VMM handle, which owns it; it is never
+registered nor unregistered.
+
+How fast registration runs and how long one driver call may hold the driver
+(:attr:`RegistrationPolicy.max_call_seconds`, ``prefault_threads``, ``huge_pages``) is
+:mod:`pointerdomain.registration.pacing`.
 
 With the default policy (``on_failure="fail"``) the first refusal raises, as before the
 ladder; ``"degrade"`` climbs down, counts each rung taken (:func:`rung_counts`) and warns
@@ -30,6 +45,7 @@ once per cause (:class:`RegistrationDegradedWarning`).
 from __future__ import annotations
 
 import enum
+import math
 import mmap
 import threading
 import warnings
@@ -67,9 +83,11 @@ class Rung(str, enum.Enum):
 
     SINGLE = "single"
     CHUNKED = "chunked"
+    NOT_NEEDED = "not_needed"
     PINNED_COPY = "pinned_copy"
     UNPINNED = "unpinned"
     FOREIGN = "foreign"
+    VMM_HOST = "vmm_host"
 
 
 class RegistrationDegradedWarning(RuntimeWarning):
@@ -87,12 +105,28 @@ class RegistrationPolicy:
             registration's granularity, at least one granule).
         allow_pinned_copy: the ``pinned_copy`` rung may be used (library-allocated memory only).
         allow_unpinned: the ``unpinned`` rung may be used (kernels then refuse the memory).
+        max_call_seconds: bound on one registration call, seconds (> 0), or None (calls
+            of ``max_chunk_bytes``). The driver faults and pins pages inside the call while
+            holding a lock other processes' calls wait on; with a bound, a first small call
+            measures the rate and each later call is sized to end within the bound.
+        prefault_threads: threads that fault the pages in (writable, contents kept) before
+            the first registration call, so the driver pins populated pages instead of
+            faulting them one by one under its lock; 0 (the default) leaves it to the driver.
+        huge_pages: ``"thp"`` advises transparent huge pages (``madvise(MADV_HUGEPAGE)``)
+            before the pages are faulted in; ``"hugetlbfs"`` takes memory the library
+            allocates (``alloc_registered``, ``HostKVPool``) from the reserved huge-page pool
+            (``MAP_HUGETLB``, 2 MiB pages; ``OutOfMemoryError`` naming the pool where it is
+            short; not in strict alias mode); ``"off"`` leaves the system's setting. For a
+            caller's tensor ``"hugetlbfs"`` changes nothing: its pages are what they are.
     """
 
     on_failure: Literal["fail", "degrade"] = "fail"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     allow_pinned_copy: bool = True
     allow_unpinned: bool = False
+    max_call_seconds: float | None = None
+    prefault_threads: int = 0
+    huge_pages: Literal["off", "thp", "hugetlbfs"] = "off"
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("fail", "degrade"):
@@ -102,6 +136,17 @@ class RegistrationPolicy:
         for name in ("allow_pinned_copy", "allow_unpinned"):
             if type(getattr(self, name)) is not bool:
                 raise InvalidRegistrationError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        bound = self.max_call_seconds
+        if bound is not None and (type(bound) not in (int, float) or not math.isfinite(bound) or bound <= 0):
+            raise InvalidRegistrationError(
+                f"max_call_seconds: found {bound!r}, expected None or a finite number of seconds > 0. Fix: pass e.g. 0.25")
+        if type(self.prefault_threads) is not int or not 0 <= self.prefault_threads <= 1024:
+            raise InvalidRegistrationError(
+                f"prefault_threads: found {self.prefault_threads!r}, expected an int in [0, 1024]. Fix: pass e.g. 8 "
+                "(0: the driver faults the pages)")
+        if self.huge_pages not in ("off", "thp", "hugetlbfs"):
+            raise InvalidRegistrationError(
+                f"huge_pages: found {self.huge_pages!r}, expected 'off', 'thp' or 'hugetlbfs'. Fix: pass one of them")
 
 
 _lock = threading.Lock()
@@ -170,7 +215,9 @@ def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> d
     """Self-test of each rung on ``device`` (for ``pointerdomain doctor``): ``{rung: "ok" or
     why not}``. Makes real, small calls through the device's backend and undoes them:
     ``single`` one registration of ``nbytes``; ``chunked`` the same range in two page-aligned
-    calls; ``pinned_copy`` one pinned allocation; ``unpinned`` needs no runtime call.
+    calls; ``not_needed`` reads the device's pageable-access attributes (on a coherent part
+    a NotSupported from the first two is reported as recognised); ``pinned_copy`` one pinned
+    allocation; ``unpinned`` needs no runtime call.
 
     Raises:
         InvalidDeviceError: the device does not exist.
@@ -182,7 +229,15 @@ def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> d
     dev = validate_device(device)
     backend = backend_for(dev)
     out: dict[str, str] = {}
+    from pointerdomain._platform.host_memory import vmm_allocation
+
     buf = backend.host_alloc(nbytes)
+    if vmm_allocation(backend, buf.data_ptr(), dev) is not None:
+        # the backend hands out VMM memory, which is never registered: probe ordinary pages instead
+        import torch
+
+        raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+        buf = raw[-raw.data_ptr() % mmap.PAGESIZE:][:nbytes]
     va = buf.data_ptr()
     half = (nbytes // 2) & ~(mmap.PAGESIZE - 1)
 
@@ -199,8 +254,16 @@ def probe_rungs(device: Device | str | torch.device, nbytes: int = 1 << 20) -> d
             backend.unregister(d, dev)
         return "ok"
 
+    from pointerdomain._platform.host_memory import pageable_access
+
+    access = pageable_access(backend, dev)
+    recognised = f"not supported ({access.reason}: the not_needed rung serves)"
     out[Rung.SINGLE.value] = attempt([(va, nbytes)])
     out[Rung.CHUNKED.value] = attempt([(va, half), (va + half, nbytes - half)])
+    for rung in (Rung.SINGLE.value, Rung.CHUNKED.value):
+        if access.coherent and out[rung].endswith(f"(error {backend.status.not_supported})"):
+            out[rung] = recognised  # an answer on a coherent part, not a failure
+    out[Rung.NOT_NEEDED.value] = "ok (device reads pageable memory in place)" if access.coherent else access.reason
     if isinstance(backend, PinnedAllocator):
         status, pinned = backend.pinned_alloc(nbytes, dev)
         if status == 0 and pinned is not None:

@@ -10,6 +10,12 @@ a failing chunk rolls back the chunks already registered. On the emulated
 backend each chunk gets a second virtual mapping of the same pages, so device
 aliases differ from host VAs and separately registered chunks are not contiguous
 in alias space, as on MI355X.
+
+Before any call, the range's kind is asked of the platform
+(:mod:`pointerdomain.registration.kinds`): VMM host memory is used as it is, never
+registered again; on a device that reads pageable memory in place a ``NotSupported``
+refusal takes the ``not_needed`` rung. The calls themselves may be paced and the pages
+faulted in first (:mod:`pointerdomain.registration.pacing`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import HostVA
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.ladder import RegistrationPolicy, Rung, note_rung, resolve_policy, warn_degraded
+from pointerdomain.registration.kinds import MemoryKind, describe_vmm, detect_vmm, kind_of, pageable_access_of
+from pointerdomain.registration.pacing import RegistrationStats, Stopwatch, note_registration, register_in_calls
+from pointerdomain.registration.prefault import NONE as NO_PREFAULT
+from pointerdomain.registration.prefault import PrefaultReport, huge_page_share, prefault
 from pointerdomain.errors import (
     AlreadyRegisteredError,
     BusyError,
@@ -300,10 +310,15 @@ class RegisteredHostMemory(ProcessLocal):
         device: the device the registration was made for.
         chunks: the registration calls, in address order.
         rung: how it was registered (:class:`pointerdomain.registration.ladder.Rung`: single, chunked,
-            pinned_copy, unpinned, foreign).
-        ladder_record: why each rung above ``rung`` failed (empty when none did).
-        owner: ``"pointerdomain"``, or ``"foreign"`` (another owner registered the range;
-            pointerdomain never unregisters it). ``foreign`` is the same as a bool.
+            not_needed, pinned_copy, unpinned; or the outcomes foreign, vmm_host).
+        kind: the kind of memory (:class:`pointerdomain.registration.kinds.MemoryKind`).
+        ladder_record: why each rung above ``rung`` failed, and recognised answers such as a
+            coherent device's NotSupported (empty when there was nothing to say).
+        owner: ``"pointerdomain"``, ``"foreign"`` (another owner registered the range;
+            pointerdomain never unregisters it) or, for VMM host memory, the VMM handle
+            that owns it (``"VMM handle 0x..."``). ``foreign`` is the same as a bool.
+        stats: how the registration ran (:class:`pointerdomain.registration.pacing.RegistrationStats`:
+            calls, seconds per GiB, the longest call, prefault, huge-page share).
         kernel_readable: False on the ``unpinned`` rung (only the copy engine may read it).
         strict: the host VA is a never-registered second mapping (strict alias mode).
         numa_node: NUMA node of the first page (None if unknown).
@@ -320,6 +335,7 @@ class RegisteredHostMemory(ProcessLocal):
         self, tensor: torch.Tensor, device: Device, granularity: int, max_chunk_bytes: int, *,
         policy: RegistrationPolicy | None = None, registered: torch.Tensor | None = None,
         library_owned: bool = False, segment: segments.Segment | None = None,
+        prefaulted: PrefaultReport | None = None,
     ) -> None:
         self.device = device
         #: Order of creation in this process (metadata taken before a registration of the
@@ -340,7 +356,8 @@ class RegisteredHostMemory(ProcessLocal):
             if other is not None:
                 raise AlreadyRegisteredError(
                     f"[{HostVA.unsafe_from_int(tensor.data_ptr())!r}, +{nbytes}) overlaps a registration at "
-                    f"{other.host_va!r} (+{other.nbytes} bytes); close that one first or reuse it"
+                    f"{other.host_va!r} (+{other.nbytes} bytes, {other.kind.value} memory, owner {other.owner}); "
+                    "close that one first or reuse it"
                 )
             self.tensor: torch.Tensor = tensor
             # knows its span: ``host_va + n`` past the registration raises RegistrationSpanError
@@ -348,6 +365,10 @@ class RegisteredHostMemory(ProcessLocal):
                 tensor.data_ptr(), tensor.data_ptr() + nbytes)
             self.nbytes: int = nbytes
             record: list[str] = []
+            self._vmm_owner = ""
+            self._prefaulted = prefaulted
+            self._watch = Stopwatch()
+            self._prefault = NO_PREFAULT
             twins = None
             if registered is not None:
                 from pointerdomain._platform.strict_alloc import ChunkTwins  # imports _C: strict mode only
@@ -357,9 +378,14 @@ class RegisteredHostMemory(ProcessLocal):
                 backend, registered, twins, granularity, max_chunk_bytes, policy, library_owned, record)
             self.chunks = chunks
             self.rung: Rung = rung
+            self.kind: MemoryKind = kind_of(rung)
             self.ladder_record: tuple[str, ...] = tuple(record)
             self.foreign = rung is Rung.FOREIGN
-            self.owner = "foreign" if self.foreign else "pointerdomain"
+            self.owner: str = "foreign" if self.foreign else self._vmm_owner or "pointerdomain"
+            # read only when huge pages were asked for: /proc/self/smaps costs ~50 ms in a large process
+            thp = policy.huge_pages != "off" and bool(self._watch.durations)
+            share = huge_page_share(self.host_va.value, self.nbytes) if thp else None
+            self.stats: RegistrationStats = self._watch.stats(policy.max_call_seconds, self._prefault, share)
             self.kernel_readable = rung is not Rung.UNPINNED
             self.strict = self._registered is not None
             counted = self.nbytes if rung in (Rung.SINGLE, Rung.CHUNKED) else 0
@@ -370,6 +396,7 @@ class RegisteredHostMemory(ProcessLocal):
         if self.segment is not None:
             segments.note(self.host_va.value, self.segment, counted)
         note_rung(rung)
+        note_registration(self.stats, self.nbytes, self.kind.value)
         self.numa_node: int | None = node_of(self.host_va.value)
         keep = (self.tensor, self._registered, twins)  # unregister before the mappings can go
         if rung is Rung.PINNED_COPY and isinstance(backend, PinnedAllocator):
@@ -387,6 +414,12 @@ class RegisteredHostMemory(ProcessLocal):
         """Register down the ladder (pointerdomain.registration.ladder); called with the registry lock held."""
         base = self.host_va.value if registered is None else registered.data_ptr()
         reg_va = None if registered is None else base
+        vmm = detect_vmm(backend, self.device, base, self.nbytes)  # raises MemoryKindError for a mixed range
+        if vmm is not None:  # mapped for the device by its VMM handle: registering it again is refused
+            self._vmm_owner = describe_vmm(vmm)
+            record.append(f"VMM host memory owned by {self._vmm_owner}: the device reads it at its VA; never "
+                          "registered nor unregistered")
+            return Rung.VMM_HOST, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
         if backend.pointer_is_host(base) and backend.pointer_is_host(base + self.nbytes - 1):
             record.append("already registered by another owner (pointer attributes): used, never unregistered")
             return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
@@ -396,9 +429,12 @@ class RegisteredHostMemory(ProcessLocal):
         if policy.on_failure == "degrade" and small < cut and small < self.nbytes:
             plans.append((Rung.CHUNKED, small))
         error: Exception | None = None
+        access = pageable_access_of(backend, self.device)
+        self._prefault = self._prefaulted or prefault(self.tensor if registered is None else registered,
+                                                      policy.prefault_threads, policy.huge_pages)
         for rung, size in plans:
-            chunks = self._cuts(size, reg_va, twins)
-            code, k = self._register_all(backend, chunks)
+            code, chunks, k = self._register_all(backend, size, reg_va, twins, granularity,
+                                                 policy.max_call_seconds)
             if code == 0:
                 if rung is Rung.CHUNKED:
                     self._degraded(record, rung, "chunked")
@@ -408,10 +444,19 @@ class RegisteredHostMemory(ProcessLocal):
                 record.append(f"already registered by another owner (error {code}): used, never unregistered")
                 return Rung.FOREIGN, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             error = self._registration_error(backend, code, chunks[k], k, len(chunks))
+            if code == backend.status.not_supported and not access.coherent:  # say why reading in place is no answer here
+                error = type(error)(f"{error}; the memory is not device-accessible without registration "
+                                    f"({access.reason})")
             record.append(f"{rung.value} ({len(chunks)} call(s) of up to {size} bytes): {error}")
+            if code == backend.status.not_supported and access.coherent:  # an answer, not a failure: nothing to warn about
+                record.append(f"not_needed: {access.reason}")
+                return Rung.NOT_NEEDED, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
             if policy.on_failure == "fail" or code == backend.status.already_registered:
                 raise error
         assert error is not None
+        if access.coherent:  # the device reads the memory in place: better than any copy
+            self._degraded(record, Rung.NOT_NEEDED, "not_needed")
+            return Rung.NOT_NEEDED, (Chunk(self.host_va, self.nbytes, reg_va, owned=False),), registered
         if library_owned and policy.allow_pinned_copy and isinstance(backend, PinnedAllocator):
             status, pinned = backend.pinned_alloc(self.nbytes, self.device)
             if status == 0 and pinned is not None:
@@ -427,32 +472,41 @@ class RegisteredHostMemory(ProcessLocal):
             return Rung.UNPINNED, (Chunk(self.host_va, self.nbytes, owned=False),), None
         raise type(error)(f"{error}; registration ladder exhausted: " + " | ".join(record))
 
-    def _cuts(self, size: int, reg_va: int | None, twins: ChunkTwins | None) -> tuple[Chunk, ...]:
-        whole = size >= self.nbytes
-        out = []
-        for start in range(0, self.nbytes, size):
-            n = min(size, self.nbytes - start)
+    def _register_all(
+        self, backend: Backend, size: int, reg_va: int | None, twins: ChunkTwins | None, granularity: int,
+        max_call_seconds: float | None,
+    ) -> tuple[int, tuple[Chunk, ...], int]:
+        """(0, chunks, n) when every call succeeded, else (status, chunks made so far and the
+        failing one last, index of the failing one) after unregistering the ones before it.
+        Calls of ``size`` bytes, or sized to ``max_call_seconds`` (pointerdomain.registration.pacing);
+        in strict mode each chunk at its own twin mapping (``twins``)."""
+        prepare = getattr(backend, "prepare", None)  # emulated only: one memfd for all chunks (mid-page starts)
+        if prepare is not None and (size < self.nbytes or max_call_seconds is not None):
+            code = prepare(self.host_va.value if reg_va is None else reg_va, self.nbytes)
+            if code != 0:
+                return code, (Chunk(self.host_va, min(size, self.nbytes), reg_va),), 0
+        chunks: list[Chunk] = []
+
+        def call(start: int, length: int) -> int:
             where = None if reg_va is None else reg_va + start
             if twins is not None:  # strict: each chunk at its own mapping, apart from the others
-                where = twins.address(start, n, whole)
-            out.append(Chunk(self.host_va + start, n, where))
-        return tuple(out)
+                where = twins.address(start, length, length >= self.nbytes)
+            chunks.append(Chunk(self.host_va + start, length, where))
+            return backend.register(chunks[-1].registered_address, length, self.device)
 
-    def _register_all(self, backend: Backend, chunks: tuple[Chunk, ...]) -> tuple[int, int]:
-        """(0, n) when every chunk registered, else (status, index of the failing chunk) after
-        unregistering the chunks before it."""
-        prepare = getattr(backend, "prepare", None)  # emulated only: one memfd for all chunks (mid-page starts)
-        if prepare is not None and len(chunks) > 1:
-            code = prepare(chunks[0].registered_address, sum(c.nbytes for c in chunks))
-            if code != 0:
-                return code, 0
-        for k, chunk in enumerate(chunks):
-            code = backend.register(chunk.registered_address, chunk.nbytes, self.device)
-            if code != 0:
-                for d in reversed(chunks[:k]):
-                    backend.unregister(d.registered_address, self.device)
-                return code, k
-        return 0, len(chunks)
+        try:
+            code, made, planned = register_in_calls(self.nbytes, granularity, size, max_call_seconds, call,
+                                                    self._watch)
+        except MemoryError:  # a strict twin could not be mapped: every chunk made so far is registered
+            for d in reversed(chunks):
+                backend.unregister(d.registered_address, self.device)
+            raise
+        if code == 0:
+            return 0, tuple(chunks), made
+        for d in reversed(chunks[:-1]):
+            backend.unregister(d.registered_address, self.device)
+        # padded with the planned count, so messages say "chunk k/n"
+        return code, (*chunks, *[chunks[-1]] * (planned - made)), made - 1
 
     def _degraded(self, record: list[str], rung: Rung, cause: str) -> None:
         why = record[-1] if record else ""

@@ -10,6 +10,10 @@ device can access host registered memory at the same virtual address as the
 CPU"); that fallback warns once and is counted. On HIP, or where the attribute
 is 0 or cannot be read, resolution raises :class:`AliasOpMissingError`.
 
+Memory whose kind is ``vmm_host`` or ``device_accessible``
+(:mod:`pointerdomain.registration.kinds`) has no runtime alias to ask for: the device
+reads it at its host VA, which is its device address on every policy.
+
 Policies are cached per process and device; :func:`reset_resolver_cache` clears them.
 """
 
@@ -27,6 +31,7 @@ from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import AliasOpMissingError, DomainError, NotRegisteredError
 from pointerdomain.errors import with_address
+from pointerdomain.registration.kinds import device_reads_va
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 
 if TYPE_CHECKING:
@@ -180,6 +185,9 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
     backend = backend_for(dev)
     if owner is not None and not owner.kernel_readable:
         return DeviceAlias.unsafe_from_int(va.value, dev)  # unpinned rung: the copy engine stages the host VA itself
+    if owner is not None and device_reads_va(owner.kind):
+        owner.note_alias_device(dev)
+        return DeviceAlias.unsafe_from_int(va.value, dev)  # VMM host / device-accessible memory: the VA itself
     # strict alias mode: the alias of the registered mapping, never of the host VA itself
     where = va.value if owner is None else owner.registered_address_of(va)
     if owner is not None:

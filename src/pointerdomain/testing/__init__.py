@@ -33,6 +33,7 @@ from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.driver_faults import NOT_SUPPORTED, DriverFaults
 from pointerdomain._platform.faulty import FaultyBackend
 from pointerdomain._platform.graph_holds import EmulatedGraph
+from pointerdomain._platform.host_memory import VmmAllocation, VmmLocation, pageable_access
 from pointerdomain._platform.status import NOT_REGISTERED
 from pointerdomain._platform.testing import install_backend
 from pointerdomain._platform.top_bit import TOP_BIT, TopBitAliases
@@ -59,11 +60,14 @@ __all__ = [
     "StagingArgs",
     "TopBitAliases",
     "TorchCudartBackend",
+    "VmmAllocation",
+    "VmmLocation",
     "backend_for",
     "default_device",
     "install_backend",
     "kernel_plan",
     "load_cudart",
+    "pageable_access",
 ]
 
 #: the doubles whose modules import the extension: loaded on first use

@@ -4,19 +4,15 @@ Readable tables by default, ``--json`` for a bug report. Per device: the device
 attributes that decide address domains (CanUseHostPointerForRegisteredMem,
 PageableMemoryAccess, PageableMemoryAccessUsesHostPageTables, HostRegisterSupported,
 HostRegisterReadOnlySupported), the PCI bus id and NUMA node, the alias policy,
-strict-mode capability, a self-test per registration-ladder rung and a
-registered-memory round trip through the transfer kernel. For the host: WSL2,
-Confidential Computing, ``ulimit -l``; transfer engines importable; versions. Inside a
-rank of an initialised ``torch.distributed`` group (:func:`collect` called there): the
-group and the registration outcome its ranks agreed on (``"distributed"`` in ``--json``,
-:mod:`pointerdomain.distributed`).
-
-On a machine without a GPU the emulated device's rows are shown (its attributes are
-what the emulation does, see ``_platform/emulated.py``).
-
-Each row comes from one small function below (strict-mode capability and the rung
-self-tests from :mod:`pointerdomain.registration.strict` and :mod:`pointerdomain.registration.ladder`); a row this
-build cannot answer says :data:`NOT_AVAILABLE`.
+strict-mode capability, the host-memory kinds it meets (pageable memory read in place,
+VMM host memory detected, the kind a fresh allocation gets), a self-test per
+registration-ladder rung and a registered-memory round trip through the transfer kernel.
+For the process: the registration counters (seconds per GiB, the longest single
+registration call, prefault time, huge-page share; ``"registration"`` in ``--json``). For
+the host: WSL2, Confidential Computing, ``ulimit -l``; transfer engines importable;
+versions. Inside a rank of an initialised ``torch.distributed`` group (:func:`collect`
+called there): the group and the registration outcome its ranks agreed on
+(``"distributed"`` in ``--json``, :mod:`pointerdomain.distributed`).
 """
 
 from __future__ import annotations
@@ -64,11 +60,14 @@ __all__ = [
     "group_row",
     "host_rows",
     "ladder_rows",
+    "memory_kind_rows",
     "pci_bus_id",
+    "registration_rows",
     "render_text",
     "run",
     "self_test",
     "strict_mode_row",
+    "transparent_huge_pages",
     "version_rows",
 ]
 
@@ -123,12 +122,25 @@ def memlock() -> Row:
     return Row("ulimit -l (RLIMIT_MEMLOCK bytes, soft/hard)", show, "unlimited = null; pinning beyond it fails")
 
 
+def transparent_huge_pages() -> Row:
+    """The kernel's THP mode (``/sys/kernel/mm/transparent_hugepage/enabled``, the bracketed
+    word): ``madvise`` means only ranges advised ``MADV_HUGEPAGE`` (``huge_pages="thp"``) get them."""
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return Row("transparent huge pages", "unknown", f"{path} unreadable")
+    start, end = text.find("["), text.find("]")
+    return Row("transparent huge pages", text[start + 1:end] if 0 <= start < end else text.strip(), path)
+
+
 def host_rows() -> list[Row]:
-    """The host's rows: WSL2, Confidential Computing, ``ulimit -l``, NUMA nodes."""
+    """The host's rows: WSL2, Confidential Computing, ``ulimit -l``, NUMA nodes, THP mode."""
     nodes = sorted(n for n in os.listdir("/sys/devices/system/node") if n.startswith("node")) if os.path.isdir(
         "/sys/devices/system/node") else []
     return [wsl2(), confidential_computing(), memlock(),
-            Row("NUMA nodes", len(nodes) or "unknown", "/sys/devices/system/node")]
+            Row("NUMA nodes", len(nodes) or "unknown", "/sys/devices/system/node"), transparent_huge_pages()]
 
 
 # versions and engines ------------------------------------------------------------------
@@ -222,6 +234,8 @@ def strict_mode_row(device: Device, attributes: dict[str, int | None]) -> Row:
 
 
 def _rung_test(device: Device, nbytes: int, max_chunk_bytes: int) -> tuple[bool, str]:
+    from pointerdomain.registration.kinds import chunk_alias
+
     """Register ``nbytes`` (chunks of ``max_chunk_bytes``), check every chunk's alias
     (and, where device memory is host-readable, the bytes through it), unregister."""
     from pointerdomain.registration.allocation import alloc_registered
@@ -231,16 +245,18 @@ def _rung_test(device: Device, nbytes: int, max_chunk_bytes: int) -> tuple[bool,
         data = torch.randint(1, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
         mem.tensor.copy_(data)
         for chunk in mem.chunks:
-            # strict alias mode: the alias is of the registered second mapping, not the host VA
-            status, alias = backend.alias(chunk.registered_address, device)
-            if status != 0:
-                return False, f"no alias for chunk at {chunk.host_va!r}: status {status} ({backend.describe(status)})"
+            # strict alias mode: the alias is of the registered second mapping, not the host VA;
+            # VMM host / device-accessible memory: the VA itself
+            found = chunk_alias(mem.kind, chunk.host_va.value, chunk.registered_address, chunk.nbytes, device)
+            if found is None:
+                return False, f"no device address for chunk at {chunk.host_va!r} ({mem.kind.value} memory)"
+            alias = found[0]
             if backend.host_readable:
                 start = chunk.host_va.value - mem.host_va.value
                 seen = ctypes.string_at(alias, chunk.nbytes)
                 if seen != bytes(data[start : start + chunk.nbytes].numpy().tobytes()):
                     return False, f"bytes through the alias of chunk at {chunk.host_va!r} differ"
-        return True, f"{len(mem.chunks)} call(s), {nbytes} bytes"
+        return True, f"{len(mem.chunks)} call(s), {nbytes} bytes, {mem.kind.value} memory ({mem.rung.value})"
 
 
 def ladder_rows(device: Device) -> list[Row]:
@@ -249,8 +265,14 @@ def ladder_rows(device: Device) -> list[Row]:
     every chunk's alias for the single and chunked rungs."""
     from pointerdomain.registration.ladder import probe_rungs
 
-    rows = [Row(f"rung: {rung}", "works" if result == "ok" else "FAILS" if rung in ("single", "chunked") else result,
-                "" if result == "ok" else result)
+    def value(rung: str, result: str) -> str:
+        if result.startswith("ok"):
+            return "works"
+        if result.startswith("not supported ("):
+            return "not supported (recognised)"  # a coherent part: the not_needed rung serves
+        return "FAILS" if rung in ("single", "chunked") else result
+
+    rows = [Row(f"rung: {rung}", value(rung, result), "" if result == "ok" else result)
             for rung, result in probe_rungs(device).items()]
     page = mmap.PAGESIZE
     for rung, nbytes, chunk in (("single", 64 * page, 64 * page), ("chunked", 4 * page, page)):
@@ -260,6 +282,38 @@ def ladder_rows(device: Device) -> list[Row]:
         except PointerDomainError as exc:
             rows.append(Row(f"alias check: {rung}", "FAILS", f"{type(exc).__name__}: {exc}"))
     return rows
+
+
+def memory_kind_rows(device: Device) -> list[Row]:
+    """The host-memory kinds ``device`` meets (:mod:`pointerdomain.registration.kinds`): whether
+    it reads pageable memory in place (the ``not_needed`` rung), whether VMM host memory
+    can be told apart (through the driver), and the kind a fresh allocation gets here."""
+    from pointerdomain._platform.host_memory import HostKindQuery, pageable_access
+    from pointerdomain.registration.allocation import alloc_registered
+
+    backend = backend_for(device)
+    access = pageable_access(backend, device)
+    rows = [Row("pageable memory", "device-accessible (no registration needed)" if access.coherent
+                else "needs registration", access.reason)]
+    if isinstance(backend, HostKindQuery):
+        rows.append(Row("VMM host memory", "detected, never registered again",
+                        f"the {backend.name} backend's VMM query (CUDA: cuMemRetainAllocationHandle)"))
+    else:
+        rows.append(Row("VMM host memory", "not detectable here", f"the {backend.name} backend has no VMM query"))
+    try:
+        with alloc_registered(4 * mmap.PAGESIZE, device) as mem:
+            rows.append(Row("kind of a fresh allocation", mem.kind.value, f"rung {mem.rung.value}, owner {mem.owner}"))
+    except PointerDomainError as exc:
+        rows.append(Row("kind of a fresh allocation", "FAILS", f"{type(exc).__name__}: {exc}"))
+    return rows
+
+
+def registration_rows() -> dict[str, object]:
+    """The process's registration counters (:func:`pointerdomain.registration.pacing.registration_counters`):
+    seconds per GiB, the longest single call, prefault time, the last huge-page share."""
+    from pointerdomain.registration.pacing import registration_counters
+
+    return registration_counters()
 
 
 def self_test(device: Device) -> dict[str, Any]:
@@ -316,6 +370,7 @@ def device_report(device: Device) -> dict[str, Any]:
         entry["numa_node"] = asdict(gpu_numa_node(device))
         entry["alias_policy"] = alias_policy(device).value
         entry["strict_mode"] = asdict(strict_mode_row(device, attrs))
+        entry["memory_kinds"] = [asdict(r) for r in memory_kind_rows(device)]
         entry["ladder"] = [asdict(r) for r in ladder_rows(device)]
         entry["self_test"] = self_test(device)
         entry["budget"] = budget_row(device)
@@ -345,6 +400,7 @@ def collect(devices: list[Device] | None = None) -> dict[str, Any]:
         report["ok"] = False
         return report
     report["devices"] = [device_report(d) for d in (devices or visible_devices())]
+    report["registration"] = registration_rows()
     report["ok"] = all("error" not in d and d["self_test"]["ok"] for d in report["devices"])
     return report
 
@@ -384,6 +440,8 @@ def render_text(report: dict[str, Any]) -> None:
             for key in ("numa_node", "strict_mode"):
                 table.add_row(dev[key]["name"], _show(dev[key]["value"]), dev[key]["detail"])
             table.add_row("alias policy", dev["alias_policy"], "")
+            for row in dev.get("memory_kinds", []):
+                table.add_row(row["name"], _show(row["value"]), row["detail"])
             for row in dev["ladder"]:
                 table.add_row(row["name"], _show(row["value"]), row["detail"])
             budget = dev["budget"]
@@ -415,6 +473,15 @@ def render_text(report: dict[str, Any]) -> None:
     for q in report.get("quarantined", []):
         console.print(f"[bold red]quarantined[/]: {q['host_va']} (+{q['nbytes']} bytes, {q['device']}): "
                       f"{q['stage']} teardown step failed: {q['reason']}")
+    counters = report.get("registration")
+    if isinstance(counters, dict):
+        table = Table(title="Registration (this process)", title_justify="left", show_header=False)
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+        for key in ("registrations", "calls", "bytes", "seconds_per_gib", "longest_call_s", "prefault_seconds",
+                    "not_needed", "vmm_host"):
+            table.add_row(key, _show(counters.get(key)))
+        console.print(table)
     console.print("all self-tests passed" if report["ok"] else "[bold red]a self-test failed or the extension is missing")
 
 

@@ -9,7 +9,10 @@ buffer. An address is looked up, in order, as
 3. emulated device memory (by address), or CUDA device memory in torch's caching
    allocator (only when CUDA is already initialised: explaining never starts a context);
 
-and the answer carries the driver's view (the platform pointer query) and the process
+Each answer names the host memory's kind (``memory_kind``: registered, pinned,
+vmm_host, device_accessible, foreign, pageable; :mod:`pointerdomain.registration.kinds`),
+also for host memory no registration holds where the platform can tell it, and the answer
+carries the driver's view (the platform pointer query) and the process
 memory-map line (``/proc/<pid>/maps``), plus the NUMA placement of the mapping
 (``/proc/<pid>/numa_maps``) when the kernel exposes it.
 
@@ -27,6 +30,7 @@ from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.registration.teardown import find_quarantine
 from pointerdomain.explained import Domain, Explanation
+from pointerdomain.registration.kinds import chunk_alias, device_reads_va
 from pointerdomain.registration.memory import (
     RegisteredHostMemory,
     find_closed_registration,
@@ -34,7 +38,8 @@ from pointerdomain.registration.memory import (
     open_registrations,
 )
 
-__all__ = ["Domain", "Explanation", "explain", "maps_line", "numa_nodes_of_mapping", "registration_rung"]
+__all__ = ["Domain", "Explanation", "explain", "host_memory_kind", "maps_line", "numa_nodes_of_mapping",
+           "registration_rung"]
 
 _NOT_RECORDED = "not available in this build"
 
@@ -99,20 +104,42 @@ def numa_nodes_of_mapping(address: int, pid: int | None = None) -> dict[int, int
 
 
 def _alias_range(owner: RegisteredHostMemory, k: int, device: Device | None = None) -> tuple[int, int] | None:
-    """(alias of chunk k on ``device`` (default: the owner's), its length) or None where
-    the backend has no alias for it. Never raises."""
-    from pointerdomain._platform import backend_for
-
+    """(device address of chunk k on ``device`` (default: the owner's), its length) or None
+    where there is none (:func:`pointerdomain.registration.kinds.chunk_alias`). Never raises."""
     chunk = owner.chunks[k]
-    dev = owner.device if device is None else device
     if not owner.kernel_readable:
         return None  # unpinned rung: no alias exists (the copy engine stages the host VA)
+    return chunk_alias(owner.kind, chunk.host_va.value, chunk.registered_address, chunk.nbytes,
+                       owner.device if device is None else device)
+
+
+def host_memory_kind(address: int, device: Device | None = None) -> tuple[str | None, str | None, str]:
+    """(kind, owner, note) of a host address no registration of this process holds, as the
+    platform can tell it: VMM host memory (owner: its handle), another owner's pin
+    (``foreign``), pageable memory a coherent device reads in place (``device_accessible``);
+    (None, None, "") where it cannot tell. Never raises."""
+    from pointerdomain._platform import backend_for, default_device, pointer_info
+    from pointerdomain.registration.kinds import MemoryKind, describe_vmm, pageable_access_of
+    from pointerdomain._platform.host_memory import vmm_allocation
+
     try:
-        # strict alias mode: the alias belongs to the registered second mapping, not the host VA
-        status, alias = backend_for(dev).alias(chunk.registered_address, dev)
-    except Exception:  # noqa: BLE001 - diagnosis must not raise (a build without the alias op)
-        return None
-    return (alias, chunk.nbytes) if status == 0 else None
+        dev = device if device is not None else default_device()
+        backend = backend_for(dev)
+        found = vmm_allocation(backend, address, dev)
+        if found is not None:
+            kind = MemoryKind.VMM_HOST.value if found.is_host else None
+            return kind, describe_vmm(found), f"VMM memory ({found.location}): its handle maps it; never registered"
+        if backend.pointer_is_host(address):
+            info = pointer_info(dev, address)
+            block = (f"; the runtime's pinned block is [{info.start:#x}, +{info.size}) bytes (a rounding allocator "
+                     "such as pin_memory() pins more than was asked)") if info is not None and info.kind == "host" else ""
+            return MemoryKind.FOREIGN.value, None, f"registered (pinned) by another owner, not by pointerdomain{block}"
+        access = pageable_access_of(backend, dev)
+        if access.coherent and maps_line(address) is not None:
+            return MemoryKind.DEVICE_ACCESSIBLE.value, None, f"pageable memory {dev} reads in place ({access.reason})"
+    except Exception as exc:  # noqa: BLE001 - diagnosis must not raise
+        return None, None, f"no host memory kind: {type(exc).__name__}: {exc}"
+    return None, None, ""
 
 
 def _pointer_attributes(address: int, device: Device | None) -> tuple[dict[str, dict[str, object]], list[str]]:
@@ -219,14 +246,22 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
         numa = next(iter(nodes)) if len(nodes) == 1 else None
     if not os.path.exists(f"/proc/{here}/maps"):
         notes.append(f"/proc/{here}/maps does not exist (no such process, or not Linux)")
+    if own and found.get("domain") == "unknown":
+        kind, kind_owner, note = host_memory_kind(value)
+        if kind is not None or kind_owner is not None:
+            found |= {"memory_kind": kind, "memory_owner": kind_owner}
+        if note:
+            notes.append(note)
     fields = {k: v for k, v in found.items() if not k.endswith("_obj")}
     return Explanation(address=value, pointer_attributes=attrs, maps_line=maps_line(value, here), pid=here,
                        numa_node=numa, notes=tuple(notes), **fields)  # type: ignore[arg-type]
 
 
 def _describe(owner: RegisteredHostMemory, state: Literal["open", "closed"]) -> dict[str, object]:
+    vmm_owner = owner.owner if owner.kind.value == "vmm_host" else None
     return {"kind": "registration", "owner": repr(owner), "device": str(owner.device), "state": state,
-            "rung": registration_rung(owner), "owner_obj": owner, "device_obj": owner.device}
+            "rung": registration_rung(owner), "memory_kind": owner.kind.value, "memory_owner": vmm_owner,
+            "owner_obj": owner, "device_obj": owner.device}
 
 
 def _find(value: int, notes: list[str]) -> dict[str, object]:
@@ -250,7 +285,10 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
                     if listed:
                         notes.append(f"the device alias above is on {owner.device}; on other devices: "
                                      + ", ".join(listed))
-                    if alias[0] == chunk.host_va.value:
+                    if device_reads_va(owner.kind):
+                        notes.append(f"{owner.kind.value} memory: the device reads it at its host VA, nothing "
+                                     "was registered for it (the same number is both)")
+                    elif alias[0] == chunk.host_va.value:
                         notes.append(f"on {owner.device} the device alias equals the host VA "
                                      "(CanUseHostPointerForRegisteredMem = 1): the same number is both")
                     elif chunk.register_va is not None:
