@@ -69,3 +69,12 @@ def test_pd008_fix_by_memory_domain(tmp_path: Path) -> None:
     found = _findings(tmp_path, "k.py", text)
     assert [(line, code) for line, code, _, _ in found] == [(6, "PD008"), (7, "PD008")]
     assert found[0][3].startswith("device memory") and found[1][3].startswith("host memory")
+
+
+def test_pd104_after_a_kernel_is_host_code() -> None:
+    found = audit_file(CASES / "pd104_after_kernel.cu", AuditConfig(root=CASES))[0]
+    where = [(f.line, "device code" in f.message, "host code:" in f.message) for f in found if f.code == "PD104"]
+    # the sites after each kernel's or device function's closing brace are host code again
+    assert where == [(9, True, False), (17, False, True), (23, True, False), (28, False, True)]
+    assert "host VAs" in found[1].fix and "host VAs" in found[3].fix
+    assert "host VAs" not in found[0].fix and "host VAs" not in found[2].fix
