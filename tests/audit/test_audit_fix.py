@@ -5,6 +5,9 @@ re-parse + mypy check before anything is written."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 
 from pointerdomain.audit.autofix import check_fix, fix_source
 from pointerdomain.audit.cli import main
+from tests import childenv
 
 FIX_CASES = Path(__file__).with_name("audit_cases") / "fix"
 
@@ -152,3 +156,80 @@ def test_a_star_import_gets_the_fully_qualified_form() -> None:
     assert "import pointerdomain\n" in result.code and "from pointerdomain import" not in result.code
     assert "table = pointerdomain.make_kernel_ptr_table([*bufs], device)" in result.code
     assert "return make_kernel_ptr_table(bufs, device)  # noqa: F405" in result.code  # the star-imported one
+
+
+_TABLE_SITE = (
+    "import torch\n"
+    "\n"
+    "\n"
+    "def table(bufs: list[torch.Tensor], device: torch.device) -> object:\n"
+    "    return torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64, device=device)\n"
+)
+# A stand-in for mypy in the child CLI (the check it runs is tested above with the real one):
+# no error, and a stall that SIGALRM cannot cut short on a file carrying the marker.
+_FAKE_MYPY_API = '''
+import signal, time
+
+def run(args):
+    with open(args[-1], encoding="utf-8") as f:
+        text = f.read()
+    if "stall-the-checker" in text:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(600)
+    return "", "", 0
+'''
+
+
+def _fix_cli(tree: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    fake = tree.parent / "fake_mypy"
+    (fake / "mypy").mkdir(parents=True, exist_ok=True)
+    (fake / "mypy" / "__init__.py").write_text("")
+    (fake / "mypy" / "api.py").write_text(_FAKE_MYPY_API)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(fake), childenv.pythonpath())))
+    return subprocess.run([sys.executable, "-m", "pointerdomain.audit", "--progress", "none", "--fix", *args, "."],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fix_stops_a_file_past_the_timeout_and_goes_on(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    stall = _TABLE_SITE + "# stall-the-checker\n"
+    (tree / "a_stall.py").write_text(stall)
+    (tree / "b_good.py").write_text(_TABLE_SITE)
+    t0 = time.perf_counter()
+    out = _fix_cli(tree, "--file-timeout", "10", timeout=90)
+    took = time.perf_counter() - t0
+    assert "a_stall.py: not fixed: skipped (the fix did not finish within file_timeout = 10 s; nothing written)" \
+        in out.stderr, out.stderr
+    assert (tree / "a_stall.py").read_text() == stall  # untouched
+    assert "return make_kernel_ptr_table(bufs, device)" in (tree / "b_good.py").read_text()
+    assert "1 site(s) rewritten; 1 file(s) skipped" in out.stderr
+    assert out.returncode == 1  # a_stall.py's finding is still reported
+    assert took < 80
+    assert [p.name for p in tree.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_fix_keeps_crlf_and_bom_byte_for_byte(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    # CRLF throughout, a BOM, an LF-only line and a CRLF inside a string literal
+    body = _TABLE_SITE + 'NOTE = """two\nlines"""\n'
+    crlf = body.replace("\n", "\r\n").replace("import torch\r\n\r\n", "import torch\r\n\n", 1)
+    original = b"\xef\xbb\xbf" + crlf.encode("utf-8")
+    (tree / "crlf.py").write_bytes(original)
+    plain = crlf.encode("utf-8")
+    (tree / "plain_crlf.py").write_bytes(plain)
+    out = _fix_cli(tree)
+    assert "2 site(s) rewritten" in out.stderr, out.stderr
+    # expected: the same bytes except the rewritten call and the added import, in CRLF
+    old_site = b"torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64, device=device)"
+    new_site = b"make_kernel_ptr_table(bufs, device)"
+    for name, before in (("crlf.py", original), ("plain_crlf.py", plain)):
+        after = (tree / name).read_bytes()
+        head = b"\xef\xbb\xbf" if name == "crlf.py" else b""
+        added = b"import torch\r\nfrom pointerdomain import make_kernel_ptr_table\r\n"
+        assert after.startswith(head + added)
+        rest = after[len(head + added):]
+        assert rest == before[len(head + b"import torch\r\n"):].replace(old_site, new_site)
+        assert rest.startswith(b"\n\r\ndef table(")  # the LF-only line stays LF
+        assert after.count(b"\r\n") == before.count(b"\r\n") + 1 and b'"""two\r\nlines"""' in rest
