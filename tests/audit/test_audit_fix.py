@@ -233,3 +233,24 @@ def test_fix_keeps_crlf_and_bom_byte_for_byte(tmp_path: Path) -> None:
         assert rest == before[len(head + b"import torch\r\n"):].replace(old_site, new_site)
         assert rest.startswith(b"\n\r\ndef table(")  # the LF-only line stays LF
         assert after.count(b"\r\n") == before.count(b"\r\n") + 1 and b'"""two\r\nlines"""' in rest
+
+
+def test_a_device_chosen_at_run_time_gets_one_builder_per_case() -> None:
+    result = fix_source(_case("conditional_device.py"))
+    assert "return make_kernel_ptr_table(bufs, device) if device else host_ptr_table(bufs)" in result.code
+    assert result.code.count("make_kernel_ptr_table(bufs, device) if device else host_ptr_table(bufs)") == 2
+    assert 'return make_kernel_ptr_table(bufs, "cuda") if torch.cuda.is_available() else host_ptr_table(bufs)' \
+        in result.code
+    assert "    return host_ptr_table(bufs)\n" in result.code  # "cpu" in both branches
+    # `pick()` would run twice as the condition and the device: left alone
+    assert result.fixes == 4 and [line for line, _ in result.refused] == [24]
+    assert "chosen at run time" in result.refused[0][1]
+    # on the CPU (no device) the rewritten host table holds what the comprehension computed
+    ns: dict[str, object] = {}
+    exec(compile(fix_source(_case("conditional_device.py"), "tensor").code, "conditional_device.py", "exec"), ns)
+    bufs = [torch.zeros(4), torch.zeros(8, dtype=torch.uint8)]
+    for fn in ("maybe_device", "device_or_cpu", "when_available"):
+        if fn == "when_available" and torch.cuda.is_available():
+            continue
+        got = ns[fn](bufs)  # type: ignore[operator]
+        assert got.dtype == torch.uint64 and got.tolist() == [b.data_ptr() for b in bufs]

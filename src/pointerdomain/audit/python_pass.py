@@ -29,7 +29,7 @@ from libcst.metadata import (Assignment, CodeRange, MetadataWrapper, PositionPro
 
 from pointerdomain.audit.rules import RULES, Finding
 
-__all__ = ["PythonRules", "audit_python_source", "slice_source", "trigger_words"]
+__all__ = ["PythonRules", "audit_python_source", "device_targets", "slice_source", "trigger_words"]
 
 _BASE_TRIGGERS = (
     "data_ptr", "HostRegister", "HostUnregister", "hostRegister", "register_memory", "register_buffer",
@@ -387,6 +387,24 @@ def _call_name(node: cst.Call) -> str | None:
             value = index.value.evaluated_value
             return value if isinstance(value, str) and value.isidentifier() else None
     return None
+
+
+_CPU_DEVICE_CALLS = frozenset({"torch.device('cpu')", 'torch.device("cpu")', "device('cpu')", 'device("cpu")'})
+
+
+def device_targets(expr: cst.BaseExpression) -> frozenset[str]:
+    """Where a ``device=`` expression can place a tensor: ``{"host"}`` (``"cpu"``,
+    ``torch.device("cpu")``, ``None``: torch's default device), ``{"device"}`` (anything
+    else), or both for a conditional whose branches differ (``device if device else "cpu"``,
+    ``device or "cpu"``, ``"cuda" if torch.cuda.is_available() else "cpu"``)."""
+    if isinstance(expr, cst.IfExp):
+        return device_targets(expr.body) | device_targets(expr.orelse)
+    if isinstance(expr, cst.BooleanOperation):
+        return device_targets(expr.left) | device_targets(expr.right)
+    code = _code_of(expr)
+    if code in _CPU_DEVICES or code in _CPU_DEVICE_CALLS or code == "None":
+        return frozenset({"host"})
+    return frozenset({"device"})
 
 
 def _arg(node: cst.Call, index: int, keyword: str) -> cst.BaseExpression | None:
@@ -834,6 +852,11 @@ class _Auditor(cst.CSTVisitor):
         texts = [cst.Module([]).code_for_node(v) for v in [tensor, *self._values_of(tensor)]] \
             if isinstance(tensor, (cst.Name, cst.Attribute)) else [cst.Module([]).code_for_node(tensor)]
         text = " ".join(texts)
+        calls = [v for v in [tensor, *self._values_of(tensor)] if isinstance(v, cst.Call)] \
+            if isinstance(tensor, (cst.Name, cst.Attribute)) else [tensor] if isinstance(tensor, cst.Call) else []
+        devices = [_arg(c, 99, "device") for c in calls]
+        if any(d is not None and len(device_targets(d)) > 1 for d in devices):
+            return None  # `device=device if device else "cpu"`: either, decided at run time
         if re.search(r"pin_memory|[\"']cpu[\"']|\.cpu\(\)|numpy|mmap|ctypes", text):
             return "host"
         if re.search(r"cuda|[\"'](?:npu|xpu|hip|musa)|\.npu\(|device\s*=", text):
@@ -862,17 +885,24 @@ class _Auditor(cst.CSTVisitor):
         builder = sorted(qns & _TABLE_BUILDERS)[0]
         device = _arg(node, 99, "device")
         chain = self._device_chain.get(id(node))
-        target = "host"
+        targets = frozenset({"host"})
         if device is not None:
-            code = cst.Module([]).code_for_node(device).strip()
-            target = "host" if code in _CPU_DEVICES or code.endswith(("('cpu')", '("cpu")')) else "device"
+            targets = device_targets(device)
         elif chain is not None:
-            target = "device"
-        fix = ("pointerdomain.make_kernel_ptr_table(tensors, device) -> PointerTable[DeviceAlias] (device aliases, "
-               "checked registration)" if target == "device" else
-               "pointerdomain.host_ptr_table(tensors) -> PointerTable[HostVA]")
+            targets = frozenset({"device"})
+        kernel_fix = ("pointerdomain.make_kernel_ptr_table(tensors, device) -> PointerTable[DeviceAlias] (device "
+                      "aliases, checked registration)")
+        host_fix = "pointerdomain.host_ptr_table(tensors) -> PointerTable[HostVA]"
+        if len(targets) > 1:
+            target = "host or device"
+            fix = f"{kernel_fix} where the device is a GPU, {host_fix} where it is the CPU"
+        else:
+            target = next(iter(targets))
+            fix = kernel_fix if target == "device" else host_fix
         self._covered.add(id(data))
-        self._report(node, "PD001", f"{builder}() of data_ptr() addresses builds an untyped {target} pointer table",
+        when = " (the device is chosen at run time)" if len(targets) > 1 else ""
+        self._report(node, "PD001", f"{builder}() of data_ptr() addresses builds an untyped {target} pointer table"
+                     f"{when}",
                      fix + "; `pointerdomain audit --fix` rewrites `[t.data_ptr() for t in X]` forms")
 
     def _check_runtime_registration(self, node: cst.Call, name: str) -> None:
