@@ -61,7 +61,7 @@ from libcst.metadata import (MetadataWrapper, ParentNodeProvider, PositionProvid
 
 from pointerdomain.audit.python_pass import device_targets
 
-__all__ = ["FixCheck", "FixResult", "FixStyle", "check_fix", "fix_source"]
+__all__ = ["FixCheck", "FixResult", "FixStyle", "check_fix", "fix_source", "warm_mypy"]
 
 FixStyle = Literal["table", "tensor"]
 _BUILDERS = frozenset({"torch.tensor", "torch.as_tensor"})
@@ -482,6 +482,12 @@ def _mypy_messages(code: str, name: str, cache: Path | None) -> list[str] | None
         if m and m.group("rest").startswith("error"):
             msgs.append(m.group("rest"))
     return msgs
+
+
+def warm_mypy(cache: Path | None = None) -> None:
+    """Run mypy once on ``import torch`` with :func:`check_fix`'s options, so its cache holds
+    torch's stubs before the first file is checked (nothing when mypy is not installed)."""
+    _mypy_messages("import torch\n", "pointerdomain_warm_up.py", cache)
 
 
 def check_fix(before: str, after: str, name: str = "module.py", cache: Path | None = None) -> FixCheck:

@@ -17,8 +17,9 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import cast
 
 import libcst as cst
 
-from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source
+from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source, warm_mypy
 from pointerdomain.audit.baseline import read_baseline, split_baselined, write_baseline
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
 from pointerdomain.audit.engine import Progress, audit_paths, discover, timed_audit_file
@@ -123,7 +124,8 @@ class _FileFix:
     skipped: bool = False
 
 
-def _fix_file(path: Path, config: AuditConfig, style: FixStyle, known: Counter[str] | None) -> _FileFix:
+def _fix_file(path: Path, config: AuditConfig, style: FixStyle, known: Counter[str] | None,
+              before_check: Callable[[], None] = lambda: None) -> _FileFix:
     """The checked rewrite of one file, nothing written. The text is decoded without newline
     translation and a UTF-8 BOM is kept aside, so the bytes written differ from the file's
     only at the rewritten sites (and the added import)."""
@@ -152,6 +154,7 @@ def _fix_file(path: Path, config: AuditConfig, style: FixStyle, known: Counter[s
     messages = [f"{rel}:{line}: not fixed: {reason}" for line, reason in result.refused]
     if not result.fixes:
         return _FileFix(rel, messages=tuple(messages))
+    before_check()
     check = check_fix(text, result.code, path.name)
     if not check.ok:
         messages.append(f"{rel}: {result.fixes} fix(es) refused: {check.reason}")
@@ -162,14 +165,29 @@ def _fix_file(path: Path, config: AuditConfig, style: FixStyle, known: Counter[s
     return _FileFix(rel, (_BOM if bom else b"") + result.code.encode("utf-8"), result.fixes, tuple(messages), diff)
 
 
+_WARMING, _WARM = "warming", "warm"
+
+
 def _fix_loop(conn: Connection, config: AuditConfig, style: FixStyle, known: Counter[str] | None) -> None:
-    """The fix process: one file per request, until the parent sends None."""
+    """The fix process: one file per request, until the parent sends None. Before its first
+    mypy check it warms mypy's cache (torch's stubs: 30 s or more cold) and tells the parent,
+    whose clock for the file stops meanwhile."""
+    warmed = False
+
+    def warm() -> None:
+        nonlocal warmed
+        if not warmed:
+            conn.send(_WARMING)
+            warm_mypy()
+            conn.send(_WARM)
+            warmed = True
+
     while True:
         path = conn.recv()
         if path is None:
             return
         try:
-            result = _fix_file(path, config, style, known)
+            result = _fix_file(path, config, style, known, warm)
         except Exception as exc:  # a defect in the fix must not end the run
             rel = config.relative(path)
             result = _FileFix(rel, messages=(f"{rel}: not fixed: {type(exc).__name__}: {exc}",))
@@ -212,11 +230,23 @@ class _FixProcess:
         rel = self.args[0].relative(path)
         conn = self.conn if self.conn is not None else self._start()
         conn.send(path)
+        deadline = time.monotonic() + timeout
         try:
-            if conn.poll(timeout):
-                answer: _FileFix = conn.recv()
-                return answer
-            reason = f"the fix did not finish within file_timeout = {timeout:g} s"
+            while True:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    reason = f"the fix did not finish within file_timeout = {timeout:g} s"
+                    break
+                answer: _FileFix | str = conn.recv()
+                if answer != _WARMING:
+                    assert isinstance(answer, _FileFix)
+                    return answer
+                # mypy's one-time start is not the file's: bounded apart, at 10 x file_timeout
+                started = time.monotonic()
+                if not conn.poll(10 * timeout):
+                    reason = f"mypy did not start within 10 x file_timeout = {10 * timeout:g} s"
+                    break
+                conn.recv()
+                deadline += time.monotonic() - started
         except (EOFError, OSError):
             reason = "the fix process ended without an answer"
         self._stop()

@@ -61,6 +61,7 @@ _MOONCAKE_TRANSFERS = frozenset({
     "batch_transfer_async_read", "batch_transfer_async_write", "transfer_read_on_cuda", "transfer_write_on_cuda",
 })
 _NIXL_DESC_METHODS = frozenset({"get_xfer_descs", "get_reg_descs", "prep_xfer_dlist"})
+_ENGINE_METHODS = _ENGINE_REGISTER_METHODS | _MOONCAKE_TRANSFERS | _NIXL_DESC_METHODS
 # Where a receiver's constructor comes from, for "is this a transfer engine".
 _ENGINE_ROOTS = ("mooncake", "nixl", "_nixl", "rixl")
 _TRITON_JIT = frozenset({"triton.jit", "triton.language.jit", "triton.runtime.jit", "triton.runtime.jit.jit"})
@@ -287,6 +288,11 @@ class _Collector(cst.CSTVisitor):
         self.annotations: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> annotation
         self.attrs: dict[str, list[cst.BaseExpression]] = {}  # "self.x" -> values
         self.attr_annotations: dict[str, cst.BaseExpression] = {}
+        # for identity snapshots (`before = [t.data_ptr() for t in xs]` only ever compared):
+        self.compared: set[int] = set()  # ids of Name/Attribute nodes inside a comparison or assert
+        self.bound_by: dict[int, cst.BaseExpression] = {}  # id(value) -> its one Name/Attribute target
+        self.attr_nodes: dict[str, list[cst.Attribute]] = {}  # ".x" -> every `obj.x` node
+        self.store_targets: set[int] = set()  # ids of assignment targets
 
     def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None,
               annotation: cst.BaseExpression | None = None) -> None:
@@ -321,8 +327,28 @@ class _Collector(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
             self._bind(t.target, node.value)
+            self.store_targets.add(id(t.target))
             if isinstance(t.target, cst.Subscript):
                 self.stores.append((t.target.value, node.value))
+        if len(node.targets) == 1 and isinstance(node.targets[0].target, (cst.Name, cst.Attribute)):
+            self.bound_by[id(node.value)] = node.targets[0].target
+
+    def _mark_compared(self, node: cst.CSTNode) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (cst.Name, cst.Attribute)):
+                self.compared.add(id(n))
+            stack.extend(n.children)
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        self._mark_compared(node)
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        self._mark_compared(node)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.attr_nodes.setdefault(node.attr.value, []).append(node)
 
     def visit_For(self, node: cst.For) -> None:
         # `for t in X`: t is an element of X; `for a, n in X`: each name an element of an element;
@@ -362,6 +388,17 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
 
 # what makes a tuple holding an address a tensor's identity (a cache key) rather than a descriptor
 _IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\bid\(|\.is_inference\(")
+
+
+def _getattr_as_attribute(call: cst.Call) -> cst.Attribute | None:
+    """``obj.name`` for ``getattr(obj, "name")`` with a literal name, else None."""
+    if not (isinstance(call.func, cst.Name) and call.func.value == "getattr" and len(call.args) == 2):
+        return None
+    name = call.args[1].value
+    if isinstance(name, cst.SimpleString) and isinstance(name.evaluated_value, str) \
+            and name.evaluated_value.isidentifier():
+        return cst.Attribute(call.args[0].value, cst.Name(name.evaluated_value))
+    return None
 
 
 def _is_host_struct_address(expr: cst.BaseExpression) -> bool:
@@ -532,6 +569,9 @@ class _Auditor(cst.CSTVisitor):
             return True  # numpy `a.ctypes.data`
         if isinstance(expr, cst.IfExp):
             return self.is_address(expr.body, depth + 1) or self.is_address(expr.orelse, depth + 1)
+        if isinstance(expr, cst.Attribute) and expr.attr.value == "value" and isinstance(expr.value, cst.Call) \
+                and self._is_ctypes_cast(expr.value) and self._casts_an_address(expr.value, depth + 1):
+            return True  # `ctypes.cast(buf, c_void_p).value`: the address as an int
         if isinstance(expr, cst.Call):
             name = _call_name(expr)
             if name == "data_ptr":
@@ -555,6 +595,22 @@ class _Auditor(cst.CSTVisitor):
             return any(self.is_address(v, depth + 1) for v in self._values_of(expr))
         return False
 
+    def _is_ctypes_cast(self, call: cst.Call) -> bool:
+        return _call_name(call) == "cast" and len(call.args) >= 2 and "ctypes.cast" in self._qualnames(call.func)
+
+    def _casts_an_address(self, call: cst.Call, depth: int) -> bool:
+        """``ctypes.cast(src, T)`` of an address (``t.data_ptr()``) or of a ctypes buffer
+        (``create_string_buffer``, ``(c_char * n)()``): not of a handle (``stream``, ``ctx``)."""
+        src = call.args[0].value
+        if _HANDLE_WORDS.search(_code_of(src)):
+            return False
+        if self.is_address(src, depth + 1):
+            return True
+        values = [src, *self._values_of(src)] if isinstance(src, (cst.Name, cst.Attribute)) else [src]
+        return any(isinstance(v, cst.Call) and (_call_name(v) == "create_string_buffer" or (
+            isinstance(v.func, cst.BinaryOperation) and isinstance(v.func.operator, cst.Multiply)
+            and "ctypes" in _code_of(v.func.left))) for v in values)
+
     def _element_exprs(self, expr: cst.BaseExpression) -> list[cst.BaseExpression]:
         if isinstance(expr, (cst.List, cst.Set, cst.Tuple)):
             return [e.value for e in expr.elements]
@@ -565,6 +621,18 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.DictComp):
             return [expr.value]
         return []
+
+    def _maps_to_address(self, func: cst.BaseExpression, depth: int) -> bool:
+        """A function ``map()`` applies that gives an address: ``lambda t: t.data_ptr()``,
+        ``torch.Tensor.data_ptr``, ``operator.methodcaller("data_ptr")``."""
+        if isinstance(func, cst.Lambda):
+            return self.is_address(func.body, depth + 1)
+        if isinstance(func, cst.Attribute):
+            return func.attr.value == "data_ptr"
+        if isinstance(func, cst.Call) and _call_name(func) == "methodcaller" and func.args:
+            name = func.args[0].value
+            return isinstance(name, cst.SimpleString) and name.evaluated_value == "data_ptr"
+        return False
 
     def _holds_address(self, expr: cst.BaseExpression, depth: int) -> bool:
         """An element that is an address, or a tuple/list holding one ((addr, len, dev))."""
@@ -585,6 +653,8 @@ class _Auditor(cst.CSTVisitor):
                 return any(self.is_address_collection(a.value, depth + 1) for a in expr.args)
             if name in ("values", "items") and isinstance(expr.func, cst.Attribute):
                 return self.is_address_collection(expr.func.value, depth + 1)
+            if name == "map" and len(expr.args) >= 2:
+                return self._maps_to_address(expr.args[0].value, depth + 1)
             return False
         if isinstance(expr, cst.Subscript):
             # an element of a collection of (addr, len) tuples, or a slice of an address list
@@ -689,24 +759,35 @@ class _Auditor(cst.CSTVisitor):
     # -- rules --------------------------------------------------------------------------
 
     def _method_alias(self, node: cst.Call) -> cst.Attribute | None:
-        """``engine.register_memory`` for ``reg(...)`` after ``reg = engine.register_memory``."""
+        """``engine.register_memory`` for ``reg(...)`` after ``reg = engine.register_memory``, for
+        ``getattr(engine, "register_memory")(...)`` and for ``reg(...)`` after
+        ``reg = getattr(engine, "register_memory")``."""
+        candidates = [node.func]
         if isinstance(node.func, cst.Name):
-            for v in self._bound_values(node.func):
-                if isinstance(v, cst.Attribute) and v.attr.value in _ENGINE_REGISTER_METHODS | _MOONCAKE_TRANSFERS \
-                        | _NIXL_DESC_METHODS:
-                    return v
+            candidates = self._bound_values(node.func)
+        for v in candidates:
+            if isinstance(v, cst.Call):
+                v = _getattr_as_attribute(v)  # type: ignore[assignment]
+            if isinstance(v, cst.Attribute) and v.attr.value in _ENGINE_METHODS:
+                return v
         return None
 
     def visit_Call(self, node: cst.Call) -> None:
         name = _call_name(node)
-        if name is None:
+        if name is None and not isinstance(node.func, cst.Call):
             return
-        if name.startswith("assert"):
+        if name is not None and name.startswith("assert"):
             self._assert_depth += 1  # `self.assertEqual(a.data_ptr() + n, b.data_ptr())`: a test's check
         func: cst.BaseExpression = node.func
         alias = self._method_alias(node)
         if alias is not None:
             func, name = alias, alias.attr.value
+        if name is None:
+            return
+        if name == "map" and id(node) not in self._covered and not self._assert_depth \
+                and self.is_address_collection(node):
+            self._report(node, "PD002", "data_ptr() addresses collected through map(): an untyped pointer table")
+            self._cover_subtree(node)
         # `.to(device)` / `.cuda()` after a table build: remember the target for PD001's fix.
         if name in ("to", "cuda") and isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call):
             self._device_chain[id(node.func.value)] = node
@@ -756,14 +837,19 @@ class _Auditor(cst.CSTVisitor):
         self._cover_subtree(value)
 
     def _wraps_address(self, expr: cst.BaseExpression) -> bool:
+        if isinstance(expr, cst.Call) and self._is_ctypes_cast(expr):
+            return self.is_address(expr.args[0].value)  # `ctypes.cast(t.data_ptr(), c_void_p)`
         return isinstance(expr, cst.Call) and _call_name(expr) in _WRAPPERS and len(expr.args) == 1 \
             and self.is_address(expr.args[0].value)
 
     def _carries_address(self, expr: cst.BaseExpression) -> bool:
         """An argument that is an address, a ctypes/handle wrapper of one, or a tuple/list
         holding one (``(addr, nbytes)`` sent to a peer)."""
-        if self.is_address(expr):
+        if self.is_address(expr) or self._wraps_address(expr):
             return True
+        if isinstance(expr, cst.Name) and any(isinstance(v, cst.Call) and self._wraps_address(v)
+                                              for v in self._values_of(expr)):
+            return True  # `src = ctypes.cast(t.data_ptr(), POINTER(c_uint8))` then `op(src)`
         if isinstance(expr, cst.Call) and len(expr.args) == 1 and _call_name(expr) not in _NOT_NATIVE:
             return self.is_address(expr.args[0].value)
         if isinstance(expr, (cst.Tuple, cst.List)):
@@ -900,6 +986,8 @@ class _Auditor(cst.CSTVisitor):
             target = next(iter(targets))
             fix = kernel_fix if target == "device" else host_fix
         self._covered.add(id(data))
+        if isinstance(data, cst.Call):  # `list(map(lambda t: t.data_ptr(), bufs))`: one finding, PD001's
+            self._covered.update(id(a.value) for a in data.args)
         when = " (the device is chosen at run time)" if len(targets) > 1 else ""
         self._report(node, "PD001", f"{builder}() of data_ptr() addresses builds an untyped {target} pointer table"
                      f"{when}",
@@ -979,8 +1067,12 @@ class _Auditor(cst.CSTVisitor):
                     return False
                 return "ctypes.c_void_p" in self._qualnames(expr.func)
             if _call_name(expr) == "cast" and len(expr.args) >= 2:
-                # `ctypes.cast(t.data_ptr(), c_void_p)`; a cast of a ctypes array or struct is a host buffer
-                return "ctypes.c_void_p" in self._qualnames(expr.args[1].value) and self.is_address(expr.args[0].value)
+                # `ctypes.cast(t.data_ptr(), c_void_p | POINTER(T) | c_char_p)`; a cast of a ctypes array or
+                # struct is a host buffer
+                target = expr.args[1].value
+                pointer = "ctypes.c_void_p" in self._qualnames(target) or "ctypes.c_char_p" in self._qualnames(
+                    target) or (isinstance(target, cst.Call) and "ctypes.POINTER" in self._qualnames(target.func))
+                return pointer and self.is_address(expr.args[0].value)
             if _call_name(expr) == "byref" and expr.args:
                 return False
             return False
@@ -1046,8 +1138,50 @@ class _Auditor(cst.CSTVisitor):
             self._cover_subtree(node)
             return
         if any(self._holds_address(e, 0) for e in elts):
+            if self._only_compared(node):
+                self._cover_subtree(node)  # a snapshot of addresses only compared later: an identity check
+                return
             self._report(node, "PD002", f"data_ptr() addresses collected into a {kind}: an untyped pointer table")
             self._cover_subtree(node)
+
+    def _only_compared(self, value: cst.BaseExpression) -> bool:
+        """``value`` is bound to a name or attribute whose every read is inside a comparison or
+        an ``assert`` (directly, or after being copied into an attribute: ``entry.addrs = addrs``
+        then ``assert new == entry.addrs``): the addresses are kept to check identity, never
+        dereferenced. False when it is never read."""
+        target = self.c.bound_by.get(id(value))
+        if target is None:
+            return False
+        reads = self._reads(target)
+        if not reads:
+            return False
+        for read in reads:
+            if id(read) in self.c.compared:
+                continue
+            copy = self.c.bound_by.get(id(read))
+            if not isinstance(copy, cst.Attribute):
+                return False
+            copies = self._reads(copy)
+            if not copies or any(id(n) not in self.c.compared for n in copies):
+                return False
+        return True
+
+    def _reads(self, target: cst.BaseExpression) -> list[cst.CSTNode]:
+        """The nodes that read what ``target`` (a Name or ``obj.attr``) was bound to: the name's
+        accesses in its scope; for an attribute, every ``x.attr`` of the file that is no
+        assignment target (any receiver: the object travels)."""
+        if isinstance(target, cst.Attribute):
+            return [n for n in self.c.attr_nodes.get(target.attr.value, []) if id(n) not in self.c.store_targets]
+        if not isinstance(target, cst.Name):
+            return []
+        scope = self.get_metadata(ScopeProvider, target, None)
+        if scope is None:
+            return []
+        try:
+            assignments = [a for a in scope.assignments[target.value] if isinstance(a, Assignment)]
+        except Exception:
+            return []
+        return [access.node for a in assignments for access in a.references]
 
     def visit_List(self, node: cst.List) -> None:
         self._check_collection(node, "list")
