@@ -94,6 +94,12 @@ _PY_ROOTS = frozenset({"torch", "numpy", "builtins", "math", "os", "sys", "struc
                        "pytest", "unittest", "dataclasses", "weakref", "threading", "multiprocessing"})
 _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
 _MAX_DEPTH = 16
+# `x - arena_base`: what an offset is measured from
+_BASE_NAME = re.compile(r"(?i)(?:^|_)(?:base|start|begin|origin)(?:_(?:addr|address|ptr))?$")
+# `key = tuple(t.data_ptr() for t in ws)`: a cache key, looked up, never dereferenced
+_KEY_NAME = re.compile(r"(?i)(?:^|_)key$|^key_|_key_")
+# typed device-pointer wrappers (cuda-python, hip-python): the callee is told the domain
+_TYPED_DEVICE_POINTERS = frozenset({"CUdeviceptr", "CUdeviceptr_v2", "hipDeviceptr_t"})
 
 
 def _is_triton_jit(qualname: str) -> bool:
@@ -332,6 +338,10 @@ class _Collector(cst.CSTVisitor):
                 self.stores.append((t.target.value, node.value))
         if len(node.targets) == 1 and isinstance(node.targets[0].target, (cst.Name, cst.Attribute)):
             self.bound_by[id(node.value)] = node.targets[0].target
+            value = node.value
+            if isinstance(value, cst.Call) and _call_name(value) in ("tuple", "list", "sorted") \
+                    and len(value.args) == 1:
+                self.bound_by[id(value.args[0].value)] = node.targets[0].target  # `key = tuple(<genexp>)`
 
     def _mark_compared(self, node: cst.CSTNode) -> None:
         stack = [node]
@@ -586,13 +596,34 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.BinaryOperation):
             if isinstance(expr.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
                 return False  # an offset in a page, an alignment, a count: no longer an address
-            if isinstance(expr.operator, cst.Subtract) and self.is_address(expr.right, depth + 1):
+            if isinstance(expr.operator, cst.Subtract) and self._offset_base(expr.right):
                 return False  # `x - base`: the distance from an address is an offset
             return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
         if isinstance(expr, cst.Subscript):
             return self.is_address_collection(expr.value, depth + 1)
         if isinstance(expr, (cst.Name, cst.Attribute)):
             return any(self.is_address(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _offset_base(self, expr: cst.BaseExpression) -> bool:
+        """What ``x - expr`` measures from: an address, an address rounded to a page
+        (``start = ptr & ~(PAGE - 1)``), or a name or attribute called a base or start
+        (``self._arena.base`` of another module): the difference is an offset or a length."""
+        if self.is_address(expr) or self._rounded_address(expr, 0):
+            return True
+        last = (get_full_name_for_node(expr) or "").rsplit(".", 1)[-1] if isinstance(
+            expr, (cst.Name, cst.Attribute)) else ""
+        return _BASE_NAME.search(last) is not None
+
+    def _rounded_address(self, expr: cst.BaseExpression, depth: int) -> bool:
+        """An address through ``&``, ``%`` or ``//`` (an aligned start), itself or by name."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.BinaryOperation):
+            return self.is_address(expr.left, depth + 1) or self._rounded_address(expr.left, depth + 1) or \
+                self.is_address(expr.right, depth + 1)
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            return any(self._rounded_address(v, depth + 1) for v in self._values_of(expr))
         return False
 
     def _is_ctypes_cast(self, call: cst.Call) -> bool:
@@ -845,6 +876,8 @@ class _Auditor(cst.CSTVisitor):
     def _carries_address(self, expr: cst.BaseExpression) -> bool:
         """An argument that is an address, a ctypes/handle wrapper of one, or a tuple/list
         holding one (``(addr, nbytes)`` sent to a peer)."""
+        if isinstance(expr, cst.Call) and _call_name(expr) in _TYPED_DEVICE_POINTERS:
+            return False  # `cuda.CUdeviceptr(addr)`: the callee is told it is device memory
         if self.is_address(expr) or self._wraps_address(expr):
             return True
         if isinstance(expr, cst.Name) and any(isinstance(v, cst.Call) and self._wraps_address(v)
@@ -864,8 +897,8 @@ class _Auditor(cst.CSTVisitor):
         positional = [a for a in node.args if a.keyword is None and not a.star]
         if name in ("append", "add") and len(positional) > 1 or name == "insert" and len(positional) > 2:
             name = f"{name} (a native method: a Python container takes one item)"  # `iobufs.append(ptr, n, True)`
-        elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or _call_name(node) in _WRAPPERS \
-                or id(node) in self._covered:
+        elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or id(node) in self._covered \
+                or _call_name(node) in _WRAPPERS | _TYPED_DEVICE_POINTERS:
             return
         if isinstance(node.func, cst.Attribute):
             recv = get_full_name_for_node(node.func.value) or ""
@@ -1059,6 +1092,8 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.Call):
             if expr.args and _is_host_struct_address(expr.args[0].value):
                 return False  # `(c_void_p * 1)(ctypes.addressof(args))`: the launch API's host kernel-argument buffer
+            if _call_name(expr) in _TYPED_DEVICE_POINTERS:
+                return False  # `cuda.CUdeviceptr(addr)`: typed as device memory for the callee
             if _call_name(expr) != "c_void_p" and len(expr.args) == 1 and self.is_address(expr.args[0].value):
                 return True  # `buffer_type(t.data_ptr())` with `buffer_type = ctypes.c_void_p` in another module
             if _call_name(expr) == "c_void_p":
@@ -1107,7 +1142,7 @@ class _Auditor(cst.CSTVisitor):
         if id(node) in self._covered or self._assert_depth or isinstance(
                 node.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
             return True  # `addr % align` is an alignment/offset check; `assert b - a == stride` a test's check
-        if isinstance(node.operator, cst.Subtract) and self.is_address(node.right):
+        if isinstance(node.operator, cst.Subtract) and self._offset_base(node.right):
             self._cover_subtree(node)  # `k.data_ptr() - q.data_ptr()`, `(p + n) - start`: an offset or a length
             return True
         if self.is_address(node.left) or self.is_address(node.right):
@@ -1152,6 +1187,8 @@ class _Auditor(cst.CSTVisitor):
         target = self.c.bound_by.get(id(value))
         if target is None:
             return False
+        if isinstance(target, cst.Name) and _KEY_NAME.search(target.value):
+            return True  # `key = tuple(w.data_ptr() for w in ws)`: looked up in a cache
         reads = self._reads(target)
         if not reads:
             return False
@@ -1203,6 +1240,8 @@ class _Auditor(cst.CSTVisitor):
         call = node.value
         if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert"):
             args = self._arg_values(call)
+            if args and isinstance(args[-1], cst.Tuple) and _IDENTITY_KEY.search(_code_of(args[-1])):
+                return  # `seen.append((x.shape[1], x.untyped_storage().data_ptr()))`: a tensor's identity
             if args and (self._holds_address(args[-1], 0) or self.is_address_collection(args[-1])):
                 self._report(call, "PD002", f"data_ptr() address collected with .{_call_name(call)}()")
                 self._cover_subtree(call)

@@ -67,3 +67,15 @@ def identity_snapshots(graph_entry, args, layer):
     if table == input_addresses:
         return table
     return None
+
+
+def offsets_and_keys(tensor, arena, weights, seen, page):
+    storage = tensor.untyped_storage()
+    ptr = storage.data_ptr()
+    start = ptr & ~(page - 1)
+    length = (ptr + storage.nbytes()) - start  # negative: a length from the page-aligned start
+    offset = tensor.data_ptr() - arena.base  # negative: an offset from a base of another module
+    key = tuple(w.data_ptr() for w in weights)  # negative: a cache key
+    seen.append((tensor.shape[1], storage.data_ptr()))  # negative: a tensor's identity
+    moved = ptr + page  # expect[PD002]
+    return length, offset, key, moved  # expect[PD008] the address leaves in a tuple
