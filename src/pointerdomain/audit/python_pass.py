@@ -98,6 +98,8 @@ _MAX_DEPTH = 16
 _BASE_NAME = re.compile(r"(?i)(?:^|_)(?:base|start|begin|origin)(?:_(?:addr|address|ptr))?$")
 # `key = tuple(t.data_ptr() for t in ws)`: a cache key, looked up, never dereferenced
 _KEY_NAME = re.compile(r"(?i)(?:^|_)key$|^key_|_key_")
+# `def tensor_binding_signature(...): return tuple(t.data_ptr() for t in ts)`: a function that makes a key
+_KEY_FUNCTION = re.compile(r"(?i)(?:^|_)(?:key|signature|fingerprint)(?:$|_)")
 # typed device-pointer wrappers (cuda-python, hip-python): the callee is told the domain
 _TYPED_DEVICE_POINTERS = frozenset({"CUdeviceptr", "CUdeviceptr_v2", "hipDeviceptr_t"})
 
@@ -483,6 +485,7 @@ class _Auditor(cst.CSTVisitor):
         self._fill_index: dict[tuple[int, str], tuple[list[cst.BaseExpression], list[cst.BaseExpression]]] | None \
             = None
         self._assert_depth = 0
+        self._function_names: list[str] = []  # the enclosing functions, innermost last
         self._memo: dict[tuple[int, int], bool] = {}
         # the functions and methods of the file (from the unsliced text: a helper without a
         # trigger word is blanked before parsing)
@@ -1173,7 +1176,7 @@ class _Auditor(cst.CSTVisitor):
             self._cover_subtree(node)
             return
         if any(self._holds_address(e, 0) for e in elts):
-            if self._only_compared(node):
+            if self._only_compared(node) or (self._function_names and _KEY_FUNCTION.search(self._function_names[-1])):
                 self._cover_subtree(node)  # a snapshot of addresses only compared later: an identity check
                 return
             self._report(node, "PD002", f"data_ptr() addresses collected into a {kind}: an untyped pointer table")
@@ -1268,6 +1271,9 @@ class _Auditor(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool | None:
         if any(_DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in node.decorators):
             return False  # CuTe DSL device code: data_ptr() there is a typed DSL pointer
+        if node.name.value == "__c_pointers__":
+            return False  # the CuTe DSL argument protocol: addresses of host ctypes descriptors
+        self._function_names.append(node.name.value)
         for d in node.decorators:
             target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
             if any(_is_triton_jit(q) for q in self._qualnames(target)):
@@ -1277,6 +1283,9 @@ class _Auditor(cst.CSTVisitor):
         return None
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        if original_node.name.value != "__c_pointers__" and not any(
+                _DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in original_node.decorators):
+            self._function_names.pop()
         if id(original_node) in getattr(self, "_jit_nodes", set()):
             self._triton_depth -= 1
 

@@ -1,4 +1,6 @@
 # Negative cases: what looks like an address site and is not one (PD002, PD004).
+import ctypes
+
 from nixl._api import nixl_agent
 
 
@@ -79,3 +81,13 @@ def offsets_and_keys(tensor, arena, weights, seen, page):
     seen.append((tensor.shape[1], storage.data_ptr()))  # negative: a tensor's identity
     moved = ptr + page  # expect[PD002]
     return length, offset, key, moved  # expect[PD008] the address leaves in a tuple
+
+
+def tensor_binding_signature(bindings):
+    return tuple(tensor.data_ptr() for tensor in bindings)  # negative: a key of captured graphs
+
+
+class DslTensor:
+    def __c_pointers__(self):
+        self._desc = ctypes.c_void_p(int(self._pointer))
+        return [ctypes.addressof(self._desc)]  # negative: the CuTe DSL argument protocol
