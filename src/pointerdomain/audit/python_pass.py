@@ -601,6 +601,10 @@ class _Auditor(cst.CSTVisitor):
                 return False  # an offset in a page, an alignment, a count: no longer an address
             if isinstance(expr.operator, cst.Subtract) and self._offset_base(expr.right):
                 return False  # `x - base`: the distance from an address is an offset
+            if isinstance(expr.operator, cst.Add) and any(
+                    self._address_offset(a, depth + 1) and self._offset_base(b)
+                    for a, b in ((expr.left, expr.right), (expr.right, expr.left))):
+                return True  # `buf.mc_base + (ptr - buf.base)`: the address moved into another mapping
             return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
         if isinstance(expr, cst.Subscript):
             return self.is_address_collection(expr.value, depth + 1)
@@ -617,6 +621,16 @@ class _Auditor(cst.CSTVisitor):
         last = (get_full_name_for_node(expr) or "").rsplit(".", 1)[-1] if isinstance(
             expr, (cst.Name, cst.Attribute)) else ""
         return _BASE_NAME.search(last) is not None
+
+    def _address_offset(self, expr: cst.BaseExpression, depth: int) -> bool:
+        """``addr - base``: the offset of an address from a base, itself or by name."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Subtract):
+            return self.is_address(expr.left, depth + 1) and self._offset_base(expr.right)
+        if isinstance(expr, cst.Name):
+            return any(self._address_offset(v, depth + 1) for v in self._values_of(expr))
+        return False
 
     def _rounded_address(self, expr: cst.BaseExpression, depth: int) -> bool:
         """An address through ``&``, ``%`` or ``//`` (an aligned start), itself or by name."""
@@ -1148,7 +1162,7 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(node.operator, cst.Subtract) and self._offset_base(node.right):
             self._cover_subtree(node)  # `k.data_ptr() - q.data_ptr()`, `(p + n) - start`: an offset or a length
             return True
-        if self.is_address(node.left) or self.is_address(node.right):
+        if self.is_address(node.left) or self.is_address(node.right) or self.is_address(node):
             self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
                          "(an alias offset must stay inside one registration)")
             self._cover_subtree(node)

@@ -80,7 +80,8 @@ def offsets_and_keys(tensor, arena, weights, seen, page):
     key = tuple(w.data_ptr() for w in weights)  # negative: a cache key
     seen.append((tensor.shape[1], storage.data_ptr()))  # negative: a tensor's identity
     moved = ptr + page  # expect[PD002]
-    return length, offset, key, moved  # expect[PD008] the address leaves in a tuple
+    mapped = arena.mc_base + (ptr - arena.base)  # expect[PD002] the address moved into another mapping
+    return length, offset, key, moved, mapped  # expect[PD008] the address leaves in a tuple
 
 
 def tensor_binding_signature(bindings):
