@@ -106,14 +106,14 @@ def test_cli_dry_run_diff_and_write(tmp_path: Path, mypy_cache: Path, capsys: py
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        rc = main(["--progress", "none", "--fix", "--diff", "."])
+        rc = main(["--progress", "none", "--fix", "--file-timeout", "600", "--diff", "."])  # mypy may be slow
         out, err = capsys.readouterr()
         assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # a dry run writes nothing
         assert "+        self.host_ptrs = host_ptr_table([*self.kv_buffer])" in out
         assert "typed_consumer.py: 1 fix(es) refused: mypy reports new errors" in err
         assert "consumers.py:8: not fixed: its value is put in a list or tuple (torch.cat of tables)" in err
         assert "2 site(s) would be rewritten" in err  # pool_rows 2
-        rc = main(["--progress", "none", "--fix", "."])
+        rc = main(["--progress", "none", "--fix", "--file-timeout", "600", "."])
         capsys.readouterr()
     finally:
         os.chdir(cwd)
