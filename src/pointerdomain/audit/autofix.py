@@ -9,7 +9,10 @@ Rewritten forms (``torch`` resolved by qualified name, any import alias)::
         -> host_ptr_table(X)
     torch.tensor([a.data_ptr(), b.data_ptr()], ...)  ->  ...([a, b], ...)
 
-``torch.as_tensor`` is treated the same; ``dtype`` may be any integer dtype or absent.
+``torch.as_tensor`` is treated the same; ``dtype`` may be any integer dtype or absent. A
+device chosen at run time gives one builder per case under the same condition
+(``device=device if device else "cpu"`` -> ``make_kernel_ptr_table(X, device) if device else
+host_ptr_table(X)``; ``device or "cpu"`` the same when ``device`` is a name or attribute).
 ``X`` is passed as is only when it is known to be a list/tuple of tensors (a list display
 or comprehension, ``list(...)``, or a name annotated ``list[...]``/``Sequence[...]``/
 ``tuple[...]``); otherwise it becomes ``[*X]`` (not ``list(X)``: a local ``list`` may
