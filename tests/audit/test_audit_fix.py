@@ -254,3 +254,18 @@ def test_a_device_chosen_at_run_time_gets_one_builder_per_case() -> None:
             continue
         got = ns[fn](bufs)  # type: ignore[operator]
         assert got.dtype == torch.uint64 and got.tolist() == [b.data_ptr() for b in bufs]
+
+
+def test_a_dry_run_prints_each_diff_once_across_a_stopped_file(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a_good.py").write_text(_TABLE_SITE)
+    (tree / "b_stall.py").write_text(_TABLE_SITE + "# stall-the-checker\n")
+    (tree / "c_good.py").write_text(_TABLE_SITE)
+    out = _fix_cli(tree, "--diff", "--file-timeout", "10", timeout=90)
+    assert "b_stall.py: not fixed: skipped" in out.stderr, out.stderr
+    # each diff once: the fix process that replaced the stopped one prints nothing itself
+    assert out.stdout.count("+++ b/a_good.py") == 1 and out.stdout.count("+++ b/c_good.py") == 1
+    assert "+++ b/b_stall.py" not in out.stdout
+    assert "2 site(s) would be rewritten; 1 file(s) skipped" in out.stderr
+    assert (tree / "a_good.py").read_text() == _TABLE_SITE  # a dry run
