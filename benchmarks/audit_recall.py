@@ -1,4 +1,5 @@
-"""The automatic part of the audit's recall count on a real tree (docs/audit.md, "Recall").
+"""The automatic part of the audit's recall count on a real tree (docs/audit.md, section
+"Runs on the real trees").
 
     pointerdomain-audit --format json -o out.json --no-baseline TREE
     python benchmarks/audit_recall.py TREE out.json [--misses]
