@@ -5,6 +5,9 @@ re-parse + mypy check before anything is written."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 
 from pointerdomain.audit.autofix import check_fix, fix_source
 from pointerdomain.audit.cli import main
+from tests import childenv
 
 FIX_CASES = Path(__file__).with_name("audit_cases") / "fix"
 
@@ -102,14 +106,14 @@ def test_cli_dry_run_diff_and_write(tmp_path: Path, mypy_cache: Path, capsys: py
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        rc = main(["--progress", "none", "--fix", "--diff", "."])
+        rc = main(["--progress", "none", "--fix", "--file-timeout", "600", "--diff", "."])  # mypy may be slow
         out, err = capsys.readouterr()
         assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before  # a dry run writes nothing
         assert "+        self.host_ptrs = host_ptr_table([*self.kv_buffer])" in out
         assert "typed_consumer.py: 1 fix(es) refused: mypy reports new errors" in err
         assert "consumers.py:8: not fixed: its value is put in a list or tuple (torch.cat of tables)" in err
         assert "2 site(s) would be rewritten" in err  # pool_rows 2
-        rc = main(["--progress", "none", "--fix", "."])
+        rc = main(["--progress", "none", "--fix", "--file-timeout", "600", "."])
         capsys.readouterr()
     finally:
         os.chdir(cwd)
@@ -152,3 +156,116 @@ def test_a_star_import_gets_the_fully_qualified_form() -> None:
     assert "import pointerdomain\n" in result.code and "from pointerdomain import" not in result.code
     assert "table = pointerdomain.make_kernel_ptr_table([*bufs], device)" in result.code
     assert "return make_kernel_ptr_table(bufs, device)  # noqa: F405" in result.code  # the star-imported one
+
+
+_TABLE_SITE = (
+    "import torch\n"
+    "\n"
+    "\n"
+    "def table(bufs: list[torch.Tensor], device: torch.device) -> object:\n"
+    "    return torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64, device=device)\n"
+)
+# A stand-in for mypy in the child CLI (the check it runs is tested above with the real one):
+# no error, and a stall that SIGALRM cannot cut short on a file carrying the marker.
+_FAKE_MYPY_API = '''
+import signal, time
+
+def run(args):
+    with open(args[-1], encoding="utf-8") as f:
+        text = f.read()
+    if "stall-the-checker" in text:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(600)
+    return "", "", 0
+'''
+
+
+def _fix_cli(tree: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    fake = tree.parent / "fake_mypy"
+    (fake / "mypy").mkdir(parents=True, exist_ok=True)
+    (fake / "mypy" / "__init__.py").write_text("")
+    (fake / "mypy" / "api.py").write_text(_FAKE_MYPY_API)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(fake), childenv.pythonpath())))
+    return subprocess.run([sys.executable, "-m", "pointerdomain.audit", "--progress", "none", "--fix", *args, "."],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fix_stops_a_file_past_the_timeout_and_goes_on(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    stall = _TABLE_SITE + "# stall-the-checker\n"
+    (tree / "a_stall.py").write_text(stall)
+    (tree / "b_good.py").write_text(_TABLE_SITE)
+    t0 = time.perf_counter()
+    out = _fix_cli(tree, "--file-timeout", "10", timeout=90)
+    took = time.perf_counter() - t0
+    assert "a_stall.py: not fixed: skipped (the fix did not finish within file_timeout = 10 s; nothing written)" \
+        in out.stderr, out.stderr
+    assert (tree / "a_stall.py").read_text() == stall  # untouched
+    assert "return make_kernel_ptr_table(bufs, device)" in (tree / "b_good.py").read_text()
+    assert "1 site(s) rewritten; 1 file(s) skipped" in out.stderr
+    assert out.returncode == 1  # a_stall.py's finding is still reported
+    assert took < 80
+    assert [p.name for p in tree.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_fix_keeps_crlf_and_bom_byte_for_byte(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    # CRLF throughout, a BOM, an LF-only line and a CRLF inside a string literal
+    body = _TABLE_SITE + 'NOTE = """two\nlines"""\n'
+    crlf = body.replace("\n", "\r\n").replace("import torch\r\n\r\n", "import torch\r\n\n", 1)
+    original = b"\xef\xbb\xbf" + crlf.encode("utf-8")
+    (tree / "crlf.py").write_bytes(original)
+    plain = crlf.encode("utf-8")
+    (tree / "plain_crlf.py").write_bytes(plain)
+    out = _fix_cli(tree)
+    assert "2 site(s) rewritten" in out.stderr, out.stderr
+    # expected: the same bytes except the rewritten call and the added import, in CRLF
+    old_site = b"torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64, device=device)"
+    new_site = b"make_kernel_ptr_table(bufs, device)"
+    for name, before in (("crlf.py", original), ("plain_crlf.py", plain)):
+        after = (tree / name).read_bytes()
+        head = b"\xef\xbb\xbf" if name == "crlf.py" else b""
+        added = b"import torch\r\nfrom pointerdomain import make_kernel_ptr_table\r\n"
+        assert after.startswith(head + added)
+        rest = after[len(head + added):]
+        assert rest == before[len(head + b"import torch\r\n"):].replace(old_site, new_site)
+        assert rest.startswith(b"\n\r\ndef table(")  # the LF-only line stays LF
+        assert after.count(b"\r\n") == before.count(b"\r\n") + 1 and b'"""two\r\nlines"""' in rest
+
+
+def test_a_device_chosen_at_run_time_gets_one_builder_per_case() -> None:
+    result = fix_source(_case("conditional_device.py"))
+    assert "return make_kernel_ptr_table(bufs, device) if device else host_ptr_table(bufs)" in result.code
+    assert result.code.count("make_kernel_ptr_table(bufs, device) if device else host_ptr_table(bufs)") == 2
+    assert 'return make_kernel_ptr_table(bufs, "cuda") if torch.cuda.is_available() else host_ptr_table(bufs)' \
+        in result.code
+    assert "    return host_ptr_table(bufs)\n" in result.code  # "cpu" in both branches
+    # `pick()` would run twice as the condition and the device: left alone
+    assert result.fixes == 4 and [line for line, _ in result.refused] == [24]
+    assert "chosen at run time" in result.refused[0][1]
+    # on the CPU (no device) the rewritten host table holds what the comprehension computed
+    ns: dict[str, object] = {}
+    exec(compile(fix_source(_case("conditional_device.py"), "tensor").code, "conditional_device.py", "exec"), ns)
+    bufs = [torch.zeros(4), torch.zeros(8, dtype=torch.uint8)]
+    for fn in ("maybe_device", "device_or_cpu", "when_available"):
+        if fn == "when_available" and torch.cuda.is_available():
+            continue
+        got = ns[fn](bufs)  # type: ignore[operator]
+        assert got.dtype == torch.uint64 and got.tolist() == [b.data_ptr() for b in bufs]
+
+
+def test_a_dry_run_prints_each_diff_once_across_a_stopped_file(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a_good.py").write_text(_TABLE_SITE)
+    (tree / "b_stall.py").write_text(_TABLE_SITE + "# stall-the-checker\n")
+    (tree / "c_good.py").write_text(_TABLE_SITE)
+    out = _fix_cli(tree, "--diff", "--file-timeout", "10", timeout=90)
+    assert "b_stall.py: not fixed: skipped" in out.stderr, out.stderr
+    # each diff once: the fix process that replaced the stopped one prints nothing itself
+    assert out.stdout.count("+++ b/a_good.py") == 1 and out.stdout.count("+++ b/c_good.py") == 1
+    assert "+++ b/b_stall.py" not in out.stdout
+    assert "2 site(s) would be rewritten; 1 file(s) skipped" in out.stderr
+    assert (tree / "a_good.py").read_text() == _TABLE_SITE  # a dry run

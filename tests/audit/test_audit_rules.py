@@ -69,3 +69,34 @@ def test_pd008_fix_by_memory_domain(tmp_path: Path) -> None:
     found = _findings(tmp_path, "k.py", text)
     assert [(line, code) for line, code, _, _ in found] == [(6, "PD008"), (7, "PD008")]
     assert found[0][3].startswith("device memory") and found[1][3].startswith("host memory")
+
+
+def test_pd104_after_a_kernel_is_host_code() -> None:
+    found = audit_file(CASES / "pd104_after_kernel.cu", AuditConfig(root=CASES))[0]
+    where = [(f.line, "device code" in f.message, "host code:" in f.message) for f in found if f.code == "PD104"]
+    # the sites after each kernel's or device function's closing brace are host code again
+    assert where == [(9, True, False), (17, False, True), (23, True, False), (28, False, True)]
+    assert "host VAs" in found[1].fix and "host VAs" in found[3].fix
+    assert "host VAs" not in found[0].fix and "host VAs" not in found[2].fix
+
+
+def test_a_device_chosen_at_run_time_names_both_domains(tmp_path: Path) -> None:
+    text = (
+        "import torch\n"
+        "def go(engine, ops, bufs, n, device=None):\n"
+        "    table = torch.tensor([t.data_ptr() for t in bufs], device=device if device else 'cpu')\n"
+        "    host = torch.tensor([t.data_ptr() for t in bufs], device='cpu' if n else torch.device('cpu'))\n"
+        "    buf = torch.empty(n, dtype=torch.uint8, device=device if device else 'cpu')\n"
+        "    engine.register_memory(buf.data_ptr(), n)\n"
+        "    dev = torch.empty(n, device=device or 'cuda')\n"
+        "    ops.copy(dev.data_ptr(), n)\n"
+    )
+    found = _findings(tmp_path, "c.py", text)
+    assert [(line, code) for line, code, _, _ in found] == [(3, "PD001"), (4, "PD001"), (6, "PD003"), (8, "PD008")]
+    mixed, host, reg, dev = found
+    assert "host or device pointer table (the device is chosen at run time)" in mixed[2]
+    assert "make_kernel_ptr_table" in mixed[3] and "host_ptr_table" in mixed[3]
+    assert "untyped host pointer table" in host[2] and "make_kernel_ptr_table" not in host[3]
+    # either memory: the fix names both domains, not the host one alone
+    assert "host memory" in reg[3] and "device memory" in reg[3]
+    assert dev[3].startswith("device memory")

@@ -2,4 +2,5 @@
 
 from pointerdomain.audit.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a spawned fix process imports it
+    raise SystemExit(main())

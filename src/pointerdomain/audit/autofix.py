@@ -9,7 +9,10 @@ Rewritten forms (``torch`` resolved by qualified name, any import alias)::
         -> host_ptr_table(X)
     torch.tensor([a.data_ptr(), b.data_ptr()], ...)  ->  ...([a, b], ...)
 
-``torch.as_tensor`` is treated the same; ``dtype`` may be any integer dtype or absent.
+``torch.as_tensor`` is treated the same; ``dtype`` may be any integer dtype or absent. A
+device chosen at run time gives one builder per case under the same condition
+(``device=device if device else "cpu"`` -> ``make_kernel_ptr_table(X, device) if device else
+host_ptr_table(X)``; ``device or "cpu"`` the same when ``device`` is a name or attribute).
 ``X`` is passed as is only when it is known to be a list/tuple of tensors (a list display
 or comprehension, ``list(...)``, or a name annotated ``list[...]``/``Sequence[...]``/
 ``tuple[...]``); otherwise it becomes ``[*X]`` (not ``list(X)``: a local ``list`` may
@@ -59,12 +62,13 @@ from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import (MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider,
                              ScopeProvider)
 
-__all__ = ["FixCheck", "FixResult", "FixStyle", "check_fix", "fix_source"]
+from pointerdomain.audit.python_pass import device_targets
+
+__all__ = ["FixCheck", "FixResult", "FixStyle", "check_fix", "fix_source", "warm_mypy"]
 
 FixStyle = Literal["table", "tensor"]
 _BUILDERS = frozenset({"torch.tensor", "torch.as_tensor"})
 _ALLOWED_KWARGS = frozenset({"dtype", "device"})
-_CPU = frozenset({"'cpu'", '"cpu"', "torch.device('cpu')", 'torch.device("cpu")'})
 _NAMES = ("make_kernel_ptr_table", "host_ptr_table")
 _OTHER_DEVICE = re.compile(r"\b(?:npu|xpu|musa|mlu|hpu|mps)\b|is_npu|is_xpu|is_musa|torch_npu|torch_musa")
 _OTHER_BACKEND_IMPORT = re.compile(r"^\s*(?:import|from)\s+(?:torch_npu|torch_musa|torch_mlu|habana_frameworks|"
@@ -327,12 +331,47 @@ class _Rewriter(cst.CSTTransformer):
                 self._refuse(original_node, why)
                 return updated_node
         device = kwargs.get("device")
-        device_code = _code(device) if device is not None else ""
-        if device is None or device_code in _CPU:
+        if device is not None and len(device_targets(device)) > 1 and not self._splittable(device):
+            self._refuse(original_node, f"the device ({_code(device)}) is chosen at run time in a form the fix "
+                         "cannot split into a device and a host table")
+            return updated_node
+        self.fixes += 1
+        return self._table_call(tensors, device)
+
+    def _splittable(self, device: cst.BaseExpression) -> bool:
+        """A device expression whose host and device cases can become two builder calls:
+        ``A if C else B`` (each branch once, as before), ``D or B`` with ``D`` a name or
+        attribute (``D`` read twice: as the test and as the device)."""
+        if isinstance(device, cst.IfExp):
+            return all(len(device_targets(b)) == 1 or self._splittable(b) for b in (device.body, device.orelse))
+        if isinstance(device, cst.BooleanOperation) and isinstance(device.operator, cst.Or):
+            return isinstance(device.left, (cst.Name, cst.Attribute)) and (
+                len(device_targets(device.right)) == 1 or self._splittable(device.right))
+        return False
+
+    def _table_call(self, tensors: cst.BaseExpression, device: cst.BaseExpression | None) -> cst.BaseExpression:
+        """The builder call for ``device`` (None: torch's default, the CPU): ``host_ptr_table``
+        for the CPU, ``make_kernel_ptr_table`` otherwise, and for a device chosen at run time
+        one of each under the same condition (``device if device else "cpu"`` becomes
+        ``make_kernel_ptr_table(X, device) if device else host_ptr_table(X)``)."""
+        if device is not None and len(device_targets(device)) > 1:
+            if isinstance(device, cst.IfExp):
+                return cst.IfExp(test=device.test, body=self._table_call(tensors, device.body),
+                                 orelse=self._table_call(tensors, device.orelse),
+                                 whitespace_before_if=device.whitespace_before_if,
+                                 whitespace_after_if=device.whitespace_after_if,
+                                 whitespace_before_else=device.whitespace_before_else,
+                                 whitespace_after_else=device.whitespace_after_else)
+            if isinstance(device, cst.BooleanOperation):
+                left = device.left.with_changes(lpar=[], rpar=[])
+                return cst.IfExp(test=left, body=self._table_call(tensors, left),
+                                 orelse=self._table_call(tensors, device.right))
+        if device is None or device_targets(device) == {"host"}:
             name, args = "host_ptr_table", [cst.Arg(tensors)]
         else:
             name = "make_kernel_ptr_table"
-            args = [cst.Arg(tensors, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), cst.Arg(device)]
+            args = [cst.Arg(tensors, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                    cst.Arg(device.with_changes(lpar=[], rpar=[]) if isinstance(device, cst.IfExp) else device)]
         func: cst.BaseExpression
         if self.qualified is None:
             AddImportsVisitor.add_needed_import(self.context, "pointerdomain", name)
@@ -343,7 +382,6 @@ class _Rewriter(cst.CSTTransformer):
             else:
                 AddImportsVisitor.add_needed_import(self.context, "pointerdomain")
             func = cst.Attribute(cst.Name(self.qualified), cst.Name(name))
-        self.fixes += 1
         call: cst.BaseExpression = cst.Call(func, args)
         if self.style == "tensor":
             call = cst.Call(cst.Attribute(call, cst.Name("as_uint64_tensor")), [])
@@ -447,6 +485,12 @@ def _mypy_messages(code: str, name: str, cache: Path | None) -> list[str] | None
         if m and m.group("rest").startswith("error"):
             msgs.append(m.group("rest"))
     return msgs
+
+
+def warm_mypy(cache: Path | None = None) -> None:
+    """Run mypy once on ``import torch`` with :func:`check_fix`'s options, so its cache holds
+    torch's stubs before the first file is checked (nothing when mypy is not installed)."""
+    _mypy_messages("import torch\n", "pointerdomain_warm_up.py", cache)
 
 
 def check_fix(before: str, after: str, name: str = "module.py", cache: Path | None = None) -> FixCheck:

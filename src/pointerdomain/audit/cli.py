@@ -9,16 +9,25 @@ after fixing); 2 a usage or configuration error (bad option, missing path, inval
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import multiprocessing
+import os
+import stat
 import sys
+import tempfile
+import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import cast
 
 import libcst as cst
 
-from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source
+from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source, warm_mypy
 from pointerdomain.audit.baseline import read_baseline, split_baselined, write_baseline
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
 from pointerdomain.audit.engine import Progress, audit_paths, discover, timed_audit_file
@@ -99,51 +108,203 @@ def _reported_sites(path: Path, config: AuditConfig, known: Counter[str] | None)
     return {(f.line, f.col) for f in new if f.code == "PD001"}
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileFix:
+    """One file's fix, computed in the fix process: the bytes to write (None: nothing to
+    write), the sites rewritten, the lines for stderr, and the unified diff (``--diff``)."""
+
+    rel: str
+    data: bytes | None = None
+    fixes: int = 0
+    messages: tuple[str, ...] = ()
+    diff: str = ""
+    skipped: bool = False
+
+
+def _fix_file(path: Path, config: AuditConfig, style: FixStyle, known: Counter[str] | None,
+              before_check: Callable[[], None] = lambda: None) -> _FileFix:
+    """The checked rewrite of one file, nothing written. The text is decoded without newline
+    translation and a UTF-8 BOM is kept aside, so the bytes written differ from the file's
+    only at the rewritten sites (and the added import)."""
+    rel = config.relative(path)
+    try:
+        raw = path.read_bytes()
+        bom = raw.startswith(_BOM)
+        text = raw[len(_BOM) if bom else 0:].decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return _FileFix(rel, messages=(f"{rel}: not fixed: cannot read the file: {exc}",))
+    if "data_ptr" not in text:
+        return _FileFix(rel)
+    # only what the audit reports is rewritten: a suppressed, ignored or baselined site stays
+    sites = _reported_sites(path, config, known)
+    if isinstance(sites, str):
+        return _FileFix(rel, messages=(f"{rel}: not fixed: skipped ({sites})",), skipped=True)
+    if not sites:
+        return _FileFix(rel)
+    try:
+        result = fix_source(text, style, sites)
+    except cst.ParserSyntaxError:
+        return _FileFix(rel)
+    except RecursionError:
+        return _FileFix(rel, messages=(f"{rel}: not fixed: an expression is nested too deeply for libcst "
+                                       "(RecursionError)",))
+    messages = [f"{rel}:{line}: not fixed: {reason}" for line, reason in result.refused]
+    if not result.fixes:
+        return _FileFix(rel, messages=tuple(messages))
+    before_check()
+    check = check_fix(text, result.code, path.name)
+    if not check.ok:
+        messages.append(f"{rel}: {result.fixes} fix(es) refused: {check.reason}")
+        messages.extend(f"    {m}" for m in check.new_errors)
+        return _FileFix(rel, messages=tuple(messages))
+    diff = "".join(difflib.unified_diff(text.splitlines(keepends=True), result.code.splitlines(keepends=True),
+                                        f"a/{rel}", f"b/{rel}"))
+    return _FileFix(rel, (_BOM if bom else b"") + result.code.encode("utf-8"), result.fixes, tuple(messages), diff)
+
+
+_WARMING, _WARM = "warming", "warm"
+
+
+def _fix_loop(conn: Connection, config: AuditConfig, style: FixStyle, known: Counter[str] | None) -> None:
+    """The fix process: one file per request, until the parent sends None. Before its first
+    mypy check it warms mypy's cache (torch's stubs: 30 s or more cold) and tells the parent,
+    whose clock for the file stops meanwhile."""
+    warmed = False
+
+    def warm() -> None:
+        nonlocal warmed
+        if not warmed:
+            conn.send(_WARMING)
+            warm_mypy()
+            conn.send(_WARM)
+            warmed = True
+
+    while True:
+        path = conn.recv()
+        if path is None:
+            return
+        try:
+            result = _fix_file(path, config, style, known, warm)
+        except Exception as exc:  # a defect in the fix must not end the run
+            rel = config.relative(path)
+            result = _FileFix(rel, messages=(f"{rel}: not fixed: {type(exc).__name__}: {exc}",))
+        conn.send(result)
+
+
+class _FixProcess:
+    """Runs :func:`_fix_file` in a child process so a file can be stopped at any point (a
+    stall inside libcst's native parser or mypy's compiled code does not see SIGALRM): past
+    ``config.file_timeout`` the child is killed, the file reported as skipped, and a fresh
+    child takes the next file. The parent alone writes, after the child's answer."""
+
+    def __init__(self, config: AuditConfig, style: FixStyle, known: Counter[str] | None) -> None:
+        self.args = (config, style, known)
+        # `fork` from the CLI (no torch, no threads: see engine._results); else `spawn`, which
+        # also gives the child the environment of now (MYPY_CACHE_DIR)
+        safe_fork = "fork" in multiprocessing.get_all_start_methods() and "torch" not in sys.modules \
+            and threading.active_count() == 1
+        self.ctx = multiprocessing.get_context("fork" if safe_fork else "spawn")
+        self.proc: BaseProcess | None = None
+        self.conn: Connection | None = None
+
+    def _start(self) -> Connection:
+        parent, child = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=_fix_loop, args=(child, *self.args), daemon=True)  # type: ignore[attr-defined]
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        return parent
+
+    def _stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join()
+        if self.conn is not None:
+            self.conn.close()
+        self.proc = self.conn = None
+
+    def fix(self, path: Path, timeout: float) -> _FileFix:
+        rel = self.args[0].relative(path)
+        conn = self.conn if self.conn is not None else self._start()
+        conn.send(path)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    reason = f"the fix did not finish within file_timeout = {timeout:g} s"
+                    break
+                answer: _FileFix | str = conn.recv()
+                if answer != _WARMING:
+                    assert isinstance(answer, _FileFix)
+                    return answer
+                # mypy's one-time start is not the file's: bounded apart, at 10 x file_timeout
+                started = time.monotonic()
+                if not conn.poll(10 * timeout):
+                    reason = f"mypy did not start within 10 x file_timeout = {10 * timeout:g} s"
+                    break
+                conn.recv()
+                deadline += time.monotonic() - started
+        except (EOFError, OSError):
+            reason = "the fix process ended without an answer"
+        self._stop()
+        return _FileFix(rel, messages=(f"{rel}: not fixed: skipped ({reason}; nothing written)",), skipped=True)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+        if self.proc is not None:
+            self.proc.join(5)
+        self._stop()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one rename: an interrupted run leaves the old file or the
+    new one, never a part; the file's permission bits are kept."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool, known: Counter[str] | None) -> int:
-    total = 0
-    for path in discover(paths, config):
-        if path.suffix != ".py":
-            continue
-        rel = config.relative(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            print(f"{rel}: not fixed: cannot read the file: {exc}", file=sys.stderr)
-            continue
-        if "data_ptr" not in text:
-            continue
-        # only what the audit reports is rewritten: a suppressed, ignored or baselined site stays
-        sites = _reported_sites(path, config, known)
-        if isinstance(sites, str):
-            print(f"{rel}: not fixed: skipped ({sites})", file=sys.stderr)
-            continue
-        if not sites:
-            continue
-        try:
-            result = fix_source(text, style, sites)
-        except cst.ParserSyntaxError:
-            continue
-        except RecursionError:
-            print(f"{rel}: not fixed: an expression is nested too deeply for libcst (RecursionError)",
-                  file=sys.stderr)
-            continue
-        for line, reason in result.refused:
-            print(f"{rel}:{line}: not fixed: {reason}", file=sys.stderr)
-        if not result.fixes:
-            continue
-        check = check_fix(text, result.code, path.name)
-        if not check.ok:
-            print(f"{rel}: {result.fixes} fix(es) refused: {check.reason}", file=sys.stderr)
-            for message in check.new_errors:
-                print(f"    {message}", file=sys.stderr)
-            continue
-        total += result.fixes
-        if diff:
-            sys.stdout.writelines(difflib.unified_diff(text.splitlines(keepends=True),
-                                                       result.code.splitlines(keepends=True), f"a/{rel}", f"b/{rel}"))
-        else:
-            path.write_text(result.code, encoding="utf-8")
-    print(f"pointerdomain audit --fix: {total} site(s) {'would be ' if diff else ''}rewritten", file=sys.stderr)
+    total = skipped = 0
+    worker = _FixProcess(config, style, known)
+    try:
+        for path in discover(paths, config):
+            if path.suffix != ".py":
+                continue
+            try:
+                if b"data_ptr" not in path.read_bytes():
+                    continue  # no PD001 site: not worth a round trip to the fix process
+            except OSError as exc:
+                print(f"{config.relative(path)}: not fixed: cannot read the file: {exc}", file=sys.stderr)
+                continue
+            result = worker.fix(path, config.file_timeout)
+            for line in result.messages:
+                print(line, file=sys.stderr)
+            skipped += result.skipped
+            if result.data is None:
+                continue
+            total += result.fixes
+            if diff:
+                sys.stdout.write(result.diff)
+            else:
+                _write_atomically(path, result.data)
+    finally:
+        worker.close()
+    print(f"pointerdomain audit --fix: {total} site(s) {'would be ' if diff else ''}rewritten"
+          + (f"; {skipped} file(s) skipped" if skipped else ""), file=sys.stderr)
     return total
 
 

@@ -161,8 +161,35 @@ def _balanced_arg(code: str, open_paren: int) -> str:
     return code[open_paren + 1: open_paren + 2048]
 
 
+def _device_blocks(code: str) -> list[tuple[int, int]]:
+    """(open, close) offsets of the brace blocks of comment-free ``code`` whose header (the
+    text since the previous ``;``, ``{`` or ``}``) names ``__global__``/``__device__``: the
+    bodies of kernels, device functions and device lambdas. A site is device code when one
+    of them encloses it; code after a kernel's closing brace is host code again."""
+    out: list[tuple[int, int]] = []
+    stack: list[tuple[int, bool]] = []
+    last_stop = 0
+    for m in re.finditer(r"[{};]", code):
+        ch, i = m.group(), m.start()
+        if ch == "{":
+            header = code[last_stop:i]
+            stack.append((i, _DEVICE_CODE.search(header) is not None))
+        elif ch == "}" and stack:
+            start, device = stack.pop()
+            if device:
+                out.append((start, i))
+        last_stop = i + 1
+    out.extend((start, len(code)) for start, device in stack if device)  # unbalanced: to the end
+    return out
+
+
+def _in_blocks(blocks: list[tuple[int, int]], offset: int) -> bool:
+    return any(start < offset < end for start, end in blocks)
+
+
 def _sites(code: str) -> Iterator[tuple[int, str, str]]:
     """(offset, code, message) for each site in comment-free ``code``."""
+    device_blocks: list[tuple[int, int]] | None = None
     int_tables = {m.group("name") or m.group("arr") or m.group("vec") for m in _INT_PTR_DECL.finditer(code)}
     pointer_arrays = {m.group("name") or m.group("pp") or m.group("arr")
                       for m in _PTR_ARRAY_DECL.finditer(code)} - int_tables
@@ -194,7 +221,9 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
         table = idx.group("name") if idx else ""
         if idx and target.rstrip().endswith("*") and (table in int_tables or (
                 _TABLE_NAME_RE.match(table) and table not in pointer_arrays)):
-            if _DEVICE_CODE.search(code, max(0, m.start() - 4000), m.start()):
+            if device_blocks is None:
+                device_blocks = _device_blocks(code)
+            if _in_blocks(device_blocks, m.start()):
                 yield m.start(), "PD104", f"integer {table}[...] cast to {target} in device code: the table must " \
                     "hold device aliases"
             else:

@@ -29,7 +29,7 @@ from libcst.metadata import (Assignment, CodeRange, MetadataWrapper, PositionPro
 
 from pointerdomain.audit.rules import RULES, Finding
 
-__all__ = ["PythonRules", "audit_python_source", "slice_source", "trigger_words"]
+__all__ = ["PythonRules", "audit_python_source", "device_targets", "slice_source", "trigger_words"]
 
 _BASE_TRIGGERS = (
     "data_ptr", "HostRegister", "HostUnregister", "hostRegister", "register_memory", "register_buffer",
@@ -61,6 +61,7 @@ _MOONCAKE_TRANSFERS = frozenset({
     "batch_transfer_async_read", "batch_transfer_async_write", "transfer_read_on_cuda", "transfer_write_on_cuda",
 })
 _NIXL_DESC_METHODS = frozenset({"get_xfer_descs", "get_reg_descs", "prep_xfer_dlist"})
+_ENGINE_METHODS = _ENGINE_REGISTER_METHODS | _MOONCAKE_TRANSFERS | _NIXL_DESC_METHODS
 # Where a receiver's constructor comes from, for "is this a transfer engine".
 _ENGINE_ROOTS = ("mooncake", "nixl", "_nixl", "rixl")
 _TRITON_JIT = frozenset({"triton.jit", "triton.language.jit", "triton.runtime.jit", "triton.runtime.jit.jit"})
@@ -93,6 +94,14 @@ _PY_ROOTS = frozenset({"torch", "numpy", "builtins", "math", "os", "sys", "struc
                        "pytest", "unittest", "dataclasses", "weakref", "threading", "multiprocessing"})
 _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
 _MAX_DEPTH = 16
+# `x - arena_base`: what an offset is measured from
+_BASE_NAME = re.compile(r"(?i)(?:^|_)(?:base|start|begin|origin)(?:_(?:addr|address|ptr))?$")
+# `key = tuple(t.data_ptr() for t in ws)`: a cache key, looked up, never dereferenced
+_KEY_NAME = re.compile(r"(?i)(?:^|_)key$|^key_|_key_")
+# `def tensor_binding_signature(...): return tuple(t.data_ptr() for t in ts)`: a function that makes a key
+_KEY_FUNCTION = re.compile(r"(?i)(?:^|_)(?:key|signature|fingerprint)(?:$|_)")
+# typed device-pointer wrappers (cuda-python, hip-python): the callee is told the domain
+_TYPED_DEVICE_POINTERS = frozenset({"CUdeviceptr", "CUdeviceptr_v2", "hipDeviceptr_t"})
 
 
 def _is_triton_jit(qualname: str) -> bool:
@@ -287,6 +296,11 @@ class _Collector(cst.CSTVisitor):
         self.annotations: dict[int, cst.BaseExpression] = {}  # id(target Name node) -> annotation
         self.attrs: dict[str, list[cst.BaseExpression]] = {}  # "self.x" -> values
         self.attr_annotations: dict[str, cst.BaseExpression] = {}
+        # for identity snapshots (`before = [t.data_ptr() for t in xs]` only ever compared):
+        self.compared: set[int] = set()  # ids of Name/Attribute nodes inside a comparison or assert
+        self.bound_by: dict[int, cst.BaseExpression] = {}  # id(value) -> its one Name/Attribute target
+        self.attr_nodes: dict[str, list[cst.Attribute]] = {}  # ".x" -> every `obj.x` node
+        self.store_targets: set[int] = set()  # ids of assignment targets
 
     def _bind(self, target: cst.BaseExpression, value: cst.BaseExpression | None,
               annotation: cst.BaseExpression | None = None) -> None:
@@ -321,8 +335,32 @@ class _Collector(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
             self._bind(t.target, node.value)
+            self.store_targets.add(id(t.target))
             if isinstance(t.target, cst.Subscript):
                 self.stores.append((t.target.value, node.value))
+        if len(node.targets) == 1 and isinstance(node.targets[0].target, (cst.Name, cst.Attribute)):
+            self.bound_by[id(node.value)] = node.targets[0].target
+            value = node.value
+            if isinstance(value, cst.Call) and _call_name(value) in ("tuple", "list", "sorted") \
+                    and len(value.args) == 1:
+                self.bound_by[id(value.args[0].value)] = node.targets[0].target  # `key = tuple(<genexp>)`
+
+    def _mark_compared(self, node: cst.CSTNode) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if isinstance(n, (cst.Name, cst.Attribute)):
+                self.compared.add(id(n))
+            stack.extend(n.children)
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        self._mark_compared(node)
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        self._mark_compared(node)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.attr_nodes.setdefault(node.attr.value, []).append(node)
 
     def visit_For(self, node: cst.For) -> None:
         # `for t in X`: t is an element of X; `for a, n in X`: each name an element of an element;
@@ -364,6 +402,17 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
 _IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\bid\(|\.is_inference\(")
 
 
+def _getattr_as_attribute(call: cst.Call) -> cst.Attribute | None:
+    """``obj.name`` for ``getattr(obj, "name")`` with a literal name, else None."""
+    if not (isinstance(call.func, cst.Name) and call.func.value == "getattr" and len(call.args) == 2):
+        return None
+    name = call.args[1].value
+    if isinstance(name, cst.SimpleString) and isinstance(name.evaluated_value, str) \
+            and name.evaluated_value.isidentifier():
+        return cst.Attribute(call.args[0].value, cst.Name(name.evaluated_value))
+    return None
+
+
 def _is_host_struct_address(expr: cst.BaseExpression) -> bool:
     """``ctypes.addressof(x)`` / ``ctypes.byref(x)``: the address of a ctypes object in host memory."""
     return isinstance(expr, cst.Call) and _call_name(expr) in ("addressof", "byref")
@@ -387,6 +436,24 @@ def _call_name(node: cst.Call) -> str | None:
             value = index.value.evaluated_value
             return value if isinstance(value, str) and value.isidentifier() else None
     return None
+
+
+_CPU_DEVICE_CALLS = frozenset({"torch.device('cpu')", 'torch.device("cpu")', "device('cpu')", 'device("cpu")'})
+
+
+def device_targets(expr: cst.BaseExpression) -> frozenset[str]:
+    """Where a ``device=`` expression can place a tensor: ``{"host"}`` (``"cpu"``,
+    ``torch.device("cpu")``, ``None``: torch's default device), ``{"device"}`` (anything
+    else), or both for a conditional whose branches differ (``device if device else "cpu"``,
+    ``device or "cpu"``, ``"cuda" if torch.cuda.is_available() else "cpu"``)."""
+    if isinstance(expr, cst.IfExp):
+        return device_targets(expr.body) | device_targets(expr.orelse)
+    if isinstance(expr, cst.BooleanOperation):
+        return device_targets(expr.left) | device_targets(expr.right)
+    code = _code_of(expr)
+    if code in _CPU_DEVICES or code in _CPU_DEVICE_CALLS or code == "None":
+        return frozenset({"host"})
+    return frozenset({"device"})
 
 
 def _arg(node: cst.Call, index: int, keyword: str) -> cst.BaseExpression | None:
@@ -418,6 +485,7 @@ class _Auditor(cst.CSTVisitor):
         self._fill_index: dict[tuple[int, str], tuple[list[cst.BaseExpression], list[cst.BaseExpression]]] | None \
             = None
         self._assert_depth = 0
+        self._function_names: list[str] = []  # the enclosing functions, innermost last
         self._memo: dict[tuple[int, int], bool] = {}
         # the functions and methods of the file (from the unsliced text: a helper without a
         # trigger word is blanked before parsing)
@@ -514,6 +582,9 @@ class _Auditor(cst.CSTVisitor):
             return True  # numpy `a.ctypes.data`
         if isinstance(expr, cst.IfExp):
             return self.is_address(expr.body, depth + 1) or self.is_address(expr.orelse, depth + 1)
+        if isinstance(expr, cst.Attribute) and expr.attr.value == "value" and isinstance(expr.value, cst.Call) \
+                and self._is_ctypes_cast(expr.value) and self._casts_an_address(expr.value, depth + 1):
+            return True  # `ctypes.cast(buf, c_void_p).value`: the address as an int
         if isinstance(expr, cst.Call):
             name = _call_name(expr)
             if name == "data_ptr":
@@ -528,14 +599,65 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.BinaryOperation):
             if isinstance(expr.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
                 return False  # an offset in a page, an alignment, a count: no longer an address
-            if isinstance(expr.operator, cst.Subtract) and self.is_address(expr.right, depth + 1):
+            if isinstance(expr.operator, cst.Subtract) and self._offset_base(expr.right):
                 return False  # `x - base`: the distance from an address is an offset
+            if isinstance(expr.operator, cst.Add) and any(
+                    self._address_offset(a, depth + 1) and self._offset_base(b)
+                    for a, b in ((expr.left, expr.right), (expr.right, expr.left))):
+                return True  # `buf.mc_base + (ptr - buf.base)`: the address moved into another mapping
             return self.is_address(expr.left, depth + 1) or self.is_address(expr.right, depth + 1)
         if isinstance(expr, cst.Subscript):
             return self.is_address_collection(expr.value, depth + 1)
         if isinstance(expr, (cst.Name, cst.Attribute)):
             return any(self.is_address(v, depth + 1) for v in self._values_of(expr))
         return False
+
+    def _offset_base(self, expr: cst.BaseExpression) -> bool:
+        """What ``x - expr`` measures from: an address, an address rounded to a page
+        (``start = ptr & ~(PAGE - 1)``), or a name or attribute called a base or start
+        (``self._arena.base`` of another module): the difference is an offset or a length."""
+        if self.is_address(expr) or self._rounded_address(expr, 0):
+            return True
+        last = (get_full_name_for_node(expr) or "").rsplit(".", 1)[-1] if isinstance(
+            expr, (cst.Name, cst.Attribute)) else ""
+        return _BASE_NAME.search(last) is not None
+
+    def _address_offset(self, expr: cst.BaseExpression, depth: int) -> bool:
+        """``addr - base``: the offset of an address from a base, itself or by name."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Subtract):
+            return self.is_address(expr.left, depth + 1) and self._offset_base(expr.right)
+        if isinstance(expr, cst.Name):
+            return any(self._address_offset(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _rounded_address(self, expr: cst.BaseExpression, depth: int) -> bool:
+        """An address through ``&``, ``%`` or ``//`` (an aligned start), itself or by name."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.BinaryOperation):
+            return self.is_address(expr.left, depth + 1) or self._rounded_address(expr.left, depth + 1) or \
+                self.is_address(expr.right, depth + 1)
+        if isinstance(expr, (cst.Name, cst.Attribute)):
+            return any(self._rounded_address(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _is_ctypes_cast(self, call: cst.Call) -> bool:
+        return _call_name(call) == "cast" and len(call.args) >= 2 and "ctypes.cast" in self._qualnames(call.func)
+
+    def _casts_an_address(self, call: cst.Call, depth: int) -> bool:
+        """``ctypes.cast(src, T)`` of an address (``t.data_ptr()``) or of a ctypes buffer
+        (``create_string_buffer``, ``(c_char * n)()``): not of a handle (``stream``, ``ctx``)."""
+        src = call.args[0].value
+        if _HANDLE_WORDS.search(_code_of(src)):
+            return False
+        if self.is_address(src, depth + 1):
+            return True
+        values = [src, *self._values_of(src)] if isinstance(src, (cst.Name, cst.Attribute)) else [src]
+        return any(isinstance(v, cst.Call) and (_call_name(v) == "create_string_buffer" or (
+            isinstance(v.func, cst.BinaryOperation) and isinstance(v.func.operator, cst.Multiply)
+            and "ctypes" in _code_of(v.func.left))) for v in values)
 
     def _element_exprs(self, expr: cst.BaseExpression) -> list[cst.BaseExpression]:
         if isinstance(expr, (cst.List, cst.Set, cst.Tuple)):
@@ -547,6 +669,18 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.DictComp):
             return [expr.value]
         return []
+
+    def _maps_to_address(self, func: cst.BaseExpression, depth: int) -> bool:
+        """A function ``map()`` applies that gives an address: ``lambda t: t.data_ptr()``,
+        ``torch.Tensor.data_ptr``, ``operator.methodcaller("data_ptr")``."""
+        if isinstance(func, cst.Lambda):
+            return self.is_address(func.body, depth + 1)
+        if isinstance(func, cst.Attribute):
+            return func.attr.value == "data_ptr"
+        if isinstance(func, cst.Call) and _call_name(func) == "methodcaller" and func.args:
+            name = func.args[0].value
+            return isinstance(name, cst.SimpleString) and name.evaluated_value == "data_ptr"
+        return False
 
     def _holds_address(self, expr: cst.BaseExpression, depth: int) -> bool:
         """An element that is an address, or a tuple/list holding one ((addr, len, dev))."""
@@ -567,6 +701,8 @@ class _Auditor(cst.CSTVisitor):
                 return any(self.is_address_collection(a.value, depth + 1) for a in expr.args)
             if name in ("values", "items") and isinstance(expr.func, cst.Attribute):
                 return self.is_address_collection(expr.func.value, depth + 1)
+            if name == "map" and len(expr.args) >= 2:
+                return self._maps_to_address(expr.args[0].value, depth + 1)
             return False
         if isinstance(expr, cst.Subscript):
             # an element of a collection of (addr, len) tuples, or a slice of an address list
@@ -671,24 +807,35 @@ class _Auditor(cst.CSTVisitor):
     # -- rules --------------------------------------------------------------------------
 
     def _method_alias(self, node: cst.Call) -> cst.Attribute | None:
-        """``engine.register_memory`` for ``reg(...)`` after ``reg = engine.register_memory``."""
+        """``engine.register_memory`` for ``reg(...)`` after ``reg = engine.register_memory``, for
+        ``getattr(engine, "register_memory")(...)`` and for ``reg(...)`` after
+        ``reg = getattr(engine, "register_memory")``."""
+        candidates = [node.func]
         if isinstance(node.func, cst.Name):
-            for v in self._bound_values(node.func):
-                if isinstance(v, cst.Attribute) and v.attr.value in _ENGINE_REGISTER_METHODS | _MOONCAKE_TRANSFERS \
-                        | _NIXL_DESC_METHODS:
-                    return v
+            candidates = self._bound_values(node.func)
+        for v in candidates:
+            if isinstance(v, cst.Call):
+                v = _getattr_as_attribute(v)  # type: ignore[assignment]
+            if isinstance(v, cst.Attribute) and v.attr.value in _ENGINE_METHODS:
+                return v
         return None
 
     def visit_Call(self, node: cst.Call) -> None:
         name = _call_name(node)
-        if name is None:
+        if name is None and not isinstance(node.func, cst.Call):
             return
-        if name.startswith("assert"):
+        if name is not None and name.startswith("assert"):
             self._assert_depth += 1  # `self.assertEqual(a.data_ptr() + n, b.data_ptr())`: a test's check
         func: cst.BaseExpression = node.func
         alias = self._method_alias(node)
         if alias is not None:
             func, name = alias, alias.attr.value
+        if name is None:
+            return
+        if name == "map" and id(node) not in self._covered and not self._assert_depth \
+                and self.is_address_collection(node):
+            self._report(node, "PD002", "data_ptr() addresses collected through map(): an untyped pointer table")
+            self._cover_subtree(node)
         # `.to(device)` / `.cuda()` after a table build: remember the target for PD001's fix.
         if name in ("to", "cuda") and isinstance(node.func, cst.Attribute) and isinstance(node.func.value, cst.Call):
             self._device_chain[id(node.func.value)] = node
@@ -738,14 +885,21 @@ class _Auditor(cst.CSTVisitor):
         self._cover_subtree(value)
 
     def _wraps_address(self, expr: cst.BaseExpression) -> bool:
+        if isinstance(expr, cst.Call) and self._is_ctypes_cast(expr):
+            return self.is_address(expr.args[0].value)  # `ctypes.cast(t.data_ptr(), c_void_p)`
         return isinstance(expr, cst.Call) and _call_name(expr) in _WRAPPERS and len(expr.args) == 1 \
             and self.is_address(expr.args[0].value)
 
     def _carries_address(self, expr: cst.BaseExpression) -> bool:
         """An argument that is an address, a ctypes/handle wrapper of one, or a tuple/list
         holding one (``(addr, nbytes)`` sent to a peer)."""
-        if self.is_address(expr):
+        if isinstance(expr, cst.Call) and _call_name(expr) in _TYPED_DEVICE_POINTERS:
+            return False  # `cuda.CUdeviceptr(addr)`: the callee is told it is device memory
+        if self.is_address(expr) or self._wraps_address(expr):
             return True
+        if isinstance(expr, cst.Name) and any(isinstance(v, cst.Call) and self._wraps_address(v)
+                                              for v in self._values_of(expr)):
+            return True  # `src = ctypes.cast(t.data_ptr(), POINTER(c_uint8))` then `op(src)`
         if isinstance(expr, cst.Call) and len(expr.args) == 1 and _call_name(expr) not in _NOT_NATIVE:
             return self.is_address(expr.args[0].value)
         if isinstance(expr, (cst.Tuple, cst.List)):
@@ -760,8 +914,8 @@ class _Auditor(cst.CSTVisitor):
         positional = [a for a in node.args if a.keyword is None and not a.star]
         if name in ("append", "add") and len(positional) > 1 or name == "insert" and len(positional) > 2:
             name = f"{name} (a native method: a Python container takes one item)"  # `iobufs.append(ptr, n, True)`
-        elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or _call_name(node) in _WRAPPERS \
-                or id(node) in self._covered:
+        elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or id(node) in self._covered \
+                or _call_name(node) in _WRAPPERS | _TYPED_DEVICE_POINTERS:
             return
         if isinstance(node.func, cst.Attribute):
             recv = get_full_name_for_node(node.func.value) or ""
@@ -834,6 +988,11 @@ class _Auditor(cst.CSTVisitor):
         texts = [cst.Module([]).code_for_node(v) for v in [tensor, *self._values_of(tensor)]] \
             if isinstance(tensor, (cst.Name, cst.Attribute)) else [cst.Module([]).code_for_node(tensor)]
         text = " ".join(texts)
+        calls = [v for v in [tensor, *self._values_of(tensor)] if isinstance(v, cst.Call)] \
+            if isinstance(tensor, (cst.Name, cst.Attribute)) else [tensor] if isinstance(tensor, cst.Call) else []
+        devices = [_arg(c, 99, "device") for c in calls]
+        if any(d is not None and len(device_targets(d)) > 1 for d in devices):
+            return None  # `device=device if device else "cpu"`: either, decided at run time
         if re.search(r"pin_memory|[\"']cpu[\"']|\.cpu\(\)|numpy|mmap|ctypes", text):
             return "host"
         if re.search(r"cuda|[\"'](?:npu|xpu|hip|musa)|\.npu\(|device\s*=", text):
@@ -862,17 +1021,26 @@ class _Auditor(cst.CSTVisitor):
         builder = sorted(qns & _TABLE_BUILDERS)[0]
         device = _arg(node, 99, "device")
         chain = self._device_chain.get(id(node))
-        target = "host"
+        targets = frozenset({"host"})
         if device is not None:
-            code = cst.Module([]).code_for_node(device).strip()
-            target = "host" if code in _CPU_DEVICES or code.endswith(("('cpu')", '("cpu")')) else "device"
+            targets = device_targets(device)
         elif chain is not None:
-            target = "device"
-        fix = ("pointerdomain.make_kernel_ptr_table(tensors, device) -> PointerTable[DeviceAlias] (device aliases, "
-               "checked registration)" if target == "device" else
-               "pointerdomain.host_ptr_table(tensors) -> PointerTable[HostVA]")
+            targets = frozenset({"device"})
+        kernel_fix = ("pointerdomain.make_kernel_ptr_table(tensors, device) -> PointerTable[DeviceAlias] (device "
+                      "aliases, checked registration)")
+        host_fix = "pointerdomain.host_ptr_table(tensors) -> PointerTable[HostVA]"
+        if len(targets) > 1:
+            target = "host or device"
+            fix = f"{kernel_fix} where the device is a GPU, {host_fix} where it is the CPU"
+        else:
+            target = next(iter(targets))
+            fix = kernel_fix if target == "device" else host_fix
         self._covered.add(id(data))
-        self._report(node, "PD001", f"{builder}() of data_ptr() addresses builds an untyped {target} pointer table",
+        if isinstance(data, cst.Call):  # `list(map(lambda t: t.data_ptr(), bufs))`: one finding, PD001's
+            self._covered.update(id(a.value) for a in data.args)
+        when = " (the device is chosen at run time)" if len(targets) > 1 else ""
+        self._report(node, "PD001", f"{builder}() of data_ptr() addresses builds an untyped {target} pointer table"
+                     f"{when}",
                      fix + "; `pointerdomain audit --fix` rewrites `[t.data_ptr() for t in X]` forms")
 
     def _check_runtime_registration(self, node: cst.Call, name: str) -> None:
@@ -941,6 +1109,8 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.Call):
             if expr.args and _is_host_struct_address(expr.args[0].value):
                 return False  # `(c_void_p * 1)(ctypes.addressof(args))`: the launch API's host kernel-argument buffer
+            if _call_name(expr) in _TYPED_DEVICE_POINTERS:
+                return False  # `cuda.CUdeviceptr(addr)`: typed as device memory for the callee
             if _call_name(expr) != "c_void_p" and len(expr.args) == 1 and self.is_address(expr.args[0].value):
                 return True  # `buffer_type(t.data_ptr())` with `buffer_type = ctypes.c_void_p` in another module
             if _call_name(expr) == "c_void_p":
@@ -949,8 +1119,12 @@ class _Auditor(cst.CSTVisitor):
                     return False
                 return "ctypes.c_void_p" in self._qualnames(expr.func)
             if _call_name(expr) == "cast" and len(expr.args) >= 2:
-                # `ctypes.cast(t.data_ptr(), c_void_p)`; a cast of a ctypes array or struct is a host buffer
-                return "ctypes.c_void_p" in self._qualnames(expr.args[1].value) and self.is_address(expr.args[0].value)
+                # `ctypes.cast(t.data_ptr(), c_void_p | POINTER(T) | c_char_p)`; a cast of a ctypes array or
+                # struct is a host buffer
+                target = expr.args[1].value
+                pointer = "ctypes.c_void_p" in self._qualnames(target) or "ctypes.c_char_p" in self._qualnames(
+                    target) or (isinstance(target, cst.Call) and "ctypes.POINTER" in self._qualnames(target.func))
+                return pointer and self.is_address(expr.args[0].value)
             if _call_name(expr) == "byref" and expr.args:
                 return False
             return False
@@ -985,10 +1159,10 @@ class _Auditor(cst.CSTVisitor):
         if id(node) in self._covered or self._assert_depth or isinstance(
                 node.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
             return True  # `addr % align` is an alignment/offset check; `assert b - a == stride` a test's check
-        if isinstance(node.operator, cst.Subtract) and self.is_address(node.right):
+        if isinstance(node.operator, cst.Subtract) and self._offset_base(node.right):
             self._cover_subtree(node)  # `k.data_ptr() - q.data_ptr()`, `(p + n) - start`: an offset or a length
             return True
-        if self.is_address(node.left) or self.is_address(node.right):
+        if self.is_address(node.left) or self.is_address(node.right) or self.is_address(node):
             self._report(node, "PD002", "arithmetic on a data_ptr() address yields an untyped int "
                          "(an alias offset must stay inside one registration)")
             self._cover_subtree(node)
@@ -1016,8 +1190,52 @@ class _Auditor(cst.CSTVisitor):
             self._cover_subtree(node)
             return
         if any(self._holds_address(e, 0) for e in elts):
+            if self._only_compared(node) or (self._function_names and _KEY_FUNCTION.search(self._function_names[-1])):
+                self._cover_subtree(node)  # a snapshot of addresses only compared later: an identity check
+                return
             self._report(node, "PD002", f"data_ptr() addresses collected into a {kind}: an untyped pointer table")
             self._cover_subtree(node)
+
+    def _only_compared(self, value: cst.BaseExpression) -> bool:
+        """``value`` is bound to a name or attribute whose every read is inside a comparison or
+        an ``assert`` (directly, or after being copied into an attribute: ``entry.addrs = addrs``
+        then ``assert new == entry.addrs``): the addresses are kept to check identity, never
+        dereferenced. False when it is never read."""
+        target = self.c.bound_by.get(id(value))
+        if target is None:
+            return False
+        if isinstance(target, cst.Name) and _KEY_NAME.search(target.value):
+            return True  # `key = tuple(w.data_ptr() for w in ws)`: looked up in a cache
+        reads = self._reads(target)
+        if not reads:
+            return False
+        for read in reads:
+            if id(read) in self.c.compared:
+                continue
+            copy = self.c.bound_by.get(id(read))
+            if not isinstance(copy, cst.Attribute):
+                return False
+            copies = self._reads(copy)
+            if not copies or any(id(n) not in self.c.compared for n in copies):
+                return False
+        return True
+
+    def _reads(self, target: cst.BaseExpression) -> list[cst.CSTNode]:
+        """The nodes that read what ``target`` (a Name or ``obj.attr``) was bound to: the name's
+        accesses in its scope; for an attribute, every ``x.attr`` of the file that is no
+        assignment target (any receiver: the object travels)."""
+        if isinstance(target, cst.Attribute):
+            return [n for n in self.c.attr_nodes.get(target.attr.value, []) if id(n) not in self.c.store_targets]
+        if not isinstance(target, cst.Name):
+            return []
+        scope = self.get_metadata(ScopeProvider, target, None)
+        if scope is None:
+            return []
+        try:
+            assignments = [a for a in scope.assignments[target.value] if isinstance(a, Assignment)]
+        except Exception:
+            return []
+        return [access.node for a in assignments for access in a.references]
 
     def visit_List(self, node: cst.List) -> None:
         self._check_collection(node, "list")
@@ -1039,6 +1257,8 @@ class _Auditor(cst.CSTVisitor):
         call = node.value
         if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert"):
             args = self._arg_values(call)
+            if args and isinstance(args[-1], cst.Tuple) and _IDENTITY_KEY.search(_code_of(args[-1])):
+                return  # `seen.append((x.shape[1], x.untyped_storage().data_ptr()))`: a tensor's identity
             if args and (self._holds_address(args[-1], 0) or self.is_address_collection(args[-1])):
                 self._report(call, "PD002", f"data_ptr() address collected with .{_call_name(call)}()")
                 self._cover_subtree(call)
@@ -1065,6 +1285,9 @@ class _Auditor(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool | None:
         if any(_DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in node.decorators):
             return False  # CuTe DSL device code: data_ptr() there is a typed DSL pointer
+        if node.name.value == "__c_pointers__":
+            return False  # the CuTe DSL argument protocol: addresses of host ctypes descriptors
+        self._function_names.append(node.name.value)
         for d in node.decorators:
             target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
             if any(_is_triton_jit(q) for q in self._qualnames(target)):
@@ -1074,6 +1297,9 @@ class _Auditor(cst.CSTVisitor):
         return None
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        if original_node.name.value != "__c_pointers__" and not any(
+                _DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in original_node.decorators):
+            self._function_names.pop()
         if id(original_node) in getattr(self, "_jit_nodes", set()):
             self._triton_depth -= 1
 

@@ -34,3 +34,8 @@ def launch(hip, fn, args, extra, stream, t):
     hip.hipModuleLaunchKernel(fn, 1, 1, 1, 64, 1, 1, 0, stream, params, None)  # negative: host kernarg buffer
     hip.hipModuleLaunchKernel(fn, 1, 1, 1, 64, 1, 1, 0, stream, None, ctypes.cast(extra, ctypes.c_void_p))  # negative
     hip.hipMemsetAsync(ctypes.cast(t.data_ptr(), ctypes.c_void_p), 0, 4, stream)  # expect[PD006]
+
+
+def typed_device_pointers(cuda, stream, flag_base, n):
+    cuda.cuStreamWriteValue32(stream, cuda.CUdeviceptr(flag_base.data_ptr()), 1, 0)  # negative: a typed device pointer
+    cuda.cuMemsetD8(ctypes.c_void_p(flag_base.data_ptr()), 0, n)  # expect[PD006]
