@@ -1,6 +1,7 @@
 """Memory a captured graph uses stays as it was while the graph exists
 (pointerdomain.transfer.graphs): closing it is refused with BusyError naming the graph,
-a reset graph refuses to replay, a replay over released storage is refused, and the
+a reset graph refuses to replay, a replay over released storage (a table's or an index
+tensor's, freed or swapped) is refused, and the
 generation numbers of tables and pools change when memory under them closes.
 
 CPU: the emulated device's stand-in graph (pointerdomain.testing.EmulatedGraph); the
@@ -123,6 +124,56 @@ def test_a_replay_over_released_storage_is_refused_and_writes_nothing() -> None:
     host.close()
 
 
+@pytest.mark.parametrize("which", ["src", "dst"])
+@pytest.mark.parametrize("how", ["resize_", "set_"])
+def test_a_replay_over_index_storage_freed_or_swapped_is_refused_and_writes_nothing(which: str, how: str) -> None:
+    """The graph reads the index tensors by their captured addresses: an index storage
+    released (resize_) or swapped (set_) under it refuses the replay, nothing written; the
+    captured storage stays allocated while the graph exists."""
+    pool, host = _pools(9)
+    src, dst = torch.tensor([0, 1]), torch.tensor([4, 5])
+    graph = EmulatedGraph()
+    with graph.capture(DEV):
+        host.backup(pool, src, dst)
+    host.buffer.view(torch.uint8).fill_(0xEE)  # poisoned: any byte a replay writes shows
+    before = host.buffer.clone()
+    index = src if which == "src" else dst
+    captured_ptr = index.untyped_storage().data_ptr()
+    if how == "resize_":
+        index.untyped_storage().resize_(0)
+    else:
+        index.set_(torch.tensor([8, 9]))
+    with pytest.raises(errors.GraphInvalidatedError, match=f"{which}_indices") as info:
+        graph.replay()
+    assert isinstance(info.value, RuntimeError) and "nothing was copied" in str(info.value)
+    assert same(host.buffer, before)
+    if how == "set_":  # the old storage is what a CUDA replay reads: still allocated, its values intact
+        held = [k for k in graph.held.keep if isinstance(k, graphs.CapturedIndex) and k.ptr == captured_ptr]
+        assert held and held[0].storage.data_ptr() == captured_ptr and held[0].storage.nbytes() == 16
+        assert torch.equal(torch.empty(0, dtype=torch.int64).set_(held[0].storage), torch.tensor([0, 1]) if
+                           which == "src" else torch.tensor([4, 5]))
+    graph.reset()
+    assert not [k for k in graph.held.keep if isinstance(k, graphs.CapturedIndex)]
+    host.close()
+
+
+def test_an_index_changed_in_place_still_replays() -> None:
+    """copy_ into a captured index tensor keeps its storage: the replay reads the new values."""
+    pool, host = _pools(10)
+    src, dst = torch.tensor([0, 1]), torch.tensor([4, 5])
+    graph = EmulatedGraph()
+    with graph.capture(DEV):
+        host.backup(pool, src, dst)
+    host.buffer.view(torch.uint8).fill_(0xEE)
+    src.copy_(torch.tensor([6, 2]))
+    dst.copy_(torch.tensor([9, 3]))
+    expected = reference_transfer(pool_bytes(pool), LAYOUT, as_bytes(host.buffer).reshape(-1).clone(), HOST, src, dst)
+    graph.replay()
+    assert same(as_bytes(host.buffer).reshape(-1), expected)
+    graph.reset()
+    host.close()
+
+
 def test_an_eager_launch_holds_nothing() -> None:
     pool, host = _pools(5)
     host.backup(pool, torch.tensor([0]), torch.tensor([0]))
@@ -174,6 +225,39 @@ def test_cuda_graph_holds_its_pool_until_it_is_destroyed() -> None:
     torch.cuda.synchronize()
     host.close(timeout=5.0)
     assert host.memory.closed
+
+
+@pytest.mark.gpu
+def test_cuda_graph_keeps_a_swapped_index_storage_allocated() -> None:
+    """CUDA: an index tensor moved to other storage (set_) under a graph cannot be refused
+    (torch replays the graph); the captured storage stays allocated, so the replay reads
+    the captured values rather than memory the caching allocator handed out again."""
+    import gc
+
+    dev = pd.Device("cuda", 0)
+    pool = pd.DeviceKVPool(LAYOUT, dev)
+    fill_pool(pool, 7)
+    host = pd.HostKVPool(HOST, dev)
+    host.buffer.view(torch.uint8).fill_(0xEE)
+    poisoned = as_bytes(host.buffer).reshape(-1).clone()
+    src = torch.tensor([1, 2], device="cuda")
+    dst = torch.tensor([3, 4], device="cuda")
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        host.backup(pool, src, dst, backend="kernel")
+    dst.set_(torch.tensor([5, 6], device="cuda"))
+    gc.collect()
+    reuse = [torch.full((2,), 7, dtype=torch.int64, device="cuda") for _ in range(64)]  # would take a freed block
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference_transfer(pool_bytes(pool), LAYOUT, poisoned, HOST, torch.tensor([1, 2]), torch.tensor([3, 4]))
+    assert same(as_bytes(host.buffer).reshape(-1), expected)
+    del graph, reuse
+    gc.collect()
+    torch.cuda.synchronize()
+    host.close(timeout=5.0)
 
 
 def test_a_layer_pointer_table_a_graph_captured_is_not_replaced() -> None:

@@ -16,7 +16,7 @@ from pointerdomain import errors
 from pointerdomain.adapters import outcomes as engine_outcomes
 from pointerdomain.adapters.mooncake import HostTransferEngine
 from pointerdomain.testing import FaultyBackend, backend_for, install_backend
-from pointerdomain.transfer.outcomes import TransferOutcome, TransferStream, transfer_outcome
+from pointerdomain.transfer.outcomes import TransferOutcome, TransferStream, run_spans, transfer_outcome
 from tests.reference import DEV, as_bytes, fill_pool, model_layout, pool_bytes, reference_transfer, same
 
 LAYOUT = model_layout("layer_first", pages=4)
@@ -67,23 +67,74 @@ def test_a_fault_on_the_first_chunk_fails_the_request_and_a_clean_run_is_done() 
         assert same(_host_bytes(host), reference_transfer(pool_bytes(pool), LAYOUT, before, HOST, SRC, DST))
 
 
-def test_bad_input_in_a_later_chunk_fails_that_chunk_and_the_rest() -> None:
-    """Each chunk is checked before its launch: the chunks before it were copied, the bad
-    one and those after it write nothing."""
+_T = torch.tensor
+
+
+@pytest.mark.parametrize(("case", "src", "dst", "chunk", "error", "match"), [
+    ("bad slot in a later chunk", _T([0, 1, 2, 3, 4, 5]), _T([0, 1, 2, 3, 4, 99]), 2, errors.IndexValidationError,
+     "outside"),
+    ("lengths differ", _T([0, 1, 2, 3]), _T([4, 5]), 2, errors.IndexValidationError, "4 slots but dst_indices has 2"),
+    ("a slot written in two chunks", _T([0, 1]), _T([4, 4]), 1, errors.OverlapError, "written twice"),
+    ("0-d indices", _T(0), _T(4), None, errors.IndexValidationError, "expected 1-D"),
+    ("int32 indices", _T([0, 1], dtype=torch.int32), _T([2, 3], dtype=torch.int32), 1, errors.IndexValidationError,
+     "int32"),
+    ("2-d indices", _T([[0, 1]]), _T([[2, 3]]), 1, errors.IndexValidationError, "expected 1-D"),
+])
+def test_bad_input_anywhere_in_the_request_fails_it_whole_before_any_chunk(
+    case: str, src: torch.Tensor, dst: torch.Tensor, chunk: int | None, error: type[Exception], match: str,
+) -> None:
+    """The whole request gets every check of one direct launch before its first chunk: the
+    same typed error, the whole request failed, nothing written."""
     pool = pd.DeviceKVPool(LAYOUT, DEV)
     fill_pool(pool, 4)
     with pd.HostKVPool(HOST, DEV) as host:
+        host.buffer.view(torch.uint8).fill_(0xEE)  # poisoned: any byte written shows
         before = _host_bytes(host)
-        bad = torch.tensor([0, 1, 2, 3, 4, 99])
-        outcome = transfer_outcome(pool.table, host.kernel_table, SRC, bad, src_layout=LAYOUT, dst_layout=HOST,
-                                   chunk_slots=2)
-        assert outcome.status == "partial" and outcome.failed_spans == ((4, 6),)
-        assert isinstance(outcome.error, errors.IndexValidationError)
-        assert same(_host_bytes(host), reference_transfer(pool_bytes(pool), LAYOUT, before, HOST, SRC[:4], bad[:4]))
-        first = transfer_outcome(pool.table, host.kernel_table, SRC, bad, src_layout=LAYOUT, dst_layout=HOST)
-        assert first.status == "failed" and first.failed_spans == ((0, 6),)
+        with pytest.raises(error, match=match):
+            pd.transfer_kv_all_layer(pool.table, host.kernel_table, src, dst, src_layout=LAYOUT, dst_layout=HOST)
+        outcome = transfer_outcome(pool.table, host.kernel_table, src, dst, src_layout=LAYOUT, dst_layout=HOST,
+                                   chunk_slots=chunk)
+        assert outcome.status == "failed", case
+        assert outcome.failed_spans == ((0, src.numel()),)
+        assert type(outcome.error) is error and match in str(outcome.error)
+        assert same(_host_bytes(host), before)  # nothing written, not even the chunks before the bad one
         with pytest.raises(errors.InvalidArgumentError, match="chunk_slots"):
             _backup(host, pool, chunk_slots=0)
+
+
+def test_a_slot_read_in_one_chunk_and_written_in_another_is_an_overlap_error() -> None:
+    """A swap inside one pool split one slot pair per chunk: each chunk alone is fine, the
+    whole request reads a slot it writes (the direct launch refuses it)."""
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 5)
+    before = pool_bytes(pool).clone()
+    src, dst = torch.tensor([0, 1]), torch.tensor([1, 0])
+    with pytest.raises(errors.OverlapError, match="both read"):
+        pd.transfer_kv_all_layer(pool.table, pool.table, src, dst, src_layout=LAYOUT, dst_layout=LAYOUT)
+    outcome = transfer_outcome(pool.table, pool.table, src, dst, src_layout=LAYOUT, dst_layout=LAYOUT, chunk_slots=1)
+    assert outcome.status == "failed" and outcome.failed_spans == ((0, 2),)
+    assert type(outcome.error) is errors.OverlapError
+    assert same(pool_bytes(pool), before)
+    moved = transfer_outcome(pool.table, pool.table, torch.tensor([0, 1]), torch.tensor([2, 3]), src_layout=LAYOUT,
+                             dst_layout=LAYOUT, chunk_slots=1)
+    assert moved.done
+    expected = reference_transfer(before, LAYOUT, before.clone(), LAYOUT, torch.tensor([0, 1]), torch.tensor([2, 3]))
+    assert same(pool_bytes(pool), expected)
+
+
+@pytest.mark.parametrize(("total", "spans"), [
+    (4, [(3, 1)]), (4, [(0, 5)]), (4, [(-1, 2)]), (4, [(0, 2), (1, 3)]), (-1, []), (4, [(0, 2.0)]), (True, []),
+])
+def test_bad_spans_are_refused_before_any_work_runs(total: Any, spans: Any) -> None:
+    ran: list[tuple[int, int]] = []
+    stream = TransferStream(DEV)
+    with pytest.raises(errors.InvalidArgumentError):
+        stream.run(total, spans, lambda a, b: ran.append((a, b)))
+    with pytest.raises(ValueError):  # the builtin the typed error also is
+        run_spans(total, spans, lambda a, b: ran.append((a, b)))
+    assert ran == [] and stream.latched is None
+    assert stream.run(4, [(0, 0), (0, 3), (3, 4)], lambda a, b: ran.append((a, b))).done
+    assert ran == [(0, 0), (0, 3), (3, 4)]
 
 
 def test_a_stream_latches_the_first_failure_until_reset() -> None:

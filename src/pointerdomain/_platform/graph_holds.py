@@ -243,7 +243,9 @@ class EmulatedGraph:
         (index tensors included: their current values are read, as a CUDA replay reads them).
 
         Raises:
-            GraphInvalidatedError: the graph was reset, or memory it captured was released.
+            GraphInvalidatedError: the graph was reset, or memory it captured was released
+                (a registration closed, a table's storage released or reallocated, an index
+                tensor's storage resized, released or swapped with ``set_``); nothing runs.
         """
         if self._reset:
             raise GraphInvalidatedError(f"{self.held.name} was reset: it cannot be replayed; nothing was copied")

@@ -2,13 +2,16 @@
 
 A launch captured into a graph (``torch.cuda.graph``, or the emulated device's stand-in
 :class:`~pointerdomain.testing.EmulatedGraph`) is baked in with raw addresses: the kernel
-tables, the table entries' buffers (pool memory, registered host memory), the plan. Every
-replay reads and writes them again. The rules:
+tables, the table entries' buffers (pool memory, registered host memory), the plan, the
+index tensors' storages. Every replay reads and writes them again. The rules:
 
 * the launch path asks the backend for the graph being captured
   (:class:`~pointerdomain._platform.graph_holds.GraphHolder`) and, when there is one,
-  keeps the launch's tables and plan alive for as long as the graph exists and adds the
-  graph to the lease set of every registration the tables point into;
+  keeps the launch's tables, plan and index tensors alive for as long as the graph
+  exists, with the storages the index tensors had at capture (a ``set_`` that moves an
+  index tensor to other storage leaves the captured one allocated, so a CUDA replay
+  never reads freed or reused memory), and adds the graph to the lease set of every
+  registration the tables point into;
 * ``close()`` of such a registration, or of a :class:`~pointerdomain.HostKVPool` over
   it, raises :class:`~pointerdomain.errors.BusyError` naming the graph (device, capture
   id or name, where it was captured) until the graph is destroyed, and nothing closes;
@@ -20,15 +23,22 @@ replay reads and writes them again. The rules:
   under them closes: an engine that keeps graphs records them at capture
   (:func:`generations`) and compares before a replay (:func:`still_valid`);
 * the emulated stand-in checks before each replay that every registration it captured is
-  open and every table's storage intact, else raises
-  :class:`~pointerdomain.errors.GraphInvalidatedError`; a reset graph refuses to replay.
-  (A CUDA graph replays through torch, which the library does not see: the refusal to
-  close is what keeps its memory valid.)
+  open, every table's storage intact, and every index tensor it captured still on the
+  storage it had at capture (same address and size: not resized, released or swapped
+  with ``set_``), else raises :class:`~pointerdomain.errors.GraphInvalidatedError` and
+  runs nothing; a reset graph refuses to replay. (A CUDA graph replays through torch,
+  which the library does not see: the refusal to close is what keeps its memory valid.)
 
 Not held, and why: staging buffers (the staged path reads indices on the host and is never
 captured); the error word (kept for the life of the process). A tensor's storage resized
 or swapped under a graph (``resize_``, ``set_``) is torch's operation, which the library
-does not see: the stand-in refuses the next replay, a CUDA graph would replay into it.
+does not see and cannot refuse: the stand-in refuses the next replay; a CUDA graph replays
+with the captured addresses: after a ``set_`` of an index tensor it reads the old storage
+(kept allocated, so valid memory, but no longer the tensor the caller writes), after a
+``resize_`` of a storage it reads or writes freed memory. Under a CUDA graph, change index
+values in place (``copy_``), never their storage. Where a launch computes part indices
+(a layout that splits its items) the captured kernel reads those computed tensors, which
+are what is held and checked; the caller's tensors are read by the captured torch ops.
 
 Where the graph's end is seen: CUDA through a user object the graph retains (its
 destructor runs once the graph and its executable instances are destroyed, shortly after
@@ -42,6 +52,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from pointerdomain._platform.graph_holds import HeldGraph
 from pointerdomain.errors import BusyError
 
@@ -51,7 +63,7 @@ if TYPE_CHECKING:
     from pointerdomain.registration.tables import PointerTable
     from pointerdomain.transfer.plan import TransferPlan
 
-__all__ = ["Versioned", "generations", "graphs_holding", "held_graphs", "note_launch", "refuse_while_held", "still_valid"]
+__all__ = ["CapturedIndex", "Versioned", "generations", "graphs_holding", "held_graphs", "note_launch", "refuse_while_held", "still_valid"]
 
 _lock = threading.Lock()
 #: the holds of graphs that captured launches (each keeps what its launches use)
@@ -64,8 +76,9 @@ def note_launch(
 ) -> HeldGraph | None:
     """Called by the launch path after a launch that recorded no event: when ``stream`` is
     being captured into a graph, tie the launch's memory to the graph (module docstring).
-    ``indices``: the index tensors the launch was given by address, kept with the graph too
-    (a CUDA graph's memory pool keeps those it allocated; the stand-in has no pool).
+    ``indices``: the index tensors the launch was given by address (``src_indices``,
+    ``dst_indices``), kept with the graph too, each with the storage it has now (a CUDA
+    graph's memory pool keeps only those it allocated; the stand-in has no pool).
     Returns the graph's hold, or None (not capturing, or a backend that cannot tell)."""
     hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional); no Protocol check per launch
     if hold is None:
@@ -75,22 +88,63 @@ def note_launch(
         return None
     for owner in plan.owners:
         owner.leases.hold_graph(held)
+    names = ("src_indices", "dst_indices") if len(indices) == 2 else [f"index tensor {i}" for i in range(len(indices))]
+    captured = tuple(CapturedIndex(name, t) for name, t in zip(names, indices) if isinstance(t, torch.Tensor))
     with _lock:
         _holds.add(held)
-        held.keep.extend(o for o in (plan, src, dst, *indices) if all(k is not o for k in held.keep))
+        held.keep.extend(o for o in (plan, src, dst) if all(k is not o for k in held.keep))
+        held.keep.extend(captured)  # the storages too: a set_ under the graph leaves the captured one allocated
     add_check = getattr(held.key, "add_check", None)  # the emulated stand-in checks before replays
     if add_check is not None:
-        add_check(lambda: _why_invalid(plan, src, dst))
+        add_check(lambda: _why_invalid(plan, src, dst, captured))
     return held
 
 
-def _why_invalid(plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias]) -> str | None:
+class CapturedIndex:
+    """An index tensor a captured launch reads by address, with the storage it had at
+    capture (kept alive) and that storage's address and size then.
+
+    Attributes:
+        name: ``src_indices`` or ``dst_indices``, for messages.
+        tensor: the caller's tensor.
+        storage: its storage at capture.
+        ptr, nbytes, data_ptr: the storage's address and size in bytes, and the tensor's
+            first element's address, at capture.
+    """
+
+    __slots__ = ("name", "tensor", "storage", "ptr", "nbytes", "data_ptr")
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.storage = tensor.untyped_storage()
+        self.ptr = int(self.storage.data_ptr())
+        self.nbytes = int(self.storage.nbytes())
+        self.data_ptr = int(tensor.data_ptr())
+
+    def why_invalid(self) -> str | None:
+        """Why a replay reading this index tensor by its captured address would be wrong, or None."""
+        if int(self.storage.data_ptr()) != self.ptr or int(self.storage.nbytes()) != self.nbytes:
+            return (f"the storage of {self.name} it captured was resized or released (captured {self.nbytes} bytes at "
+                    f"{self.ptr:#x}, now {int(self.storage.nbytes())} bytes at {int(self.storage.data_ptr()):#x})")
+        if int(self.tensor.untyped_storage().data_ptr()) != self.ptr or int(self.tensor.data_ptr()) != self.data_ptr:
+            return (f"{self.name} was moved to other storage since capture (set_ or a resize that reallocated): the "
+                    "graph still reads the captured storage, not the values the caller writes")
+        return None
+
+
+def _why_invalid(plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
+                 indices: tuple[CapturedIndex, ...] = ()) -> str | None:
     for owner in plan.owners:
         if owner.closed:
             return f"registered memory at {owner.host_va!r} (+{owner.nbytes} bytes) it captured was closed"
     for name, table in (("src", src), ("dst", dst)):
         if not table.storages_intact():
             return f"the {name} table's storage was released or reallocated"
+    for index in indices:
+        why = index.why_invalid()
+        if why is not None:
+            return why
     return None
 
 

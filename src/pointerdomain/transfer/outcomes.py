@@ -10,10 +10,13 @@ request as complete. This module gives the result a type:
   ``partial`` (with the spans of the request that were not copied);
 * :func:`transfer_outcome`: one request in chunks of ``chunk_slots`` slot pairs, then a
   drain of the device (its queued copies and its error word): the outcome says which
-  chunks were copied. A chunk that raised, and every chunk after it, is a failed span
-  (nothing after a failure is launched); an error word set by the drain (a slot skipped
-  somewhere on the device) fails the whole request, since which launch skipped is not
-  recorded;
+  chunks were copied. The whole request is checked first, as one direct launch would be
+  (tables, index dtype, shape, lengths, slot range, a destination slot written twice, a
+  slot both read and written over shared memory, across chunks too): bad input fails the
+  whole request with that launch's typed error and nothing is written. A chunk that
+  raised at its launch, and every chunk after it, is a failed span (nothing after a
+  failure is launched); an error word set by the drain (a slot skipped somewhere on the
+  device) fails the whole request, since which launch skipped is not recorded;
 * :class:`TransferStream`: a sequence of requests on one device whose first failed or
   partial outcome latches: later submissions raise
   :class:`~pointerdomain.errors.LatchedError` until :meth:`TransferStream.reset`, which
@@ -43,8 +46,14 @@ from pointerdomain.errors import (
 )
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.tables import PointerTable
-from pointerdomain.transfer import launch_errors
-from pointerdomain.transfer.kernels import DEFAULT_MAX_CTAS, MaxCtas, TransferBackend, transfer_kv_all_layer
+from pointerdomain.transfer import launch_errors, overlap
+from pointerdomain.transfer.kernels import (
+    DEFAULT_MAX_CTAS,
+    MaxCtas,
+    TransferBackend,
+    check_call,
+    transfer_kv_all_layer,
+)
 
 __all__ = ["Status", "TransferOutcome", "TransferStream", "run_spans", "transfer_outcome"]
 
@@ -95,9 +104,38 @@ class TransferOutcome:
 OUTCOME_ERRORS: tuple[type[BaseException], ...] = (PointerDomainError, RuntimeError, OSError)
 
 
+def _check_spans(total: object, spans: object) -> list[tuple[int, int]]:
+    if type(total) is not int or total < 0:
+        raise InvalidArgumentError(f"total must be an int >= 0, got {total!r}")
+    if not isinstance(spans, Sequence):
+        raise InvalidArgumentError(f"spans must be a sequence of (start, stop) pairs, got {type(spans).__name__}")
+    out: list[tuple[int, int]] = []
+    prev = 0
+    for span in spans:
+        if not (isinstance(span, tuple | list) and len(span) == 2 and all(type(v) is int for v in span)):
+            raise InvalidArgumentError(f"spans: found {span!r}, expected a (start, stop) pair of ints")
+        start, stop = span
+        if not prev <= start <= stop <= total:
+            raise InvalidArgumentError(
+                f"spans: found {(start, stop)}, expected ordered, non-overlapping [start, stop) ranges with "
+                f"{prev} <= start <= stop <= total ({total}); nothing was run"
+            )
+        out.append((start, stop))
+        prev = stop
+    return out
+
+
 def run_spans(total: int, spans: Sequence[tuple[int, int]], run: Callable[[int, int], None]) -> TransferOutcome:
     """Run ``run(start, stop)`` for each span in order; the first that raises fails itself
-    and every later span (they are not run). ``total``: the request's size."""
+    and every later span (they are not run). ``total``: the request's size; ``spans``:
+    ``[start, stop)`` ranges, ordered, not overlapping, inside ``[0, total]``.
+
+    Raises:
+        InvalidArgumentError: ``total`` is not an int >= 0, or a span is not a pair of
+            ints in order inside ``[0, total]`` (inverted, overlapping the one before it,
+            or past ``total``); nothing is run.
+    """
+    spans = _check_spans(total, spans)
     for i, (start, stop) in enumerate(spans):
         try:
             run(start, stop)
@@ -112,6 +150,30 @@ def _check_chunk(chunk_slots: object, n: int) -> int:
     if type(chunk_slots) is not int or chunk_slots <= 0:
         raise InvalidArgumentError(f"chunk_slots must be a positive int or None, got {chunk_slots!r}")
     return chunk_slots
+
+
+def _check_request(
+    src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], src_indices: torch.Tensor,
+    dst_indices: torch.Tensor, src_layout: KVLayout, dst_layout: KVLayout, stream: int | None, max_ctas: MaxCtas,
+    backend: TransferBackend,
+) -> None:
+    """Every check one launch of the whole request would run, on the host, before any chunk
+    is launched: chunks checked one by one would miss a destination slot written in two
+    chunks, or a slot read in one and written in another, and would copy the chunks
+    before a bad one."""
+    num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
+    plan, _options, args, _host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0,
+                                             num_layers, stream, max_ctas, backend, True)
+    if not args.n:
+        return
+    s_idx, d_idx = src_indices, dst_indices
+    if s_idx.device != d_idx.device:  # the range check compares both on one device
+        s_idx, d_idx = s_idx.cpu(), d_idx.cpu()
+    capturing = plan.platform.is_capturing(plan.device)
+    if not capturing:  # as the launch: no host read during capture (the kernel skips a bad slot)
+        plan.check_slot_range(s_idx, d_idx)  # range, and a destination slot named twice
+    if plan.same_memory:
+        overlap.check_slots(s_idx, d_idx, capturing)
 
 
 def transfer_outcome(
@@ -132,6 +194,10 @@ def transfer_outcome(
     (``pointerdomain.synchronize``: its queued work and its error word); see the module
     docstring for what each outcome means. The arguments are those of
     :func:`~pointerdomain.transfer_kv_all_layer` (indices: ``int64`` 1-D, equal length).
+    The whole request is checked on the host before the first chunk runs (CUDA indices:
+    one device sync): a check that fails makes a ``failed`` outcome over the whole request
+    with the error the direct launch raises (``IndexValidationError``, ``OverlapError``,
+    ``ClosedError``, ...), and nothing is written.
 
     Returns:
         The outcome; ``failed_spans`` index the request's slot pairs ``[start, stop)``.
@@ -144,6 +210,10 @@ def transfer_outcome(
     n = int(given.numel()) if isinstance(given, torch.Tensor) else 0
     step = _check_chunk(chunk_slots, n)
     spans = [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+    try:
+        _check_request(src, dst, src_indices, dst_indices, src_layout, dst_layout, stream, max_ctas, backend)
+    except OUTCOME_ERRORS as exc:
+        return TransferOutcome.failure(n, exc)  # nothing was launched
 
     def launch(start: int, stop: int) -> None:
         transfer_kv_all_layer(src, dst, src_indices[start:stop], dst_indices[start:stop], src_layout=src_layout,
@@ -210,9 +280,12 @@ class TransferStream:
 
         Raises:
             LatchedError: as :meth:`submit`.
+            InvalidArgumentError: bad ``total`` or ``spans`` (as :func:`run_spans`); nothing
+                is run and the stream does not latch.
         """
         with self._lock:
             self._check_unlatched()
+            _check_spans(total, spans)
             outcome = run_spans(total, spans, work)
             if not outcome.done:
                 self.latched = outcome
