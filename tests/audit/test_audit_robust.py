@@ -148,3 +148,12 @@ def test_fix_leaves_a_file_above_max_file_kb(tmp_path: Path, capsys: pytest.Capt
     rc, out, err = _fix_cli(tmp_path, capsys, "--max-file-kb", "2", ".")
     assert "big.py: not fixed: skipped (3 KiB, above max_file_kb = 2)" in err
     assert (tmp_path / "big.py").read_text() == big and _FIXED in (tmp_path / "small.py").read_text()
+
+
+def test_a_symlink_loop_is_a_pd901_and_a_linked_file_is_audited_once(tmp_path: Path) -> None:
+    (tmp_path / "loop.py").symlink_to("loop.py")
+    (tmp_path / "real.py").write_text(_OTHER)
+    (tmp_path / "alias.py").symlink_to("real.py")
+    result = audit_paths([tmp_path], AuditConfig(root=tmp_path))
+    seen = sorted((f.path, f.code) for f in result.findings)
+    assert seen == [("loop.py", "PD901"), ("real.py", "PD001")]

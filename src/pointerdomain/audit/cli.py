@@ -265,7 +265,9 @@ class _FixProcess:
 
 def _write_atomically(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` in one rename: an interrupted run leaves the old file or the
-    new one, never a part; the file's permission bits are kept."""
+    new one, never a part; the file's permission bits are kept. A symlink is followed: its
+    target is rewritten and the link stays a link."""
+    path = Path(os.path.realpath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -22,6 +22,7 @@ Unknown keys and wrong types are errors (exit status 2), not silently ignored.
 from __future__ import annotations
 
 import fnmatch
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,8 +96,11 @@ class AuditConfig(ValidatedModel, frozen=True):
     def relative(self, path: Path) -> str:
         try:
             return path.resolve().relative_to(self.root.resolve()).as_posix()
-        except ValueError:
+        except ValueError:  # outside the root
             return path.as_posix()
+        except (RuntimeError, OSError):  # a symlink loop resolves nowhere: the link's own place
+            rel = Path(os.path.relpath(path.absolute(), self.root.resolve()))
+            return path.as_posix() if rel.parts[:1] == ("..",) else rel.as_posix()
 
     def is_excluded(self, path: Path) -> bool:
         """True if ``path`` (or a directory above it) matches a default or configured exclude."""

@@ -91,7 +91,12 @@ def discover(paths: Sequence[Path], config: AuditConfig) -> list[Path]:
             d = Path(dirpath)
             dirnames[:] = sorted(n for n in dirnames if not config.is_excluded(d / n))
             out.update(d / n for n in filenames if n.endswith(suffixes) and not config.is_excluded(d / n))
-    return sorted(out)
+    # A file reached twice (a symlink to a file of the run) is audited once, by its own path
+    # rather than a link's; a link that resolves nowhere (a loop) stays and reads as PD901.
+    by_target: dict[str, Path] = {}
+    for path in sorted(out, key=lambda q: (q.is_symlink(), str(q))):
+        by_target.setdefault(os.path.realpath(path), path)
+    return sorted(by_target.values())
 
 
 def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None) -> tuple[list[Finding], int]:
