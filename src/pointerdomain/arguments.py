@@ -9,16 +9,21 @@ is allocated, registered or launched.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["check_bool", "check_choice", "check_instance", "check_span", "describe", "storage_short"]
 
 T = TypeVar("T")
+
+#: the end of the 64-bit address space (domains.ADDRESS_LIMIT; domains imports this module)
+_ADDRESS_LIMIT = 2**64
 
 #: the most characters :func:`describe` gives for one value
 _DESCRIBE_LIMIT = 80
@@ -51,7 +56,8 @@ def describe(value: object, limit: int = _DESCRIBE_LIMIT) -> str:
     container shows its first 4 items, and a ``repr`` that raises is the type's name.
     Never raises."""
     try:
-        if isinstance(value, torch.Tensor):
+        torch_module = sys.modules.get("torch")  # not imported: no tensor exists (importing it costs seconds)
+        if torch_module is not None and isinstance(value, torch_module.Tensor):
             return _describe_tensor(value)
         if isinstance(value, (list, tuple)):
             inner = ", ".join(describe(v, limit) for v in list(value)[:4]) + (", ..." if len(value) > 4 else "")
@@ -115,9 +121,7 @@ def check_span(name: str, start: int, nbytes: int) -> None:
     Raises:
         InvalidArgumentError: ``start + nbytes > 2**64`` (a ``ValueError`` too), naming ``name``.
     """
-    from pointerdomain.domains import ADDRESS_LIMIT  # domains formats its errors with describe: imported late
-
-    if start + nbytes > ADDRESS_LIMIT:
+    if start + nbytes > _ADDRESS_LIMIT:
         raise InvalidArgumentError(
             f"{name}: found the range [{start:#x}, +{nbytes}), which runs past the end of the 64-bit address space "
             f"(2**64) and would wrap, expected a range that ends at or below 2**64. Fix: pass the buffer's own "
