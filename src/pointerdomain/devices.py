@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 from typing_extensions import final
 
 from pointerdomain import env
+from pointerdomain.arguments import describe
 from pointerdomain.errors import InvalidDeviceError
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def runtime_of(kind: str) -> DeviceRuntime:
     """
     runtime = _runtimes.get(kind)
     if runtime is None:
-        raise InvalidDeviceError(f"unknown device type {kind!r}; expected one of {', '.join(DEVICE_TYPES)}")
+        raise InvalidDeviceError(f"unknown device type {describe(kind)}; expected one of {', '.join(DEVICE_TYPES)}")
     return runtime
 
 def emulated_device_count() -> int:
@@ -136,7 +137,7 @@ def emulated_device_count() -> int:
         return 2
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise InvalidDeviceError(
-            f"POINTERDOMAIN_EMULATED_DEVICES={text!r} is not a positive int: set it to the number of emulated "
+            f"POINTERDOMAIN_EMULATED_DEVICES={describe(text)} is not a positive int: set it to the number of emulated "
             "devices (e.g. 2) or unset it (default 2)"
         )
     return int(text)
@@ -170,9 +171,9 @@ class Device:
 
     def __post_init__(self) -> None:
         if self.type not in DEVICE_TYPES:
-            raise InvalidDeviceError(f"unknown device type {self.type!r}; expected 'cuda' or 'emulated'")
+            raise InvalidDeviceError(f"unknown device type {describe(self.type)}; expected 'cuda' or 'emulated'")
         if type(self.ordinal) is not int or self.ordinal < 0:
-            raise InvalidDeviceError(f"device ordinal must be an int >= 0, got {self.ordinal!r}")
+            raise InvalidDeviceError(f"device ordinal must be an int >= 0, got {describe(self.ordinal)}")
 
     def __str__(self) -> str:
         return f"{self.type}:{self.ordinal}"
@@ -205,21 +206,29 @@ def as_device(device: Device | str | torch.device) -> Device:
     """Normalise ``Device``, ``"cuda:1"``, ``"emulated:0"``, ``"cpu"`` or a ``torch.device``.
 
     Raises:
-        InvalidDeviceError: an unknown device string or type.
+        InvalidDeviceError: an unknown device string or type, or ``device`` is none of
+            those types.
     """
     if isinstance(device, Device):
         return device
+    import torch  # devices is imported before torch is needed anywhere else
+
+    if not isinstance(device, (str, torch.device)):  # str() of anything else may read it (a tensor's elements)
+        raise InvalidDeviceError(
+            f"device: found {describe(device)} ({type(device).__name__}), expected a Device, a str such as "
+            "'cuda:0' or 'emulated:0', or a torch.device"
+        )
     text = str(device)
     kind, _, ordinal = text.partition(":")
     host = _HOST_TEXTS.get(text)
     if host is not None:
         return Device(*host)
     if kind not in DEVICE_TYPES:
-        raise InvalidDeviceError(f"cannot use {text!r} as a device; expected 'cuda:N', 'emulated:N' or 'cpu'")
+        raise InvalidDeviceError(f"cannot use {describe(text)} as a device; expected 'cuda:N', 'emulated:N' or 'cpu'")
     if not ordinal:
         return Device(kind, runtime_of(kind).bare_ordinal(text))
     if not ordinal.isdigit():
-        raise InvalidDeviceError(f"bad device ordinal in {text!r}")
+        raise InvalidDeviceError(f"bad device ordinal in {describe(text)}")
     return Device(kind, int(ordinal))
 
 
@@ -230,14 +239,14 @@ def external_stream(device: Device, stream: int | None) -> Any:
     whose launches are synchronous)."""
     if not isinstance(device, Device):
         raise InvalidDeviceError(
-            f"device: found {device!r} ({type(device).__name__}), expected a pointerdomain.Device. "
+            f"device: found {describe(device)} ({type(device).__name__}), expected a pointerdomain.Device. "
             "Fix: parse it first with validate_device(...)"
         )
     if stream is not None and (type(stream) is not int or stream < 0):
         from pointerdomain.errors import InvalidArgumentError
 
         raise InvalidArgumentError(
-            f"stream: found {stream!r}, expected a cudaStream_t as a non-negative int or None. "
+            f"stream: found {describe(stream)}, expected a cudaStream_t as a non-negative int or None. "
             "Fix: pass torch.cuda.current_stream().cuda_stream"
         )
     if stream is None:

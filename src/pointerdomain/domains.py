@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from typing_extensions import Never, Self, final
 
+from pointerdomain.arguments import describe
 from pointerdomain.devices import Device
 from pointerdomain.errors import (
     DeviceMismatchError,
@@ -60,11 +61,11 @@ def range_end(start: Address, nbytes: int, name: str = "range") -> int:
             ``2**64`` (a ``ValueError``).
     """
     if type(nbytes) is not int or nbytes <= 0:
-        raise InvalidArgumentError(f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes)")
+        raise InvalidArgumentError(f"{name}: nbytes found {describe(nbytes)}, expected a positive int (bytes)")
     end = start.value + nbytes
     if end > ADDRESS_LIMIT:
         raise InvalidArgumentError(
-            f"{name}: [{start!r}, +{nbytes}) runs past 2**64 (found an end of {end:#x}, expected at most 2**64). "
+            f"{name}: [{describe(start)}, +{nbytes}) runs past 2**64 (found an end of {end:#x}, expected at most 2**64). "
             "Fix: the address or the size is wrong"
         )
     return end
@@ -123,7 +124,7 @@ class Address:
             InvalidArgumentError: the address is not in ``[lo, hi]``.
         """
         if not (type(lo) is int and type(hi) is int and lo <= self.value <= hi):
-            raise InvalidArgumentError(f"span: found [{lo!r}, {hi!r}), expected a range holding {self!r}")
+            raise InvalidArgumentError(f"span: found [{describe(lo)}, {describe(hi)}), expected a range holding {self!r}")
         return replace(self, span=(lo, hi))
 
     def _with_value(self, value: int) -> Self:
@@ -253,7 +254,7 @@ class DeviceAlias(Address):
     def __post_init__(self) -> None:
         Address.__post_init__(self)
         if not isinstance(self.device, Device):
-            raise InvalidDeviceError(f"DeviceAlias needs a Device, got {self.device!r}")
+            raise InvalidDeviceError(f"DeviceAlias needs a Device, got {describe(self.device)}")
 
     @classmethod
     def unsafe_from_int(cls, value: int, device: Device) -> DeviceAlias:

@@ -50,6 +50,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 from typing_extensions import Unpack
 
+from pointerdomain.arguments import describe
 from pointerdomain.errors import (
     IndexValidationError,
     InvalidArgumentError,
@@ -137,10 +138,10 @@ def _layout_error(exc: pydantic.ValidationError) -> LayoutFieldError:
     elif field in _EXPECTED:
         fix = f"give {field} {expected}"
     else:
-        fix = f"remove {field!r}: KVLayout has no such field"
+        fix = f"remove {describe(field)}: KVLayout has no such field"
     more = f" ({exc.error_count() - 1} more problem(s))" if exc.error_count() > 1 else ""
     message = (
-        f"KVLayout.{field or '?'}: found {value!r} ({type(value).__name__}), expected {expected}: "
+        f"KVLayout.{field or '?'}: found {describe(value)} ({type(value).__name__}), expected {expected}: "
         f"{err.get('msg', '')}{more}. Fix: {fix}"
     )
     return LayoutFieldError(message, field, value, expected)
@@ -269,7 +270,7 @@ class KVLayout(ValidatedModel, frozen=True):
 
         def __setattr__(self, name: str, value: Any) -> None:
             raise LayoutFieldError(
-                f"KVLayout.{name}: found an assignment of {value!r}, expected no assignment: layouts are frozen. "
+                f"KVLayout.{name}: found an assignment of {describe(value)}, expected no assignment: layouts are frozen. "
                 f"Fix: derive a new layout with layout.replace({name}=...)",
                 name, value, "no assignment (frozen)",
             )
@@ -475,7 +476,7 @@ class KVLayout(ValidatedModel, frozen=True):
     def _coordinate(self, name: str, value: object, count: int) -> int:
         if type(value) is not int:
             raise InvalidTypeError(
-                f"{name}: found {value!r} ({type(value).__name__}), expected an int in [0, {count}) (a bool is not "
+                f"{name}: found {describe(value)} ({type(value).__name__}), expected an int in [0, {count}) (a bool is not "
                 f"an int here). Fix: pass {name} as an int"
             )
         if not 0 <= value < count:
@@ -541,15 +542,15 @@ class KVLayout(ValidatedModel, frozen=True):
         """
         if type(page) is not int:
             raise IndexValidationError(
-                f"page: found {page!r} ({type(page).__name__}), expected an int in [0, {self.num_pages}). "
+                f"page: found {describe(page)} ({type(page).__name__}), expected an int in [0, {self.num_pages}). "
                 "Fix: pass int(page) (a numpy or tensor scalar is not an int here)"
             )
         if not 0 <= page < self.num_pages:
             raise IndexValidationError(f"page: found {page}, outside [0, {self.num_pages}). Fix: pass a page of the pool")
         if order != "kv_major" and order != "layer_major":
-            raise InvalidArgumentError(f"order must be 'kv_major' or 'layer_major', got {order!r}")
+            raise InvalidArgumentError(f"order must be 'kv_major' or 'layer_major', got {describe(order)}")
         if type(merge) is not bool:
-            raise InvalidTypeError(f"merge must be a bool, got {merge!r}")
+            raise InvalidTypeError(f"merge must be a bool, got {describe(merge)}")
         block = self.page_block_bytes()
         if self.kind == "page_unified":  # kv lies inside the page
             return [(page * block, block)]

@@ -202,3 +202,102 @@ def test_registration_over_a_closed_ones_addresses_is_live() -> None:
                                                                               item_bytes=64))
         assert engine.calls == [("register_memory", (mem.host_va.value, 8192))]
     assert old.closed
+
+
+def test_tables_over_released_storage_are_refused() -> None:
+    """A tensor whose storage was released reports ``data_ptr()`` 0 (or freed memory):
+    no table, so no metadata naming that address reaches an engine."""
+    t = torch.zeros(1 << 16, dtype=torch.uint8)
+    t.untyped_storage().resize_(0)
+    live = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(errors.ClosedError, match=r"tensors\[1\].*storage released"):
+        pd.host_ptr_table([live, t])
+    with pytest.raises(errors.ClosedError, match=r"tensors\[0\].*storage released"):
+        pd.make_kernel_ptr_table([t], DEV)
+    shrunk = torch.zeros(1024, dtype=torch.uint8)
+    view = shrunk[512:]
+    shrunk.untyped_storage().resize_(600)  # the view needs 1024 bytes of it
+    with pytest.raises(errors.ClosedError, match=r"tensors\[0\]"):
+        pd.host_ptr_table([view])
+
+
+def test_null_host_address_is_refused() -> None:
+    null = pd.HostVA.unsafe_from_int(0)
+    with pytest.raises(errors.MetadataValidationError, match="null address"):
+        pd.BufferInfo(address=null, nbytes=65536, item_bytes=64)
+    with pytest.raises(errors.MetadataValidationError, match="null address"):
+        pd.BufferInfo.model_validate_json('{"address": 0, "nbytes": 64, "item_bytes": 64}')
+    good = pd.BufferInfo(address=pd.HostVA.unsafe_from_int(4096), nbytes=64, item_bytes=64)
+    with pytest.raises(errors.MetadataValidationError, match="null address"):
+        good.replace(address=null)
+    with pytest.raises(errors.InvalidArgumentError, match="null address"):
+        dram_desc(null, 64)
+    engine = Recorder()
+    wrapper = HostTransferEngine(engine, "127.0.0.1")
+    with pytest.raises(errors.InvalidArgumentError, match="null address"):
+        wrapper.register_memory(null, 64)
+    with pytest.raises(errors.InvalidArgumentError, match="null address"):
+        wrapper.transfer_sync_read("peer:1", null, pd.HostVA.unsafe_from_int(1 << 20), 64)
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("swap", ["share_memory_", "set_"])
+def test_pool_host_va_after_storage_swap_is_refused(swap: str) -> None:
+    with pd.HostKVPool(model_layout("page_first"), DEV) as pool:
+        assert pool.host_va(1, 2, 1).value == pool.buffer.data_ptr() + pool.layout.byte_offset(1, 2, 1)
+        if swap == "share_memory_":
+            pool.buffer.share_memory_()
+        else:
+            pool.buffer.set_(torch.zeros_like(pool.buffer))
+        with pytest.raises(errors.ClosedError):
+            pool.host_va(1, 2, 1)
+
+
+@pytest.mark.parametrize("pages", [None, 3, "01", object()])
+def test_page_meta_of_non_list_pages_is_a_type_error(pages: Any) -> None:
+    with pd.HostKVPool(model_layout("page_first"), DEV) as pool:
+        with pytest.raises(errors.InvalidTypeError, match="pages"):
+            pool.get_page_buffer_meta(pages)
+        with pytest.raises(errors.InvalidTypeError, match="pages"):
+            pd.page_buffer_meta(pool.host_table, pool.layout, pages)
+        with pytest.raises(errors.IndexValidationError, match="indices"):
+            HostKVCacheAdapter.from_pool(pool).get_page_buffer_meta(pages)
+        assert pool.get_page_buffer_meta((0, 1)) == pool.get_page_buffer_meta([0, 1])
+
+
+_RELEASED_INDICES = r"""
+import sys, torch, pointerdomain as pd
+from pointerdomain import errors
+from tests.reference import DEV, fill_random, model_layout
+device = pd.DeviceKVPool(model_layout("layer_first"), DEV)
+with pd.HostKVPool(model_layout("page_first"), DEV) as host:
+    fill_random(host.buffer, 1)
+    before = host.buffer.view(torch.uint8).clone()
+    device_before = [b.view(torch.uint8).clone() for b in device.buffers]
+    idx = torch.arange(4)
+    idx.untyped_storage().resize_(0)
+    for call in (lambda: host.backup(device, idx, torch.arange(4)), lambda: host.backup(device, torch.arange(4), idx),
+                 lambda: host.load(device, idx, torch.arange(4)), lambda: pd.index_tensor("ids", idx)):
+        try:
+            call()
+            print("no error")
+        except errors.IndexValidationError as exc:
+            print("IndexValidationError", "storage released" in str(exc))
+    print("unchanged", torch.equal(before, host.buffer.view(torch.uint8))
+          and all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(device_before, device.buffers)))
+"""
+
+
+def test_released_index_tensors_are_refused() -> None:
+    """Index tensors whose storage was released: IndexValidationError before any read
+    of them (a child process: reading them may crash)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.childenv import pythonpath
+
+    child = subprocess.run([sys.executable, "-c", _RELEASED_INDICES], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=pythonpath()))
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-2000:]}"
+    assert child.stdout.splitlines() == ["IndexValidationError True"] * 4 + ["unchanged True"]

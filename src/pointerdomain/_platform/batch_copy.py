@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from pointerdomain.arguments import describe
 from pointerdomain.errors import InvalidArgumentError
 
 __all__ = ["LEGACY_STREAMS", "MAX_DESCRIPTORS", "Submission", "SubmitStream", "batch_allowed", "plan_copy_runs"]
@@ -93,9 +94,9 @@ def plan_copy_runs(count: int, stream: int, *, batched: bool, capturing: bool) -
         InvalidArgumentError: ``count`` or ``stream`` is not a non-negative int.
     """
     if type(count) is not int or count < 0:
-        raise InvalidArgumentError(f"count: copy descriptors as an int >= 0, got {count!r}")
+        raise InvalidArgumentError(f"count: copy descriptors as an int >= 0, got {describe(count)}")
     if type(stream) is not int or not 0 <= stream < 2**64:
-        raise InvalidArgumentError(f"stream: a stream handle as an int in [0, 2**64), got {stream!r}")
+        raise InvalidArgumentError(f"stream: a stream handle as an int in [0, 2**64), got {describe(stream)}")
     if count == 0:
         return ()
     if not batched or capturing:

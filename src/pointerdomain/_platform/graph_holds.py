@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from pointerdomain.arguments import describe
 from pointerdomain.errors import GraphInvalidatedError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ class EmulatedGraph:
 
     def __init__(self, name: str | None = None) -> None:
         if name is not None and type(name) is not str:
-            raise InvalidArgumentError(f"name: found {name!r}, expected a str or None")
+            raise InvalidArgumentError(f"name: found {describe(name)}, expected a str or None")
         self.name = name or f"emulated graph {next(_names)}"
         self.launches: list[tuple[Any, tuple[int, int, int, int, int]]] = []
         self._device: Device | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
+from pointerdomain.arguments import describe
 from pointerdomain.errors import InvalidDeviceError
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class CudaRuntime:
 
         if not torch.cuda.is_available():  # torch would raise AssertionError / RuntimeError
             raise InvalidDeviceError(
-                f"device {text!r}: found no CUDA device (torch.cuda.is_available() is False: a CPU build of "
+                f"device {describe(text)}: found no CUDA device (torch.cuda.is_available() is False: a CPU build of "
                 "torch, or no GPU visible), expected one to pick the current CUDA device from. Fix: pass "
                 "'emulated:0' (or 'cpu') on a machine without a GPU, or an explicit 'cuda:N' where one exists"
             )

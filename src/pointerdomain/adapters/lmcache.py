@@ -48,7 +48,7 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain.errors import ClosedError, DomainError, IndexValidationError, LayoutError, NonContiguousError
-from pointerdomain.arguments import check_instance
+from pointerdomain.arguments import check_instance, describe
 from pointerdomain.transfer import graphs
 from pointerdomain.process_local import ProcessLocal
 
@@ -248,7 +248,7 @@ class PagedKVConnector(ProcessLocal):
         else:
             dev = device
         if type(start) is not int or type(end) is not int or not 0 <= start <= end <= slot_mapping.numel():
-            raise IndexValidationError(f"token range [{start!r}, {end!r}) outside slot_mapping of {slot_mapping.numel()} slots")
+            raise IndexValidationError(f"token range [{describe(start)}, {describe(end)}) outside slot_mapping of {slot_mapping.numel()} slots")
         count = end - start
         if count == 0:
             return

@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 from typing_extensions import TypeAlias
 
+from pointerdomain.arguments import describe
 from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_device_at
 from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
@@ -125,11 +126,11 @@ def as_host_va(value: HostRegion, name: str = "address") -> HostVA:
         return obj.address
     if isinstance(obj, DeviceAlias):
         raise DomainError(
-            f"{name}: {obj!r} is a device alias; a transfer engine reads host memory by CPU address. "
+            f"{name}: {describe(obj)} is a device alias; a transfer engine reads host memory by CPU address. "
             "Pass the HostVA (BufferInfo from get_contiguous_buf_infos() / get_page_buffer_meta(), or host_ptr_table)"
         )
     if isinstance(obj, PointerTable):
-        raise DomainError(f"{name}: a {obj!r} is not an address; pass its entries' HostVA metadata (BufferInfo)")
+        raise DomainError(f"{name}: a {describe(obj)} is not an address; pass its entries' HostVA metadata (BufferInfo)")
     if isinstance(obj, int):
         raise DomainError(
             f"{name}: a plain int ({obj:#x}) has no domain; wrap a CPU address as HostVA.unsafe_from_int(...) "
@@ -234,7 +235,12 @@ class HostTransferEngine(ProcessLocal):
             nbytes = region.nbytes
         if type(nbytes) is not int or nbytes <= 0:
             raise InvalidArgumentError(
-                f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes). Fix: pass the block's size in bytes"
+                f"{name}: nbytes found {describe(nbytes)}, expected a positive int (bytes). Fix: pass the block's size in bytes"
+            )
+        if va.value == 0:  # the engine would read or write page zero
+            raise InvalidArgumentError(
+                f"{name}: found HostVA(0x0), the null address, expected the address of allocated host memory. "
+                "Fix: pass the buffer's own address (BufferInfo from live memory)"
             )
         range_end(va, nbytes, name)  # a range past 2**64 would wrap in the engine's 64-bit arithmetic
         return va, nbytes
@@ -244,7 +250,7 @@ class HostTransferEngine(ProcessLocal):
             ok = any(start <= va.value and va.value + nbytes <= start + n for start, n in self._registered.items())
         if not ok:
             raise NotRegisteredError(
-                f"{name}: [{va!r}, +{nbytes}) is not inside memory registered with this engine; "
+                f"{name}: [{describe(va)}, +{nbytes}) is not inside memory registered with this engine; "
                 "register_memory() the pool first (get_contiguous_buf_infos())"
             )
 
@@ -264,8 +270,8 @@ class HostTransferEngine(ProcessLocal):
 
         Raises:
             DomainError: not a HostVA / BufferInfo, or the range is device memory.
-            InvalidArgumentError: ``nbytes`` missing or not positive, or the range runs past
-                ``2**64`` (a ``ValueError``).
+            InvalidArgumentError: ``nbytes`` missing or not positive, the null HostVA (0), or
+                the range runs past ``2**64`` (a ``ValueError``).
             ClosedError: the memory was closed or released since its metadata was taken.
             RuntimeCallError: the engine refused.
         """
@@ -273,7 +279,7 @@ class HostTransferEngine(ProcessLocal):
         check_metadata_live(va, n, "region")
         where = _device_memory_at(va, n)
         if where is not None:
-            raise DomainError(f"region: {va!r} lies in device memory of {where}; only host memory can be registered here")
+            raise DomainError(f"region: {describe(va)} lies in device memory of {where}; only host memory can be registered here")
         self._check("register_memory", self.engine.register_memory(va.value, n))
         with self._lock:
             self._registered[va.value] = n
@@ -302,7 +308,7 @@ class HostTransferEngine(ProcessLocal):
         va = as_host_va(region, "region")
         with self._lock:
             if va.value not in self._registered:
-                raise NotRegisteredError(f"region: no registration starts at {va!r}")
+                raise NotRegisteredError(f"region: no registration starts at {describe(va)}")
         self._check("unregister_memory", self.engine.unregister_memory(va.value))
         with self._lock:
             self._registered.pop(va.value, None)
@@ -341,7 +347,7 @@ class HostTransferEngine(ProcessLocal):
 
         Raises:
             DomainError: an address that is not a HostVA / BufferInfo.
-            InvalidArgumentError: sizes missing or different (a ``ValueError``).
+            InvalidArgumentError: sizes missing or different, or a null HostVA (0) (a ``ValueError``).
             NotRegisteredError: ``local`` outside registered memory.
             ClosedError: ``local``'s memory was closed or released.
             RuntimeCallError: the engine reported a failure.

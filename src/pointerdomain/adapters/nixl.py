@@ -51,7 +51,7 @@ from typing_extensions import final
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain.arguments import check_span
+from pointerdomain.arguments import check_span, describe
 from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.engine_teardown import quarantine_engine_range
@@ -152,7 +152,7 @@ class NixlDesc:
 
 def _positive(name: str, value: object) -> int:
     if type(value) is not int or value <= 0:
-        raise errors.InvalidArgumentError(f"{name} must be a positive int (bytes), got {value!r}")
+        raise errors.InvalidArgumentError(f"{name} must be a positive int (bytes), got {describe(value)}")
     return value
 
 
@@ -168,7 +168,7 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
         DomainError: a DeviceAlias (kernel address), a pointer table, a tensor, a plain
             int or anything else that is not host-VA metadata.
         InvalidArgumentError: ``nbytes`` missing, not positive, or given with a BufferInfo;
-            a HostVA range that runs past ``2**64``.
+            a HostVA range that runs past ``2**64``; the null HostVA (0).
     """
     value: object = region  # checked at run time too: callers may be untyped
     if type(value) is pd.BufferInfo:
@@ -180,15 +180,20 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
         if nbytes is None:
             raise errors.InvalidArgumentError("nbytes: a bare HostVA needs nbytes")
         n = _positive("nbytes", nbytes)
+        if value.value == 0:
+            raise errors.InvalidArgumentError(
+                "region: found HostVA(0x0), the null address, expected the address of allocated host memory. "
+                "Fix: pass the buffer's own address (BufferInfo from live memory)"
+            )
         range_end(value, n, "region")  # a range past 2**64 would wrap in NIXL's 64-bit descriptor
         return NixlDesc(_TOKEN, "DRAM", value.value, n, 0)
     if isinstance(value, pd.DeviceAlias):
         raise errors.DomainError(
-            f"{value!r} is a device alias (what kernels read); a DRAM descriptor is read by the NIC or the CPU by "
+            f"{describe(value)} is a device alias (what kernels read); a DRAM descriptor is read by the NIC or the CPU by "
             "host VA. Use the HostVA metadata: HostKVPool.get_contiguous_buf_infos() / get_page_buffer_meta(pages)"
         )
     if isinstance(value, pd.PointerTable):
-        raise errors.DomainError(f"a {value!r} is not a descriptor; pass its HostVA metadata (BufferInfo)")
+        raise errors.DomainError(f"a {describe(value)} is not a descriptor; pass its HostVA metadata (BufferInfo)")
     if isinstance(value, torch.Tensor):
         raise errors.DomainError(
             "a tensor has no address domain here (pinned host memory, emulated device memory and CUDA memory all "
@@ -242,7 +247,7 @@ def vram_desc(tensor: torch.Tensor, device: pd.Device | str | torch.device) -> N
 def _fd(fd: object) -> int:
     if type(fd) is not int or fd < 0:
         raise errors.InvalidArgumentError(
-            f"fd: found {fd!r}, expected a file descriptor (an int >= 0). Fix: pass os.open(...)'s result or file.fileno()"
+            f"fd: found {describe(fd)}, expected a file descriptor (an int >= 0). Fix: pass os.open(...)'s result or file.fileno()"
         )
     return fd
 
@@ -255,7 +260,7 @@ def file_desc(fd: int, offset: int, nbytes: int) -> NixlDesc:
         InvalidArgumentError: negative ``fd`` or ``offset``, non-positive ``nbytes``.
     """
     if type(offset) is not int or offset < 0:
-        raise errors.InvalidArgumentError(f"offset must be an int >= 0, got {offset!r}")
+        raise errors.InvalidArgumentError(f"offset must be an int >= 0, got {describe(offset)}")
     check_span("offset", offset, _positive("nbytes", nbytes))
     return NixlDesc(_TOKEN, "FILE", offset, nbytes, _fd(fd))
 
@@ -447,7 +452,7 @@ class HostNixlAgent(ProcessLocal):
             if any(r.contains(desc) for r in reg.descs):
                 return
         raise errors.NotRegisteredError(
-            f"local {desc!r} is not inside memory registered with agent {self.name!r}: register the pool "
+            f"local {describe(desc)} is not inside memory registered with agent {self.name!r}: register the pool "
             "(register_pool) or the region first"
         )
 
@@ -478,7 +483,7 @@ class HostNixlAgent(ProcessLocal):
             RuntimeCallError: NIXL refused the request, reported ERR, or timed out.
         """
         if op not in ("READ", "WRITE"):
-            raise errors.InvalidArgumentError(f"op must be 'READ' or 'WRITE', got {op!r}")
+            raise errors.InvalidArgumentError(f"op must be 'READ' or 'WRITE', got {describe(op)}")
         loc, rem = tuple(local), tuple(remote)
         for side, descs in (("local", loc), ("remote", rem)):
             for d in descs:

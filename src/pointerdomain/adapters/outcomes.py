@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from pointerdomain.arguments import describe
 from pointerdomain.errors import InvalidArgumentError
 from pointerdomain.transfer.outcomes import TransferOutcome, TransferStream, run_spans
 
@@ -36,7 +37,7 @@ __all__ = ["mooncake_batch", "mooncake_blocks", "nixl_transfer"]
 
 def _direction(op: object) -> Literal["read", "write"]:
     if op not in ("read", "write"):
-        raise InvalidArgumentError(f"op must be 'read' or 'write', got {op!r}")
+        raise InvalidArgumentError(f"op must be 'read' or 'write', got {describe(op)}")
     return "read" if op == "read" else "write"
 
 

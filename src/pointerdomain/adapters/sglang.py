@@ -80,7 +80,7 @@ from pointerdomain import (
     validate_device,
 )
 from pointerdomain import make_kernel_ptr_table as _core_kernel_table
-from pointerdomain.arguments import check_bool, check_instance
+from pointerdomain.arguments import check_bool, check_instance, describe
 from pointerdomain.registration.metadata import metadata_table
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.errors import (
@@ -322,7 +322,7 @@ def _same_items(before: tuple[object, ...] | None, now: object) -> bool:
 def _check_backend(io_backend: str) -> None:
     if io_backend != "kernel":
         raise InvalidArgumentError(
-            f"io_backend: found {io_backend!r}, expected 'kernel'; {io_backend!r} is not supported by this adapter: only 'kernel' (the typed transfer "
+            f"io_backend: found {describe(io_backend)}, expected 'kernel'; {describe(io_backend)} is not supported by this adapter: only 'kernel' (the typed transfer "
             "kernels). A 'direct' backend uses runtime copies (cudaMemcpyAsync), which take host VAs. "
             "Fix: pass io_backend='kernel'"
         )
@@ -431,7 +431,7 @@ class HostKVCacheAdapter(ProcessLocal):
             value = read(attr)
             if type(value) is not int or value <= 0:
                 raise InvalidArgumentError(
-                    f"host_pool.{attr}: found {value!r}, expected an int > 0. Fix: pass the pool sglang built")
+                    f"host_pool.{attr}: found {describe(value)}, expected an int > 0. Fix: pass the pool sglang built")
             return value
 
         buffer = read("kv_buffer")
@@ -442,13 +442,13 @@ class HostKVCacheAdapter(ProcessLocal):
         kind = read("layout")
         if not isinstance(kind, str):
             raise InvalidArgumentError(
-                f"host_pool.layout: found {kind!r}, expected a layout name, e.g. 'page_first'. Fix: pass the pool "
+                f"host_pool.layout: found {describe(kind)}, expected a layout name, e.g. 'page_first'. Fix: pass the pool "
                 "sglang built")
         mla = getattr(host_pool, "kv_cache_dim", None) is not None
         attention: Literal["mha", "mla"] = "mla" if mla else "mha"
         if kind not in _SGLANG_KINDS[attention]:
             raise InvalidArgumentError(
-                f"host_pool.layout: found {kind!r}, expected one of {_SGLANG_KINDS[attention]} for an "
+                f"host_pool.layout: found {describe(kind)}, expected one of {_SGLANG_KINDS[attention]} for an "
                 f"{attention.upper()} pool. Fix: use a kind sglang allocates for it")
         page_size, layers, size = count("page_size"), count("layer_num"), count("size")
         heads, dim = (1, count("kv_cache_dim")) if mla else (count("head_num"), count("head_dim"))
@@ -746,7 +746,7 @@ class DeviceKVBuffers(ProcessLocal):
                 "and one V buffer per layer. Fix: pass both lists of the same pool")
         if type(page_size) is not int or page_size <= 0:
             raise InvalidArgumentError(
-                f"page_size: found {page_size!r}, expected an int > 0 (tokens per page). Fix: pass the pool's page_size")
+                f"page_size: found {describe(page_size)}, expected an int > 0 (tokens per page). Fix: pass the pool's page_size")
         named = [(f"k_buffer[{i}]", b) for i, b in enumerate(self.k_buffer)]
         named += [(f"v_buffer[{i}]", b) for i, b in enumerate(self.v_buffer or [])]
         first = self.k_buffer[0]

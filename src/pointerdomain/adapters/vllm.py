@@ -32,6 +32,7 @@ from typing import cast
 import torch
 from typing_extensions import final
 
+from pointerdomain.arguments import describe
 from pointerdomain import Device, DeviceAlias, PointerTable, index_tensor, require_domain, validate_device
 from pointerdomain.adapters.sglang import make_kernel_ptr_table
 from pointerdomain.process_local import ProcessLocal
@@ -126,7 +127,7 @@ def _per_entry(name: str, block_bytes: int | Sequence[int], n: int) -> list[int]
         raise LayoutError(f"{name}: {len(values)} block sizes for {n} table entries")
     for v in values:
         if type(v) is not int or v <= 0:
-            raise LayoutError(f"{name}: block sizes must be positive ints (bytes), got {v!r}")
+            raise LayoutError(f"{name}: block sizes must be positive ints (bytes), got {describe(v)}")
     return values
 
 

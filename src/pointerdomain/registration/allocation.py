@@ -16,7 +16,7 @@ from pointerdomain._platform import memory_device as _memory_device
 from pointerdomain._platform.numa import bind_to_node, device_node, node_count
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.errors import InvalidArgumentError, InvalidTypeError, InvalidRegistrationError, OutOfMemoryError, PointerDomainError
-from pointerdomain.arguments import check_bool
+from pointerdomain.arguments import check_bool, describe
 from pointerdomain.registration.budget import check_allocation, check_registration
 from pointerdomain.registration.ladder import RegistrationPolicy, resolve_policy, warn_degraded
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory, check_granularity
@@ -72,10 +72,10 @@ def alloc_registered(
         why = ": a 0-byte registration is invalid" if nbytes == 0 and type(nbytes) is int else ""
         why = ", below 2**64 (the address space)" if type(nbytes) is int and nbytes > 0 else why
         raise InvalidRegistrationError(f"nbytes must be a positive int (bytes to allocate and register){why}, "
-                                       f"got {nbytes!r}")
+                                       f"got {describe(nbytes)}")
     check_granularity(granularity, max_chunk_bytes)
     if numa is not None and numa != "local":
-        raise InvalidRegistrationError(f"numa must be None or 'local', got {numa!r}")
+        raise InvalidRegistrationError(f"numa must be None or 'local', got {describe(numa)}")
     resolve_policy(policy)  # before any page is allocated
     dev = validate_device(device)
     check_registration(nbytes, dev, policy=policy, allocate=True)  # every limit, before any page
@@ -180,11 +180,11 @@ def device_empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device | st
     dev = validate_device(device)
     if not isinstance(cast(object, shape), tuple) or any(type(d) is not int for d in shape):
         raise InvalidTypeError(
-            f"shape: found {shape!r} ({type(shape).__name__}), expected a tuple of ints. Fix: pass e.g. (4, 128)"
+            f"shape: found {describe(shape)} ({type(shape).__name__}), expected a tuple of ints. Fix: pass e.g. (4, 128)"
         )
     if not isinstance(dtype, torch.dtype):
         raise InvalidTypeError(
-            f"dtype: found {dtype!r} ({type(dtype).__name__}), expected a torch.dtype. Fix: pass e.g. torch.bfloat16 "
+            f"dtype: found {describe(dtype)} ({type(dtype).__name__}), expected a torch.dtype. Fix: pass e.g. torch.bfloat16 "
             "(KVLayout.torch_dtype gives a layout's)"
         )
     if any(d < 0 for d in shape):
@@ -234,7 +234,7 @@ def memory_device_at(address: int, nbytes: int) -> Device | None:
     for name, value in (("address", address), ("nbytes", nbytes)):
         if type(value) is not int or not 0 <= value < 1 << 64:
             raise InvalidArgumentError(
-                f"{name}: found {value!r} ({type(value).__name__}), expected an int in [0, 2**64). Fix: pass the "
+                f"{name}: found {describe(value)} ({type(value).__name__}), expected an int in [0, 2**64). Fix: pass the "
                 "address and size as plain ints (HostVA.value / DeviceAlias.value)"
             )
     return device_holding(address, nbytes)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pointerdomain.arguments import describe
 from pointerdomain import env
 from pointerdomain._platform.capacity import CgroupLimit, capacity_limits, cgroup_limit, gpu_confidential_computing, meminfo
 from pointerdomain.devices import Device, validate_device
@@ -220,7 +221,7 @@ def set_device_cap(device: Device | str, nbytes: int | None) -> int | None:
         InvalidDeviceError: the device does not exist.
     """
     if nbytes is not None and (type(nbytes) is not int or nbytes < 0):
-        raise InvalidArgumentError(f"nbytes: found {nbytes!r}, expected None or an int >= 0 (bytes)")
+        raise InvalidArgumentError(f"nbytes: found {describe(nbytes)}, expected None or an int >= 0 (bytes)")
     dev = validate_device(device)
     with _lock:
         previous = _caps.pop(dev, None)

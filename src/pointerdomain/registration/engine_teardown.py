@@ -5,6 +5,7 @@ reach it by DMA."""
 
 from __future__ import annotations
 
+from pointerdomain.arguments import describe
 from pointerdomain.domains import HostVA
 from pointerdomain.errors import QuarantinedError
 from pointerdomain.registration.memory import find_registration
@@ -23,9 +24,9 @@ def quarantine_engine_range(va: HostVA, nbytes: int, reason: str) -> Quarantined
         who = record.owner
     else:
         held = find_quarantine(va.value, nbytes)
-        who = held.owner if held is not None else f"host memory at {va!r} (+{nbytes} bytes, not registered here)"
+        who = held.owner if held is not None else f"host memory at {describe(va)} (+{nbytes} bytes, not registered here)"
     return QuarantinedError(
-        f"an engine's deregistration of [{va!r}, +{nbytes}) failed ({reason}): {who} is quarantined: closed, but "
+        f"an engine's deregistration of [{describe(va)}, +{nbytes}) failed ({reason}): {who} is quarantined: closed, but "
         "kept registered and mapped for the life of the process and never registered again (the engine may still "
         "reach it). Fix: find why the engine kept the memory (`pointerdomain doctor` lists quarantined ranges)",
         who, "engine",

@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Final, Protocol, runtime_checkable
 
+from pointerdomain.arguments import describe
 from pointerdomain.errors import BusyError, InvalidArgumentError, InvalidTypeError
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT_S", "GRAPH_RELEASE_WAIT_S", "EventBackend", "GraphHold", "next_generation", "LaunchInfo", "LeaseSet", "Leased", "acquire_all", "release_all"]
@@ -91,7 +92,7 @@ class EventBackend(Protocol):
 def _describe(info: LaunchInfo) -> str:
     what, n, device, thread = info
     name = next((t.name for t in threading.enumerate() if t.ident == thread), str(thread))
-    return f"{what} of {n} slot pair(s) on {device} from thread {name!r}"
+    return f"{what} of {n} slot pair(s) on {device} from thread {describe(name)}"
 
 
 class LeaseSet:
@@ -173,9 +174,9 @@ class LeaseSet:
             InvalidArgumentError: ``timeout`` is negative or NaN (``math.inf``: no limit).
         """
         if type(timeout) is not float and type(timeout) is not int:
-            raise InvalidTypeError(f"close: timeout must be seconds as an int or float, got {timeout!r}")
+            raise InvalidTypeError(f"close: timeout must be seconds as an int or float, got {describe(timeout)}")
         if not timeout >= 0:  # NaN too
-            raise InvalidArgumentError(f"close: timeout must be >= 0 seconds (math.inf: no limit), got {timeout!r}")
+            raise InvalidArgumentError(f"close: timeout must be >= 0 seconds (math.inf: no limit), got {describe(timeout)}")
         self._refuse_while_graphs(what, timeout)
         deadline = time.monotonic() + timeout
         with self._cond:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import Backend, backend_for, memory_device
 from pointerdomain._platform.base import PinnedAllocator
 from pointerdomain._platform.numa import node_of
@@ -183,11 +184,11 @@ def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | Non
     """
     if type(va) is not HostVA:
         raise DomainError(
-            f"va: found a {type(va).__name__} ({va!r:.40}), expected a HostVA: registrations are found by host "
+            f"va: found a {type(va).__name__} ({describe(va, 40)}), expected a HostVA: registrations are found by host "
             "address. Fix: pass pointerdomain.HostVA.unsafe_from_int(tensor.data_ptr()) for host memory"
         )
     if type(nbytes) is not int or nbytes < 0:
-        raise InvalidArgumentError(f"nbytes: found {nbytes!r}, expected an int >= 0. Fix: pass the range's size in bytes")
+        raise InvalidArgumentError(f"nbytes: found {describe(nbytes)}, expected an int >= 0. Fix: pass the range's size in bytes")
     with _registry._lock:
         owner = _registry.overlapping(va.value, max(nbytes, 1))
     if owner is not None and owner.contains(va, nbytes):
@@ -591,12 +592,12 @@ class RegisteredHostMemory(ProcessLocal):
         """
         if not self.contains(va, nbytes):
             raise with_address(NotRegisteredError(
-                f"[{va!r}, +{nbytes}) is not inside registration {self.host_va!r} (+{self.nbytes})"), va.value)
+                f"[{describe(va)}, +{nbytes}) is not inside registration {self.host_va!r} (+{self.nbytes})"), va.value)
         for chunk in self.chunks:
             if chunk.contains(va, max(nbytes, 1)):
                 return chunk
         raise with_address(RegistrationSpanError(
-            f"[{va!r}, +{nbytes}) spans two registration chunks; their device aliases are not contiguous. "
+            f"[{describe(va)}, +{nbytes}) spans two registration chunks; their device aliases are not contiguous. "
             "Register with a granularity that is a multiple of the buffer's page block "
             "(KVLayout.page_block_bytes(), as HostKVPool does), or split the table per page block"
         ), va.value)
@@ -633,7 +634,7 @@ class RegisteredHostMemory(ProcessLocal):
             InvalidArgumentError: ``stage`` is not a teardown stage.
         """
         if stage not in teardown.STAGES:
-            raise InvalidArgumentError(f"stage: found {stage!r}, expected one of {teardown.STAGES}")
+            raise InvalidArgumentError(f"stage: found {describe(stage)}, expected one of {teardown.STAGES}")
         held = teardown.find_quarantine(self.host_va.value, self.nbytes)
         if held is not None and held.host_va == self.host_va:
             return held  # quarantined already (an adapter did, then the pool's close)
@@ -666,9 +667,9 @@ class RegisteredHostMemory(ProcessLocal):
 
 def check_granularity(granularity: int, max_chunk_bytes: int) -> None:
     if type(granularity) is not int or granularity <= 0:
-        raise InvalidRegistrationError(f"granularity must be a positive int (bytes), got {granularity!r}")
+        raise InvalidRegistrationError(f"granularity must be a positive int (bytes), got {describe(granularity)}")
     if type(max_chunk_bytes) is not int or max_chunk_bytes <= 0:
-        raise InvalidRegistrationError(f"max_chunk_bytes must be a positive int (bytes), got {max_chunk_bytes!r}")
+        raise InvalidRegistrationError(f"max_chunk_bytes must be a positive int (bytes), got {describe(max_chunk_bytes)}")
 
 
 def register_host_tensor(
@@ -727,7 +728,7 @@ def register_host_tensor(
     check_granularity(granularity, max_chunk_bytes)
     resolve_policy(policy)
     if type(shared) is not bool:  # before the range is looked up: shared=1 is not True
-        raise InvalidArgumentError(f"shared: found {shared!r}, expected a bool (True or False)")
+        raise InvalidArgumentError(f"shared: found {describe(shared)}, expected a bool (True or False)")
     dev = validate_device(device)
     flat = tensor.reshape(-1).view(torch.uint8)
     if shared is True:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import pydantic
@@ -19,9 +20,15 @@ import torch
 from pydantic import ConfigDict, Field, model_validator
 from typing_extensions import Unpack
 
-from pointerdomain.arguments import check_instance
+from pointerdomain.arguments import check_instance, describe
 from pointerdomain.domains import ADDRESS_LIMIT, HostVA
-from pointerdomain.errors import ClosedError, InvalidArgumentError, LayoutError, MetadataValidationError
+from pointerdomain.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    LayoutError,
+    MetadataValidationError,
+)
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.memory import find_closed_registration, find_registration, last_serial
 from pointerdomain.registration.tables import PointerTable, require_domain
@@ -54,8 +61,9 @@ class BufferInfo(ValidatedModel, frozen=True):
     Raises (on construction and derivation):
         MetadataValidationError: (a ``pydantic.ValidationError``, ``ValueError`` and
             :class:`~pointerdomain.errors.PointerDomainError`) an address that is not a
-            HostVA, a size that is not a positive int, ``nbytes`` not a whole number of
-            items, a range past ``2**64``, or an unknown field.
+            HostVA, the null address ``HostVA(0)`` (memory no engine may read: what a
+            released tensor's ``data_ptr()`` gives), a size that is not a positive int,
+            ``nbytes`` not a whole number of items, a range past ``2**64``, or an unknown field.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid")  # frozen: class keyword, seen by type checkers
@@ -123,6 +131,12 @@ class BufferInfo(ValidatedModel, frozen=True):
 
     @model_validator(mode="after")
     def _whole_items(self) -> BufferInfo:
+        if self.address.value == 0:
+            raise ValueError(
+                "address: found HostVA(0x0), the null address, expected the address of allocated host memory: "
+                "an engine reading it faults (a tensor whose storage was released reports data_ptr() 0). "
+                "Fix: take the metadata from live memory"
+            )
         if self.nbytes % self.item_bytes:
             raise ValueError(f"nbytes {self.nbytes} is not a whole number of {self.item_bytes}-byte items")
         if self.address.value + self.nbytes > ADDRESS_LIMIT:  # the engine would wrap to low memory
@@ -229,12 +243,12 @@ def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> N
         InvalidArgumentError: ``nbytes`` is not a positive int.
     """
     if type(nbytes) is not int or nbytes <= 0:
-        raise InvalidArgumentError(f"{name}: nbytes found {nbytes!r}, expected a positive int (bytes)")
+        raise InvalidArgumentError(f"{name}: nbytes found {describe(nbytes)}, expected a positive int (bytes)")
     lo, hi = address.value, address.value + nbytes
     closed = find_closed_registration(address, nbytes)
     if closed is not None:
         raise ClosedError(
-            f"{name}: [{address!r}, +{nbytes}) lies in registered memory at {closed.host_va!r} that was closed: "
+            f"{name}: [{describe(address)}, +{nbytes}) lies in registered memory at {closed.host_va!r} that was closed: "
             "found metadata of closed memory, expected metadata of live memory. Fix: take metadata from an open "
             "pool, and deregister it from the engine before closing the pool"
         )
@@ -245,7 +259,7 @@ def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> N
         near = [w for w in near if w.serial >= owner.serial]
     if near and not any(w.live() for w in near):
         raise ClosedError(
-            f"{name}: [{address!r}, +{nbytes}) is metadata of memory that was released, reallocated or swapped "
+            f"{name}: [{describe(address)}, +{nbytes}) is metadata of memory that was released, reallocated or swapped "
             "(resize_, share_memory_, set_) after it was handed out: an engine given it would read or write freed "
             "memory. Fix: take the metadata again from live memory"
         )
@@ -278,10 +292,18 @@ def page_buffer_meta(table: PointerTable[HostVA], layout: KVLayout, pages: list[
     Raises:
         DomainError: ``table`` is not a host table.
         LayoutError: the table is not one buffer of ``layout.nbytes`` bytes.
-        IndexError: a page out of range.
+        InvalidTypeError: ``pages`` is not a list (or other iterable) of page numbers.
+        IndexValidationError: a page that is not an int in ``[0, num_pages)`` (an ``IndexError``).
         ClosedError: the table's memory was closed or released (see :func:`metadata_table`).
     """
     check_instance("layout", layout, KVLayout, "pass the pool's KVLayout (pool.layout)")
+    given: object = pages  # checked at run time too: callers may be untyped
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+        raise InvalidTypeError(
+            f"pages: found {describe(given)} ({type(given).__name__}), expected a list of page numbers (ints). "
+            "Fix: pass e.g. [0, 3]"
+        )
+    pages = list(pages)
     host = metadata_table(table)
     if len(host) != 1 or host.sizes[0] != layout.nbytes:
         raise LayoutError(

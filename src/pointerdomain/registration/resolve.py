@@ -24,6 +24,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import backend_for, host_pointer_fallback
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.status import check
@@ -179,7 +180,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
         closed.check_open()  # raises ClosedError
     elif policy is AliasPolicy.EMULATED or not backend_for(dev).pointer_is_host(va.value):
         raise with_address(NotRegisteredError(
-            f"{va!r} is not inside registered host memory; register it first "
+            f"{describe(va)} is not inside registered host memory; register it first "
             "(pointerdomain.alloc_registered / register_host_tensor)"
         ), va.value)
     backend = backend_for(dev)
@@ -195,7 +196,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
     if policy is AliasPolicy.EMULATED:
         status, alias = backend.alias(where, dev)
         if status != 0:
-            raise with_address(NotRegisteredError(f"{va!r} has no emulated alias (status {status})"), va.value)
+            raise with_address(NotRegisteredError(f"{describe(va)} has no emulated alias (status {status})"), va.value)
         return DeviceAlias.unsafe_from_int(alias, dev)
     if policy is AliasPolicy.HOST_POINTER_FALLBACK:
         global _fallbacks

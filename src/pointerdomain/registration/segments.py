@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pointerdomain.arguments import describe
 from pointerdomain import env
 from pointerdomain.errors import InvalidArgumentError
 
@@ -100,7 +101,7 @@ def segment_of(va: int, nbytes: int) -> Segment | None:
         InvalidArgumentError: ``va`` / ``nbytes`` not ints with ``nbytes > 0``.
     """
     if type(va) is not int or type(nbytes) is not int or va < 0 or nbytes <= 0:
-        raise InvalidArgumentError(f"segment_of: found va={va!r}, nbytes={nbytes!r}, expected ints, nbytes > 0")
+        raise InvalidArgumentError(f"segment_of: found va={describe(va)}, nbytes={describe(nbytes)}, expected ints, nbytes > 0")
     found: Segment | None = None
     want, end = va, va + nbytes
     for lo, hi, perms, off, dev, ino, path in _maps():
@@ -126,7 +127,7 @@ def segment_of_fd(fd: int) -> SegmentKey:
         InvalidArgumentError: ``fd`` is not an int >= 0; OSError: not an open fd.
     """
     if type(fd) is not int or fd < 0:
-        raise InvalidArgumentError(f"fd: found {fd!r}, expected a file descriptor (an int >= 0)")
+        raise InvalidArgumentError(f"fd: found {describe(fd)}, expected a file descriptor (an int >= 0)")
     st = os.fstat(fd)
     return SegmentKey(st.st_dev, st.st_ino)
 

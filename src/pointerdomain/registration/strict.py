@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from pointerdomain.arguments import describe
 from pointerdomain.devices import Device, validate_device
 from pointerdomain import env
 from pointerdomain.errors import InvalidArgumentError
@@ -66,7 +67,7 @@ class strict_alias:  # noqa: N801 - used like a function: strict_alias(True) / w
     def __init__(self, enabled: bool = True) -> None:
         global _enabled
         if type(enabled) is not bool:
-            raise InvalidArgumentError(f"enabled: strict_alias takes a bool (True or False), got {enabled!r}")
+            raise InvalidArgumentError(f"enabled: strict_alias takes a bool (True or False), got {describe(enabled)}")
         with _lock:
             self.previous = _enabled
             _enabled = enabled

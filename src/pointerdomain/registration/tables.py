@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar, cast, overload
 import torch
 from typing_extensions import Never, TypeIs, final
 
+from pointerdomain.arguments import describe, storage_short
 from pointerdomain.domains import Address, DeviceAlias, HostVA
 from pointerdomain.errors import with_address
 from pointerdomain.errors import (
@@ -363,7 +364,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 def _check_tensor(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(
-            f"{name}: found a {type(t).__name__} ({t!r:.60}), expected a torch.Tensor. Fix: pass the buffers "
+            f"{name}: found a {type(t).__name__} ({describe(t, 60)}), expected a torch.Tensor. Fix: pass the buffers "
             "themselves (contiguous tensors), one per table entry"
         )
     if not t.is_contiguous():
@@ -376,6 +377,12 @@ def _check_tensor(name: str, t: Any) -> torch.Tensor:
         raise InvalidArgumentError(
             f"{name}: found an empty tensor (shape {tuple(t.shape)}), expected a buffer of at least one byte: a "
             "table entry must point at memory. Fix: drop the empty tensor from the list"
+        )
+    if storage_short(t):  # resize_(0) leaves data_ptr() 0 or freed: no address to hand out
+        raise ClosedError(
+            f"{name}: {describe(t)}: its storage holds {t.untyped_storage().nbytes()} bytes, fewer than the "
+            f"{_tensor_bytes(t)} the tensor views: it was released (untyped_storage().resize_()). "
+            "Fix: pass tensors whose storage is allocated"
         )
     return t
 
@@ -411,12 +418,12 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
         partial = find_registration(va, 1) or find_registration(va + (nbytes - 1), 1)
         if partial is not None:
             raise with_address(RegistrationSpanError(
-                f"{name}: [{va!r}, +{nbytes}) runs past registration {partial.host_va!r} (+{partial.nbytes})"
+                f"{name}: [{describe(va)}, +{nbytes}) runs past registration {partial.host_va!r} (+{partial.nbytes})"
             ), va.value)
         closed = find_closed_registration(va, nbytes)
         if closed is not None:
             raise ClosedError(
-                f"{name}: the memory at {va!r} (+{nbytes} bytes) was registered at {closed.host_va!r} "
+                f"{name}: the memory at {describe(va)} (+{nbytes} bytes) was registered at {closed.host_va!r} "
                 f"(+{closed.nbytes} bytes) and that registration was closed: found a closed registration, "
                 "expected an open one. Fix: register the memory again (register_host_tensor) and rebuild the table"
             )
@@ -425,7 +432,7 @@ def _kernel_address(name: str, t: torch.Tensor, device: Device) -> tuple[int, Re
         except NotRegisteredError:
             pass
         raise DomainError(
-            f"{name}: unregistered host memory at {va!r} (a HostVA) cannot be read by a kernel on {device}; "
+            f"{name}: unregistered host memory at {describe(va)} (a HostVA) cannot be read by a kernel on {device}; "
             "allocate it with pointerdomain.alloc_registered or register it with register_host_tensor"
         )
     owner.check_open()
@@ -461,7 +468,8 @@ def make_kernel_ptr_table(
         DomainError: unregistered host memory.
         DeviceMismatchError: memory of another device, or registered for another device type.
         RegistrationSpanError: a tensor straddles two registrations or chunks.
-        ClosedError: a tensor's registration was closed.
+        ClosedError: a tensor's registration was closed, or its storage holds fewer
+            bytes than it views (released with ``untyped_storage().resize_(0)``).
         InvalidDeviceError: ``device`` does not exist.
         LayoutError: ``layout`` is given and the tensors do not fit it exactly.
         InvalidArgumentError: ``layout`` is not a KVLayout.
@@ -495,6 +503,8 @@ def host_ptr_table(tensors: Sequence[torch.Tensor]) -> PointerTable[HostVA]:
         NonContiguousError: a strided tensor.
         InvalidTypeError: ``tensors`` is a bare tensor or not a sequence, or an item is not a tensor.
         InvalidArgumentError: an empty tensor.
+        ClosedError: a tensor's storage holds fewer bytes than it views (released with
+            ``untyped_storage().resize_(0)``): the message names the entry.
     """
     checked = tuple(_check_tensor(f"tensors[{i}]", t) for i, t in enumerate(_tensor_list("tensors", tensors)))
     owners: list[RegisteredHostMemory] = []

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from pointerdomain.arguments import describe
 from pointerdomain.devices import DEVICE_TYPES, Device
 from pointerdomain.errors import InvalidDeviceError, PointerDomainError
 
@@ -77,7 +78,7 @@ def parse_device(text: str | None) -> tuple[Device, str]:
         )
     kind = text.strip().partition(":")[0]
     if kind not in DEVICE_TYPES:
-        raise UsageError(f"--device {text}: found {text!r}, expected cuda:N or emulated:N (emulated:0 is the CPU stand-in)")
+        raise UsageError(f"--device {text}: found {describe(text)}, expected cuda:N or emulated:N (emulated:0 is the CPU stand-in)")
     try:
         return validate_device(text), "--device"
     except InvalidDeviceError as exc:

@@ -25,6 +25,7 @@ from typing import Any, get_args
 import pydantic
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import backend_for
 from pointerdomain.tools.cli import EXIT_FAILURE, EXIT_OK, UsageError, parse_device
 from pointerdomain.devices import Device
@@ -46,7 +47,7 @@ def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {describe(text)}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value

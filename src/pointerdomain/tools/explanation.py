@@ -26,6 +26,7 @@ import os
 import re
 from typing import Any, Literal
 
+from pointerdomain.arguments import describe
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.registration.teardown import find_quarantine
@@ -210,9 +211,9 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
 
     value = address.value if isinstance(address, (HostVA, DeviceAlias)) else address
     if type(value) is not int or not 0 <= value < 2**64:
-        raise InvalidArgumentError(f"explain takes an address (an int in [0, 2**64)), got {address!r}")
+        raise InvalidArgumentError(f"explain takes an address (an int in [0, 2**64)), got {describe(address)}")
     if pid is not None and (type(pid) is not int or pid <= 0):
-        raise InvalidArgumentError(f"pid must be a process id (an int > 0) or None, got {pid!r}")
+        raise InvalidArgumentError(f"pid must be a process id (an int > 0) or None, got {describe(pid)}")
     own = pid is None or pid == os.getpid()
     here = os.getpid() if own or pid is None else pid
     found: dict[str, object] = {"domain": "unknown"}

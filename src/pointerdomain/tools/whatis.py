@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 
+from pointerdomain.arguments import describe
 from pointerdomain.tools.cli import EXIT_OK, UsageError, parse_device
 from pointerdomain.tools.explanation import Explanation, explain
 
@@ -33,9 +34,9 @@ def parse_address(text: str) -> int:
     try:
         value = int(text, 16) if text.lower().startswith("0x") else int(text, 10)
     except ValueError:
-        raise UsageError(f"ADDRESS {text!r}: expected hex (0x...) or decimal") from None
+        raise UsageError(f"ADDRESS {describe(text)}: expected hex (0x...) or decimal") from None
     if not 0 <= value < 2**64:
-        raise UsageError(f"ADDRESS {text!r}: outside [0, 2**64)")
+        raise UsageError(f"ADDRESS {describe(text)}: outside [0, 2**64)")
     return value
 
 

@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain import env
 
 from pointerdomain._platform import backend_for, device_holding, memory_device, pointer_info
@@ -135,7 +136,7 @@ def set_enabled(on: bool) -> None:
     if type(cast(object, on)) is not bool:
         from pointerdomain.errors import InvalidArgumentError
 
-        raise InvalidArgumentError(f"on: found {on!r}, expected a bool (True or False). Fix: pass True or False")
+        raise InvalidArgumentError(f"on: found {describe(on)}, expected a bool (True or False). Fix: pass True or False")
     with _state_lock:
         _enabled = bool(on)
 

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 import pointerdomain as pd
+from pointerdomain.arguments import describe
 from pointerdomain import errors
 
 __all__ = ["TableDtype", "check_kernel_table", "kernel_table_tensor"]
@@ -57,7 +58,7 @@ def check_kernel_table(table: pd.PointerTable[pd.DeviceAlias], device: pd.Device
         )
     if value.domain is not pd.DeviceAlias:
         raise errors.DomainError(
-            f"{value!r} reached a kernel argument: kernels read device aliases only (PointerTable[DeviceAlias] from "
+            f"{describe(value)} reached a kernel argument: kernels read device aliases only (PointerTable[DeviceAlias] from "
             "make_kernel_ptr_table); host VAs are for CPU code and transfer engines"
         )
     if value.device != dev:
@@ -88,6 +89,6 @@ def kernel_table_tensor(
     """
     check_kernel_table(table, device)
     if dtype not in ("uint64", "int64"):
-        raise errors.InvalidArgumentError(f"dtype must be 'uint64' or 'int64', got {dtype!r}")
+        raise errors.InvalidArgumentError(f"dtype must be 'uint64' or 'int64', got {describe(dtype)}")
     out = table.as_uint64_tensor()
     return out.view(torch.int64) if dtype == "int64" else out

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
 
 import torch
 
+from pointerdomain.arguments import describe, storage_short
 from pointerdomain.registration import leases
 from pointerdomain.transfer import checked, graphs, launch_errors, overlap, staged
 from pointerdomain._platform import LaunchArgs, memory_device
@@ -48,6 +49,7 @@ from pointerdomain.errors import (
     ClosedError,
     IndexValidationError,
     InvalidArgumentError,
+    InvalidTypeError,
     OverlapError,
     UnpinnedMemoryError,
 )
@@ -84,15 +86,24 @@ def index_tensor(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     contiguous 1-D ``int64`` CPU tensor, for callers that take loose id lists (adapters).
 
     Raises:
-        IndexValidationError: not 1-D, not integers, or a value outside int64 (a
-            ``uint64`` id of 2**63 or more would turn negative).
+        IndexValidationError: not 1-D, not integers, a value outside int64 (a
+            ``uint64`` id of 2**63 or more would turn negative), a tensor whose storage
+            holds fewer bytes than it views (released), or neither a tensor nor a sequence.
+        InvalidTypeError: ``name`` is not a str.
     """
+    if type(name) is not str:
+        raise InvalidTypeError(f"name: found {describe(name)} ({type(name).__name__}), expected a str naming the ids")
     if isinstance(ids, torch.Tensor):
+        _check_storage(name, ids)
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise IndexValidationError(f"{name}: dtype {ids.dtype}, expected an integer dtype")
         out = ids.detach().to("cpu", torch.int64).contiguous()
         if ids.dtype == torch.uint64 and bool((out < 0).any()):  # the cast wrapped ids >= 2**63
             raise IndexValidationError(f"{name}: a uint64 id of 2**63 or more, expected ids that fit int64")
+    elif isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise IndexValidationError(
+            f"{name}: found {describe(ids)} ({type(ids).__name__}), expected a 1-D integer tensor or a list of ints"
+        )
     else:
         values = list(ids)
         if any(type(v) is not int for v in values):
@@ -106,12 +117,30 @@ def index_tensor(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return out
 
 
+def _check_storage(name: str, idx: torch.Tensor) -> None:
+    """Refuse an index tensor whose storage holds fewer bytes than it views: reading it
+    (on the host or in a kernel) reads freed memory."""
+    if storage_short(idx):
+        raise IndexValidationError(
+            f"{name}: {describe(idx)}: its storage holds {_held_bytes(idx)} bytes, fewer than the tensor views. "
+            "Fix: pass indices whose storage is allocated"
+        )
+
+
+def _held_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False) -> torch.Tensor:
     """``idx`` checked for a launch on ``device``; ``host_read``: the backend reads these
     indices on the host only (the copy engine; the staged path's host side, which
     :func:`~pointerdomain.transfer.staged.launch_staged` tells apart), so a CPU tensor is fine too."""
     if not isinstance(idx, torch.Tensor):
         raise IndexValidationError(f"{name}: expected an int64 tensor, got {type(idx).__name__}")
+    _check_storage(name, idx)
     if idx.dtype != torch.int64:
         raise IndexValidationError(f"{name}: dtype {idx.dtype}, expected torch.int64")
     if idx.dim() != 1:
@@ -248,7 +277,7 @@ def launch_options(max_ctas: object, backend: object, validate_indices: object, 
     else:
         options = _cached_options(max_ctas, backend, validate_indices, stream)
     if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
-        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
+        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {describe(stream)}")
     return options
 
 
@@ -273,19 +302,19 @@ def _validate_options(max_ctas: object, backend: object, validate_indices: objec
         ctas = 0  # the C++ side: the whole GPU
     else:
         raise InvalidArgumentError(
-            f"max_ctas must be an int in [1, {_MAX_CTAS}] or pointerdomain.WHOLE_GPU, got {max_ctas!r}"
+            f"max_ctas must be an int in [1, {_MAX_CTAS}] or pointerdomain.WHOLE_GPU, got {describe(max_ctas)}"
         )
     path = _PATHS.get(backend) if isinstance(backend, str) else None
     if path is None:
-        raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {backend!r}")
+        raise InvalidArgumentError(f"backend must be 'auto', 'kernel', 'copy_engine' or 'staged', got {describe(backend)}")
     if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
-        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
+        raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {describe(stream)}")
     if type(validate_indices) is bool:
         check: IndexCheck | None = _CHECKS[validate_indices]
     else:
         check = IndexCheck.HOST if validate_indices == "host" else None
     if check is None:
-        raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {validate_indices!r}")
+        raise InvalidArgumentError(f"validate_indices must be True, False or 'host', got {describe(validate_indices)}")
     return LaunchOptions(path, ctas, check)
 
 
@@ -327,7 +356,10 @@ def check_call(
     d_idx: object = dst_indices
     where = _IDX_BAD
     if (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
-            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
+            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT
+            # storages that hold what the tensors view (a released one reads freed memory)
+            and s_idx.untyped_storage().nbytes() >= 8 * (s_idx.storage_offset() + s_idx.numel())
+            and d_idx.untyped_storage().nbytes() >= 8 * (d_idx.storage_offset() + d_idx.numel())):
         if not plan.host_memory:
             if s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal:
                 where = _IDX_DEVICE
@@ -363,7 +395,7 @@ def check_call(
     if max_ctas is last[0] and backend is last[1] and validate_indices is last[2]:
         options = last[3]
         if stream is not None and (type(stream) is not int or not 0 <= stream < 2**64):
-            raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {stream!r}")
+            raise InvalidArgumentError(f"stream must be a cudaStream_t as an int in [0, 2**64) or None, got {describe(stream)}")
     else:
         options = launch_options(max_ctas, backend, validate_indices, stream)
     if stream is None:  # asked at the launch, where streams exist (run)
@@ -502,7 +534,7 @@ def _run_on_device(
     if tokens is None:
         for owner in owners:
             owner.check_open()  # the closed one raises ClosedError
-        raise ClosedError(f"registered memory under {src!r} or {dst!r} is being closed; nothing was copied")
+        raise ClosedError(f"registered memory under {describe(src)} or {describe(dst)} is being closed; nothing was copied")
     event = 0  # the backend's event recorded after the launch (0: none, e.g. synchronous or captured)
     try:
         if path is _STAGED:
@@ -669,9 +701,9 @@ def transfer_kv_per_layer(
     if not isinstance(cast(object, src_layout), KVLayout):
         raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
     if type(layer_id) is not int:
-        raise IndexValidationError(f"layer_id must be an int, got {layer_id!r}")
+        raise IndexValidationError(f"layer_id must be an int, got {describe(layer_id)}")
     if not 0 <= layer_id < src_layout.num_layers:
-        raise IndexValidationError(f"layer_id {layer_id!r} outside [0, {src_layout.num_layers})")
+        raise IndexValidationError(f"layer_id {describe(layer_id)} outside [0, {src_layout.num_layers})")
     plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
                                            stream, max_ctas, backend, validate_indices)
     run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
@@ -748,7 +780,7 @@ def explain_transfer(
     if layer_id is None:
         layer_begin, layer_count = 0, src_layout.num_layers
     elif type(layer_id) is not int or not 0 <= layer_id < src_layout.num_layers:
-        raise IndexValidationError(f"layer_id {layer_id!r} is not None or an int in [0, {src_layout.num_layers})")
+        raise IndexValidationError(f"layer_id {describe(layer_id)} is not None or an int in [0, {src_layout.num_layers})")
     else:
         layer_begin, layer_count = layer_id, 1
     plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import Backend
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
@@ -45,7 +46,7 @@ __all__ = ["LayerLoad", "load_layers"]
 def _check_stream(name: str, stream: object) -> int | None:
     if stream is None or (type(stream) is int and 0 <= stream < 2**64):
         return stream
-    raise InvalidArgumentError(f"{name}: found {stream!r}, expected a cudaStream_t as an int in [0, 2**64) or None")
+    raise InvalidArgumentError(f"{name}: found {describe(stream)}, expected a cudaStream_t as an int in [0, 2**64) or None")
 
 
 class LayerLoad:
@@ -78,7 +79,7 @@ class LayerLoad:
 
     def _event(self, layer: object) -> Any:
         if type(layer) is not int:
-            raise IndexValidationError(f"layer: found {layer!r}, expected an int in [0, {self.num_layers})")
+            raise IndexValidationError(f"layer: found {describe(layer)}, expected an int in [0, {self.num_layers})")
         if not 0 <= layer < self.num_layers:
             raise IndexValidationError(f"layer: found {layer}, outside [0, {self.num_layers}) (the layers queued)")
         return self._events[layer]

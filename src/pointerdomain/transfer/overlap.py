@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain.errors import OverlapError
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def shared_memory(
     if src.raw_values() == dst.raw_values() and src.sizes == dst.sizes and src_geo == dst_geo:
         return True
     raise OverlapError(
-        f"src table {src!r} and dst table {dst!r} intersect in memory but address it differently (another "
+        f"src table {describe(src)} and dst table {describe(dst)} intersect in memory but address it differently (another "
         "layout or entry split): a launch would read bytes it also writes, in no defined order. Fix: copy "
         "through a separate buffer, or use one table with one layout for moves inside a pool"
     )

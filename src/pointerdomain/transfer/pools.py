@@ -15,6 +15,7 @@ from typing import Literal, Protocol, cast
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain.registration.allocation import alloc_registered, device_empty
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
@@ -32,7 +33,7 @@ from pointerdomain.layouts import KVLayout
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.leases import DEFAULT_CLOSE_TIMEOUT_S
 from pointerdomain.registration.memory import DEFAULT_MAX_CHUNK_BYTES, RegisteredHostMemory
-from pointerdomain.registration.metadata import BufferInfo, buffer_infos, page_buffer_meta
+from pointerdomain.registration.metadata import BufferInfo, buffer_infos, metadata_table, page_buffer_meta
 from pointerdomain.registration.tables import PointerTable, host_ptr_table, make_kernel_ptr_table
 from pointerdomain.transfer.launch_errors import ensure_error_word
 from pointerdomain.transfer.layers import LayerLoad, load_layers
@@ -274,11 +275,12 @@ class HostKVPool(ProcessLocal):
         Raises:
             InvalidTypeError: an argument is not an int (a bool included).
             IndexValidationError: an argument out of its range (see :meth:`KVLayout.byte_offset`).
-            ClosedError: the pool was closed.
+            ClosedError: the pool was closed, or its buffer's storage was released or
+                swapped since the pool was built (``share_memory_()``, ``set_()``).
         """
         offset = self.layout.byte_offset(page, layer, kv, token=token)
-        self.memory.check_open()
-        return self.host_table[0] + offset
+        # the address goes to engines as metadata does: refused once the buffer's storage moved
+        return metadata_table(self.host_table)[0] + offset
 
     @property
     def generation(self) -> int:
@@ -292,7 +294,13 @@ class HostKVPool(ProcessLocal):
         return buffer_infos(self.host_table, self.layout.item_bytes)
 
     def get_page_buffer_meta(self, pages: list[int]) -> list[BufferInfo]:
-        """Host-VA blocks holding ``pages``, in order (for a transfer engine's reads/writes)."""
+        """Host-VA blocks holding ``pages``, in order (for a transfer engine's reads/writes).
+
+        Raises:
+            InvalidTypeError: ``pages`` is not a sequence of page numbers.
+            IndexValidationError: a page that is not an int in ``[0, num_pages)``.
+            ClosedError: the pool was closed, or its buffer's storage was released or swapped.
+        """
         return page_buffer_meta(self.host_table, self.layout, pages)
 
     def add_close_hook(self, hook: Callable[[], None]) -> None:
@@ -306,7 +314,7 @@ class HostKVPool(ProcessLocal):
         """
         if not callable(hook):
             raise InvalidTypeError(
-                f"hook: found a {type(hook).__name__} ({hook!r:.60}), expected a callable taking no arguments. "
+                f"hook: found a {type(hook).__name__} ({describe(hook, 60)}), expected a callable taking no arguments. "
                 "Fix: pass the function itself (e.g. registration.close), not its result"
             )
         with self._tables_lock:

@@ -49,6 +49,7 @@ from typing import Any, Final
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import LaunchArgs, StagedCopy, StagingArgs, backend_for
 from pointerdomain.registration.allocation import device_empty, memory_device
 from pointerdomain.devices import Device, validate_device
@@ -132,11 +133,11 @@ def set_staging(
     """
     dev = validate_device(device)
     if type(ring) is not int or not 2 <= ring <= _MAX_RING:
-        raise InvalidArgumentError(f"ring must be an int in [2, {_MAX_RING}], got {ring!r}")
+        raise InvalidArgumentError(f"ring must be an int in [2, {_MAX_RING}], got {describe(ring)}")
     if type(nbytes) is not int or not _HEADER + ring * 4096 <= nbytes <= MAX_STAGING_BYTES:
         raise InvalidArgumentError(
             f"nbytes must be an int of at least {_HEADER + ring * 4096} (64 KiB of ring tables and one "
-            f"4 KiB page per ring slot) and at most {MAX_STAGING_BYTES} (16 GiB), got {nbytes!r}"
+            f"4 KiB page per ring slot) and at most {MAX_STAGING_BYTES} (16 GiB), got {describe(nbytes)}"
         )
     with _lock:
         _configs[dev] = StagingConfig(nbytes, ring)
