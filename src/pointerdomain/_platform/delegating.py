@@ -54,6 +54,10 @@ class DelegatingBackend(RuntimeTraits):
     def pointer_is_host(self, ptr: int) -> bool:
         return self.inner.pointer_is_host(ptr)
 
+    def memory_generation(self) -> int:
+        count: int = getattr(self.inner, "memory_generation", lambda: 0)()
+        return count
+
     def pointer_info(self, addr: int) -> PointerInfo | None:
         return self.inner.pointer_info(addr) if isinstance(self.inner, PointerQuery) else None
 

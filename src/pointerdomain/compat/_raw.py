@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pointerdomain._platform import pointer_info
+from pointerdomain._platform import memory_generation, pointer_info
 from pointerdomain.registration.allocation import memory_device
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
@@ -94,6 +94,7 @@ __all__ = [
     "plain_tensor",
     "remember",
     "clear_cache",
+    "memory_current",
     "memory_device_of",
     "owned_cache",
     "resolve_addresses",
@@ -202,6 +203,39 @@ def resolution_holds(table: PointerTable[DeviceAlias]) -> bool:
     return True
 
 
+#: every live table :func:`resolved_table` made (the caches' raw resolutions), re-checked by
+#: :func:`memory_current` when device memory was released since the last check
+_resolved_tables: weakref.WeakSet[PointerTable[DeviceAlias]] = weakref.WeakSet()
+#: :func:`pointerdomain._platform.memory_generation` when the cached resolutions were last
+#: found to hold (-1: never checked)
+_checked_generation = -1
+
+
+def memory_current() -> bool:
+    """Called by every cached compat look-up before it trusts a cached resolution: when
+    device memory was released since the last check (the backend's release count moved),
+    every cached raw resolution is looked up again (:func:`resolution_holds`), and if one no
+    longer holds (its memory freed, or the address now an allocation too small for it)
+    every cache is emptied, so the call and the next ones resolve their tables anew and
+    refuse the freed entry with a typed error before anything is written. One native call
+    when nothing was released. False when the caches were emptied (an entry the caller
+    already holds is then not to be used)."""
+    if memory_generation() == _checked_generation:
+        return True
+    return _recheck()
+
+
+def _recheck() -> bool:
+    global _checked_generation
+    with _lock:
+        generation = memory_generation()  # before the look-ups: a free during them moves it again
+        holds = all(resolution_holds(t) for t in list(_resolved_tables))
+        if not holds:
+            _clear_locked()
+        _checked_generation = generation
+    return holds
+
+
 def _same(refs: tuple[weakref.ref[torch.Tensor], ...], items: tuple[torch.Tensor, ...]) -> bool:
     for r, t in zip(refs, items):
         if r() is not t:
@@ -273,7 +307,9 @@ def table_key(t: torch.Tensor) -> tuple[int, int, int]:
     """What makes a raw address table the same table with the same contents: the object, its
     version counter (bumped by every in-place torch write, ``set_`` and ``resize_`` included;
     shared with its views) and its address. Raises for an inference tensor, which has no
-    counter (the caller then takes its full path)."""
+    counter (the caller then takes its full path). Checks first that no cached resolution
+    was freed since (:func:`memory_current`): a key names what the raw-table cache holds."""
+    memory_current()
     return (id(t), t._version, t.data_ptr())
 
 
@@ -314,7 +350,10 @@ def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
     or, for a buffer only, written since (an engine writes its KV cache every step) but of
     the same shape and strides (what an in-place op can change; its dtype cannot change
     without ``.data =``, which no counter sees). A constant amount of work per argument:
-    two attribute reads while nothing moved, no hashing of shapes."""
+    two attribute reads while nothing moved, no hashing of shapes. False, too, when device
+    memory a cached resolution names was freed since (:func:`memory_current`)."""
+    if not memory_current():
+        return False
     n = len(tensors)
     if n == 2:
         a, b = tensors
@@ -561,6 +600,7 @@ def resolved_table(
     """
     reach_key = reach if reach is None or isinstance(reach, int) else tuple(reach)
     key = (id(ptrs), device, reach_key)
+    memory_current()  # device memory under a cached table freed since: the entry is gone
     entry = _raw_cache.get(key)  # the hit path first: a pool's table, unchanged since the last call
     if entry is not None and entry.ref() is ptrs and entry.data_ptr == ptrs.data_ptr() and _open(entry.table):
         if entry.values is None:
@@ -577,6 +617,7 @@ def resolved_table(
     table = resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
                                   got.regions)
     with _lock:
+        _resolved_tables.add(table)
         remember(_raw_cache, key,
                   _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), table,
                             values if version is None else None))
@@ -648,8 +689,13 @@ def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int
 def clear_cache() -> None:
     """Forget every cached resolution and prepared call (and release the buffers they hold)."""
     with _lock:
-        _by_identity.clear()
-        _by_memory.clear()
-        _raw_cache.clear()
-        for cache in _owned:
-            cache.clear()
+        _clear_locked()
+
+
+def _clear_locked() -> None:
+    _by_identity.clear()
+    _by_memory.clear()
+    _raw_cache.clear()
+    _resolved_tables.clear()
+    for cache in _owned:
+        cache.clear()
