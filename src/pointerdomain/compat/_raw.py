@@ -76,6 +76,7 @@ from pointerdomain.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     NotRegisteredError,
+    OverlapError,
     PointerDomainError,
     RegistrationSpanError,
     with_address,
@@ -94,6 +95,8 @@ __all__ = [
     "plain_tensor",
     "remember",
     "clear_cache",
+    "disjoint_buffers",
+    "entry_gap",
     "memory_current",
     "memory_device_of",
     "owned_cache",
@@ -203,9 +206,6 @@ def resolution_holds(table: PointerTable[DeviceAlias]) -> bool:
     return True
 
 
-#: every live table :func:`resolved_table` made (the caches' raw resolutions), re-checked by
-#: :func:`memory_current` when device memory was released since the last check
-_resolved_tables: weakref.WeakSet[PointerTable[DeviceAlias]] = weakref.WeakSet()
 #: :func:`pointerdomain._platform.memory_generation` when the cached resolutions were last
 #: found to hold (-1: never checked)
 _checked_generation = -1
@@ -214,26 +214,51 @@ _checked_generation = -1
 def memory_current() -> bool:
     """Called by every cached compat look-up before it trusts a cached resolution: when
     device memory was released since the last check (the backend's release count moved),
-    every cached raw resolution is looked up again (:func:`resolution_holds`), and if one no
-    longer holds (its memory freed, or the address now an allocation too small for it)
-    every cache is emptied, so the call and the next ones resolve their tables anew and
-    refuse the freed entry with a typed error before anything is written. One native call
-    when nothing was released. False when the caches were emptied (an entry the caller
-    already holds is then not to be used)."""
+    every table a cache entry holds that was resolved from raw addresses is looked up again
+    (:func:`resolution_holds`), and the entries holding one that no longer holds (its memory
+    freed, or the address now an allocation too small for it) are dropped, so the call
+    resolves its tables anew and refuses the freed entry with a typed error before anything
+    is written. One native call when nothing was released. False when entries were
+    dropped (an entry the caller already holds is then not to be used)."""
     if memory_generation() == _checked_generation:
         return True
     return _recheck()
+
+
+def _tables_in(value: object, out: list[PointerTable[DeviceAlias]], depth: int = 0) -> None:
+    """The tables inside a cache entry (tuples, named tuples, lists, :class:`Seen`)."""
+    if isinstance(value, PointerTable):
+        out.append(value)
+    elif isinstance(value, Seen):
+        _tables_in(value.value, out, depth + 1)
+    elif isinstance(value, (tuple, list)) and depth < 6:
+        for item in value:
+            if not isinstance(item, torch.Tensor):
+                _tables_in(item, out, depth + 1)
 
 
 def _recheck() -> bool:
     global _checked_generation
     with _lock:
         generation = memory_generation()  # before the look-ups: a free during them moves it again
-        holds = all(resolution_holds(t) for t in list(_resolved_tables))
-        if not holds:
-            _clear_locked()
+        verdict: dict[int, bool] = {}
+        dropped = False
+        for cache in (_raw_cache, *_owned):
+            for key, value in list(cache.items()):
+                found: list[PointerTable[DeviceAlias]] = []
+                _tables_in(value, found)
+                for table in found:
+                    if not table.resolved_regions():
+                        continue
+                    holds = verdict.get(id(table))
+                    if holds is None:
+                        holds = verdict[id(table)] = resolution_holds(table)
+                    if not holds:
+                        del cache[key]
+                        dropped = True
+                        break
         _checked_generation = generation
-    return holds
+    return not dropped
 
 
 def _same(refs: tuple[weakref.ref[torch.Tensor], ...], items: tuple[torch.Tensor, ...]) -> bool:
@@ -413,6 +438,45 @@ def remember_seen(cache: OrderedDict[Any, Any], key: object, tensors: Sequence[t
         return
     with _lock:
         remember(cache, key, entry, 2 * CACHE_SIZE)
+
+
+# -- destination tables ---------------------------------------------------------------
+
+def disjoint_buffers(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse destination buffers (one per table entry, each written from its start) whose
+    bytes overlap: two entries would write the same bytes, a race on a GPU (the direct API
+    refuses a slot written twice; this is one slot through two entries).
+
+    Raises:
+        OverlapError: two of ``tensors`` share a byte.
+    """
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, i) for i, t in enumerate(tensors))
+    for (a, a_end, i), (b, _b_end, j) in zip(spans, spans[1:]):
+        if b < a_end:
+            raise with_address(OverlapError(
+                f"{names[i]} [{a:#x}, {a_end:#x}) and {names[j]} (from {b:#x}) share memory: a copy would write those "
+                "bytes twice (the order decides which wins). Fix: give every layer (and K and V) its own buffer"), b)
+
+
+def entry_gap(name: str, tables: Sequence[PointerTable[DeviceAlias]]) -> int | None:
+    """The least distance in bytes between two entries of ``tables`` (one side's raw
+    tables, K and V together), or None for a single entry: the most one entry's buffer can
+    hold without running into another's. A raw address says where a buffer starts, not
+    where it ends, so a side's slot count is held to this as well as to its allocation.
+
+    Raises:
+        OverlapError: two entries at the same address.
+    """
+    values = sorted((v, k, i) for k, t in enumerate(tables) for i, v in enumerate(t.raw_values()))
+    gap: int | None = None
+    for (a, ka, ia), (b, kb, ib) in zip(values, values[1:]):
+        if a == b:
+            raise with_address(OverlapError(
+                f"{name}: entry {ia} of table {ka} and entry {ib} of table {kb} are the same address {a:#x}: a copy "
+                "would write those bytes twice (the order decides which wins). Fix: give every layer (and K and V) "
+                "its own buffer"), a)
+        gap = b - a if gap is None else min(gap, b - a)
+    return gap
 
 
 # -- raw addresses ---------------------------------------------------------------------
@@ -617,7 +681,6 @@ def resolved_table(
     table = resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
                                   got.regions)
     with _lock:
-        _resolved_tables.add(table)
         remember(_raw_cache, key,
                   _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), table,
                             values if version is None else None))
@@ -696,6 +759,5 @@ def _clear_locked() -> None:
     _by_identity.clear()
     _by_memory.clear()
     _raw_cache.clear()
-    _resolved_tables.clear()
     for cache in _owned:
         cache.clear()
