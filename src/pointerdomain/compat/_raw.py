@@ -25,10 +25,16 @@ Resolutions are cached (a pool's tables are built once and reused on every call)
 buffer tensor lists by the tensors' identity and addresses, raw tables by the table
 tensor's identity, its version counter (bumped by every in-place write through torch),
 its device and the reach asked. A cached table whose registration was closed is
-rebuilt (and so refused). Not seen: a raw table rewritten behind torch's back (a
-kernel writing its memory), or foreign memory freed and reused at the same address
-under a cached table; the typed API (:func:`pointerdomain.make_kernel_ptr_table`)
-keeps its tensors alive and has neither gap.
+rebuilt (and so refused). Device memory freed under a cached table is seen where the
+backend counts its releases (:func:`pointerdomain._platform.memory_generation`: the
+emulated device; CUDA's caching allocator frees without the driver seeing it): every
+cached look-up compares that count with the one its entries were checked at, and when it
+moved the entries whose device regions no longer hold are dropped
+(:func:`memory_current`). Not seen: a raw table rewritten behind torch's back (a kernel
+writing its memory), pinned host memory freed and reused at the same address, or on CUDA
+a block freed and reused inside a live segment; the typed API
+(:func:`pointerdomain.make_kernel_ptr_table`) keeps its tensors alive and has none of
+these gaps.
 
 Prepared calls: an engine repeats one call shape with the same buffers and tables, only the
 indices new. The call shapes keep each call's checked translation (tables, layouts, slot

@@ -647,7 +647,8 @@ def transfer_kv_per_layer(
     Args:
         src_k, dst_k, src_v, dst_v: one layer's buffers (contiguous, ``[slots, ...]``,
             ``item_size`` bytes a dim-0 row, or flat); K and V of a side the same size;
-            registered / pinned host memory or device memory of one device.
+            registered / pinned host memory or device memory of one device; ``dst_k``
+            and ``dst_v`` sharing no memory (OverlapError: the writes would race).
         src_indices, dst_indices: ``int64`` 1-D token slots of equal length, on the
             device (CPU tensors for an emulated device).
         item_size: bytes of one token's K (or V), a multiple of 8.
@@ -756,7 +757,10 @@ def transfer_kv_all_layer(
         num_layers: entries of every table.
 
     Other arguments and errors as :func:`transfer_kv_per_layer`; also NotRegisteredError
-    for an entry that is no known memory.
+    for an entry that is no known memory (or device memory freed since a cached call over
+    it), OverlapError for a destination table naming one buffer twice or two entries less
+    than one item apart, and IndexValidationError for a destination slot at or past the
+    next destination entry (a raw address says where a buffer starts, not where it ends).
     """
     fast = ("lf_all", id(src_k_layers), id(dst_k_layers), id(src_v_layers), id(dst_v_layers), item_size, num_layers,
             block_quota, num_warps_per_block)
