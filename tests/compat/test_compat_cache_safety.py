@@ -167,3 +167,16 @@ def test_a_tensor_destination_list_naming_one_buffer_twice_is_refused() -> None:
     with pytest.raises(OverlapError):
         sk.transfer_kv_per_layer(src_k, dst, src_v, dst, _idx(0), _idx(1), ITEM)
     assert torch.equal(dst, before)
+
+
+def test_the_release_count_moves_on_a_free_and_only_then() -> None:
+    from pointerdomain._platform import memory_generation
+
+    t = pd.device_empty((4096,), dtype=torch.uint8, device=DEV)
+    before = memory_generation()
+    kept = pd.device_empty((4096,), dtype=torch.uint8, device=DEV)
+    assert memory_generation() == before  # an allocation frees nothing
+    del t
+    assert memory_generation() == before + 1
+    del kept
+    assert memory_generation() == before + 2
