@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <atomic>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -42,6 +43,9 @@ std::mutex mu;
 std::map<std::uint64_t, Region> regions;
 std::map<std::uint64_t, Registration> registrations;
 std::map<std::uint64_t, DeviceAlloc> device_allocs;
+// Device allocations released so far: a cache of resolved addresses re-checks them only when
+// this moved (an address can name other memory only after a free).
+std::atomic<std::uint64_t> device_free_count{0};
 
 std::uint64_t page() { return static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE)); }
 
@@ -333,7 +337,10 @@ void device_free(void *ptr) {
     if (it == device_allocs.end()) return;
     munmap(ptr, it->second.len);
     device_allocs.erase(it);
+    device_free_count.fetch_add(1, std::memory_order_relaxed);
 }
+
+std::uint64_t device_frees() { return device_free_count.load(std::memory_order_relaxed); }
 
 int device_lookup(std::uint64_t addr, std::uint64_t nbytes) {
     std::lock_guard<std::mutex> lock(mu);

@@ -45,5 +45,7 @@ void *device_alloc(std::uint64_t nbytes, int ordinal);
 void device_free(void *ptr);
 // Ordinal of the device allocation holding [addr, addr+nbytes), or -1.
 int device_lookup(std::uint64_t addr, std::uint64_t nbytes);
+// Device allocations released since the process started (only grows).
+std::uint64_t device_frees();
 
 }  // namespace pointerdomain::emu

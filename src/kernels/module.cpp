@@ -184,6 +184,8 @@ NB_MODULE(_C, m) {
         nb::arg("nbytes"), nb::arg("ordinal"), "Emulated device memory of one device ordinal, as a uint8 tensor.");
     m.def("emu_device_lookup", &pd::emu::device_lookup, nb::arg("addr"), nb::arg("nbytes"),
           "Ordinal of the emulated device allocation holding the range, or -1.");
+    m.def("emu_device_frees", &pd::emu::device_frees,
+          "Emulated device allocations released since the process started (only grows).");
     m.def(
         "emu_register",
         [](std::uint64_t va, std::uint64_t nbytes) {

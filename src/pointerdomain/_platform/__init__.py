@@ -54,6 +54,7 @@ __all__ = [
     "host_pointer_fallback",
     "kernel_plan",
     "memory_device",
+    "memory_generation",
     "on_backend_change",
     "pointer_info",
     "register_backend",
@@ -69,6 +70,26 @@ _on_swap: list[Callable[[], None]] = []  # caches of backend-derived state (laun
 #: device type -> backend for the current thread / task only (scoped_backend); None: none set
 _scoped: contextvars.ContextVar[dict[str, Backend] | None] = contextvars.ContextVar("pointerdomain_scoped_backends",
                                                                                      default=None)
+
+#: each backend in use's memory_generation, read on every cached compat call (no dict walk)
+_generations: tuple[Callable[[], int], ...] = ()
+
+
+def _recount() -> None:
+    """Rebuild :data:`_generations` from :data:`_backends` (the caller holds the lock)."""
+    global _generations
+    _generations = tuple(getattr(b, "memory_generation", lambda: 0) for b in _backends.values())
+
+
+def memory_generation() -> int:
+    """A count that grows whenever a backend in use released device memory it tracks (the
+    emulated device: every free; CUDA: nothing, see :meth:`RuntimeTraits.memory_generation`).
+    A cache of resolved raw addresses compares it per call and re-checks its entries only
+    when it moved: one native call when nothing was freed."""
+    total = 0
+    for count in _generations:
+        total += count()
+    return total
 
 
 def _import(name: str) -> object:
@@ -110,6 +131,7 @@ def register_backend(device_type: str, factory: Callable[[], Backend]) -> None:
     with _lock:
         _factories[device_type] = factory
         replaced = _backends.pop(device_type, None) is not None
+        _recount()
     if replaced:
         for callback in _on_swap:
             callback()
@@ -146,6 +168,7 @@ def backend_for(device: Device) -> Backend:
         if backend is None:
             backend = _factories[device.type]()
             _backends[device.type] = backend
+            _recount()
     return backend
 
 
@@ -177,6 +200,7 @@ def _swap(device_type: str, backend: Backend | None) -> Backend | None:
             _backends.pop(device_type, None)
         else:
             _backends[device_type] = backend
+        _recount()
     for callback in _on_swap:
         callback()
     return previous

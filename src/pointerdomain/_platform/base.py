@@ -282,6 +282,14 @@ class RuntimeTraits:
     def status(self) -> StatusTable:
         return status_table(self.runtime)
 
+    def memory_generation(self) -> int:
+        """A count that grows whenever device memory this backend tracks is released, so
+        that an address resolved before may since name other memory or none
+        (:func:`pointerdomain._platform.memory_generation`); 0 where the backend sees no
+        releases (CUDA: torch's caching allocator reuses its blocks without the driver
+        seeing a free)."""
+        return 0
+
 
 @runtime_checkable
 class StagedCopy(Protocol):

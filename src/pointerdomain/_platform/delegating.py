@@ -58,6 +58,10 @@ class DelegatingBackend(RuntimeTraits):
     def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
         return vmm_allocation(self.inner, addr, device)
 
+    def memory_generation(self) -> int:
+        count: int = getattr(self.inner, "memory_generation", lambda: 0)()
+        return count
+
     def pointer_info(self, addr: int) -> PointerInfo | None:
         return self.inner.pointer_info(addr) if isinstance(self.inner, PointerQuery) else None
 

@@ -136,6 +136,7 @@ class EmulatedBackend(RuntimeTraits):
         self.copy_submissions: collections.deque[Submission] = collections.deque(maxlen=_RECORDED)
         # the launch path asks it for every index tensor: the native call itself, no Python frame
         self.device_lookup = _C.emu_device_lookup  # type: ignore[method-assign]
+        self.memory_generation = _C.emu_device_frees  # type: ignore[method-assign]
 
     def vmm_allocation(self, addr: int, device: Device) -> VmmAllocation | None:
         """The emulated VMM allocation holding ``addr`` (``vmm-host`` profile), or None."""
@@ -206,6 +207,10 @@ class EmulatedBackend(RuntimeTraits):
 
     def device_lookup(self, addr: int, nbytes: int) -> int:
         return _C.emu_device_lookup(addr, nbytes)
+
+    def memory_generation(self) -> int:
+        """Emulated device allocations released so far (a native counter)."""
+        return _C.emu_device_frees()
 
     def pointer_info(self, addr: int) -> PointerInfo | None:
         # Only device memory: no runtime pins host memory behind pointerdomain's back here.

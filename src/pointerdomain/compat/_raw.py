@@ -25,10 +25,16 @@ Resolutions are cached (a pool's tables are built once and reused on every call)
 buffer tensor lists by the tensors' identity and addresses, raw tables by the table
 tensor's identity, its version counter (bumped by every in-place write through torch),
 its device and the reach asked. A cached table whose registration was closed is
-rebuilt (and so refused). Not seen: a raw table rewritten behind torch's back (a
-kernel writing its memory), or foreign memory freed and reused at the same address
-under a cached table; the typed API (:func:`pointerdomain.make_kernel_ptr_table`)
-keeps its tensors alive and has neither gap.
+rebuilt (and so refused). Device memory freed under a cached table is seen where the
+backend counts its releases (:func:`pointerdomain._platform.memory_generation`: the
+emulated device; CUDA's caching allocator frees without the driver seeing it): every
+cached look-up compares that count with the one its entries were checked at, and when it
+moved the entries whose device regions no longer hold are dropped
+(:func:`memory_current`). Not seen: a raw table rewritten behind torch's back (a kernel
+writing its memory), pinned host memory freed and reused at the same address, or on CUDA
+a block freed and reused inside a live segment; the typed API
+(:func:`pointerdomain.make_kernel_ptr_table`) keeps its tensors alive and has none of
+these gaps.
 
 Prepared calls: an engine repeats one call shape with the same buffers and tables, only the
 indices new. The call shapes keep each call's checked translation (tables, layouts, slot
@@ -65,7 +71,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pointerdomain._platform import pointer_info
+from pointerdomain._platform import memory_generation, pointer_info
 from pointerdomain.registration.allocation import memory_device
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
@@ -76,6 +82,7 @@ from pointerdomain.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     NotRegisteredError,
+    OverlapError,
     PointerDomainError,
     RegistrationSpanError,
     with_address,
@@ -94,6 +101,9 @@ __all__ = [
     "plain_tensor",
     "remember",
     "clear_cache",
+    "disjoint_buffers",
+    "entry_gap",
+    "memory_current",
     "memory_device_of",
     "owned_cache",
     "resolve_addresses",
@@ -202,6 +212,61 @@ def resolution_holds(table: PointerTable[DeviceAlias]) -> bool:
     return True
 
 
+#: :func:`pointerdomain._platform.memory_generation` when the cached resolutions were last
+#: found to hold (-1: never checked)
+_checked_generation = -1
+
+
+def memory_current() -> bool:
+    """Called by every cached compat look-up before it trusts a cached resolution: when
+    device memory was released since the last check (the backend's release count moved),
+    every table a cache entry holds that was resolved from raw addresses is looked up again
+    (:func:`resolution_holds`), and the entries holding one that no longer holds (its memory
+    freed, or the address now an allocation too small for it) are dropped, so the call
+    resolves its tables anew and refuses the freed entry with a typed error before anything
+    is written. One native call when nothing was released. False when entries were
+    dropped (an entry the caller already holds is then not to be used)."""
+    if memory_generation() == _checked_generation:
+        return True
+    return _recheck()
+
+
+def _tables_in(value: object, out: list[PointerTable[DeviceAlias]], depth: int = 0) -> None:
+    """The tables inside a cache entry (tuples, named tuples, lists, :class:`Seen`)."""
+    if isinstance(value, PointerTable):
+        out.append(value)
+    elif isinstance(value, Seen):
+        _tables_in(value.value, out, depth + 1)
+    elif isinstance(value, (tuple, list)) and depth < 6:
+        for item in value:
+            if not isinstance(item, torch.Tensor):
+                _tables_in(item, out, depth + 1)
+
+
+def _recheck() -> bool:
+    global _checked_generation
+    with _lock:
+        generation = memory_generation()  # before the look-ups: a free during them moves it again
+        verdict: dict[int, bool] = {}
+        dropped = False
+        for cache in (_raw_cache, *_owned):
+            for key, value in list(cache.items()):
+                found: list[PointerTable[DeviceAlias]] = []
+                _tables_in(value, found)
+                for table in found:
+                    if not table.resolved_regions():
+                        continue
+                    holds = verdict.get(id(table))
+                    if holds is None:
+                        holds = verdict[id(table)] = resolution_holds(table)
+                    if not holds:
+                        del cache[key]
+                        dropped = True
+                        break
+        _checked_generation = generation
+    return not dropped
+
+
 def _same(refs: tuple[weakref.ref[torch.Tensor], ...], items: tuple[torch.Tensor, ...]) -> bool:
     for r, t in zip(refs, items):
         if r() is not t:
@@ -273,7 +338,9 @@ def table_key(t: torch.Tensor) -> tuple[int, int, int]:
     """What makes a raw address table the same table with the same contents: the object, its
     version counter (bumped by every in-place torch write, ``set_`` and ``resize_`` included;
     shared with its views) and its address. Raises for an inference tensor, which has no
-    counter (the caller then takes its full path)."""
+    counter (the caller then takes its full path). Checks first that no cached resolution
+    was freed since (:func:`memory_current`): a key names what the raw-table cache holds."""
+    memory_current()
     return (id(t), t._version, t.data_ptr())
 
 
@@ -314,7 +381,10 @@ def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
     or, for a buffer only, written since (an engine writes its KV cache every step) but of
     the same shape and strides (what an in-place op can change; its dtype cannot change
     without ``.data =``, which no counter sees). A constant amount of work per argument:
-    two attribute reads while nothing moved, no hashing of shapes."""
+    two attribute reads while nothing moved, no hashing of shapes. False, too, when device
+    memory a cached resolution names was freed since (:func:`memory_current`)."""
+    if not memory_current():
+        return False
     n = len(tensors)
     if n == 2:
         a, b = tensors
@@ -374,6 +444,45 @@ def remember_seen(cache: OrderedDict[Any, Any], key: object, tensors: Sequence[t
         return
     with _lock:
         remember(cache, key, entry, 2 * CACHE_SIZE)
+
+
+# -- destination tables ---------------------------------------------------------------
+
+def disjoint_buffers(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    """Refuse destination buffers (one per table entry, each written from its start) whose
+    bytes overlap: two entries would write the same bytes, a race on a GPU (the direct API
+    refuses a slot written twice; this is one slot through two entries).
+
+    Raises:
+        OverlapError: two of ``tensors`` share a byte.
+    """
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, i) for i, t in enumerate(tensors))
+    for (a, a_end, i), (b, _b_end, j) in zip(spans, spans[1:]):
+        if b < a_end:
+            raise with_address(OverlapError(
+                f"{names[i]} [{a:#x}, {a_end:#x}) and {names[j]} (from {b:#x}) share memory: a copy would write those "
+                "bytes twice (the order decides which wins). Fix: give every layer (and K and V) its own buffer"), b)
+
+
+def entry_gap(name: str, tables: Sequence[PointerTable[DeviceAlias]]) -> int | None:
+    """The least distance in bytes between two entries of ``tables`` (one side's raw
+    tables, K and V together), or None for a single entry: the most one entry's buffer can
+    hold without running into another's. A raw address says where a buffer starts, not
+    where it ends, so a side's slot count is held to this as well as to its allocation.
+
+    Raises:
+        OverlapError: two entries at the same address.
+    """
+    values = sorted((v, k, i) for k, t in enumerate(tables) for i, v in enumerate(t.raw_values()))
+    gap: int | None = None
+    for (a, ka, ia), (b, kb, ib) in zip(values, values[1:]):
+        if a == b:
+            raise with_address(OverlapError(
+                f"{name}: entry {ia} of table {ka} and entry {ib} of table {kb} are the same address {a:#x}: a copy "
+                "would write those bytes twice (the order decides which wins). Fix: give every layer (and K and V) "
+                "its own buffer"), a)
+        gap = b - a if gap is None else min(gap, b - a)
+    return gap
 
 
 # -- raw addresses ---------------------------------------------------------------------
@@ -561,6 +670,7 @@ def resolved_table(
     """
     reach_key = reach if reach is None or isinstance(reach, int) else tuple(reach)
     key = (id(ptrs), device, reach_key)
+    memory_current()  # device memory under a cached table freed since: the entry is gone
     entry = _raw_cache.get(key)  # the hit path first: a pool's table, unchanged since the last call
     if entry is not None and entry.ref() is ptrs and entry.data_ptr == ptrs.data_ptr() and _open(entry.table):
         if entry.values is None:
@@ -648,8 +758,12 @@ def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int
 def clear_cache() -> None:
     """Forget every cached resolution and prepared call (and release the buffers they hold)."""
     with _lock:
-        _by_identity.clear()
-        _by_memory.clear()
-        _raw_cache.clear()
-        for cache in _owned:
-            cache.clear()
+        _clear_locked()
+
+
+def _clear_locked() -> None:
+    _by_identity.clear()
+    _by_memory.clear()
+    _raw_cache.clear()
+    for cache in _owned:
+        cache.clear()

@@ -143,6 +143,7 @@ from pointerdomain.errors import (
     LayoutError,
     NonContiguousError,
     NotRegisteredError,
+    OverlapError,
     RegistrationSpanError,
 )
 from pointerdomain.transfer.kernels import TransferBackend
@@ -494,14 +495,18 @@ def joined(tables: Sequence[PointerTable[DeviceAlias]], *, interleave: bool = Fa
 
 
 def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Device, unit: int,
-             *, interleave: bool = False) -> tuple[PointerTable[DeviceAlias], int]:
+             *, interleave: bool = False, destination: bool = False) -> tuple[PointerTable[DeviceAlias], int]:
     """The kernel table of raw per-layer tables (K then V, or one for MLA) whose entries
     each hold whole ``unit``-byte blocks, and how many blocks each holds (the least any
-    entry's allocation allows).
+    entry's allocation allows). A ``destination`` side also holds each entry to the distance
+    to the next entry (:func:`pointerdomain.compat._raw.entry_gap`), so that no slot of one
+    entry is a slot of another: two layers never write the same bytes.
 
     Raises:
-        RegistrationSpanError: an entry's allocation holds less than one block; and every
-            error of :func:`pointerdomain.compat._raw.resolved_table`.
+        RegistrationSpanError: an entry's allocation holds less than one block.
+        OverlapError: a destination side with two entries at one address, or two entries
+            less than one block apart.
+        And every error of :func:`pointerdomain.compat._raw.resolved_table`.
     """
     have = min(room(n, t, device) for n, t in zip(names, tables))
     count = have // unit
@@ -509,6 +514,14 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
         raise RegistrationSpanError(
             f"{' / '.join(names)}: an entry has {have} bytes to the end of its allocation, less than one item of "
             f"{unit} bytes. Fix: check item_size and the table's addresses")
+    if destination:
+        gap = _raw.entry_gap(" / ".join(names), [_raw.resolved_table(n, t, device) for n, t in zip(names, tables)])
+        if gap is not None and gap < unit:
+            raise OverlapError(
+                f"{' / '.join(names)}: two entries are {gap} bytes apart, less than one item of {unit} bytes: their "
+                "items overlap, and a copy would write the same bytes twice. Fix: give every layer its own buffer")
+        if gap is not None:
+            count = min(count, gap // unit)
     resolved = [exact(n, t, device, count * unit) for n, t in zip(names, tables)]
     return joined(resolved, interleave=interleave), count
 
@@ -606,6 +619,7 @@ def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     kv = len(s_ts)
     s_slots = _lf_tensors(s_names, s_ts, item)
     d_slots = _lf_tensors(d_names, d_ts, item)
+    _raw.disjoint_buffers(d_names, d_ts)  # K and V written through one buffer: a race
     src = Side(buffers_table(", ".join(s_names), s_ts, device), s_slots, layout("layer_first", kv, 1, s_slots, 1, item))
     dst = Side(buffers_table(", ".join(d_names), d_ts, device), d_slots, layout("layer_first", kv, 1, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
@@ -633,7 +647,8 @@ def transfer_kv_per_layer(
     Args:
         src_k, dst_k, src_v, dst_v: one layer's buffers (contiguous, ``[slots, ...]``,
             ``item_size`` bytes a dim-0 row, or flat); K and V of a side the same size;
-            registered / pinned host memory or device memory of one device.
+            registered / pinned host memory or device memory of one device; ``dst_k``
+            and ``dst_v`` sharing no memory (OverlapError: the writes would race).
         src_indices, dst_indices: ``int64`` 1-D token slots of equal length, on the
             device (CPU tensors for an emulated device).
         item_size: bytes of one token's K (or V), a multiple of 8.
@@ -704,7 +719,7 @@ def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     device = launch_device("transfer", list(zip(s_names + d_names, s_ptrs + d_ptrs)), (s_idx, d_idx))
     kv = len(s_ptrs)
     s_table, s_slots = raw_side(s_names, s_ptrs, device, item)
-    d_table, d_slots = raw_side(d_names, d_ptrs, device, item)
+    d_table, d_slots = raw_side(d_names, d_ptrs, device, item, destination=True)
     src = Side(s_table, s_slots, layout("layer_first", kv, layers, s_slots, 1, item))
     dst = Side(d_table, d_slots, layout("layer_first", kv, layers, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
@@ -742,7 +757,10 @@ def transfer_kv_all_layer(
         num_layers: entries of every table.
 
     Other arguments and errors as :func:`transfer_kv_per_layer`; also NotRegisteredError
-    for an entry that is no known memory.
+    for an entry that is no known memory (or device memory freed since a cached call over
+    it), OverlapError for a destination table naming one buffer twice or two entries less
+    than one item apart, and IndexValidationError for a destination slot at or past the
+    next destination entry (a raw address says where a buffer starts, not where it ends).
     """
     fast = ("lf_all", id(src_k_layers), id(dst_k_layers), id(src_v_layers), id(dst_v_layers), item_size, num_layers,
             block_quota, num_warps_per_block)
