@@ -220,11 +220,9 @@ _checked_generation = -1
 def memory_current() -> bool:
     """Called by every cached compat look-up before it trusts a cached resolution: when
     device memory was released since the last check (the backend's release count moved),
-    every table a cache entry holds that was resolved from raw addresses is looked up again
-    (:func:`resolution_holds`), and the entries holding one that no longer holds (its memory
-    freed, or the address now an allocation too small for it) are dropped, so the call
-    resolves its tables anew and refuses the freed entry with a typed error before anything
-    is written. One native call when nothing was released. False when entries were
+    every cache entry holding a table resolved from raw addresses is dropped, so the call
+    resolves its tables anew and refuses a freed entry (or an address now an allocation too
+    small for it) with a typed error before anything is written. One native call when nothing was released. False when entries were
     dropped (an entry the caller already holds is then not to be used)."""
     if memory_generation() == _checked_generation:
         return True
@@ -247,22 +245,18 @@ def _recheck() -> bool:
     global _checked_generation
     with _lock:
         generation = memory_generation()  # before the look-ups: a free during them moves it again
-        verdict: dict[int, bool] = {}
+        # Every entry holding a table resolved from raw addresses is dropped, not looked up
+        # again: a look-up per entry made each call after a free cost the whole cache (a
+        # process that frees between calls paid it on every call); a dropped entry costs one
+        # resolution on its next use, which checks everything afresh.
         dropped = False
         for cache in (_raw_cache, *_owned):
             for key, value in list(cache.items()):
                 found: list[PointerTable[DeviceAlias]] = []
                 _tables_in(value, found)
-                for table in found:
-                    if not table.resolved_regions():
-                        continue
-                    holds = verdict.get(id(table))
-                    if holds is None:
-                        holds = verdict[id(table)] = resolution_holds(table)
-                    if not holds:
-                        del cache[key]
-                        dropped = True
-                        break
+                if any(table.resolved_regions() for table in found):
+                    del cache[key]
+                    dropped = True
         _checked_generation = generation
     return not dropped
 
