@@ -75,7 +75,9 @@ def emu_device_lookup(addr: int, nbytes: int) -> int:
     """Ordinal of the emulated device allocation holding the range, or -1."""
 
 def emu_device_frees() -> int:
-    """Emulated device allocations released since the process started (only grows)."""
+    """
+    Emulated device allocations released since the process started (only grows).
+    """
 
 def emu_register(va: int, nbytes: int) -> tuple[int, int]:
     """Map a host range a second time: (status, alias)."""
