@@ -770,10 +770,11 @@ def explain_transfer(
         A :class:`TransferChoice`.
 
     Raises:
-        DomainError, DeviceMismatchError, ClosedError, LayoutError, IndexValidationError,
-            OverlapError, InvalidArgumentError, UnpinnedMemoryError: as the transfer call
-            raises them before its launch (see :func:`transfer_kv_all_layer`);
-            IndexValidationError also for a ``layer_id`` that is not None or a layer.
+        PointerDomainError: what the transfer call raises before its launch
+            (:func:`transfer_kv_all_layer`: DomainError, DeviceMismatchError, ClosedError,
+            LayoutError, IndexValidationError, OverlapError, InvalidArgumentError,
+            UnpinnedMemoryError), the same class and message.
+        IndexValidationError: also for a ``layer_id`` that is not None or a layer.
     """
     if not isinstance(cast(object, src_layout), KVLayout):
         raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
