@@ -138,6 +138,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
 )
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
+from pointerdomain.transfer.overlap import allow_interleaved
 
 __all__ = [
     "MULTI_LAYER_FORMATS",
@@ -419,6 +420,7 @@ def _paged_table(name: str, table: PointerTable[DeviceAlias], bases: tuple[int, 
     device = table.device
     derived = resolved_kernel_table(values, [entry_bytes] * len(values), device, table.registrations(),
                                     table.resolved_regions())
+    allow_interleaved(derived)  # K and V one base apart in each block: the slot arithmetic keeps them apart
     with _lock:
         _raw.remember(_derived, key, _Derived(weakref.ref(table), derived), _DERIVED_MAX)
     return derived
@@ -923,6 +925,7 @@ def single_layer_kv_transfer(
     g = _paged_geometry(fmt, item, capacity, bs, hs)
     paged = _raw.tensor_table("vllm_key_value_cache", _byte_slices(cache, [b * es for b in g.kv_base],
                                                                    g.runs * g.run * es), device)
+    allow_interleaved(paged)  # K and V one base apart in each block: the slot arithmetic keeps them apart
     if mla or not major:
         mem_runs, tok_runs = buffered * g.heads, g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", [lmc], device)
@@ -930,6 +933,7 @@ def single_layer_kv_transfer(
         mem_runs, tok_runs = (2 * buffered - 1) * g.heads, 2 * g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", _byte_slices(lmc, [0, item * es], mem_runs * g.run * es),
                                 device)
+        allow_interleaved(mem)  # K and V of a token side by side: tok_runs keeps their slots apart
     pairs = _pairs(slots, 0, capacity, tok_runs, g)
     run_bytes = g.run * es
     mem_layout, paged_layout = _layout(g.kv_size, 1, mem_runs, run_bytes), _layout(g.kv_size, 1, g.runs, run_bytes)

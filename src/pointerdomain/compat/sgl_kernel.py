@@ -145,6 +145,7 @@ from pointerdomain.errors import (
     NotRegisteredError,
     OverlapError,
     RegistrationSpanError,
+    with_address,
 )
 from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
@@ -527,6 +528,48 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
 
 
 # -- launching ------------------------------------------------------------------------------
+def _addressed(side: Side, names: Sequence[str], layer: int | None) -> list[tuple[int, int, str]]:
+    """``(start, end, argument)`` of each entry of ``side`` a launch addresses (all of them,
+    or for a one-layer launch over a table with an entry per kv and layer, that layer's),
+    in the alias domain of kernel tables; the entries are the arguments' in order, an
+    equal share each (K layers then V layers)."""
+    table, lay = side.table, side.layout
+    n = len(table)
+    per = max(1, n // len(names))
+    split = layer is not None and lay.kind == "layer_first" and n == lay.num_kv * lay.num_layers
+    return [(v, v + size, names[min(i // per, len(names) - 1)])
+            for i, (v, size) in enumerate(zip(table.raw_values(), table.sizes))
+            if not split or i % lay.num_layers == layer]
+
+
+def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None) -> None:
+    """Refuse a call whose destination buffers overlap each other or a source buffer, as
+    the launch addresses them (layout-aware: the entries the tables hold, exactly their
+    items' bytes). Runs once per call shape (prepared calls skip it).
+
+    Raises:
+        OverlapError: naming the two arguments.
+    """
+    d_spans = sorted(_addressed(dst, d_names, layer))
+    for (a, a_end, x), (b, _b_end, y) in zip(d_spans, d_spans[1:]):
+        if b < a_end:
+            raise with_address(OverlapError(
+                f"{x} and {y} share memory (from {b:#x}): the copy would write those bytes twice, in no defined "
+                "order (a race on a GPU); nothing was copied. Fix: give K and V and every layer their own buffers"), b)
+    s_spans = sorted(_addressed(src, s_names, layer))
+    i = j = 0
+    while i < len(d_spans) and j < len(s_spans):
+        (a, a_end, x), (b, b_end, y) = d_spans[i], s_spans[j]
+        if a_end <= b:
+            i += 1
+        elif b_end <= a:
+            j += 1
+        else:
+            raise with_address(OverlapError(
+                f"{x} overlaps {y} (from {max(a, b):#x}): the copy would write bytes it also reads, in no defined "
+                "order; nothing was copied. Fix: copy between separate buffers"), max(a, b))
+
+
 
 def launch(src: Side, dst: Side, s_idx: torch.Tensor, d_idx: torch.Tensor, *, layer: int | None, ctas: int,
            backend: TransferBackend = "kernel") -> None:
@@ -624,6 +667,7 @@ def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     dst = Side(buffers_table(", ".join(d_names), d_ts, device), d_slots, layout("layer_first", kv, 1, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -724,6 +768,7 @@ def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     dst = Side(d_table, d_slots, layout("layer_first", kv, layers, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -919,6 +964,7 @@ def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
                layout("layer_first", kv, layers, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names, layer)
     launch(src, dst, s_idx, d_idx, layer=layer, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, layer, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -1024,6 +1070,7 @@ def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
                layout("page_first", kv, layers, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -1151,6 +1198,7 @@ def transfer_kv_per_layer_ph_lf(
                layout("layer_first", 2, layers, d_slots * heads, 1, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names, layer)
     launch(src, dst, page_parts(s_idx, s_slots, ps, heads), row_parts(d_idx, d_slots, heads), layer=layer,
            ctas=ctas)
 
@@ -1200,6 +1248,7 @@ def transfer_kv_all_layer_lf_ph(
                layout("page_first", 2, layers, d_slots * heads, 1, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, row_parts(s_idx, s_slots, heads), page_parts(d_idx, d_slots, ps, heads), layer=None,
            ctas=ctas)
 
@@ -1258,6 +1307,7 @@ def transfer_kv_per_layer_pfdhg_lf(
                layout("layer_first", 2, 1, d_slots * groups, 1, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, page_parts(s_idx, s_slots, ps, groups, outer=layers, inner=layer),
            row_parts(d_idx, d_slots, groups), layer=None, ctas=ctas)
 
@@ -1321,6 +1371,7 @@ def transfer_kv_all_layer_lf_pfdhg(
                layout("page_first_direct", 2, layers, d_slots * groups, ps, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, row_parts(s_idx, s_slots, groups), page_parts(d_idx, d_slots, ps, groups), layer=None,
            ctas=ctas)
 

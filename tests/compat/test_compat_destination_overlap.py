@@ -1,0 +1,136 @@
+"""sgl_kernel's call shapes refuse destination buffers that overlap each other or a
+source buffer, naming the arguments, before anything is written (a copy writing one
+byte twice, or reading bytes it writes, depends on an order a GPU does not define)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import pointerdomain as pd
+from pointerdomain import errors
+from pointerdomain.compat import sgl_kernel as sk
+from tests.helpers.compat import POISON, rand, u8
+from tests.helpers.compat import dev as _dev
+from tests.helpers.compat import table
+
+DEV = pd.validate_device("emulated:0")
+DT = torch.bfloat16
+L, H, D, PS = 3, 2, 8, 4
+ITEM = H * D * 2
+T = 16
+PAGES = 5
+HT = PAGES * PS
+S_IDX = torch.tensor([4, 5, 6, 7], dtype=torch.int64)
+D_IDX = torch.tensor([8, 9, 10, 11], dtype=torch.int64)
+
+Host = Callable[..., torch.Tensor]
+
+
+@pytest.fixture
+def host() -> Iterator[Host]:
+    owners: list[pd.RegisteredHostMemory] = []
+
+    def make(*shape: int) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        size = numel * 2
+        mem = pd.alloc_registered(size, DEV)
+        owners.append(mem)
+        return mem.tensor[:size].view(DT).view(shape)
+
+    yield make
+    for mem in owners:
+        mem.close()
+
+
+def dev(*shape: int) -> torch.Tensor:
+    t = _dev(*shape, dtype=DT, device=DEV)
+    u8(t).fill_(POISON)
+    return t
+
+
+def untouched(*ts: torch.Tensor) -> bool:
+    return all(bool(torch.all(u8(t) == POISON)) for t in ts)
+
+
+def test_per_layer_pf_lf_same_destination_for_k_and_v(host: Host) -> None:
+    hk, hv = rand(host(HT, L, H, D)), rand(host(HT, L, H, D))
+    dk = dev(T, H, D)
+    with pytest.raises(errors.OverlapError, match="dst_k and dst_v share memory"):
+        sk.transfer_kv_per_layer_pf_lf(hk, dk, hv, dk, S_IDX, D_IDX, layer_id=1, item_size=ITEM,
+                                       src_layout_dim=L * ITEM)
+    assert untouched(dk)
+
+
+def test_per_layer_pf_lf_destinations_overlapping_part_way(host: Host) -> None:
+    hk, hv = rand(host(HT, L, H, D)), rand(host(HT, L, H, D))
+    both = dev(T + 1, H, D)
+    dk, dv = both[:T], both[1:]  # V one token after K: V's slot 0 is K's slot 1
+    with pytest.raises(errors.OverlapError, match="dst_k and dst_v share memory"):
+        sk.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, S_IDX, D_IDX, layer_id=1, item_size=ITEM,
+                                       src_layout_dim=L * ITEM)
+    assert untouched(both)
+
+
+def test_all_layer_lf_pf_destination_over_a_source_layer(host: Host) -> None:
+    """The host side is the destination; a device layer table pointing into it is a source."""
+    hk, hv = host(HT, L, H, D), host(HT, L, H, D)
+    u8(hk).fill_(POISON)
+    u8(hv).fill_(POISON)
+    dks = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(L)]
+    dvs = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(L)]
+    with pytest.raises(errors.OverlapError, match="dst_k and dst_v share memory"):
+        sk.transfer_kv_all_layer_lf_pf(table(dks, DEV), hk, table(dvs, DEV), hk, S_IDX, D_IDX, ITEM, L * ITEM, L)
+    assert untouched(hk, hv)
+
+
+def test_per_layer_lf_destination_is_a_source() -> None:
+    k, v = rand(_dev(T, H, D, dtype=DT, device=DEV)), rand(_dev(T, H, D, dtype=DT, device=DEV))
+    dk = dev(T, H, D)
+    before = u8(v).clone()
+    with pytest.raises(errors.OverlapError, match="dst_v overlaps src_v"):
+        sk.transfer_kv_per_layer(k, dk, v, v, S_IDX, D_IDX, ITEM)
+    assert untouched(dk) and torch.equal(u8(v), before)
+
+
+def test_per_layer_ph_lf_same_destination(host: Host) -> None:
+    hk, hv = rand(host(PAGES, H, PS, L, D)), rand(host(PAGES, H, PS, L, D))
+    dk = dev(T, H, D)
+    with pytest.raises(errors.OverlapError, match="dst_k and dst_v share memory"):
+        sk.transfer_kv_per_layer_ph_lf(hk, dk, hv, dk, S_IDX, D_IDX, 2, ITEM, L * ITEM, PS, H)
+    assert untouched(dk)
+
+
+def test_all_layer_lf_ph_same_destination(host: Host) -> None:
+    hk = host(PAGES, H, PS, L, D)
+    u8(hk).fill_(POISON)
+    dks = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(L)]
+    dvs = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(L)]
+    with pytest.raises(errors.OverlapError, match="dst_k and dst_v share memory"):
+        sk.transfer_kv_all_layer_lf_ph(table(dks, DEV), hk, table(dvs, DEV), hk, S_IDX, D_IDX, ITEM, L * ITEM, L, PS, H)
+    assert untouched(hk)
+
+
+def test_all_layer_lf_pfdhg_same_destination(host: Host) -> None:
+    hk = host(PAGES, 2, L, PS, 1, D)
+    u8(hk).fill_(POISON)
+    dks = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(L)]
+    dvs = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(L)]
+    with pytest.raises(errors.OverlapError, match="dst_k and dst_v share memory"):
+        sk.transfer_kv_all_layer_lf_pfdhg(table(dks, DEV), hk.view(-1), table(dvs, DEV), hk.view(-1), S_IDX, D_IDX, ITEM,
+                                          L * ITEM, L, PS, 2)
+    assert untouched(hk)
+
+
+def test_disjoint_buffers_still_copy(host: Host) -> None:
+    """The same calls over separate buffers run (and a repeat takes the prepared path)."""
+    hk, hv = rand(host(HT, L, H, D)), rand(host(HT, L, H, D))
+    dk, dv = dev(T, H, D), dev(T, H, D)
+    for _ in range(2):
+        sk.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, S_IDX, D_IDX, layer_id=1, item_size=ITEM,
+                                       src_layout_dim=L * ITEM)
+    assert torch.equal(u8(dk)[D_IDX], u8(hk)[S_IDX, 1]) and torch.equal(u8(dv)[D_IDX], u8(hv)[S_IDX, 1])
