@@ -339,7 +339,7 @@ def check_call(
     # group (the tables' liveness words, the index tests, the options cache) and only a
     # failure runs the per-item checks that word the error.
     plan = plan_for(src, src_layout, dst, dst_layout)
-    if plan.dst_clashes:  # dst entries of two layers share memory (rare): refused over both layers
+    if plan.dst_clashes and layer_count > 1:  # dst entries of two layers share memory (rare): not over both
         overlap.check_layers(plan.dst_clashes, layer_begin, layer_count)
     watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
     live = watch.intact() if watch is not None else plan.live(src, dst)
