@@ -151,6 +151,7 @@ from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
+from pointerdomain.transfer.overlap import interleaved_entries
 
 __all__ = [
     "transfer_embedding_ranges_direct",
@@ -545,14 +546,17 @@ def _addressed(side: Side, names: Sequence[str], layer: int | None) -> list[tupl
 def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None) -> None:
     """Refuse a call whose destination buffers overlap each other or a source buffer, as
     the launch addresses them (layout-aware: the entries the tables hold, exactly their
-    items' bytes). Runs once per call shape (prepared calls skip it).
+    items' bytes; destination entries whose rows interleave by design,
+    :func:`~pointerdomain.transfer.overlap.allow_interleaved`, only where two start at one
+    address). Runs once per call shape (prepared calls skip it).
 
     Raises:
         OverlapError: naming the two arguments.
     """
     d_spans = sorted(_addressed(dst, d_names, layer))
+    interleaved = interleaved_entries(dst.table)  # rows of each entry lie between another's: starts only
     for (a, a_end, x), (b, _b_end, y) in zip(d_spans, d_spans[1:]):
-        if b < a_end:
+        if b < a_end if not interleaved else b == a:
             raise with_address(OverlapError(
                 f"{x} and {y} share memory (from {b:#x}): the copy would write those bytes twice, in no defined "
                 "order (a race on a GPU); nothing was copied. Fix: give K and V and every layer their own buffers"), b)

@@ -50,7 +50,16 @@ if TYPE_CHECKING:
     from pointerdomain.layouts import Geometry
     from pointerdomain.registration.tables import PointerTable
 
-__all__ = ["check_distinct_destinations", "LayerClash", "allow_interleaved", "check_layers", "check_slots", "entry_clashes", "shared_memory"]
+__all__ = [
+    "LayerClash",
+    "allow_interleaved",
+    "check_distinct_destinations",
+    "check_layers",
+    "check_slots",
+    "entry_clashes",
+    "interleaved_entries",
+    "shared_memory",
+]
 
 
 def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
@@ -103,6 +112,11 @@ def allow_interleaved(table: PointerTable[DeviceAlias]) -> None:
     the whole buffer from its first item), where the caller computes slots that never
     meet. Entries at one address stay refused (every slot would be written twice)."""
     _interleaved.add(table)
+
+
+def interleaved_entries(table: PointerTable[DeviceAlias]) -> bool:
+    """Whether ``table`` was passed to :func:`allow_interleaved`."""
+    return table in _interleaved
 
 
 #: Two layers whose destination entries share memory, and the error a launch over both raises.
