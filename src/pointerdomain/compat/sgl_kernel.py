@@ -77,7 +77,8 @@ Upstream (sgl-project/sglang; read at the versions named):
   (``k_buffer[layer]``) and their ``uint64`` tables (``k_data_ptrs``).
 * the upstream test, ``sgl-kernel/tests/test_kvcacheio.py`` (newest stored version): random
   pools, page-aligned index runs, results compared with torch indexing; the head-group test
-  passes flat views (``host.view(-1)``) and even the same buffers for K and V.
+  passes flat views (``host.view(-1)``) and even the same buffers for K and V (refused
+  here: K and V would write the same bytes, in no defined order).
 
 Here each call becomes one or a few :func:`pointerdomain.transfer_kv_per_layer` /
 :func:`pointerdomain.transfer_kv_all_layer` launches over ``uint8`` layouts whose item is
@@ -112,7 +113,8 @@ flat ``view(-1)`` otherwise); a per-head (per-group) run must be a multiple of 8
 or pinned (except for the ``direct`` ops: a side in plain pageable host memory, which
 upstream's ``copy_`` lets the runtime stage, is copied by torch after the same checks,
 ``index_select`` / ``index_copy_`` of exactly the mapped rows); at least one side of every
-call must be device memory of one device;
+call must be device memory of one device; destination buffers that overlap each other or a
+source buffer (as the call addresses them) are refused, naming the arguments (:func:`apart`);
 ``copy_all_layer_kv_cache_cpu`` (a CPU-only op) is not provided.
 """
 

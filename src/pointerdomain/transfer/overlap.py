@@ -227,6 +227,8 @@ def check_distinct_destinations(dst_idx: torch.Tensor, dst_list: list[int] | Non
     """No destination slot is written twice in one launch: slot pairs run in parallel
     on the GPU, so two writes to one slot race and either may land. Runs where the
     indices are read on the host anyway (:func:`pointerdomain.transfer.plan` range checks);
+    elsewhere a validation pass on the device ahead of the copy refuses the launch
+    (:mod:`pointerdomain.transfer.launch_errors`).
     ``dst_list``: the indices already read into a list (small CPU sets).
 
     Raises:
