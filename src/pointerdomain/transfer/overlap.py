@@ -143,7 +143,7 @@ def entry_clashes(dst: PointerTable[DeviceAlias], dst_geo: Geometry) -> tuple[La
         return ()
     interleaved = dst in _interleaved
     spans = sorted((v, v + n, i) for i, (v, n) in enumerate(zip(values, sizes)))
-    clashes: dict[tuple[int, int], LayerClash] = {}
+    nearest: dict[int, tuple[int, int, int, int]] = {}  # layer a -> (the nearest layer b > a, entries, address)
     active: list[tuple[int, int]] = []  # (end, entry) of spans that may reach the next start
     for start, end, i in spans:
         active = [(e, j) for e, j in active if e > start]
@@ -152,18 +152,23 @@ def entry_clashes(dst: PointerTable[DeviceAlias], dst_geo: Geometry) -> tuple[La
                 continue  # interleaved by design: the caller's slot arithmetic keeps the items apart
             first, second = sorted((i, j))
             la, lb = _entry_layer(first, dst_geo), _entry_layer(second, dst_geo)
-            message = (
-                f"dst table {describe(dst)}: {_entry_name(first, dst_geo)} and {_entry_name(second, dst_geo)} share "
-                f"memory (bytes from {start:#x}): the launch would write those bytes twice, in no defined order (a "
-                "race on a GPU), so which item lands is chance; nothing was copied. Fix: give K and V and every "
-                "layer their own buffers"
-            )
             if la is None or lb is None or la == lb:
-                raise OverlapError(message)
-            key = (min(la, lb), max(la, lb))
-            clashes.setdefault(key, (key[0], key[1], message))
+                raise OverlapError(_clash_message(dst, dst_geo, first, second, start))
+            la, lb = min(la, lb), max(la, lb)
+            if la not in nearest or lb < nearest[la][0]:
+                nearest[la] = (lb, first, second, start)
         active.append((end, i))
-    return tuple(clashes.values())
+    # per layer a only its nearest clashing layer b: a launch over [a, b] holds every farther one too
+    return tuple((la, lb, _clash_message(dst, dst_geo, first, second, start))
+                 for la, (lb, first, second, start) in sorted(nearest.items()))
+
+
+def _clash_message(dst: PointerTable[DeviceAlias], geo: Geometry, first: int, second: int, address: int) -> str:
+    return (
+        f"dst table {describe(dst)}: {_entry_name(first, geo)} and {_entry_name(second, geo)} share memory (bytes "
+        f"from {address:#x}): the launch would write those bytes twice, in no defined order (a race on a GPU), so "
+        "which item lands is chance; nothing was copied. Fix: give K and V and every layer their own buffers"
+    )
 
 
 def check_layers(clashes: tuple[LayerClash, ...], layer_begin: int, layer_count: int) -> None:
