@@ -209,3 +209,19 @@ def test_lmcache_flash_same_cache_for_k_and_v() -> None:
     rows = u8(cache).view(nb * bs, -1)
     assert torch.equal(u8(mem)[0, 1], rows[slots]) and torch.equal(u8(mem)[1, 1], rows[slots])
     assert untouched(mem[:, 0])
+
+
+# -- direct (copy engine) -----------------------------------------------------------------------
+
+def test_direct_destination_list_naming_one_buffer_twice(host: Host) -> None:
+    src = [rand(host(HT, H, D)) for _ in range(2)]
+    d = dev(T, H, D)
+    idx = torch.arange(4, dtype=torch.int64)
+    with pytest.raises(errors.OverlapError, match=r"dst_layers\[0\] and dst_layers\[1\] share memory"):
+        sk.transfer_kv_direct(src, [d, d], idx, idx, 4)
+    assert untouched(d)
+    layers = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(2)]
+    before = u8(layers[1]).clone()
+    with pytest.raises(errors.OverlapError, match=r"dst_layers\[0\] overlaps src_layers\[1\]"):
+        sk.transfer_kv_direct(layers, [layers[1], dev(T, H, D)], idx, idx + 4, 4)
+    assert torch.equal(u8(layers[1]), before)

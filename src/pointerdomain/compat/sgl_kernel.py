@@ -555,14 +555,34 @@ def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], 
     Raises:
         OverlapError: naming the two arguments.
     """
-    d_spans = sorted(_addressed(dst, d_names, layer))
-    interleaved = interleaved_entries(dst.table)  # rows of each entry lie between another's: starts only
+    _refuse_overlaps(sorted(_addressed(dst, d_names, layer)), sorted(_addressed(src, s_names, layer)),
+                     interleaved_entries(dst.table))
+
+
+def apart_tensors(d_names: Sequence[str], d_ts: Sequence[torch.Tensor], s_names: Sequence[str],
+                  s_ts: Sequence[torch.Tensor]) -> None:
+    """:func:`apart` for calls that copy whole buffers' rows (the ``direct`` ops): each
+    buffer's bytes as the tensor holds them.
+
+    Raises:
+        OverlapError: naming the two arguments.
+    """
+    def spans(names: Sequence[str], ts: Sequence[torch.Tensor]) -> list[tuple[int, int, str]]:
+        return sorted((t.data_ptr(), t.data_ptr() + nbytes_of(t), n) for n, t in zip(names, ts))
+
+    _refuse_overlaps(spans(d_names, d_ts), spans(s_names, s_ts), False)
+
+
+def _refuse_overlaps(d_spans: list[tuple[int, int, str]], s_spans: list[tuple[int, int, str]],
+                     interleaved: bool) -> None:
+    """``(start, end, argument)`` spans, each list sorted: two destination spans that meet
+    (``interleaved``: that start at one address: rows of each lie between another's), or a
+    destination span meeting a source span, raise ``OverlapError`` naming both."""
     for (a, a_end, x), (b, _b_end, y) in zip(d_spans, d_spans[1:]):
         if b < a_end if not interleaved else b == a:
             raise with_address(OverlapError(
                 f"{x} and {y} share memory (from {b:#x}): the copy would write those bytes twice, in no defined "
                 "order (a race on a GPU); nothing was copied. Fix: give K and V and every layer their own buffers"), b)
-    s_spans = sorted(_addressed(src, s_names, layer))
     i = j = 0
     while i < len(d_spans) and j < len(s_spans):
         (a, a_end, x), (b, b_end, y) = d_spans[i], s_spans[j]
@@ -574,7 +594,6 @@ def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], 
             raise with_address(OverlapError(
                 f"{x} overlaps {y} (from {max(a, b):#x}): the copy would write bytes it also reads, in no defined "
                 "order; nothing was copied. Fix: copy between separate buffers"), max(a, b))
-
 
 
 def launch(src: Side, dst: Side, s_idx: torch.Tensor, d_idx: torch.Tensor, *, layer: int | None, ctas: int,
@@ -1504,6 +1523,8 @@ def transfer_kv_direct(
     device = launch_device("transfer_kv_direct",
                            [(f"src_layers[{i}]", t) for i, t in enumerate(src)]
                            + [(f"dst_layers[{i}]", t) for i, t in enumerate(dst)], (s_idx, d_idx))
+    apart_tensors([f"dst_layers[{i}]" for i in range(len(dst))], dst, [f"src_layers[{i}]" for i in range(len(src))],
+                  src)
     if torch_route([(f"src_layers[{i}]", t) for i, t in enumerate(src)]
                    + [(f"dst_layers[{i}]", t) for i, t in enumerate(dst)], device):
         s_host, d_host = s_idx.cpu(), d_idx.cpu()
@@ -1570,6 +1591,12 @@ def _direct_pf(page_ts: tuple[torch.Tensor, ...], page_name: str, layer_ts: tupl
             f"bytes ({page_ts[0].dtype})")
     device = launch_device(what, [(f"{page_name}[{i}]", t) for i, t in enumerate(page_ts)]
                            + [(f"{layer_name}[{i}]", t) for i, t in enumerate(layer_ts)], (page_idx, layer_idx))
+    page_named = ([f"{page_name}[{i}]" for i in range(len(page_ts))], page_ts)
+    layer_named = ([f"{layer_name}[{i}]" for i in range(len(layer_ts))], layer_ts)
+    if to_pages:
+        apart_tensors(*page_named, *layer_named)
+    else:
+        apart_tensors(*layer_named, *page_named)
     page_starts = page_idx[::page_size]
     layer_starts = layer_idx[::page_size]
     host_slots = host.pages * page_size
