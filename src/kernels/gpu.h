@@ -25,7 +25,8 @@ int multiprocessor_count(int device, int *count);
 // vec_bytes: 16, 8, 4 or 1 (Python checks alignment); max_ctas <= 0: the whole GPU
 // (the CTAs resident at once). The kernel's own shape (threads, items in flight)
 // is chosen here, from the item size.
-int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes);
+int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
+             bool shared_marks = false);
 // Load every transfer and staged kernel into `device`'s context now (cudaFuncGetAttributes).
 // Under lazy module loading (CUDA >= 12.2's default) the first launch of a kernel loads it,
 // which may synchronise the context, so a first launch queued behind other work would
@@ -48,12 +49,17 @@ int staged_preload();  // staged_gpu.cu's own kernels (the device current alread
 //     (nothing recorded). The capture state is read before the launch.
 //   stream_capturing: *capturing = 1 while `stream` of `device` is being captured.
 constexpr int kNotRecorded = -3;
+// transfer / transfer_recorded with `shared_marks` (the stream's own duplicate-check scratch,
+// Transfer::marks, reused by its later launches) on a stream being captured: nothing is
+// launched; the caller passes scratch of the graph's own instead (a graph replayed on another
+// stream must not share the scratch of eager launches).
+constexpr int kMarksPerCapture = -4;
 int event_create(int device, std::uint64_t *event);
 int event_record(std::uint64_t event, int device, std::uint64_t stream);
 int event_query(std::uint64_t event);
 int not_ready_status();
 int transfer_recorded(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
-                      std::uint64_t event);
+                      std::uint64_t event, bool shared_marks = false);
 int stream_capturing(int device, std::uint64_t stream, int *capturing);
 // Copy-engine path: count copies dsts[i] <- srcs[i] of sizes[i] bytes (host arrays of
 // device addresses / aliases) with cudaMemcpyBatchAsync (CUDA >= 12.8) or a

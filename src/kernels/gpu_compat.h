@@ -37,6 +37,7 @@
 #define gpuFreeHost hipHostFree
 #define gpuMemoryTypeHost hipMemoryTypeHost
 #define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemsetAsync hipMemsetAsync
 #define gpuMemcpyDefault hipMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
 #define gpuFuncAttributes hipFuncAttributes
@@ -110,6 +111,7 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuPointerGetAttributes cudaPointerGetAttributes
 #define gpuMemoryTypeHost cudaMemoryTypeHost
 #define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemsetAsync cudaMemsetAsync
 #define gpuMemcpyDefault cudaMemcpyDefault
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define gpuFuncAttributes cudaFuncAttributes

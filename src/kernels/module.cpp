@@ -89,17 +89,26 @@ NB_MODULE(_C, m) {
         .def_ro("num_kv", &KernelPlan::num_kv)
         .def_ro("item_bytes", &KernelPlan::item_bytes)
         .def_ro("vec_bytes", &KernelPlan::vec_bytes)
-        .def_ro("oob", &KernelPlan::oob, "Address of the uint32 out-of-range error word (0: none).");
+        .def_ro("oob", &KernelPlan::oob, "Address of the uint32 error word (0: none).")
+        .def_prop_ro(
+            "dst_marks_words", [](const KernelPlan &p) { return pd::marks_words(p.dst.num_slots); },
+            "uint32 words of the duplicate-destination scratch for this plan's destination (marks_words).");
 
     m.def(
         "cpu_transfer",
         [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
-           std::int64_t layer_begin, std::int64_t layer_count, int num_threads) {
-            pd::transfer_cpu(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), num_threads);
+           std::int64_t layer_begin, std::int64_t layer_count, int num_threads, std::uint64_t marks) {
+            pd::Transfer t = plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count);
+            t.marks = reinterpret_cast<std::uint32_t *>(marks);
+            pd::transfer_cpu(t, num_threads);
         },
         nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
-        nb::arg("layer_count"), nb::arg("num_threads"), nb::call_guard<nb::gil_scoped_release>(),
-        "Copy KV items between two tables of CPU addresses.");
+        nb::arg("layer_count"), nb::arg("num_threads"), nb::arg("marks") = 0, nb::call_guard<nb::gil_scoped_release>(),
+        "Copy KV items between two tables of CPU addresses. marks: 0, or the address of a scratch of "
+        "marks_words(dst num_slots) uint32 words for the duplicate-destination check (a slot given twice: "
+        "nothing copied, error bit 2 set).");
+    m.def("marks_words", &pd::marks_words, nb::arg("num_slots"),
+          "uint32 words of the duplicate-destination scratch for a destination of num_slots slots.");
 
     m.def(
         "cpu_copy_runs",
@@ -311,27 +320,34 @@ NB_MODULE(_C, m) {
     m.def(
         "gpu_transfer",
         [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
-           std::int64_t layer_begin, std::int64_t layer_count, int device, std::uint64_t stream, int max_ctas) {
-            return g::transfer(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), device, stream, max_ctas,
-                               plan.vec_bytes);
+           std::int64_t layer_begin, std::int64_t layer_count, int device, std::uint64_t stream, int max_ctas,
+           std::uint64_t marks, bool shared_marks) {
+            pd::Transfer t = plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count);
+            t.marks = reinterpret_cast<std::uint32_t *>(marks);
+            return g::transfer(t, device, stream, max_ctas, plan.vec_bytes, shared_marks);
         },
         nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
-        nb::arg("layer_count"), nb::arg("device"), nb::arg("stream"), nb::arg("max_ctas"),
+        nb::arg("layer_count"), nb::arg("device"), nb::arg("stream"), nb::arg("max_ctas"), nb::arg("marks") = 0,
+        nb::arg("shared_marks") = false,
         nb::call_guard<nb::gil_scoped_release>(),
         "Launch the KV transfer kernel on a stream: status (tables and indices in device memory; "
-        "max_ctas <= 0: the whole GPU).");
+        "max_ctas <= 0: the whole GPU). marks: 0, or a device scratch of marks_words(dst num_slots) uint32 "
+        "words only this stream uses: a validation pass first refuses a destination slot given twice "
+        "(nothing copied, error bit 2 set). shared_marks: marks is the stream's own scratch, refused while "
+        "the stream is captured (gpu_marks_per_capture, nothing launched).");
     m.def(
         "gpu_transfer_recorded",
         [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
            std::int64_t layer_begin, std::int64_t layer_count, int device, std::uint64_t stream, int max_ctas,
-           std::uint64_t event) {
-            return g::transfer_recorded(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), device, stream,
-                                        max_ctas, plan.vec_bytes, event);
+           std::uint64_t event, std::uint64_t marks, bool shared_marks) {
+            pd::Transfer t = plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count);
+            t.marks = reinterpret_cast<std::uint32_t *>(marks);
+            return g::transfer_recorded(t, device, stream, max_ctas, plan.vec_bytes, event, shared_marks);
         },
         nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
         nb::arg("layer_count"), nb::arg("device"), nb::arg("stream"), nb::arg("max_ctas"), nb::arg("event"),
-        nb::call_guard<nb::gil_scoped_release>(),
-        "gpu_transfer, then record event (from gpu_event_create) on the stream unless it is being captured: "
+        nb::arg("marks") = 0, nb::arg("shared_marks") = false, nb::call_guard<nb::gil_scoped_release>(),
+        "gpu_transfer (marks, shared_marks: as there), then record event (from gpu_event_create) on the stream unless it is being captured: "
         "0 (recorded), gpu_not_recorded (capturing, or nothing launched) or a runtime error.");
     m.def(
         "gpu_event_create",
@@ -350,6 +366,7 @@ NB_MODULE(_C, m) {
         [out_int](int device, std::uint64_t stream) { return out_int(&g::stream_capturing)(device, stream); },
         nb::arg("device"), nb::arg("stream"), "(status, 1 while the stream of the device is being captured)");
     m.attr("gpu_not_recorded") = g::kNotRecorded;
+    m.attr("gpu_marks_per_capture") = g::kMarksPerCapture;
     m.attr("gpu_not_ready") = g::not_ready_status();
     m.def(
         "gpu_copy_runs",

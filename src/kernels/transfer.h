@@ -39,10 +39,24 @@ struct Transfer {
     std::int64_t num_kv;      // 2 for MHA (K and V), 1 for MLA
     std::int64_t layer_begin, layer_count;
     std::int64_t item_bytes;  // bytes per (kv, layer, token)
-    // Nullable. Set to 1 (plain store, idempotent) by a kernel that skipped a slot pair
-    // for being out of range; Python reads it to raise IndexValidationError later.
+    // Nullable. Bit kOutOfRange is set (atomic or) by a kernel that skipped a slot pair for
+    // being out of range, bit kDuplicate by the validation pass below; Python reads the word
+    // to raise IndexValidationError / OverlapError later.
     std::uint32_t *oob;
+    // Nullable: the duplicate-destination check. Scratch of marks_words(dst.num_slots) words
+    // that a validation pass, before the copy, zeroes and then marks with one bit per
+    // destination slot (slots out of range are not marked); a slot marked twice sets word 0
+    // and kDuplicate in *oob, and the copy then writes nothing at all. The scratch must not
+    // be used by two launches at once (the GPU launcher is given one per stream).
+    std::uint32_t *marks = nullptr;
 };
+
+constexpr std::uint32_t kOutOfRange = 1u;  // error word bits (pointerdomain.transfer.launch_errors)
+constexpr std::uint32_t kDuplicate = 2u;
+
+// Scratch words for the duplicate check of a destination of `num_slots` slots: the abort
+// flag, then a bit per slot.
+PD_HD std::int64_t marks_words(std::int64_t num_slots) { return 1 + (num_slots + 31) / 32; }
 
 // The slot's share of an item address: page*e_page of the entry, page*s_page +
 // tok*s_tok of the offset. Needs slot >= 0 (slot_ok) and page_size > 0.

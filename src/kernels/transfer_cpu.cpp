@@ -49,7 +49,7 @@ static void copy_range(const Transfer &t, std::int64_t begin, std::int64_t end, 
     for (std::int64_t i = begin; i < end; ++i) {
         const std::int64_t s = t.src_idx[i], d = t.dst_idx[i];
         if (!slot_ok(s, t.src.num_slots) || !slot_ok(d, t.dst.num_slots)) {
-            if (t.oob != nullptr) *t.oob = 1u;
+            if (t.oob != nullptr) __atomic_fetch_or(t.oob, kOutOfRange, __ATOMIC_RELAXED);
             continue;
         }
         // The slot's page/token split once per pair, then one multiply-add per item.
@@ -77,7 +77,27 @@ static void copy_any(const Transfer &t, std::int64_t begin, std::int64_t end, bo
     }
 }
 
+// The validation pass of the duplicate check (Transfer::marks), as the GPU runs it: false
+// when a destination slot is given twice (the launch then copies nothing).
+static bool destinations_distinct(const Transfer &t) {
+    std::memset(t.marks, 0, static_cast<std::size_t>(marks_words(t.dst.num_slots)) * sizeof(std::uint32_t));
+    std::uint32_t *bits = t.marks + 1;
+    for (std::int64_t i = 0; i < t.n; ++i) {
+        const std::int64_t d = t.dst_idx[i];
+        if (!slot_ok(d, t.dst.num_slots)) continue;  // the copy skips and reports it
+        const std::uint32_t bit = 1u << (d & 31);
+        if (bits[d >> 5] & bit) {
+            t.marks[0] = 1u;
+            if (t.oob != nullptr) __atomic_fetch_or(t.oob, kDuplicate, __ATOMIC_RELAXED);
+            return false;
+        }
+        bits[d >> 5] |= bit;
+    }
+    return true;
+}
+
 void transfer_cpu(const Transfer &t, int num_threads) {
+    if (t.marks != nullptr && t.n > 1 && !destinations_distinct(t)) return;
     // Threads only pay off once each has a few hundred KiB to move.
     const std::int64_t bytes = t.n * t.num_kv * t.layer_count * t.item_bytes;
     std::int64_t workers = std::max<std::int64_t>(1, std::min<std::int64_t>(num_threads, bytes >> 19));

@@ -93,8 +93,31 @@ __device__ __forceinline__ std::uint64_t item_ptr(const Side &s, const SlotBase 
 
 __device__ __forceinline__ bool pair_ok(const Transfer &t, std::int64_t s, std::int64_t d) {
     if (slot_ok(s, t.src.num_slots) && slot_ok(d, t.dst.num_slots)) return true;
-    if (t.oob != nullptr) *t.oob = 1u;
+    if (t.oob != nullptr) atomicOr(t.oob, kOutOfRange);  // an or: a concurrent kDuplicate stays
     return false;
+}
+
+// The duplicate check's verdict (Transfer::marks): the validation pass before this kernel,
+// on the same stream, found a destination slot twice, so the copy writes nothing.
+__device__ __forceinline__ bool aborted(const Transfer &t) { return t.marks != nullptr && *t.marks != 0u; }
+
+// The validation pass of the duplicate check: one thread per destination index marks its
+// slot's bit; a bit already set means a second write to that slot. Slots out of range are
+// left to the copy kernel (skipped and reported there). Runs on the zeroed scratch.
+constexpr int kMarkThreads = 256;
+
+__global__ void __launch_bounds__(kMarkThreads) mark_kernel(const __grid_constant__ Transfer t) {
+    std::uint32_t *bits = t.marks + 1;
+    const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kMarkThreads;
+    for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * kMarkThreads + threadIdx.x; i < t.n; i += stride) {
+        const std::int64_t d = __ldg(t.dst_idx + i);
+        if (!slot_ok(d, t.dst.num_slots)) continue;
+        const std::uint32_t bit = 1u << (d & 31);
+        if (atomicOr(bits + (d >> 5), bit) & bit) {
+            t.marks[0] = 1u;  // plain store: idempotent, read by the next kernel only
+            if (t.oob != nullptr) atomicOr(t.oob, kDuplicate);
+        }
+    }
 }
 
 // A slot pair's num_kv x layer_count items are cut into 2^shift parts of `per` items
@@ -130,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ 
     const unsigned stride = gridDim.x * WORKERS;
     const unsigned units = static_cast<unsigned>(t.n) << split.shift;
     unsigned u = blockIdx.x * WORKERS + threadIdx.x / LANES;
-    if (u >= units) return;
+    if (u >= units || aborted(t)) return;
     const int lc = static_cast<int>(t.layer_count);
     const int q_count = static_cast<int>(t.num_kv) * lc;
     const int part_mask = (1 << split.shift) - 1;
@@ -200,6 +223,7 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(const __grid_constant
     const int lc = static_cast<int>(t.layer_count);
     const int q_count = static_cast<int>(t.num_kv) * lc;
     const int part_mask = (1 << split.shift) - 1;
+    if (aborted(t)) return;
     for (std::int64_t u = static_cast<std::int64_t>(blockIdx.x) * WORKERS + static_cast<int>(threadIdx.x) / 32;
          u < units; u += stride) {
         const int q_begin = static_cast<int>(u & part_mask) * split.per;
@@ -362,8 +386,29 @@ int pick(std::int64_t item_bytes, std::int64_t num_kv, std::int64_t layer_count,
     }
 }
 
-int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
+int launch_copy(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
     return pick(t.item_bytes, t.num_kv, t.layer_count, vec_bytes, Launch{t, device, max_ctas, s});
+}
+
+// The duplicate check (Transfer::marks) ahead of the copy, both on `s`: zero the scratch,
+// mark every destination slot, then the copy, which reads the verdict first. Three nodes in
+// a captured graph, no host sync. One index cannot repeat: no check (and no verdict read).
+int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
+    if (t.marks == nullptr) return launch_copy(t, device, max_ctas, vec_bytes, s);
+    Transfer run = t;
+    if (run.n < 2) {
+        run.marks = nullptr;
+        return launch_copy(run, device, max_ctas, vec_bytes, s);
+    }
+    const auto words = static_cast<std::size_t>(marks_words(run.dst.num_slots));
+    if (const gpuError_t e = gpuMemsetAsync(run.marks, 0, words * sizeof(std::uint32_t), s)) return finish(e);
+    // A short pass: at most four CTAs of the budget's worth of threads (1024 on the whole GPU).
+    const std::int64_t cap = max_ctas > 0 ? std::int64_t{4} * max_ctas : 1024;
+    std::int64_t ctas = (run.n + kMarkThreads - 1) / kMarkThreads;
+    if (ctas > cap) ctas = cap;
+    mark_kernel<<<static_cast<int>(ctas), kMarkThreads, 0, s>>>(run);
+    if (const int e = finish(gpuGetLastError())) return e;
+    return launch_copy(run, device, max_ctas, vec_bytes, s);
 }
 
 }  // namespace
@@ -424,15 +469,10 @@ int preload_kernels(int device) {
         for (const std::int64_t item : kSpecialised)
             if (const int e = pick(item, 1, 1, vec, Preload{})) return e;
     }
+    if (const int e = load<mark_kernel>()) return e;
     return staged_preload();
 }
 
-int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes) {
-    if (t.n <= 0 || t.num_kv <= 0 || t.layer_count <= 0 || t.item_bytes <= 0) return 0;
-    DeviceGuard guard(device);
-    if (guard.status() != gpuSuccess) return finish(guard.status());
-    return launch_best(t, device, max_ctas, vec_bytes, reinterpret_cast<gpuStream_t>(stream));
-}
 
 namespace {
 // The capture state of `s` (the device current already): 1 capturing, 0 not; the query's
@@ -443,6 +483,20 @@ int capturing_of(gpuStream_t s, gpuError_t *error) {
     return status != gpuStreamCaptureStatusNone ? 1 : 0;
 }
 }  // namespace
+
+int transfer(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes, bool shared_marks) {
+    if (t.n <= 0 || t.num_kv <= 0 || t.layer_count <= 0 || t.item_bytes <= 0) return 0;
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    auto s = reinterpret_cast<gpuStream_t>(stream);
+    if (shared_marks && t.marks != nullptr && t.n > 1) {
+        gpuError_t e = gpuSuccess;
+        const int capturing = capturing_of(s, &e);
+        if (e != gpuSuccess) return finish(e);
+        if (capturing) return kMarksPerCapture;
+    }
+    return launch_best(t, device, max_ctas, vec_bytes, s);
+}
 
 int event_create(int device, std::uint64_t *event) {
     *event = 0;
@@ -477,7 +531,7 @@ int event_query(std::uint64_t event) {
 int not_ready_status() { return static_cast<int>(gpuErrorNotReady); }
 
 int transfer_recorded(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
-                      std::uint64_t event) {
+                      std::uint64_t event, bool shared_marks) {
     if (t.n <= 0 || t.num_kv <= 0 || t.layer_count <= 0 || t.item_bytes <= 0) return kNotRecorded;
     DeviceGuard guard(device);
     if (guard.status() != gpuSuccess) return finish(guard.status());
@@ -485,6 +539,7 @@ int transfer_recorded(const Transfer &t, int device, std::uint64_t stream, int m
     gpuError_t e = gpuSuccess;
     const int capturing = capturing_of(s, &e);
     if (e != gpuSuccess) return finish(e);
+    if (capturing && shared_marks && t.marks != nullptr && t.n > 1) return kMarksPerCapture;
     if (const int status = launch_best(t, device, max_ctas, vec_bytes, s)) return status;
     if (capturing || event == 0) return kNotRecorded;
     return finish(gpuEventRecord(reinterpret_cast<gpuEvent_t>(event), s));

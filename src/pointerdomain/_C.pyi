@@ -44,10 +44,23 @@ class KernelPlan:
 
     @property
     def oob(self) -> int:
-        """Address of the uint32 out-of-range error word (0: none)."""
+        """Address of the uint32 error word (0: none)."""
 
-def cpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, num_threads: int) -> None:
-    """Copy KV items between two tables of CPU addresses."""
+    @property
+    def dst_marks_words(self) -> int:
+        """
+        uint32 words of the duplicate-destination scratch for this plan's destination (marks_words).
+        """
+
+def cpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, num_threads: int, marks: int = 0) -> None:
+    """
+    Copy KV items between two tables of CPU addresses. marks: 0, or the address of a scratch of marks_words(dst num_slots) uint32 words for the duplicate-destination check (a slot given twice: nothing copied, error bit 2 set).
+    """
+
+def marks_words(num_slots: int) -> int:
+    """
+    uint32 words of the duplicate-destination scratch for a destination of num_slots slots.
+    """
 
 def cpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int) -> None:
     """memcpy runs: addresses of uint64 arrays of dst, src, bytes."""
@@ -175,14 +188,14 @@ def gpu_preload_kernels(device: int) -> int:
     Load every transfer kernel into the device's context now (lazy loading would load each at its first launch, which may synchronise the context): status.
     """
 
-def gpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int) -> int:
+def gpu_transfer(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int, marks: int = 0, shared_marks: bool = False) -> int:
     """
-    Launch the KV transfer kernel on a stream: status (tables and indices in device memory; max_ctas <= 0: the whole GPU).
+    Launch the KV transfer kernel on a stream: status (tables and indices in device memory; max_ctas <= 0: the whole GPU). marks: 0, or a device scratch of marks_words(dst num_slots) uint32 words only this stream uses: a validation pass first refuses a destination slot given twice (nothing copied, error bit 2 set). shared_marks: marks is the stream's own scratch, refused while the stream is captured (gpu_marks_per_capture, nothing launched).
     """
 
-def gpu_transfer_recorded(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int, event: int) -> int:
+def gpu_transfer_recorded(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int, event: int, marks: int = 0, shared_marks: bool = False) -> int:
     """
-    gpu_transfer, then record event (from gpu_event_create) on the stream unless it is being captured: 0 (recorded), gpu_not_recorded (capturing, or nothing launched) or a runtime error.
+    gpu_transfer (marks, shared_marks: as there), then record event (from gpu_event_create) on the stream unless it is being captured: 0 (recorded), gpu_not_recorded (capturing, or nothing launched) or a runtime error.
     """
 
 def gpu_event_create(device: int) -> tuple[int, int]:
@@ -204,6 +217,8 @@ def gpu_stream_capturing(device: int, stream: int) -> tuple[int, int]:
     """(status, 1 while the stream of the device is being captured)"""
 
 gpu_not_recorded: int = -3
+
+gpu_marks_per_capture: int = -4
 
 gpu_not_ready: int = 600
 

@@ -100,6 +100,9 @@ def install_vmm_query(query: Callable[[int, int], VmmAllocation | None]) -> None
     _vmm_query = query
 
 
+#: No duplicate check (an unchecked launch, or a single pair): no scratch.
+_NO_MARKS: tuple[int, bool] = (0, False)
+
 #: torch's current raw stream of a device, where torch has it (no Stream object: ~10x cheaper).
 _raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -195,6 +198,11 @@ class CudaBackend(_TorchDevice):
         self._events: dict[tuple[int, int], int] = {}
         # The batched copy contract (batch_copy): never the batch call on HIP.
         self._batch = batch_allowed(self.runtime, bool(_C.gpu_has_batch_copy))
+        # The duplicate-destination check's scratch (Transfer::marks in transfer.h) per
+        # (ordinal, stream): launches on one stream run one after another, so they share it;
+        # kept for the process, grown (replaced) for a larger destination. A captured launch
+        # gets scratch of its own, held by its graph (_capture_marks).
+        self._marks: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = {}
 
     def _event(self, device: Device, stream: int) -> int:
         status, event = _C.gpu_event_create(device.ordinal)
@@ -257,17 +265,58 @@ class CudaBackend(_TorchDevice):
     def load_kernels(self, device: Device) -> None:
         check(self, "cudaFuncGetAttributes (kernel preload)", _C.gpu_preload_kernels(device.ordinal))
 
+    def _stream_marks(self, plan: _C.KernelPlan, device: Device, stream: int) -> tuple[int, bool]:
+        """The duplicate check's scratch for a launch of ``plan`` on (``device``, ``stream``)
+        and whether it is the stream's shared one: that scratch, large enough for the
+        plan's destination, made outside any capture; a first launch on a stream being
+        captured gets the capture's own instead (so does any captured launch: the native
+        call refuses the shared one then)."""
+        words = plan.dst_marks_words
+        entry = self._marks.get((device.ordinal, stream))
+        if entry is not None and entry[1] >= words:
+            return entry[0], True
+        status, capturing = _C.gpu_stream_capturing(device.ordinal, stream)
+        check(self, "cudaStreamIsCapturing", status)
+        if capturing:
+            return self._capture_marks(plan, device, stream), False
+        scratch = torch.empty((max(words, 1024),), dtype=torch.int32, device=device.torch_device)
+        self._marks[(device.ordinal, stream)] = (scratch.data_ptr(), scratch.numel(), scratch)
+        return scratch.data_ptr(), True  # its first use zeroes it, ordered on the stream
+
+    def _capture_marks(self, plan: _C.KernelPlan, device: Device, stream: int) -> int:
+        """Scratch of a captured launch's own, from the capture's memory pool (allocated on
+        the captured stream) and held by its graph: a replay never shares it with launches
+        on other streams or with other graphs."""
+        cuda: Any = torch.cuda  # ExternalStream is untyped in torch's stubs
+        with cuda.stream(cuda.ExternalStream(stream, device=device.torch_device)):
+            scratch = torch.empty((plan.dst_marks_words,), dtype=torch.int32, device=device.torch_device)
+        held = self.graph_hold(device, stream)
+        if held is not None:
+            held.keep.append(scratch)
+        return int(scratch.data_ptr())
+
     def launch(self, plan: _C.KernelPlan, args: LaunchArgs) -> None:
         src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
-        status = _C.gpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream, max_ctas)
+        # plan.oob: a checked launch, which refuses a destination slot given twice on the device
+        marks, shared = self._stream_marks(plan, device, stream) if plan.oob and n > 1 else _NO_MARKS
+        status = _C.gpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream, max_ctas,
+                                 marks, shared)
+        if status == _C.gpu_marks_per_capture:
+            status = _C.gpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
+                                     max_ctas, self._capture_marks(plan, device, stream), False)
         if status != 0:
             check(self, "transfer kernel launch", status)
 
     def launch_recorded(self, plan: _C.KernelPlan, args: LaunchArgs) -> int:
         src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
         event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
+        marks, shared = self._stream_marks(plan, device, stream) if plan.oob and n > 1 else _NO_MARKS
         status = _C.gpu_transfer_recorded(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
-                                          max_ctas, event)
+                                          max_ctas, event, marks, shared)
+        if status == _C.gpu_marks_per_capture:
+            status = _C.gpu_transfer_recorded(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal,
+                                              stream, max_ctas, event, self._capture_marks(plan, device, stream),
+                                              False)
         return self._recorded(event, status, "transfer kernel launch")
 
     def record_event(self, device: Device, stream: int) -> int:

@@ -186,7 +186,8 @@ class EmulatedGraph:
         name: for messages; default ``emulated graph <n>``.
 
     Attributes:
-        launches: the recorded launches, in order: (kernel plan, its raw launch arguments).
+        launches: the recorded launches, in order: (kernel plan, its raw launch arguments, its
+            duplicate-check scratch or None).
         held: its :class:`HeldGraph` (what the launches captured is kept there).
     """
 
@@ -194,7 +195,7 @@ class EmulatedGraph:
         if name is not None and type(name) is not str:
             raise InvalidArgumentError(f"name: found {describe(name)}, expected a str or None")
         self.name = name or f"emulated graph {next(_names)}"
-        self.launches: list[tuple[Any, tuple[int, int, int, int, int]]] = []
+        self.launches: list[tuple[Any, tuple[int, int, int, int, int], Any]] = []
         self._device: Device | None = None
         self._reset = False
         self._checks: list[Callable[[], str | None]] = []
@@ -232,8 +233,15 @@ class EmulatedGraph:
             del graphs[device.ordinal]
 
     def record(self, plan: Any, args: tuple[int, int, int, int, int]) -> None:
-        """A launch captured into this graph (the emulated backend's launch while capturing)."""
-        self.launches.append((plan, args))
+        """A launch captured into this graph (the emulated backend's launch while capturing).
+        A checked plan's launch (``plan.oob``) gets the duplicate check's scratch of its own,
+        as a captured CUDA launch does: a replay runs the validation pass before the copy
+        (no host check runs at a replay), and a destination slot given twice copies
+        nothing and sets the error word's duplicate bit."""
+        import torch
+
+        marks = torch.empty((plan.dst_marks_words,), dtype=torch.int32) if plan.oob and args[2] > 1 else None
+        self.launches.append((plan, args, marks))
 
     def add_check(self, check: Callable[[], str | None]) -> None:
         """A check run before each replay: a message when what the graph captured changed."""
@@ -258,8 +266,9 @@ class EmulatedGraph:
 
         from pointerdomain import _C
 
-        for plan, args in self.launches:
-            _C.cpu_transfer(plan, args[0], args[1], args[2], args[3], args[4], torch.get_num_threads())
+        for plan, args, marks in self.launches:
+            _C.cpu_transfer(plan, args[0], args[1], args[2], args[3], args[4], torch.get_num_threads(),
+                            0 if marks is None else marks.data_ptr())
 
     def reset(self) -> None:
         """Destroy the graph: its holds end, a replay raises GraphInvalidatedError."""

@@ -125,6 +125,7 @@ from pointerdomain.arguments import describe
 from pointerdomain._platform.runtimes import names_one_device
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
+from pointerdomain.compat.sgl_kernel import Side, apart
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
@@ -139,6 +140,7 @@ from pointerdomain.errors import (
     RegistrationSpanError,
 )
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
+from pointerdomain.transfer.overlap import allow_interleaved
 
 __all__ = [
     "MULTI_LAYER_FORMATS",
@@ -420,6 +422,7 @@ def _paged_table(name: str, table: PointerTable[DeviceAlias], bases: tuple[int, 
     device = table.device
     derived = resolved_kernel_table(values, [entry_bytes] * len(values), device, table.registrations(),
                                     table.resolved_regions())
+    allow_interleaved(derived)  # K and V one base apart in each block: the slot arithmetic keeps them apart
     with _lock:
         _raw.remember(_derived, key, _Derived(weakref.ref(table), derived), _DERIVED_MAX)
     return derived
@@ -481,6 +484,35 @@ def _pairs(slots: torch.Tensor, first: int, capacity: int, tok_runs: int, g: _Pa
         return mem.contiguous(), base.contiguous()
     heads = torch.arange(g.heads, dtype=torch.int64)
     return (mem[:, None] + heads).reshape(-1), (base[:, None] + heads * g.head_runs).reshape(-1)
+
+
+#: (id(mem), id(paged), to_paged) of table pairs :func:`_apart` passed, with references that
+#: rule out a reused id: a call shape met again pays a look-up.
+_apart_seen: dict[tuple[int, int, bool], tuple[weakref.ref[PointerTable[DeviceAlias]], weakref.ref[PointerTable[DeviceAlias]]]] = {}
+
+
+def _apart(mem: PointerTable[DeviceAlias], mem_layout: pd.KVLayout, mem_names: tuple[str, ...],
+           paged: PointerTable[DeviceAlias], paged_layout: pd.KVLayout, paged_names: tuple[str, ...],
+           to_paged: bool) -> None:
+    """Refuse destination buffers that overlap each other or a source buffer, naming the
+    arguments (:func:`pointerdomain.compat.sgl_kernel.apart`; K and V one base apart in a
+    block are interleaved by design). Once per pair of tables.
+
+    Raises:
+        OverlapError: naming the two arguments.
+    """
+    key = (id(mem), id(paged), to_paged)
+    seen = _apart_seen.get(key)
+    if seen is not None and seen[0]() is mem and seen[1]() is paged:
+        return
+    m, p = Side(mem, 0, mem_layout), Side(paged, 0, paged_layout)
+    if to_paged:
+        apart(m, mem_names, p, paged_names)
+    else:
+        apart(p, paged_names, m, mem_names)
+    if len(_apart_seen) >= 1024:
+        _apart_seen.clear()
+    _apart_seen[key] = (weakref.ref(mem), weakref.ref(paged))
 
 
 def _launch(mem: PointerTable[DeviceAlias], mem_layout: pd.KVLayout, paged: PointerTable[DeviceAlias],
@@ -753,6 +785,7 @@ def multi_layer_kv_transfer(
     mem = _raw.tensor_table("key_value", [kv], device)
     mem_layout = _layout(kv_size, num_layers, num_tokens * g.heads, g.run * es)
     paged_layout = _layout(kv_size, num_layers, g.runs, g.run * es)
+    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ("key_value_ptrs",), to_paged)
     pairs = _pairs(slots[skip:num_tokens], skip, capacity, g.heads, g)
     if pairs is not None:
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
@@ -805,11 +838,12 @@ def multi_layer_kv_transfer_unilateral(
     g = _Paged(2, item, 1, (0,), capacity, 0, 0, 0)
     paged = _paged_table("key_value_ptrs", table, (0,), capacity * item * es)
     mem = _raw.tensor_table("key_value", [kv], device)
+    mem_layout, paged_layout = _layout(2, num_layers, num_tokens, item * es), _layout(2, num_layers, capacity, item * es)
+    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ("key_value_ptrs",), to_paged)
     pairs = _pairs(slots, 0, capacity, 1, g)
     if pairs is None:
         return
-    _launch(mem, _layout(2, num_layers, num_tokens, item * es), paged, _layout(2, num_layers, capacity, item * es),
-            pairs, to_paged, device)
+    _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
 
 
 def _single_layer_shape(fmt: EngineKVFormat, cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -924,6 +958,7 @@ def single_layer_kv_transfer(
     g = _paged_geometry(fmt, item, capacity, bs, hs)
     paged = _raw.tensor_table("vllm_key_value_cache", _byte_slices(cache, [b * es for b in g.kv_base],
                                                                    g.runs * g.run * es), device)
+    allow_interleaved(paged)  # K and V one base apart in each block: the slot arithmetic keeps them apart
     if mla or not major:
         mem_runs, tok_runs = buffered * g.heads, g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", [lmc], device)
@@ -931,9 +966,11 @@ def single_layer_kv_transfer(
         mem_runs, tok_runs = (2 * buffered - 1) * g.heads, 2 * g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", _byte_slices(lmc, [0, item * es], mem_runs * g.run * es),
                                 device)
+        allow_interleaved(mem)  # K and V of a token side by side: tok_runs keeps their slots apart
     pairs = _pairs(slots, 0, capacity, tok_runs, g)
     run_bytes = g.run * es
     mem_layout, paged_layout = _layout(g.kv_size, 1, mem_runs, run_bytes), _layout(g.kv_size, 1, g.runs, run_bytes)
+    _apart(mem, mem_layout, ("lmc_key_value_cache",), paged, paged_layout, ("vllm_key_value_cache",), to_paged)
     if pairs is not None:
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
     if tok_runs == 1 and not g.block and key is not None:
@@ -971,11 +1008,12 @@ def _flash(key_value: object, key_cache: object, value_cache: object, slot_mappi
     g = _Paged(2, item, 1, (0,), capacity, 0, 0, 0)
     paged = _raw.tensor_table("key_cache, value_cache", [k, v], device)
     mem = _raw.tensor_table("key_value", [kv[0, layer_idx], kv[1, layer_idx]], device)
+    mem_layout, paged_layout = _layout(2, 1, num_tokens, item * es), _layout(2, 1, capacity, item * es)
+    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ("key_cache", "value_cache"), to_paged)
     pairs = _pairs(slots, 0, capacity, 1, g)
     if pairs is None:
         return
-    _launch(mem, _layout(2, 1, num_tokens, item * es), paged, _layout(2, 1, capacity, item * es), pairs, to_paged,
-            device)
+    _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
 
 
 def load_and_reshape_flash(key_value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

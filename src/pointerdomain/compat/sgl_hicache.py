@@ -87,6 +87,7 @@ from pointerdomain.compat.sgl_kernel import (
     IS_HIP,
     Prepared,
     Side,
+    apart,
     block_quota_of,
     buffers_table,
     check_range,
@@ -122,6 +123,7 @@ from pointerdomain.errors import (
     NonContiguousError,
     RegistrationSpanError,
 )
+from pointerdomain.transfer.overlap import allow_interleaved
 from pointerdomain.registration.tables import PointerTable
 
 __all__ = [
@@ -338,6 +340,9 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
         sides.append(Side(buffers_table(name, rows.buffers, device), rows.rows,
                           layout("layer_first", kv, 1, nbytes // g, 1, g)))
     parts = src.element // g
+    if dst.stride > dst.element:  # rows of other buffers (layers of a page_first pool) lie between these rows
+        allow_interleaved(sides[1].table)
+    apart(sides[0], s_names, sides[1], d_names)
     launch(sides[0], sides[1], row_parts(s_idx, src.rows, parts, src.stride // g),
            row_parts(d_idx, dst.rows, parts, dst.stride // g), layer=None, ctas=ctas)
     if parts == 1 and src.stride == dst.stride == g:  # packed rows: the indices are the slots
@@ -423,7 +428,10 @@ def _raw_rows(names: Sequence[str], ptrs: Sequence[torch.Tensor], device: Device
             f"{element} bytes. Fix: check element_size and the tables' addresses")
     rows = (have - element) // stride + 1
     reach = (rows - 1) * stride + element
-    return joined([exact(n, t, device, reach) for n, t in zip(names, ptrs)]), rows, reach // g
+    table = joined([exact(n, t, device, reach) for n, t in zip(names, ptrs)])
+    if stride > element:  # rows of other entries (layers of a page_first pool) lie between these rows
+        allow_interleaved(table)
+    return table, rows, reach // g
 
 
 def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: object, v_src: object | None,
@@ -482,6 +490,7 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     src = Side(s_table, s_rows, layout("layer_first", kv, layers, s_sub, 1, g))
     dst = Side(d_table, d_rows, layout("layer_first", kv, layers, d_sub, 1, g))
     parts = element // g
+    apart(src, s_names, dst, d_names)
     launch(src, dst, row_parts(s_idx, s_rows, parts, s_stride // g), row_parts(d_idx, d_rows, parts, d_stride // g),
            layer=None, ctas=ctas)
     if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots
@@ -632,6 +641,7 @@ def _staged_lf_pf(k_src: object, v_src: object | None, src_indices: object, dst_
     src = Side(s_table, s_rows, layout("layer_first", kv, layers, s_rows, 1, element))
     dst_side = Side(buffers_table(", ".join(d_names), d_ts, device), d_rows,
                     layout("page_first", kv, layers, d_rows, 1, element))
+    apart(src, p_names, dst_side, d_names)
     launch(src, dst_side, runs(s_starts, s_rows, ps), _on(runs(d_starts, d_rows, ps), device), layer=None,
            ctas=_quota(block_quota), backend="auto")
 
@@ -780,6 +790,7 @@ def _write_back_page_unified(k_src: object, v_src: object | None, src_pages: obj
     src = Side(table, s_count, layout("layer_first", 1, depth, rows, ps, group))
     dst_side = Side(buffers_table("dst", (host,), device), d_count,
                     layout("page_first_direct", 1, depth, d_count * groups * ps, ps, group))
+    apart(src, p_names, dst_side, ("dst",))
     launch(src, dst_side, _group_pages(s_pages, s_count, ps, groups, host=False),
            _on(_group_pages(d_pages, d_count, ps, groups, host=True), device), layer=None,
            ctas=DEFAULT_BLOCK_QUOTA, backend="auto")
@@ -881,9 +892,11 @@ def _load_back_page_unified(k_dst: object, v_dst: object | None, src: object, sr
     src_side = Side(buffers_table("src", (host,), device), host_tokens,
                     layout("layer_first", 1, 1, host_tokens * groups * depth, 1, group))
     d_parts = row_parts(d_idx, tokens, groups)
+    _raw.disjoint_buffers(names, d_ts)  # one launch each: V's would overwrite K's bytes
     work = []
     for kv, (n, t) in enumerate(zip(names, d_ts)):
         side = Side(buffers_table(n, (t,), device), tokens, layout("layer_first", 1, 1, tokens * groups, 1, group))
+        apart(src_side, ("src",), side, (n,))
         inner = layer_id if mla else 2 * layer_id + kv
         work.append((side, page_parts(s_idx, host_tokens, ps, groups, outer=depth, inner=inner)))
     for side, s_parts in work:

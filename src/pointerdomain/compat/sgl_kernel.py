@@ -77,7 +77,8 @@ Upstream (sgl-project/sglang; read at the versions named):
   (``k_buffer[layer]``) and their ``uint64`` tables (``k_data_ptrs``).
 * the upstream test, ``sgl-kernel/tests/test_kvcacheio.py`` (newest stored version): random
   pools, page-aligned index runs, results compared with torch indexing; the head-group test
-  passes flat views (``host.view(-1)``) and even the same buffers for K and V.
+  passes flat views (``host.view(-1)``) and even the same buffers for K and V (refused
+  here: K and V would write the same bytes, in no defined order).
 
 Here each call becomes one or a few :func:`pointerdomain.transfer_kv_per_layer` /
 :func:`pointerdomain.transfer_kv_all_layer` launches over ``uint8`` layouts whose item is
@@ -112,7 +113,8 @@ flat ``view(-1)`` otherwise); a per-head (per-group) run must be a multiple of 8
 or pinned (except for the ``direct`` ops: a side in plain pageable host memory, which
 upstream's ``copy_`` lets the runtime stage, is copied by torch after the same checks,
 ``index_select`` / ``index_copy_`` of exactly the mapped rows); at least one side of every
-call must be device memory of one device;
+call must be device memory of one device; destination buffers that overlap each other or a
+source buffer (as the call addresses them) are refused, naming the arguments (:func:`apart`);
 ``copy_all_layer_kv_cache_cpu`` (a CPU-only op) is not provided.
 """
 
@@ -146,11 +148,13 @@ from pointerdomain.errors import (
     NotRegisteredError,
     OverlapError,
     RegistrationSpanError,
+    with_address,
 )
 from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
+from pointerdomain.transfer.overlap import interleaved_entries
 
 __all__ = [
     "transfer_embedding_ranges_direct",
@@ -528,6 +532,70 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
 
 
 # -- launching ------------------------------------------------------------------------------
+def _addressed(side: Side, names: Sequence[str], layer: int | None) -> list[tuple[int, int, str]]:
+    """``(start, end, argument)`` of each entry of ``side`` a launch addresses (all of them,
+    or for a one-layer launch over a table with an entry per kv and layer, that layer's),
+    in the alias domain of kernel tables; the entries are the arguments' in order, an
+    equal share each (K layers then V layers)."""
+    table, lay = side.table, side.layout
+    n = len(table)
+    per = max(1, n // len(names))
+    split = layer is not None and lay.kind == "layer_first" and n == lay.num_kv * lay.num_layers
+    return [(v, v + size, names[min(i // per, len(names) - 1)])
+            for i, (v, size) in enumerate(zip(table.raw_values(), table.sizes))
+            if not split or i % lay.num_layers == layer]
+
+
+def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None) -> None:
+    """Refuse a call whose destination buffers overlap each other or a source buffer, as
+    the launch addresses them (layout-aware: the entries the tables hold, exactly their
+    items' bytes; destination entries whose rows interleave by design,
+    :func:`~pointerdomain.transfer.overlap.allow_interleaved`, only where two start at one
+    address). Runs once per call shape (prepared calls skip it).
+
+    Raises:
+        OverlapError: naming the two arguments.
+    """
+    _refuse_overlaps(sorted(_addressed(dst, d_names, layer)), sorted(_addressed(src, s_names, layer)),
+                     interleaved_entries(dst.table))
+
+
+def apart_tensors(d_names: Sequence[str], d_ts: Sequence[torch.Tensor], s_names: Sequence[str],
+                  s_ts: Sequence[torch.Tensor]) -> None:
+    """:func:`apart` for calls that copy whole buffers' rows (the ``direct`` ops): each
+    buffer's bytes as the tensor holds them.
+
+    Raises:
+        OverlapError: naming the two arguments.
+    """
+    def spans(names: Sequence[str], ts: Sequence[torch.Tensor]) -> list[tuple[int, int, str]]:
+        return sorted((t.data_ptr(), t.data_ptr() + nbytes_of(t), n) for n, t in zip(names, ts))
+
+    _refuse_overlaps(spans(d_names, d_ts), spans(s_names, s_ts), False)
+
+
+def _refuse_overlaps(d_spans: list[tuple[int, int, str]], s_spans: list[tuple[int, int, str]],
+                     interleaved: bool) -> None:
+    """``(start, end, argument)`` spans, each list sorted: two destination spans that meet
+    (``interleaved``: that start at one address: rows of each lie between another's), or a
+    destination span meeting a source span, raise ``OverlapError`` naming both."""
+    for (a, a_end, x), (b, _b_end, y) in zip(d_spans, d_spans[1:]):
+        if b < a_end if not interleaved else b == a:
+            raise with_address(OverlapError(
+                f"{x} and {y} share memory (from {b:#x}): the copy would write those bytes twice, in no defined "
+                "order (a race on a GPU); nothing was copied. Fix: give K and V and every layer their own buffers"), b)
+    i = j = 0
+    while i < len(d_spans) and j < len(s_spans):
+        (a, a_end, x), (b, b_end, y) = d_spans[i], s_spans[j]
+        if a_end <= b:
+            i += 1
+        elif b_end <= a:
+            j += 1
+        else:
+            raise with_address(OverlapError(
+                f"{x} overlaps {y} (from {max(a, b):#x}): the copy would write bytes it also reads, in no defined "
+                "order; nothing was copied. Fix: copy between separate buffers"), max(a, b))
+
 
 def launch(src: Side, dst: Side, s_idx: torch.Tensor, d_idx: torch.Tensor, *, layer: int | None, ctas: int,
            backend: TransferBackend = "kernel") -> None:
@@ -625,6 +693,7 @@ def _per_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     dst = Side(buffers_table(", ".join(d_names), d_ts, device), d_slots, layout("layer_first", kv, 1, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -725,6 +794,7 @@ def _all_layer_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: obj
     dst = Side(d_table, d_slots, layout("layer_first", kv, layers, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -920,6 +990,7 @@ def _per_layer_pf_lf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
                layout("layer_first", kv, layers, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names, layer)
     launch(src, dst, s_idx, d_idx, layer=layer, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, layer, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -1025,6 +1096,7 @@ def _all_layer_lf_pf(k_src: object, k_dst: object, v_src: object | None, v_dst: 
                layout("page_first", kv, layers, d_slots, 1, item))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, s_idx, d_idx, layer=None, ctas=ctas)
     entry = Prepared(held(k_src, k_dst, v_src, v_dst), src, dst, None, ctas, [()])  # type: ignore[arg-type]
     remember_call(key, entry)
@@ -1152,6 +1224,7 @@ def transfer_kv_per_layer_ph_lf(
                layout("layer_first", 2, layers, d_slots * heads, 1, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names, layer)
     launch(src, dst, page_parts(s_idx, s_slots, ps, heads), row_parts(d_idx, d_slots, heads), layer=layer,
            ctas=ctas)
 
@@ -1201,6 +1274,7 @@ def transfer_kv_all_layer_lf_ph(
                layout("page_first", 2, layers, d_slots * heads, 1, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, row_parts(s_idx, s_slots, heads), page_parts(d_idx, d_slots, ps, heads), layer=None,
            ctas=ctas)
 
@@ -1259,6 +1333,7 @@ def transfer_kv_per_layer_pfdhg_lf(
                layout("layer_first", 2, 1, d_slots * groups, 1, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, page_parts(s_idx, s_slots, ps, groups, outer=layers, inner=layer),
            row_parts(d_idx, d_slots, groups), layer=None, ctas=ctas)
 
@@ -1322,6 +1397,7 @@ def transfer_kv_all_layer_lf_pfdhg(
                layout("page_first_direct", 2, layers, d_slots * groups, ps, part))
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
+    apart(src, s_names, dst, d_names)
     launch(src, dst, row_parts(s_idx, s_slots, groups), page_parts(d_idx, d_slots, ps, groups), layer=None,
            ctas=ctas)
 
@@ -1448,6 +1524,8 @@ def transfer_kv_direct(
     device = launch_device("transfer_kv_direct",
                            [(f"src_layers[{i}]", t) for i, t in enumerate(src)]
                            + [(f"dst_layers[{i}]", t) for i, t in enumerate(dst)], (s_idx, d_idx))
+    apart_tensors([f"dst_layers[{i}]" for i in range(len(dst))], dst, [f"src_layers[{i}]" for i in range(len(src))],
+                  src)
     if torch_route([(f"src_layers[{i}]", t) for i, t in enumerate(src)]
                    + [(f"dst_layers[{i}]", t) for i, t in enumerate(dst)], device):
         s_host, d_host = s_idx.cpu(), d_idx.cpu()
@@ -1514,6 +1592,12 @@ def _direct_pf(page_ts: tuple[torch.Tensor, ...], page_name: str, layer_ts: tupl
             f"bytes ({page_ts[0].dtype})")
     device = launch_device(what, [(f"{page_name}[{i}]", t) for i, t in enumerate(page_ts)]
                            + [(f"{layer_name}[{i}]", t) for i, t in enumerate(layer_ts)], (page_idx, layer_idx))
+    page_named = ([f"{page_name}[{i}]" for i in range(len(page_ts))], page_ts)
+    layer_named = ([f"{layer_name}[{i}]" for i in range(len(layer_ts))], layer_ts)
+    if to_pages:
+        apart_tensors(*page_named, *layer_named)
+    else:
+        apart_tensors(*layer_named, *page_named)
     page_starts = page_idx[::page_size]
     layer_starts = layer_idx[::page_size]
     host_slots = host.pages * page_size

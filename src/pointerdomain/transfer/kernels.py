@@ -339,6 +339,8 @@ def check_call(
     # group (the tables' liveness words, the index tests, the options cache) and only a
     # failure runs the per-item checks that word the error.
     plan = plan_for(src, src_layout, dst, dst_layout)
+    if plan.dst_clashes and layer_count > 1:  # dst entries of two layers share memory (rare): not over both
+        overlap.check_layers(plan.dst_clashes, layer_begin, layer_count)
     watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
     live = watch.intact() if watch is not None else plan.live(src, dst)
     for owner in plan.owners:
@@ -637,7 +639,12 @@ def transfer_kv_all_layer(
             ``"host"``: check on the host before launching (a device sync for CUDA
             indices; skipped during capture, the error word still covers it), so the
             launch raises before anything is copied. ``False``: skipped slots are not
-            reported. The copy engine and the staged path always check on the host
+            reported. A destination slot given twice is refused the same way: on the
+            host where the indices are read there (``OverlapError`` before the launch),
+            else (``True`` on CUDA, graph replays) by a validation pass on the device
+            ahead of the copy, which then writes nothing, reported as ``OverlapError`` by
+            :func:`pointerdomain.check_errors` (:mod:`pointerdomain.transfer.launch_errors`);
+            ``False`` skips that check too. The copy engine and the staged path always check on the host
             (they read the indices there anyway, once: the checked copy is the one
             they use).
 
@@ -655,7 +662,9 @@ def transfer_kv_all_layer(
         IndexValidationError: bad dtype, shape, device, lengths; a slot out of range
             (when: see ``validate_indices``).
         OverlapError: src and dst share memory and a slot is both read and written
-            (rules in :mod:`pointerdomain.transfer.overlap`), or an index tensor lies in the storage
+            (rules in :mod:`pointerdomain.transfer.overlap`), two entries of the dst table
+            that the launch writes share memory, a destination slot is given twice (where
+            the indices are read on the host), or an index tensor lies in the storage
             of a buffer of the dst table (the copy would overwrite its own indices).
         InvalidArgumentError: a layout that is not a KVLayout, a bad ``stream``,
             ``max_ctas``, ``backend`` or ``validate_indices``; ``backend="staged"`` or

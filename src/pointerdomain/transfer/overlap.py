@@ -5,6 +5,14 @@ whose source and destination share memory (a shift or a swap inside one pool)
 would depend on that order: on the CPU it loses data silently, on the GPU it races.
 The rule, checked before anything is launched:
 
+0. A launch never writes one byte through two destination entries: two entries over
+   one buffer (K and V, or two layers, given the same memory) would have the launch
+   write those bytes twice, and on a GPU the order of the writes is a race. Checked when
+   the plan is built (:func:`entry_clashes`: entries of one layer, ``OverlapError``) and,
+   for entries of two different layers, per launch by its layer range
+   (:func:`check_layers`: free for tables without such entries). Sources may share
+   memory (reads only). This holds whatever built the table (:func:`make_kernel_ptr_table`,
+   a pool, an adapter, compat).
 1. Tables whose buffers do not intersect in memory: nothing to check (the common
    device <-> host case; found once per plan, no per-launch cost).
 2. Tables over the same memory with the same geometry (one table, or two tables of
@@ -29,6 +37,7 @@ parts do.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +50,16 @@ if TYPE_CHECKING:
     from pointerdomain.layouts import Geometry
     from pointerdomain.registration.tables import PointerTable
 
-__all__ = ["check_distinct_destinations", "check_slots", "shared_memory"]
+__all__ = [
+    "LayerClash",
+    "allow_interleaved",
+    "check_distinct_destinations",
+    "check_layers",
+    "check_slots",
+    "entry_clashes",
+    "interleaved_entries",
+    "shared_memory",
+]
 
 
 def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
@@ -56,6 +74,114 @@ def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
         else:
             return True
     return False
+
+
+def _entry_name(index: int, geo: Geometry) -> str:
+    """Entry ``index`` of a table addressed by ``geo`` as (kv, layer, page) where the
+    table splits those dimensions (``entry = kv*e_kv + layer*e_layer + page*e_page``)."""
+    parts: list[str] = []
+    rest = index
+    for stride, label in sorted(((geo.e_kv, "kv"), (geo.e_layer, "layer"), (geo.e_page, "page")), reverse=True):
+        if stride > 0:
+            value, rest = divmod(rest, stride)
+            parts.append(("K" if value == 0 else "V") if label == "kv" and geo.e_kv > 0 else f"{label} {value}")
+    return f"entry {index}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _entry_layer(index: int, geo: Geometry) -> int | None:
+    """The layer of entry ``index``, or None where the table does not split layers (each
+    entry then holds items of every layer)."""
+    if geo.e_layer == 0:
+        return None
+    rest = index
+    for stride, label in sorted(((geo.e_kv, 0), (geo.e_layer, 1), (geo.e_page, 2)), reverse=True):
+        if stride > 0:
+            value, rest = divmod(rest, stride)
+            if label == 1:
+                return value
+    return None  # unreachable: e_layer > 0 is among the strides
+
+
+#: Tables whose entries intersect by design (:func:`allow_interleaved`).
+_interleaved: weakref.WeakSet[PointerTable[DeviceAlias]] = weakref.WeakSet()
+
+
+def allow_interleaved(table: PointerTable[DeviceAlias]) -> None:
+    """Let ``table``'s entries intersect at different addresses as a destination: for a
+    format whose items interleave (K and V of a token side by side, each entry covering
+    the whole buffer from its first item), where the caller computes slots that never
+    meet. Entries at one address stay refused (every slot would be written twice)."""
+    _interleaved.add(table)
+
+
+def interleaved_entries(table: PointerTable[DeviceAlias]) -> bool:
+    """Whether ``table`` was passed to :func:`allow_interleaved`."""
+    return table in _interleaved
+
+
+#: Two layers whose destination entries share memory, and the error a launch over both raises.
+LayerClash = tuple[int, int, str]
+
+
+def entry_clashes(dst: PointerTable[DeviceAlias], dst_geo: Geometry) -> tuple[LayerClash, ...]:
+    """Rule 0 for destination table ``dst`` (addressed by ``dst_geo``), when its plan is
+    built. Each entry holds exactly its layout's bytes
+    (:meth:`~pointerdomain.layouts.KVLayout.geometry`), every one of which some item
+    writes, so two entries that intersect are bytes written twice by any launch that
+    addresses both. Entries of one layer (K and V, two pages), or of a table that does not
+    split layers, are addressed by every launch: refused here. Entries of two different
+    layers are addressed together only by a launch over both layers: returned, for
+    :func:`check_layers` (a per-layer launch over a table whose layers name one buffer
+    is sound, and compat builds such tables). A table passed to :func:`allow_interleaved`
+    may have entries that intersect at different addresses.
+
+    Raises:
+        OverlapError: two entries of one layer intersect, naming both (K / V, layer, page).
+    """
+    values, sizes = dst.raw_values(), dst.sizes
+    if len(values) < 2:
+        return ()
+    interleaved = dst in _interleaved
+    spans = sorted((v, v + n, i) for i, (v, n) in enumerate(zip(values, sizes)))
+    nearest: dict[int, tuple[int, int, int, int]] = {}  # layer a -> (the nearest layer b > a, entries, address)
+    active: list[tuple[int, int]] = []  # (end, entry) of spans that may reach the next start
+    for start, end, i in spans:
+        active = [(e, j) for e, j in active if e > start]
+        for _e, j in active:
+            if interleaved and values[i] != values[j]:
+                continue  # interleaved by design: the caller's slot arithmetic keeps the items apart
+            first, second = sorted((i, j))
+            la, lb = _entry_layer(first, dst_geo), _entry_layer(second, dst_geo)
+            if la is None or lb is None or la == lb:
+                raise OverlapError(_clash_message(dst, dst_geo, first, second, start))
+            la, lb = min(la, lb), max(la, lb)
+            if la not in nearest or lb < nearest[la][0]:
+                nearest[la] = (lb, first, second, start)
+        active.append((end, i))
+    # per layer a only its nearest clashing layer b: a launch over [a, b] holds every farther one too
+    return tuple((la, lb, _clash_message(dst, dst_geo, first, second, start))
+                 for la, (lb, first, second, start) in sorted(nearest.items()))
+
+
+def _clash_message(dst: PointerTable[DeviceAlias], geo: Geometry, first: int, second: int, address: int) -> str:
+    return (
+        f"dst table {describe(dst)}: {_entry_name(first, geo)} and {_entry_name(second, geo)} share memory (bytes "
+        f"from {address:#x}): the launch would write those bytes twice, in no defined order (a race on a GPU), so "
+        "which item lands is chance; nothing was copied. Fix: give K and V and every layer their own buffers"
+    )
+
+
+def check_layers(clashes: tuple[LayerClash, ...], layer_begin: int, layer_count: int) -> None:
+    """Rule 0 for one launch over layers ``[layer_begin, layer_begin + layer_count)``:
+    none of the plan's :func:`entry_clashes` has both layers in that range.
+
+    Raises:
+        OverlapError: the launch addresses two destination entries that share memory.
+    """
+    end = layer_begin + layer_count
+    for la, lb, message in clashes:
+        if layer_begin <= la and lb < end:
+            raise OverlapError(message)
 
 
 def shared_memory(
@@ -106,6 +232,8 @@ def check_distinct_destinations(dst_idx: torch.Tensor, dst_list: list[int] | Non
     """No destination slot is written twice in one launch: slot pairs run in parallel
     on the GPU, so two writes to one slot race and either may land. Runs where the
     indices are read on the host anyway (:func:`pointerdomain.transfer.plan` range checks);
+    elsewhere a validation pass on the device ahead of the copy refuses the launch
+    (:mod:`pointerdomain.transfer.launch_errors`).
     ``dst_list``: the indices already read into a list (small CPU sets).
 
     Raises:

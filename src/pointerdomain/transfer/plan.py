@@ -38,7 +38,7 @@ from pointerdomain.errors import DeviceMismatchError, IndexValidationError, Inva
 from pointerdomain.transfer.launch_errors import error_word_address, host_word
 from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
 from pointerdomain.registration.memory import RegisteredHostMemory
-from pointerdomain.transfer.overlap import check_distinct_destinations, shared_memory
+from pointerdomain.transfer.overlap import check_distinct_destinations, LayerClash, entry_clashes, shared_memory
 from pointerdomain.registration.tables import PointerTable, require_domain
 
 if TYPE_CHECKING:
@@ -83,6 +83,8 @@ class TransferPlan:
         host_word: the CPU view of the device's error word where it is host-readable.
         watch: both tables' liveness words in one native check, or None (each table's own
             check then).
+        dst_clashes: layers whose dst entries share memory (:func:`~pointerdomain.transfer.overlap.entry_clashes`):
+            a launch over both is refused; empty for every table whose entries are disjoint.
     """
 
     device: Device
@@ -115,6 +117,7 @@ class TransferPlan:
     runtime: DeviceRuntime | None = None
     host_word: ctypes.c_uint32 | None = None
     watch: JointWatch | None = None
+    dst_clashes: tuple[LayerClash, ...] = ()
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
@@ -331,6 +334,7 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
         src_layout, dst_layout = lowering.src, lowering.dst
         src_geo = src_layout.geometry(len(src), src.sizes, "src")
         dst_geo = dst_layout.geometry(len(dst), dst.sizes, "dst")
+    clashes = entry_clashes(dst, dst_geo)  # before the src/dst rules: a table over itself is caught here
     same_memory = shared_memory(src, src_geo, dst, dst_geo)
     vec = src_layout.vector_bytes(src.alignment, dst.alignment, *src_geo.byte_strides, *dst_geo.byte_strides)
     item = src_layout.item_bytes
@@ -347,7 +351,7 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
                         owners, same_memory, unpinned, starts, ends, lowering, device.runtime.host_memory,
                         device.runtime.launch_sets_device, device.runtime.streams, given_src.num_slots,
                         given_dst.num_slots, device.runtime, host_word(device),
-                        joint_watch(src.storage_watch(), dst.storage_watch()))
+                        joint_watch(src.storage_watch(), dst.storage_watch()), dst_clashes=clashes)
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -393,6 +397,8 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
         LayoutError: layouts disagree, a table does not fit its layout, or a layout that
             splits its items is paired with one it cannot be lowered with
             (:func:`~pointerdomain.layouts.lower_pair`).
+        OverlapError: two entries of one layer of ``dst`` share memory, or ``src`` and ``dst`` share
+            memory with different geometries (:mod:`pointerdomain.transfer.overlap`).
     """
     ids = (id(src), id(dst), id(src_layout), id(dst_layout))
     plan = _by_ids.get(ids)
