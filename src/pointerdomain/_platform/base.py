@@ -26,6 +26,8 @@ __all__ = [
     "Backend",
     "DeviceAttributeName",
     "LaunchArgs",
+    "LayerSignals",
+    "LayerWords",
     "PinnedAllocator",
     "PointerQuery",
     "RuntimeTraits",
@@ -319,6 +321,82 @@ class StagedCopy(Protocol):
             ExtensionUnavailableError: this build has no staged path.
             RuntimeCallError: a runtime call failed.
         """
+        ...
+
+
+class LayerWords:
+    """The completion words of a layer pipeline (:mod:`pointerdomain.transfer.layers`):
+    ``capacity`` uint32 flags, word ``l`` set to a load's generation once its layer ``l``
+    is done, and as many counters the launch's CTAs count their arrivals in (0 between
+    launches; device memory).
+
+    Attributes:
+        capacity: words of each kind.
+        flags: the flags' address for kernels and stream waits (a device address).
+        host: the flags' host address (0: device memory the host cannot read in place).
+        counters: the counters' address (device memory; 0 where the backend needs none).
+        keep: the memory under them, kept alive with this object.
+    """
+
+    __slots__ = ("capacity", "flags", "host", "counters", "keep")
+
+    def __init__(self, capacity: int, flags: int, host: int, counters: int, keep: tuple[object, ...]) -> None:
+        self.capacity = capacity
+        self.flags = flags
+        self.host = host
+        self.counters = counters
+        self.keep = keep
+
+
+@runtime_checkable
+class LayerSignals(Protocol):
+    """A backend with the layer pipeline's native half (optional: without it
+    ``load_layers`` raises ExtensionUnavailableError). Flags compare cyclically: a flag
+    ``f`` satisfies generation ``g`` when ``(f - g) mod 2**32 < 2**31``.
+
+    Raises (every method):
+        RuntimeCallError: a runtime call failed.
+    """
+
+    def layer_words(self, device: Device, capacity: int, *, captured: bool) -> LayerWords:
+        """New words for ``capacity`` layers. ``captured`` False: zeroed (on the device's
+        current stream where that takes device work); True: for a launch being captured
+        into a graph, which zeroes them itself (``reset``), allocated where capture allows
+        (the host may not read them in place)."""
+        ...
+
+    def join_event(self, device: Device) -> int:
+        """A new event for :meth:`launch_layers`'s ``join`` (0 where streams do not exist)."""
+        ...
+
+    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
+                      join: int) -> int:
+        """Every layer of ``args`` in one launch, flag ``l`` set to ``gen`` once layer
+        ``args.layer_begin + l`` is done; ``reset``: first zero the words on the stream;
+        ``join``: an event recorded after the reset. Returns the event recorded after the
+        launch (for :meth:`wait_event_done`), or 0 (synchronous, or captured)."""
+        ...
+
+    def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        """Set flag ``index`` to ``gen`` once the work queued on ``stream`` so far is done."""
+        ...
+
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int, join: int) -> None:
+        """Make ``stream`` wait, on the device, until flag ``index`` satisfies ``gen``;
+        ``join`` (nonzero): first wait for that event (a captured load's reset).
+
+        Raises:
+            RuntimeCallError: also on a synchronous device whose flag is not set (a GPU
+                stream would wait forever).
+        """
+        ...
+
+    def layer_flag(self, words: LayerWords, index: int) -> int:
+        """Flag ``index`` as the host reads it now."""
+        ...
+
+    def wait_event_done(self, event: int) -> None:
+        """Block the host until the work before ``event``'s last record is done."""
         ...
 
 

@@ -29,6 +29,7 @@ host-memory kinds of other platforms, so each kind is tested on CPU:
 from __future__ import annotations
 
 import collections
+import ctypes
 import resource
 import threading
 import weakref
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain import _C, env
-from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
+from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, LayerWords, RuntimeTraits, StagingArgs
 from pointerdomain._platform.host_memory import NOT_SUPPORTED, VmmAllocation
 from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
 from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
@@ -89,6 +90,9 @@ _RECORDED = 1 << 16
 
 #: cudaErrorInvalidDevice: the status of emulated work for a device that is not current.
 _WRONG_DEVICE = 101
+
+#: cudaErrorNotReady: the status of an emulated stream wait whose flag nothing will set.
+_WAIT_UNSATISFIED = 600
 
 
 def _require_current(device: Device, what: str) -> None:
@@ -312,6 +316,74 @@ class EmulatedBackend(RuntimeTraits):
         # The same bytes through the CPU kernel (emulated indices are host memory already).
         _C.cpu_transfer(plan, args.src_idx, args.dst_idx, args.n, args.layer_begin, args.layer_count,
                         torch.get_num_threads())
+
+    # the layer pipeline (LayerSignals): the CPU kernel walks the layers and sets each
+    # layer's flag after its bytes are written, in one native call; a stream wait is a
+    # check that the flag is set (synchronous: a flag left unset would never be set, where
+    # a GPU stream would wait forever); the stand-in graph records all three in order.
+    def layer_words(self, device: Device, capacity: int, *, captured: bool) -> LayerWords:
+        memory = _C.emu_device_alloc(8 * capacity, device.ordinal)  # flags, then counters (unused here)
+        base = memory.data_ptr()
+        ctypes.memset(base, 0, 8 * capacity)
+        return LayerWords(capacity, base, base, base + 4 * capacity, (memory,))
+
+    def join_event(self, device: Device) -> int:
+        return 0  # no streams: capture order is replay order
+
+    def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
+                      join: int) -> int:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args
+        _require_current(device, "layer pipeline launch")
+        flags = words.flags
+
+        def run() -> None:
+            if reset:
+                ctypes.memset(flags, 0, 4 * layer_count)
+            _C.cpu_transfer_layers(plan, src_idx, dst_idx, n, layer_begin, layer_count, flags, gen,
+                                   torch.get_num_threads())
+
+        graph = emulated_capture(device)
+        if graph is not None:
+            graph.record_step(run)  # runs at each replay, after the steps captured before it
+        else:
+            run()
+        return 0
+
+    def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        word = ctypes.c_uint32.from_address(words.flags + 4 * index)
+
+        def store() -> None:
+            word.value = gen & 0xFFFFFFFF
+
+        graph = emulated_capture(device)
+        if graph is not None:
+            graph.record_step(store)
+        else:
+            store()
+
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int, join: int) -> None:
+        word = ctypes.c_uint32.from_address(words.flags + 4 * index)
+
+        def check() -> None:
+            flag = word.value
+            if (flag - gen) & 0xFFFFFFFF >= 1 << 31:
+                raise RuntimeCallError(
+                    "emulated stream wait on a layer flag", _WAIT_UNSATISFIED,
+                    f"flag {index} holds {flag}, not generation {gen} or later, and nothing queued will set it: "
+                    "a GPU stream would wait forever",
+                )
+
+        graph = emulated_capture(device)
+        if graph is not None:
+            graph.record_step(check)
+        else:
+            check()
+
+    def layer_flag(self, words: LayerWords, index: int) -> int:
+        return int(ctypes.c_uint32.from_address(words.host + 4 * index).value)
+
+    def wait_event_done(self, event: int) -> None:
+        return None  # synchronous: nothing in flight
 
     def synchronize(self, device: Device) -> None:
         return None

@@ -6,27 +6,47 @@ load) queues each layer's copy on a load stream and has the model's layer ``i``
 wait for copy ``i`` only, so layer 0 computes while layers 1.. are still in flight.
 :func:`load_layers` does the checks of the whole call once (tables, indices,
 options: the same as :func:`~pointerdomain.transfer_kv_all_layer`), picks one path
-for every layer, queues one launch per layer on ``stream`` and records an event after
-each; :class:`LayerLoad` hands them out. The per-layer launches and event records are
-plain stream work, so the whole pipeline can be captured into a CUDA graph (with the
-kernel path: the staged and copy-engine paths read indices on the host), as long as
-every :meth:`LayerLoad.wait` is captured with it.
+for every layer and queues the layers in one native call:
 
-Synchronous devices (the emulated device) have nothing in flight: every layer is done
-when :func:`load_layers` returns, and waits are no-ops.
+* the kernel path (the default for KV items): ONE kernel walks the layers in order. Its
+  CTAs move their share of layer 0, then of layer 1, ...; the last CTA to finish a layer
+  (an atomic counter per layer; no CTA ever waits for another, so nothing depends on
+  which CTAs are resident) writes the load's generation to that layer's flag word.
+  :meth:`LayerLoad.wait` enqueues a stream wait on the word (``cuStreamWaitValue32``,
+  ">= generation", capturable), :meth:`LayerLoad.ready` reads it on the host (the
+  words of a load outside capture are host-mapped pinned memory);
+* the copy-engine path (runs of 512 KiB and more): one copy per layer from Python, each
+  followed by a stream write of the layer's flag (``cuStreamWriteValue32``).
+
+The words are per (device, stream) and every load on a stream takes the next generation
+(assigned and queued under one lock, so launches on a stream publish increasing values),
+so a flag at or past a load's generation means its layer is done (a later load on the
+same stream only publishes after the earlier one finished: stream order); a load keeps
+its words, so a :class:`LayerLoad` stays valid after later loads. A load captured into
+a CUDA graph gets words of its own: each replay first zeroes them on the load stream (a
+replay then never sees the last replay's flags), and each captured
+:meth:`LayerLoad.wait` also waits for that reset (an event joined in the graph), so a
+waiter that forked before the load still cannot pass on the last replay's flag.
+
+On the emulated device the CPU kernel does the same in one native call (each layer's
+flag set once its bytes are written); it is synchronous, so every layer is done when
+:func:`load_layers` returns, and a wait checks the flag (a flag nothing will set raises,
+where a GPU stream would wait forever). Its stand-in graph records the launch, the
+flags' reset and the waits, and replays them in order.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import threading
+from typing import Any, Final, cast
 
 import torch
 
 from pointerdomain.arguments import describe
-from pointerdomain._platform import Backend
+from pointerdomain._platform import Backend, LayerSignals, LayerWords
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import IndexValidationError, InvalidArgumentError
+from pointerdomain.errors import ExtensionUnavailableError, IndexValidationError, InvalidArgumentError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.tables import PointerTable
 from pointerdomain.transfer.kernels import (
@@ -42,6 +62,9 @@ from pointerdomain.transfer.kernels import (
 
 __all__ = ["LayerLoad", "load_layers"]
 
+_MASK: Final = 0xFFFFFFFF
+_HALF: Final = 1 << 31  # flags compare cyclically: f satisfies g when (f - g) mod 2**32 < 2**31
+
 
 def _check_stream(name: str, stream: object) -> int | None:
     if stream is None or (type(stream) is int and 0 <= stream < 2**64):
@@ -53,68 +76,136 @@ class LayerLoad:
     """Per-layer completion of a :func:`load_layers` call (also from
     :meth:`HostKVPool.load_layers <pointerdomain.HostKVPool.load_layers>`).
 
-    Holds the tables and index tensors of the load until it is collected, so they stay
-    alive while the copies are in flight.
+    Holds the tables, index tensors and completion words of the load until it is
+    collected, so they stay alive while the copies are in flight.
 
     Attributes:
         num_layers: the layers queued (``0 .. num_layers - 1``).
         device: the device the copies run on.
         stream: the stream they were queued on (an int; 0 on the emulated device).
+        generation: the value each layer's flag word reaches once the layer is done (1 for
+            a load captured into a graph, whose words each replay zeroes first; 0 for a
+            load with no slots, which has no words: every layer is done).
     """
 
-    __slots__ = ("_events", "_keep", "_platform", "device", "num_layers", "stream")
+    __slots__ = ("_captured", "_event", "_join", "_keep", "_platform", "_signals", "_words", "device", "generation",
+                 "num_layers", "stream")
 
     def __init__(
-        self, platform: Backend, device: Device, stream: int, events: list[Any], keep: tuple[object, ...]
+        self, platform: Backend, signals: LayerSignals, device: Device, stream: int, num_layers: int,
+        words: LayerWords | None, generation: int, join: int, event: int, captured: bool, keep: tuple[object, ...],
     ) -> None:
         self._platform = platform
+        self._signals = signals
         self.device = device
         self.stream = stream
-        self.num_layers = len(events)
-        self._events = events
+        self.num_layers = num_layers
+        self.generation = generation
+        self._words = words
+        self._join = join
+        self._event = event
+        self._captured = captured
         self._keep = keep
 
     def __repr__(self) -> str:
         return f"LayerLoad({self.num_layers} layers on {self.device}, stream={self.stream:#x})"
 
-    def _event(self, layer: object) -> Any:
+    def _check_layer(self, layer: object) -> int:
         if type(layer) is not int:
             raise IndexValidationError(f"layer: found {describe(layer)}, expected an int in [0, {self.num_layers})")
         if not 0 <= layer < self.num_layers:
             raise IndexValidationError(f"layer: found {layer}, outside [0, {self.num_layers}) (the layers queued)")
-        return self._events[layer]
+        return layer
 
     def wait(self, layer: int, stream: int | None = None) -> None:
         """Make ``stream`` (default: the device's current stream) wait, on the device,
-        until layer ``layer``'s copy is done; the host does not block. Captured into a
-        graph when called while ``stream`` is capturing.
+        until layer ``layer``'s copy is done; the host does not block (one stream wait on
+        the layer's flag word). Captured into a graph when called while ``stream`` is
+        capturing; a load captured into a graph must have its waits captured with it.
 
         Raises:
             IndexValidationError: ``layer`` is not an int in ``[0, num_layers)``.
             InvalidArgumentError: ``stream`` is not an int in ``[0, 2**64)`` or None.
+            RuntimeCallError: the runtime refused the wait (e.g. a captured load waited
+                on outside its capture); on the emulated device, a flag nothing will set.
         """
-        event = self._event(layer)
+        index = self._check_layer(layer)
         target = _check_stream("stream", stream)
-        if event is None:  # synchronous device: already done
+        words = self._words
+        if words is None:  # nothing was queued: every layer is done
             return
-        runtime = self.device.runtime
-        waiter = runtime.external_stream(
-            self._platform.current_stream(self.device) if target is None else target, self.device.ordinal)
-        waiter.wait_event(event)
+        if target is None:
+            target = self._platform.current_stream(self.device)
+        self._signals.wait_layer(words, index, self.generation, self.device, target, self._join)
 
     def ready(self, layer: int) -> bool:
-        """Whether layer ``layer``'s copy is done (a host query; not during capture).
+        """Whether layer ``layer``'s copy is done: its flag word read on the host (not
+        during capture). For a load captured into a graph: whether the latest replay has
+        finished the layer (read with a device copy; meaningless before the first replay).
 
         Raises:
             IndexValidationError: ``layer`` is not an int in ``[0, num_layers)``.
         """
-        event = self._event(layer)
-        return True if event is None else bool(event.query())
+        index = self._check_layer(layer)
+        words = self._words
+        if words is None:
+            return True
+        return (self._signals.layer_flag(words, index) - self.generation) & _MASK < _HALF
 
     def synchronize(self) -> None:
-        """Block the host until every layer's copy is done."""
-        if self._events and self._events[-1] is not None:
-            self._events[-1].synchronize()  # one stream: the last layer's event follows every other
+        """Block the host until every layer's copy is done (and any work queued on the
+        load's stream before the last layer's completion was recorded).
+
+        Raises:
+            InvalidArgumentError: the load was captured into a graph (its copies run at each
+                replay: synchronize the stream the graph is replayed on).
+        """
+        if self._captured:
+            raise InvalidArgumentError(
+                f"{self!r} was captured into a graph: its copies run at each replay; synchronize the stream the graph "
+                "is replayed on")
+        if self._event:
+            self._signals.wait_event_done(self._event)
+
+
+class _StreamWords:
+    """The completion words of one (backend, device, stream) for loads outside capture,
+    and the last generation handed out on them. ``lock`` is held from a load's generation
+    to its launch, so launches on the stream publish increasing values."""
+
+    __slots__ = ("gen", "lock", "platform", "retired", "words")
+
+    def __init__(self, platform: Backend) -> None:
+        self.platform = platform  # the key holds the backend's id: keep it alive
+        self.lock = threading.Lock()
+        self.words: LayerWords | None = None
+        self.gen = 0
+        self.retired: list[LayerWords] = []  # kernels queued on them may still run: never freed
+
+
+_streams: dict[tuple[int, Device, int], _StreamWords] = {}
+_streams_lock = threading.Lock()
+_has_signals: dict[type, bool] = {}
+
+
+def _signals_of(platform: Backend) -> LayerSignals:
+    kind = type(platform)
+    has = _has_signals.get(kind)
+    if has is None:
+        has = _has_signals[kind] = isinstance(platform, LayerSignals)  # a Protocol check: once per type
+    if not has:
+        raise ExtensionUnavailableError(f"the {platform.name} backend has no layer pipeline (a build without the GPU "
+                                        "kernels, or a backend that does not implement LayerSignals)")
+    return cast(LayerSignals, platform)
+
+
+def _stream_words(platform: Backend, device: Device, stream: int) -> _StreamWords:
+    key = (id(platform), device, stream)
+    found = _streams.get(key)
+    if found is None:
+        with _streams_lock:
+            found = _streams.setdefault(key, _StreamWords(platform))
+    return found
 
 
 def load_layers(
@@ -131,17 +222,22 @@ def load_layers(
     validate_indices: ValidateIndices = True,
 ) -> LayerLoad:
     """Queue every layer's copy of ``src_indices`` -> ``dst_indices`` on ``stream``, layer
-    0 first, with an event after each: :meth:`LayerLoad.wait` gives a layer to a stream.
+    0 first, each layer's completion published in its flag word (module docstring):
+    :meth:`LayerLoad.wait` gives a layer to a stream.
 
     Moves what :func:`~pointerdomain.transfer_kv_all_layer` moves (``n * num_kv *
-    num_layers * item_bytes`` bytes) on the same path, chosen once for all layers.
-    ``stream`` (default: the device's current stream) first waits for the device's
-    current stream, so the copies follow the work that freed the destination slots.
+    num_layers * item_bytes`` bytes) on the same path, chosen once for all layers; the
+    kernel path queues all layers in one launch (capturable), the copy-engine path one
+    copy per layer. ``stream`` (default: the device's current stream) first waits for
+    the device's current stream, so the copies follow the work that freed the
+    destination slots. With no slots nothing is queued and every layer is done.
 
     Raises:
         Every error of :func:`~pointerdomain.transfer_kv_all_layer`, before the first
-        layer is queued. A launch failing after that (e.g. a registration closed by
-        another thread) raises with the earlier layers queued.
+        layer is queued. A launch failing after that (the copy-engine path: e.g. a
+        registration closed by another thread) raises with the earlier layers queued.
+        ExtensionUnavailableError: the backend has no layer pipeline (a build without
+            the GPU kernels).
     """
     if not isinstance(cast(object, src_layout), KVLayout):
         raise InvalidArgumentError(f"src_layout: found {type(src_layout).__name__}, expected a KVLayout")
@@ -155,15 +251,71 @@ def load_layers(
         )
     one = args._replace(layer_count=1)
     path = choose_path(plan, src, dst, options, one, host_indices)  # as each layer's launch would choose it
+    platform = plan.platform
+    signals = _signals_of(platform)
+    device = plan.device
+    current = platform.current_stream(device)
+    load = current if stream is None else stream
+    keep: tuple[object, ...] = (src, dst, src_indices, dst_indices)
+    if not args.n:  # nothing to move: nothing queued, every layer done
+        return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, 0, False, keep)
+    hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional)
+    held = hold(device, load) if hold is not None else None
+    if held is not None:  # captured: words of its own, zeroed by each replay first
+        words = signals.layer_words(device, num_layers, captured=True)
+        held.keep.append(words)  # the graph replays with their addresses
+        join = signals.join_event(device)
+        load_args = args._replace(stream=load)
+        _queue(plan, src, dst, src_indices, dst_indices, load_args, path, options.check, signals, words, 1, True,
+               join, current)
+        return LayerLoad(platform, signals, device, load, num_layers, words, 1, join, 0, True, keep + (words,))
+    entry = _stream_words(platform, device, load)
+    with entry.lock:  # the generation and the launch together: a stream's flags only grow
+        old = entry.words
+        if old is None or old.capacity < num_layers or entry.gen >= _HALF - 1:
+            # new words, zeroed before the launch is ordered (on the current stream, which the
+            # load stream waits for below); the old ones may be in use by queued kernels
+            capacity = max(num_layers, 64)
+            if old is not None:
+                entry.retired.append(old)
+                capacity = max(capacity, 2 * old.capacity)
+            words = entry.words = signals.layer_words(device, capacity, captured=False)
+            entry.gen = 0
+        else:
+            words = old
+        gen = entry.gen = entry.gen + 1
+        event = _queue(plan, src, dst, src_indices, dst_indices, args._replace(stream=load), path, options.check,
+                       signals, words, gen, False, 0, current)
+    return LayerLoad(platform, signals, device, load, num_layers, words, gen, 0, event, False, keep + (words,))
+
+
+def _queue(
+    plan: Any, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], src_indices: torch.Tensor,
+    dst_indices: torch.Tensor, args: Any, path: Path, check: Any, signals: LayerSignals, words: LayerWords,
+    gen: int, reset: bool, join: int, current: int,
+) -> int:
+    """Queue every layer of ``args`` on ``args.stream`` (after the device's ``current``
+    stream's work so far), each followed by its flag: the event recorded after the last
+    (0: none)."""
     device = plan.device
     runtime = device.runtime
-    current = plan.platform.current_stream(device)
-    load = current if stream is None else stream
+    load = args.stream
     queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
     if queue is not None and load != current:
         queue.wait_stream(runtime.external_stream(current, device.ordinal))
-    events: list[Any] = []
-    for layer in range(num_layers):
-        run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer), path, options.check)
-        events.append(None if queue is None else queue.record_event())
-    return LayerLoad(plan.platform, device, load, events, (src, dst, src_indices, dst_indices))
+    if path is Path.KERNEL:
+        recorded = [0]
+
+        def launch(kernel: Any, bound: Any) -> int:
+            recorded[0] = signals.launch_layers(kernel, bound, words, gen, reset, join)
+            return recorded[0]
+
+        run(plan, src, dst, src_indices, dst_indices, args, path, check, launch)
+        return recorded[0]
+    # the copy engine: one copy per layer (descriptors built on the host), each followed by
+    # a stream write of its flag (never captured: choose_path refuses it there)
+    one = args._replace(layer_count=1)
+    for layer in range(args.layer_count):
+        run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=args.layer_begin + layer), path, check)
+        signals.signal_layer(words, layer, gen, device, load)
+    return int(plan.platform.record_event(device, load))
