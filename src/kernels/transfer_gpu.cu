@@ -254,13 +254,20 @@ struct LayerFlags {
     std::uint32_t gen;
 };
 
+// The arrival is the grid barrier's (cooperative groups' grid sync): the CTA barrier
+// orders every thread's stores of the layer before thread 0's fence, which is cumulative,
+// so they are ordered before the arrival; the last arriver's system fence then orders
+// every CTA's stores before the flag for any observer (a stream wait, the host). The other
+// warps go on to the next layer meanwhile.
 __device__ __forceinline__ void publish_layer(const LayerFlags &f, int l) {
-    __threadfence();  // this thread's stores of the layer, ordered before the CTA's arrival
     __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(f.counters + l, 1u) == gridDim.x - 1) {
-        __threadfence_system();  // every CTA's stores (fenced before its arrival) before the flag, for any observer
-        f.counters[l] = 0u;
-        *reinterpret_cast<volatile std::uint32_t *>(f.flags + l) = f.gen;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(f.counters + l, 1u) == gridDim.x - 1) {
+            __threadfence_system();
+            f.counters[l] = 0u;
+            *reinterpret_cast<volatile std::uint32_t *>(f.flags + l) = f.gen;
+        }
     }
 }
 
