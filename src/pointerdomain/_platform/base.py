@@ -369,6 +369,10 @@ class LayerSignals(Protocol):
         """A new event for :meth:`launch_layers`'s ``join`` (0 where streams do not exist)."""
         ...
 
+    def capturing(self, device: Device, stream: int) -> bool:
+        """Whether ``stream`` of ``device`` is being captured into a graph now."""
+        ...
+
     def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
                       join: int) -> int:
         """Every layer of ``args`` in one launch, flag ``l`` set to ``gen`` once layer

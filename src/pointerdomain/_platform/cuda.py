@@ -330,6 +330,11 @@ class CudaBackend(_TorchDevice):
         check(self, "cudaEventCreateWithFlags", status)
         return event
 
+    def capturing(self, device: Device, stream: int) -> bool:
+        status, capturing = _C.gpu_stream_capturing(device.ordinal, stream)
+        check(self, "cudaStreamIsCapturing", status)
+        return bool(capturing)
+
     def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
                       join: int) -> int:
         src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args

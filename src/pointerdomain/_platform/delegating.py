@@ -146,6 +146,9 @@ class DelegatingBackend(RuntimeTraits):
     def join_event(self, device: Device) -> int:
         return self._layers().join_event(device)
 
+    def capturing(self, device: Device, stream: int) -> bool:
+        return self._layers().capturing(device, stream)
+
     def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
                       join: int) -> int:
         return self._layers().launch_layers(plan, args, words, gen, reset, join)

@@ -330,6 +330,9 @@ class EmulatedBackend(RuntimeTraits):
     def join_event(self, device: Device) -> int:
         return 0  # no streams: capture order is replay order
 
+    def capturing(self, device: Device, stream: int) -> bool:
+        return emulated_capture(device) is not None
+
     def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
                       join: int) -> int:
         src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args

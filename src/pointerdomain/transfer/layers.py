@@ -259,11 +259,12 @@ def load_layers(
     keep: tuple[object, ...] = (src, dst, src_indices, dst_indices)
     if not args.n:  # nothing to move: nothing queued, every layer done
         return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, 0, False, keep)
-    hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional)
-    held = hold(device, load) if hold is not None else None
-    if held is not None:  # captured: words of its own, zeroed by each replay first
+    if signals.capturing(device, load):  # captured: words of its own, zeroed by each replay first
         words = signals.layer_words(device, num_layers, captured=True)
-        held.keep.append(words)  # the graph replays with their addresses
+        hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional; CUDA and the stand-in)
+        held = hold(device, load) if hold is not None else None
+        if held is not None:
+            held.keep.append(words)  # the graph replays with their addresses
         join = signals.join_event(device)
         load_args = args._replace(stream=load)
         _queue(plan, src, dst, src_indices, dst_indices, load_args, path, options.check, signals, words, 1, True,
