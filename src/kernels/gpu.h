@@ -59,21 +59,17 @@ int stream_capturing(int device, std::uint64_t stream, int *capturing);
 // order and, once every CTA is done with layer l, writes `gen` to the uint32 word
 // flags[l - t.layer_begin] (device address; host-mapped memory, so the host reads it).
 // counters: as many uint32 words of device memory, 0 before the launch (the kernel leaves
-// them 0). reset: first zero both (memset on the stream; a new buffer, or a captured
-// launch). join (nonzero): an event recorded after the reset, before the kernel. event
-// (nonzero): recorded after the kernel unless capturing. Returns 0, kNotRecorded
-// (capturing, or event 0) or a runtime error.
+// them 0). event (nonzero): recorded after the kernel. Refused (invalid value) while the
+// stream is being captured. Returns 0, kNotRecorded (event 0) or a runtime error.
 int transfer_layers(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
-                    std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, bool reset, std::uint64_t join,
-                    std::uint64_t event);
+                    std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, std::uint64_t event);
 // Stream memory operations on a uint32 word (device address): the stream waits until
 // (int32_t)(*addr - value) >= 0 (cuStreamWaitValue32 GEQ), or writes value once the
-// stream's earlier work is done (cuStreamWriteValue32). Both capturable. The status is a
-// CUresult (hipError_t on HIP); 801 (not supported) where the driver lacks them.
+// stream's earlier work is done (cuStreamWriteValue32). The status is a CUresult
+// (hipError_t on HIP); 801 (not supported) where the driver lacks them.
 int stream_wait_value(int device, std::uint64_t stream, std::uint64_t addr, std::uint32_t value);
 int stream_write_value(int device, std::uint64_t stream, std::uint64_t addr, std::uint32_t value);
 int event_synchronize(std::uint64_t event);
-int stream_wait_event(int device, std::uint64_t stream, std::uint64_t event);
 // Copy-engine path: count copies dsts[i] <- srcs[i] of sizes[i] bytes (host arrays of
 // device addresses / aliases) with cudaMemcpyBatchAsync (CUDA >= 12.8) or a
 // cudaMemcpyAsync loop. The batched copy contract (pointerdomain/_platform/batch_copy.py):

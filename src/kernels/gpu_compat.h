@@ -65,7 +65,6 @@
 #define gpuStreamIsCapturing hipStreamIsCapturing
 #define gpuStreamCaptureStatus hipStreamCaptureStatus
 #define gpuStreamCaptureStatusNone hipStreamCaptureStatusNone
-#define gpuMemsetAsync hipMemsetAsync
 #define gpuEventSynchronize hipEventSynchronize
 // hipPointerAttribute_t names the memory type `memoryType` before ROCm 6 and `type`
 // from ROCm 6 on (CUDA: `type`); this view gives callers `attr.type` on every version.
@@ -141,6 +140,5 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuStreamIsCapturing cudaStreamIsCapturing
 #define gpuStreamCaptureStatus cudaStreamCaptureStatus
 #define gpuStreamCaptureStatusNone cudaStreamCaptureStatusNone
-#define gpuMemsetAsync cudaMemsetAsync
 #define gpuEventSynchronize cudaEventSynchronize
 #endif

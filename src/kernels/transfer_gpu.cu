@@ -626,8 +626,7 @@ int stream_capturing(int device, std::uint64_t stream, int *capturing) {
 }
 
 int transfer_layers(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
-                    std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, bool reset, std::uint64_t join,
-                    std::uint64_t event) {
+                    std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, std::uint64_t event) {
     if (t.layer_count <= 0 || t.num_kv <= 0 || t.item_bytes <= 0 || t.n < 0 || t.layer_count >= (1 << 24) ||
         flags == 0 || counters == 0)
         return finish(gpuErrorInvalidValue);
@@ -637,18 +636,14 @@ int transfer_layers(const Transfer &t, int device, std::uint64_t stream, int max
     gpuError_t e = gpuSuccess;
     const int capturing = capturing_of(s, &e);
     if (e != gpuSuccess) return finish(e);
-    const std::size_t words = static_cast<std::size_t>(t.layer_count) * sizeof(std::uint32_t);
-    if (reset) {  // a new buffer, or a captured launch: every replay starts from zeroed words
-        if ((e = gpuMemsetAsync(reinterpret_cast<void *>(counters), 0, words, s))) return finish(e);
-        if ((e = gpuMemsetAsync(reinterpret_cast<void *>(flags), 0, words, s))) return finish(e);
-    }
-    // the point a waiter joins before it waits on a flag (captured loads: a waiter ordered
-    // after the reset of this replay, never before it, so it cannot see the last replay's flag)
-    if (join != 0 && (e = gpuEventRecord(reinterpret_cast<gpuEvent_t>(join), s))) return finish(e);
+    // Never captured: in a graph the scheduler may put a stream wait on a flag ahead of
+    // the kernel that sets it (the driver does not see that order), so the Python layer
+    // queues captured loads as one launch per layer with events instead.
+    if (capturing) return finish(gpuErrorInvalidValue);
     const LayerFlags f{reinterpret_cast<std::uint32_t *>(flags), reinterpret_cast<std::uint32_t *>(counters), gen};
     if (const int status = pick(t.item_bytes, t.num_kv, 1, vec_bytes, LaunchLayers{t, device, max_ctas, s, f}))
         return status;
-    if (capturing || event == 0) return kNotRecorded;
+    if (event == 0) return kNotRecorded;
     return finish(gpuEventRecord(reinterpret_cast<gpuEvent_t>(event), s));
 }
 
@@ -704,12 +699,6 @@ int stream_write_value(int device, std::uint64_t stream, std::uint64_t addr, std
 
 int event_synchronize(std::uint64_t event) {
     return finish(gpuEventSynchronize(reinterpret_cast<gpuEvent_t>(event)));
-}
-
-int stream_wait_event(int device, std::uint64_t stream, std::uint64_t event) {
-    DeviceGuard guard(device);
-    if (guard.status() != gpuSuccess) return finish(guard.status());
-    return finish(gpuStreamWaitEvent(reinterpret_cast<gpuStream_t>(stream), reinterpret_cast<gpuEvent_t>(event), 0));
 }
 
 #if !defined(POINTERDOMAIN_HIP) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080

@@ -184,17 +184,19 @@ def test_empty_load_queues_nothing_and_is_done() -> None:
 
 
 @pytest.mark.parametrize("attention", ["mha", "mla"])
-def test_captured_pipeline_resets_its_flags_each_replay(attention: str) -> None:
+def test_captured_pipeline_replays_layer_by_layer(attention: str) -> None:
     """A load captured into the stand-in graph with a consumer per layer (a copy of the
-    layer into a second host pool, captured after ``wait(layer)``): every replay zeroes
-    the load's words, moves the layers in order publishing each, and the consumers see
-    the bytes of this replay (indices and host data rewritten in place between replays)."""
+    layer into a second host pool, captured after ``wait(layer)``): the capture records
+    one launch per layer (no flags: a graph gets its order as edges), and every replay
+    moves this replay's bytes (indices and host data rewritten in place) before each
+    layer's consumer reads them."""
     dev_layout = model_layout("layer_first", pages=6, attention=attention)
     host_layout = model_layout("page_first", pages=10, attention=attention)
     with filled_pools(dev_layout, host_layout, DEV, chunk_blocks=None, seed=7) as (pool, host), \
             pd.HostKVPool(host_layout, DEV) as sink:
         src = torch.tensor([1, 2, 3, 4])
         dst = torch.tensor([5, 6, 7, 8])
+        before = pool_bytes(pool).clone()
         graph = EmulatedGraph("layer pipeline")
         with graph.capture(DEV):
             done = host.load_layers(pool, src, dst)
@@ -202,9 +204,10 @@ def test_captured_pipeline_resets_its_flags_each_replay(attention: str) -> None:
                 done.wait(layer)
                 pd.transfer_kv_per_layer(pool.table, sink.kernel_table, dst, src, layer_id=layer,
                                          src_layout=pool.layout, dst_layout=sink.layout)
-        assert done.generation == 1
-        words = done._words
-        assert words is not None
+        assert torch.equal(pool_bytes(pool), before)  # captured, not run
+        assert done.generation == 0 and done._words is None
+        loads = [args for _plan, args in graph.launches if args[:3] == (src.data_ptr(), dst.data_ptr(), 4)]
+        assert [(begin, count) for *_, begin, count in loads] == [(layer, 1) for layer in range(done.num_layers)]
         for seed in range(3):
             g = torch.Generator().manual_seed(seed)
             src.copy_(torch.randperm(host_layout.num_slots, generator=g)[:4])
@@ -212,44 +215,17 @@ def test_captured_pipeline_resets_its_flags_each_replay(attention: str) -> None:
             fill_random(host.buffer, 100 + seed)
             fill_pool(pool, 200 + seed)
             as_bytes(sink.buffer).fill_(0xA5)
-            for layer in range(done.num_layers):  # stale (and past-generation) flags from "earlier"
-                _flag(done, layer).value = 0x7FFFFFF0
             expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, src, dst)
             graph.replay()
             assert torch.equal(pool_bytes(pool), expected)  # every layer, nothing else
-            assert [_flag(done, layer).value for layer in range(done.num_layers)] == [1] * done.num_layers
             for kv in range(dev_layout.num_kv):
                 for layer in range(done.num_layers):
                     assert same(items(sink.buffer, host_layout, kv, layer, src),
                                 items(host.buffer, host_layout, kv, layer, src)), (seed, kv, layer)
+        assert all(done.ready(layer) for layer in range(done.num_layers))
         with pytest.raises(errors.InvalidArgumentError, match="captured into a graph"):
             done.synchronize()
         graph.reset()
-
-
-def test_a_captured_wait_is_checked_at_each_replay() -> None:
-    """Waits captured in one stand-in graph on a load captured in another: replayed before
-    the load's graph ever ran, the flags are unset and the wait refuses (a GPU stream would
-    wait forever); after the load's replay they pass."""
-    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=8) as (pool, host):
-        idx = torch.tensor([0, 7, 3])
-        loading, waiting = EmulatedGraph("load"), EmulatedGraph("wait")
-        with loading.capture(DEV):
-            done = host.load_layers(pool, idx, idx)
-        with waiting.capture(DEV):
-            for layer in range(done.num_layers):
-                done.wait(layer)
-        with pytest.raises(errors.RuntimeCallError, match="flag 0 holds 0"):
-            waiting.replay()
-        loading.replay()
-        waiting.replay()
-        _flag(done, 2).value = 0
-        with pytest.raises(errors.RuntimeCallError, match="flag 2 holds 0"):
-            waiting.replay()
-        loading.replay()
-        waiting.replay()
-        loading.reset()
-        waiting.reset()
 
 
 def test_copy_engine_layers_publish_in_order_too() -> None:

@@ -333,8 +333,8 @@ class LayerWords:
     Attributes:
         capacity: words of each kind.
         flags: the flags' address for kernels and stream waits (a device address).
-        host: the flags' host address (0: device memory the host cannot read in place).
-        counters: the counters' address (device memory; 0 where the backend needs none).
+        host: the flags' host address (the host reads them in place).
+        counters: the counters' address (device memory; unused where launches are synchronous).
         keep: the memory under them, kept alive with this object.
     """
 
@@ -358,36 +358,28 @@ class LayerSignals(Protocol):
         RuntimeCallError: a runtime call failed.
     """
 
-    def layer_words(self, device: Device, capacity: int, *, captured: bool) -> LayerWords:
-        """New words for ``capacity`` layers. ``captured`` False: zeroed (on the device's
-        current stream where that takes device work); True: for a launch being captured
-        into a graph, which zeroes them itself (``reset``), allocated where capture allows
-        (the host may not read them in place)."""
-        ...
-
-    def join_event(self, device: Device) -> int:
-        """A new event for :meth:`launch_layers`'s ``join`` (0 where streams do not exist)."""
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
+        """New words for ``capacity`` layers, zeroed (on the device's current stream where
+        that takes device work)."""
         ...
 
     def capturing(self, device: Device, stream: int) -> bool:
         """Whether ``stream`` of ``device`` is being captured into a graph now."""
         ...
 
-    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
-                      join: int) -> int:
+    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
         """Every layer of ``args`` in one launch, flag ``l`` set to ``gen`` once layer
-        ``args.layer_begin + l`` is done; ``reset``: first zero the words on the stream;
-        ``join``: an event recorded after the reset. Returns the event recorded after the
-        launch (for :meth:`wait_event_done`), or 0 (synchronous, or captured)."""
+        ``args.layer_begin + l`` is done (never while capturing: a captured graph could
+        order a stream wait on a flag ahead of the kernel that sets it). Returns the event
+        recorded after the launch (for :meth:`wait_event_done`), or 0 (synchronous)."""
         ...
 
     def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
         """Set flag ``index`` to ``gen`` once the work queued on ``stream`` so far is done."""
         ...
 
-    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int, join: int) -> None:
-        """Make ``stream`` wait, on the device, until flag ``index`` satisfies ``gen``;
-        ``join`` (nonzero): first wait for that event (a captured load's reset).
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        """Make ``stream`` wait, on the device, until flag ``index`` satisfies ``gen``.
 
         Raises:
             RuntimeCallError: also on a synchronous device whose flag is not set (a GPU

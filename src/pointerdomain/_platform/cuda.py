@@ -307,40 +307,29 @@ class CudaBackend(_TorchDevice):
                 check(self, "cudaMemcpyBatchAsync" if sub.batched else "cudaMemcpyAsync (copy runs)", status)
 
     # the layer pipeline (LayerSignals): one kernel for every layer, whose last CTA per
-    # layer writes the layer's flag; waits are cuStreamWaitValue32 (capturable). Flags of
-    # loads outside capture are host-mapped pinned memory (the host reads them in place);
-    # a captured load's are device memory from torch's allocator (capture-safe).
-    def layer_words(self, device: Device, capacity: int, *, captured: bool) -> LayerWords:
-        if captured:
-            memory = torch.empty(8 * capacity, dtype=torch.uint8, device=device.torch_device)
-            base = memory.data_ptr()
-            return LayerWords(capacity, base, 0, base + 4 * capacity, (memory,))
+    # layer writes the layer's flag; waits are cuStreamWaitValue32. Flags are host-mapped
+    # pinned memory (the host reads them in place), counters device memory.
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
         status, host = _C.gpu_pinned_alloc(4 * capacity, device.ordinal)
         check(self, "cudaHostAlloc (layer flags)", status)
         assert host is not None  # status 0
+        ctypes.memset(host.data_ptr(), 0, 4 * capacity)  # no GPU work has them yet
         status, alias = _C.gpu_host_get_device_pointer(host.data_ptr(), device.ordinal)
         check(self, "cudaHostGetDevicePointer (layer flags)", status)
-        ctypes.memset(host.data_ptr(), 0, 4 * capacity)  # no GPU work has them yet
         # zeroed on the device's current stream, which the load stream waits for before its launch
         counters = torch.zeros(4 * capacity, dtype=torch.uint8, device=device.torch_device)
         return LayerWords(capacity, alias, host.data_ptr(), counters.data_ptr(), (host, counters))
-
-    def join_event(self, device: Device) -> int:
-        status, event = _C.gpu_event_create(device.ordinal)
-        check(self, "cudaEventCreateWithFlags", status)
-        return event
 
     def capturing(self, device: Device, stream: int) -> bool:
         status, capturing = _C.gpu_stream_capturing(device.ordinal, stream)
         check(self, "cudaStreamIsCapturing", status)
         return bool(capturing)
 
-    def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
-                      join: int) -> int:
+    def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
         src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
         event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
         status = _C.gpu_transfer_layers(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
-                                        max_ctas, words.flags, words.counters, gen & 0xFFFFFFFF, reset, join, event)
+                                        max_ctas, words.flags, words.counters, gen & 0xFFFFFFFF, event)
         return self._recorded(event, status, "layer pipeline launch")
 
     def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
@@ -348,18 +337,13 @@ class CudaBackend(_TorchDevice):
         if status != 0:
             check(self, "cuStreamWriteValue32 (layer flag)", status)
 
-    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int, join: int) -> None:
-        if join:
-            check(self, "cudaStreamWaitEvent (layer flags' reset)", _C.gpu_stream_wait_event(device.ordinal, stream, join))
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
         status = _C.gpu_stream_wait_value(device.ordinal, stream, words.flags + 4 * index, gen & 0xFFFFFFFF)
         if status != 0:
             check(self, "cuStreamWaitValue32 (layer flag)", status)
 
     def layer_flag(self, words: LayerWords, index: int) -> int:
-        if words.host:
-            return int(ctypes.c_uint32.from_address(words.host + 4 * index).value)
-        memory = cast(torch.Tensor, words.keep[0])  # a captured load's device words: a copy (synchronises)
-        return int(memory[4 * index : 4 * index + 4].view(torch.int32).item()) & 0xFFFFFFFF
+        return int(ctypes.c_uint32.from_address(words.host + 4 * index).value)
 
     def wait_event_done(self, event: int) -> None:
         check(self, "cudaEventSynchronize", _C.gpu_event_synchronize(event))

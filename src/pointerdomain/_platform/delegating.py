@@ -140,24 +140,20 @@ class DelegatingBackend(RuntimeTraits):
             raise ExtensionUnavailableError(f"the {inner.name} backend has no layer pipeline")
         return inner
 
-    def layer_words(self, device: Device, capacity: int, *, captured: bool) -> LayerWords:
-        return self._layers().layer_words(device, capacity, captured=captured)
-
-    def join_event(self, device: Device) -> int:
-        return self._layers().join_event(device)
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
+        return self._layers().layer_words(device, capacity)
 
     def capturing(self, device: Device, stream: int) -> bool:
         return self._layers().capturing(device, stream)
 
-    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
-                      join: int) -> int:
-        return self._layers().launch_layers(plan, args, words, gen, reset, join)
+    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        return self._layers().launch_layers(plan, args, words, gen)
 
     def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
         self._layers().signal_layer(words, index, gen, device, stream)
 
-    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int, join: int) -> None:
-        self._layers().wait_layer(words, index, gen, device, stream, join)
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        self._layers().wait_layer(words, index, gen, device, stream)
 
     def layer_flag(self, words: LayerWords, index: int) -> int:
         return self._layers().layer_flag(words, index)

@@ -320,67 +320,34 @@ class EmulatedBackend(RuntimeTraits):
     # the layer pipeline (LayerSignals): the CPU kernel walks the layers and sets each
     # layer's flag after its bytes are written, in one native call; a stream wait is a
     # check that the flag is set (synchronous: a flag left unset would never be set, where
-    # a GPU stream would wait forever); the stand-in graph records all three in order.
-    def layer_words(self, device: Device, capacity: int, *, captured: bool) -> LayerWords:
+    # a GPU stream would wait forever).
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
         memory = _C.emu_device_alloc(8 * capacity, device.ordinal)  # flags, then counters (unused here)
         base = memory.data_ptr()
         ctypes.memset(base, 0, 8 * capacity)
         return LayerWords(capacity, base, base, base + 4 * capacity, (memory,))
 
-    def join_event(self, device: Device) -> int:
-        return 0  # no streams: capture order is replay order
-
     def capturing(self, device: Device, stream: int) -> bool:
         return emulated_capture(device) is not None
 
-    def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int, reset: bool,
-                      join: int) -> int:
+    def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
         src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args
         _require_current(device, "layer pipeline launch")
-        flags = words.flags
-
-        def run() -> None:
-            if reset:
-                ctypes.memset(flags, 0, 4 * layer_count)
-            _C.cpu_transfer_layers(plan, src_idx, dst_idx, n, layer_begin, layer_count, flags, gen,
-                                   torch.get_num_threads())
-
-        graph = emulated_capture(device)
-        if graph is not None:
-            graph.record_step(run)  # runs at each replay, after the steps captured before it
-        else:
-            run()
-        return 0
+        _C.cpu_transfer_layers(plan, src_idx, dst_idx, n, layer_begin, layer_count, words.flags, gen & 0xFFFFFFFF,
+                               torch.get_num_threads())
+        return 0  # synchronous: every layer is done
 
     def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
-        word = ctypes.c_uint32.from_address(words.flags + 4 * index)
+        ctypes.c_uint32.from_address(words.flags + 4 * index).value = gen & 0xFFFFFFFF
 
-        def store() -> None:
-            word.value = gen & 0xFFFFFFFF
-
-        graph = emulated_capture(device)
-        if graph is not None:
-            graph.record_step(store)
-        else:
-            store()
-
-    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int, join: int) -> None:
-        word = ctypes.c_uint32.from_address(words.flags + 4 * index)
-
-        def check() -> None:
-            flag = word.value
-            if (flag - gen) & 0xFFFFFFFF >= 1 << 31:
-                raise RuntimeCallError(
-                    "emulated stream wait on a layer flag", _WAIT_UNSATISFIED,
-                    f"flag {index} holds {flag}, not generation {gen} or later, and nothing queued will set it: "
-                    "a GPU stream would wait forever",
-                )
-
-        graph = emulated_capture(device)
-        if graph is not None:
-            graph.record_step(check)
-        else:
-            check()
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        flag = ctypes.c_uint32.from_address(words.flags + 4 * index).value
+        if (flag - gen) & 0xFFFFFFFF >= 1 << 31:
+            raise RuntimeCallError(
+                "emulated stream wait on a layer flag", _WAIT_UNSATISFIED,
+                f"flag {index} holds {flag}, not generation {gen} or later, and nothing queued will set it: a GPU "
+                "stream would wait forever",
+            )
 
     def layer_flag(self, words: LayerWords, index: int) -> int:
         return int(ctypes.c_uint32.from_address(words.host + 4 * index).value)

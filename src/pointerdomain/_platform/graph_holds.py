@@ -195,7 +195,6 @@ class EmulatedGraph:
             raise InvalidArgumentError(f"name: found {describe(name)}, expected a str or None")
         self.name = name or f"emulated graph {next(_names)}"
         self.launches: list[tuple[Any, tuple[int, int, int, int, int]]] = []
-        self._steps: list[Callable[[], None]] = []  # what a replay runs, in capture order
         self._device: Device | None = None
         self._reset = False
         self._checks: list[Callable[[], str | None]] = []
@@ -236,20 +235,6 @@ class EmulatedGraph:
         """A launch captured into this graph (the emulated backend's launch while capturing)."""
         self.launches.append((plan, args))
 
-        def launch() -> None:
-            import torch
-
-            from pointerdomain import _C
-
-            _C.cpu_transfer(plan, args[0], args[1], args[2], args[3], args[4], torch.get_num_threads())
-
-        self._steps.append(launch)
-
-    def record_step(self, step: Callable[[], None]) -> None:
-        """Other captured work (the layer pipeline's launch, flag writes and stream waits):
-        ``step`` runs at each replay, in capture order with the launches."""
-        self._steps.append(step)
-
     def add_check(self, check: Callable[[], str | None]) -> None:
         """A check run before each replay: a message when what the graph captured changed."""
         self._checks.append(check)
@@ -269,14 +254,17 @@ class EmulatedGraph:
             why = check()
             if why is not None:
                 raise GraphInvalidatedError(f"{self.held.name} cannot be replayed: {why}; nothing was copied")
-        for step in self._steps:
-            step()
+        import torch
+
+        from pointerdomain import _C
+
+        for plan, args in self.launches:
+            _C.cpu_transfer(plan, args[0], args[1], args[2], args[3], args[4], torch.get_num_threads())
 
     def reset(self) -> None:
         """Destroy the graph: its holds end, a replay raises GraphInvalidatedError."""
         self._reset = True
         self.launches.clear()
-        self._steps.clear()
         self.held.keep.clear()
         self._checks.clear()
 

@@ -6,33 +6,39 @@ load) queues each layer's copy on a load stream and has the model's layer ``i``
 wait for copy ``i`` only, so layer 0 computes while layers 1.. are still in flight.
 :func:`load_layers` does the checks of the whole call once (tables, indices,
 options: the same as :func:`~pointerdomain.transfer_kv_all_layer`), picks one path
-for every layer and queues the layers in one native call:
+for every layer and queues the layers:
 
-* the kernel path (the default for KV items): ONE kernel walks the layers in order. Its
-  CTAs move their share of layer 0, then of layer 1, ...; the last CTA to finish a layer
-  (an atomic counter per layer; no CTA ever waits for another, so nothing depends on
-  which CTAs are resident) writes the load's generation to that layer's flag word.
-  :meth:`LayerLoad.wait` enqueues a stream wait on the word (``cuStreamWaitValue32``,
-  ">= generation", capturable), :meth:`LayerLoad.ready` reads it on the host (the
-  words of a load outside capture are host-mapped pinned memory);
+* the kernel path (the default for KV items), in ONE native call: one kernel walks the
+  layers in order. Its CTAs move their share of layer 0, then of layer 1, ...; the last
+  CTA to finish a layer (an atomic counter per layer; no CTA ever waits for another, so
+  nothing depends on which CTAs are resident) writes the load's generation to that
+  layer's flag word. :meth:`LayerLoad.wait` enqueues one stream wait on the word
+  (``cuStreamWaitValue32``, ">= generation"), :meth:`LayerLoad.ready` reads it on the
+  host (host-mapped pinned memory);
 * the copy-engine path (runs of 512 KiB and more): one copy per layer from Python, each
   followed by a stream write of the layer's flag (``cuStreamWriteValue32``).
 
-The words are per (device, stream) and every load on a stream takes the next generation
-(assigned and queued under one lock, so launches on a stream publish increasing values),
-so a flag at or past a load's generation means its layer is done (a later load on the
-same stream only publishes after the earlier one finished: stream order); a load keeps
-its words, so a :class:`LayerLoad` stays valid after later loads. A load captured into
-a CUDA graph gets words of its own: each replay first zeroes them on the load stream (a
-replay then never sees the last replay's flags), and each captured
-:meth:`LayerLoad.wait` also waits for that reset (an event joined in the graph), so a
-waiter that forked before the load still cannot pass on the last replay's flag.
+The words are per (backend, device, stream) and every load on a stream takes the next
+generation (assigned and queued under one lock, so launches on a stream publish
+increasing values): a flag at or past a load's generation means its layer is done (a
+later load on the same stream publishes only after the earlier one finished: stream
+order), so a :class:`LayerLoad` stays valid after later loads. A stream wait is queued
+after the kernel that sets its flag (``wait`` is called after ``load_layers``), so even
+streams that share a hardware queue cannot stall the kernel behind the wait.
+
+Captured into a CUDA graph (the load stream capturing), the pipeline is one launch per
+layer with an event after each, and a captured :meth:`LayerLoad.wait` is an event wait:
+in a graph the scheduler orders nodes by the graph's edges alone and could put a flag
+wait ahead of the kernel that sets the flag, so the graph gets its per-layer order as
+edges (and a replay has no flags to go stale). The captured launches and event records
+are plain stream work, so the whole pipeline is captured as long as every
+:meth:`LayerLoad.wait` is captured with it.
 
 On the emulated device the CPU kernel does the same in one native call (each layer's
 flag set once its bytes are written); it is synchronous, so every layer is done when
 :func:`load_layers` returns, and a wait checks the flag (a flag nothing will set raises,
-where a GPU stream would wait forever). Its stand-in graph records the launch, the
-flags' reset and the waits, and replays them in order.
+where a GPU stream would wait forever). Under its stand-in graph the layers are recorded
+one launch each and replayed in order; waits have nothing to wait for.
 """
 
 from __future__ import annotations
@@ -83,17 +89,16 @@ class LayerLoad:
         num_layers: the layers queued (``0 .. num_layers - 1``).
         device: the device the copies run on.
         stream: the stream they were queued on (an int; 0 on the emulated device).
-        generation: the value each layer's flag word reaches once the layer is done (1 for
-            a load captured into a graph, whose words each replay zeroes first; 0 for a
-            load with no slots, which has no words: every layer is done).
+        generation: the value each layer's flag word reaches once the layer is done (0: the
+            load has no flags: no slots, or captured into a graph).
     """
 
-    __slots__ = ("_captured", "_event", "_join", "_keep", "_platform", "_signals", "_words", "device", "generation",
-                 "num_layers", "stream")
+    __slots__ = ("_captured", "_event", "_events", "_keep", "_platform", "_signals", "_words", "device",
+                 "generation", "num_layers", "stream")
 
     def __init__(
         self, platform: Backend, signals: LayerSignals, device: Device, stream: int, num_layers: int,
-        words: LayerWords | None, generation: int, join: int, event: int, captured: bool, keep: tuple[object, ...],
+        words: LayerWords | None, generation: int, event: int, captured: list[Any] | None, keep: tuple[object, ...],
     ) -> None:
         self._platform = platform
         self._signals = signals
@@ -102,9 +107,9 @@ class LayerLoad:
         self.num_layers = num_layers
         self.generation = generation
         self._words = words
-        self._join = join
         self._event = event
-        self._captured = captured
+        self._events = captured  # a captured load's per-layer events (None elsewhere; all None on a synchronous device)
+        self._captured = captured is not None
         self._keep = keep
 
     def __repr__(self) -> str:
@@ -120,37 +125,45 @@ class LayerLoad:
     def wait(self, layer: int, stream: int | None = None) -> None:
         """Make ``stream`` (default: the device's current stream) wait, on the device,
         until layer ``layer``'s copy is done; the host does not block (one stream wait on
-        the layer's flag word). Captured into a graph when called while ``stream`` is
-        capturing; a load captured into a graph must have its waits captured with it.
+        the layer's flag word; an event wait for a captured load). Captured into a graph
+        when called while ``stream`` is capturing; a load captured into a graph must have
+        its waits captured with it.
 
         Raises:
             IndexValidationError: ``layer`` is not an int in ``[0, num_layers)``.
             InvalidArgumentError: ``stream`` is not an int in ``[0, 2**64)`` or None.
-            RuntimeCallError: the runtime refused the wait (e.g. a captured load waited
-                on outside its capture); on the emulated device, a flag nothing will set.
+            RuntimeCallError: the runtime refused the wait; on the emulated device, a flag
+                nothing will set.
         """
         index = self._check_layer(layer)
         target = _check_stream("stream", stream)
         words = self._words
-        if words is None:  # nothing was queued: every layer is done
+        if words is not None:
+            if target is None:
+                target = self._platform.current_stream(self.device)
+            self._signals.wait_layer(words, index, self.generation, self.device, target)
             return
-        if target is None:
-            target = self._platform.current_stream(self.device)
-        self._signals.wait_layer(words, index, self.generation, self.device, target, self._join)
+        events = self._events
+        if events is None or events[index] is None:  # nothing queued, or synchronous: done
+            return
+        device = self.device
+        waiter = device.runtime.external_stream(
+            self._platform.current_stream(device) if target is None else target, device.ordinal)
+        waiter.wait_event(events[index])
 
     def ready(self, layer: int) -> bool:
         """Whether layer ``layer``'s copy is done: its flag word read on the host (not
-        during capture). For a load captured into a graph: whether the latest replay has
-        finished the layer (read with a device copy; meaningless before the first replay).
+        during capture; a captured load: its event's state, which says nothing of replays).
 
         Raises:
             IndexValidationError: ``layer`` is not an int in ``[0, num_layers)``.
         """
         index = self._check_layer(layer)
         words = self._words
-        if words is None:
-            return True
-        return (self._signals.layer_flag(words, index) - self.generation) & _MASK < _HALF
+        if words is not None:
+            return (self._signals.layer_flag(words, index) - self.generation) & _MASK < _HALF
+        events = self._events
+        return True if events is None or events[index] is None else bool(events[index].query())
 
     def synchronize(self) -> None:
         """Block the host until every layer's copy is done (and any work queued on the
@@ -227,8 +240,9 @@ def load_layers(
 
     Moves what :func:`~pointerdomain.transfer_kv_all_layer` moves (``n * num_kv *
     num_layers * item_bytes`` bytes) on the same path, chosen once for all layers; the
-    kernel path queues all layers in one launch (capturable), the copy-engine path one
-    copy per layer. ``stream`` (default: the device's current stream) first waits for
+    kernel path queues all layers in one launch, the copy-engine path one copy per layer,
+    and a capture (``stream`` capturing; the kernel path only) one launch per layer with
+    an event after each. ``stream`` (default: the device's current stream) first waits for
     the device's current stream, so the copies follow the work that freed the
     destination slots. With no slots nothing is queued and every layer is done.
 
@@ -258,18 +272,18 @@ def load_layers(
     load = current if stream is None else stream
     keep: tuple[object, ...] = (src, dst, src_indices, dst_indices)
     if not args.n:  # nothing to move: nothing queued, every layer done
-        return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, 0, False, keep)
-    if signals.capturing(device, load):  # captured: words of its own, zeroed by each replay first
-        words = signals.layer_words(device, num_layers, captured=True)
-        hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional; CUDA and the stand-in)
-        held = hold(device, load) if hold is not None else None
-        if held is not None:
-            held.keep.append(words)  # the graph replays with their addresses
-        join = signals.join_event(device)
-        load_args = args._replace(stream=load)
-        _queue(plan, src, dst, src_indices, dst_indices, load_args, path, options.check, signals, words, 1, True,
-               join, current)
-        return LayerLoad(platform, signals, device, load, num_layers, words, 1, join, 0, True, keep + (words,))
+        return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, None, keep)
+    runtime = device.runtime
+    queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
+    if signals.capturing(device, load):  # one launch per layer, an event after each (module docstring)
+        if queue is not None and load != current:
+            queue.wait_stream(runtime.external_stream(current, device.ordinal))
+        events: list[Any] = []
+        for layer in range(num_layers):
+            run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
+                options.check)
+            events.append(None if queue is None else queue.record_event())
+        return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, events, keep)
     entry = _stream_words(platform, device, load)
     with entry.lock:  # the generation and the launch together: a stream's flags only grow
         old = entry.words
@@ -280,43 +294,27 @@ def load_layers(
             if old is not None:
                 entry.retired.append(old)
                 capacity = max(capacity, 2 * old.capacity)
-            words = entry.words = signals.layer_words(device, capacity, captured=False)
+            words = entry.words = signals.layer_words(device, capacity)
             entry.gen = 0
         else:
             words = old
         gen = entry.gen = entry.gen + 1
-        event = _queue(plan, src, dst, src_indices, dst_indices, args._replace(stream=load), path, options.check,
-                       signals, words, gen, False, 0, current)
-    return LayerLoad(platform, signals, device, load, num_layers, words, gen, 0, event, False, keep + (words,))
+        if queue is not None and load != current:
+            queue.wait_stream(runtime.external_stream(current, device.ordinal))
+        bound = args._replace(stream=load)
+        if path is Path.KERNEL:
+            recorded = [0]
 
+            def launch(kernel: Any, launch_args: Any) -> int:
+                recorded[0] = signals.launch_layers(kernel, launch_args, words, gen)
+                return recorded[0]
 
-def _queue(
-    plan: Any, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], src_indices: torch.Tensor,
-    dst_indices: torch.Tensor, args: Any, path: Path, check: Any, signals: LayerSignals, words: LayerWords,
-    gen: int, reset: bool, join: int, current: int,
-) -> int:
-    """Queue every layer of ``args`` on ``args.stream`` (after the device's ``current``
-    stream's work so far), each followed by its flag: the event recorded after the last
-    (0: none)."""
-    device = plan.device
-    runtime = device.runtime
-    load = args.stream
-    queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
-    if queue is not None and load != current:
-        queue.wait_stream(runtime.external_stream(current, device.ordinal))
-    if path is Path.KERNEL:
-        recorded = [0]
-
-        def launch(kernel: Any, bound: Any) -> int:
-            recorded[0] = signals.launch_layers(kernel, bound, words, gen, reset, join)
-            return recorded[0]
-
-        run(plan, src, dst, src_indices, dst_indices, args, path, check, launch)
-        return recorded[0]
-    # the copy engine: one copy per layer (descriptors built on the host), each followed by
-    # a stream write of its flag (never captured: choose_path refuses it there)
-    one = args._replace(layer_count=1)
-    for layer in range(args.layer_count):
-        run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=args.layer_begin + layer), path, check)
-        signals.signal_layer(words, layer, gen, device, load)
-    return int(plan.platform.record_event(device, load))
+            run(plan, src, dst, src_indices, dst_indices, bound, path, options.check, launch)
+            event = recorded[0]
+        else:  # the copy engine: one copy per layer (descriptors built on the host), each then its flag
+            for layer in range(num_layers):
+                run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
+                    options.check)
+                signals.signal_layer(words, layer, gen, device, load)
+            event = platform.record_event(device, load)
+    return LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
