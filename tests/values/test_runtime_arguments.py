@@ -112,7 +112,6 @@ EXEMPT = {
     "KernelOp.__init__:table_tensor": "built by kernel_op() (sampled there)",
     "TransferChoice.__init__:host_indices": "built by explain_transfer(), a frozen record",
     "LayerLoad.__init__:words": "built by load_layers() (its completion words)",
-    "LayerLoad.__init__:captured": "built by load_layers() (whether its stream was capturing)",
 }
 
 
