@@ -121,8 +121,8 @@ struct Split {
 // registers go to it (they are all in use: one more spills).
 // The body moves layers [layer_begin, layer_begin + lc) of t's slot pairs (item_kernel:
 // t's own range; the layer pipeline's kernel: one layer at a time).
-template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT>
-__device__ __forceinline__ void item_body(const Transfer &t, const Split split_in, const std::int64_t layer_begin,
+template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT, class Layer>
+__device__ __forceinline__ void item_body(const Transfer &t, const Split split_in, const Layer layer_begin,
                                           const int lc) {
     using V = typename Vec<VEC>::T;
     static_assert(ITEM % (LANES * VEC) == 0, "an item must be whole words on every lane");
@@ -252,6 +252,10 @@ struct LayerFlags {
     std::uint32_t *flags;     // device address of one word per layer (host-mapped memory)
     std::uint32_t *counters;  // one word per layer, device memory, 0 between launches
     std::uint32_t gen;
+    // 1, the layers the body moves per step: a launch argument, not the constant, because
+    // the body compiled for a constant 1 needs registers it does not have at 1024 threads
+    // (ptxas spills inside the item loop; as an argument it spills nothing but at 1152 B)
+    int step;
 };
 
 // The arrival is the grid barrier's (cooperative groups' grid sync): the CTA barrier
@@ -274,9 +278,11 @@ __device__ __forceinline__ void publish_layer(const LayerFlags &f, int l) {
 template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) item_layers_kernel(const __grid_constant__ Transfer t, Split split,
                                                                const LayerFlags f) {
-    const int count = static_cast<int>(t.layer_count);
+    // a 32-bit layer index (layers < 2^24): one register less in the body than the 64-bit one
+    const int count = static_cast<int>(t.layer_count), begin = static_cast<int>(t.layer_begin);
+#pragma unroll 1
     for (int l = 0; l < count; ++l) {
-        item_body<ITEM, LANES, VEC, U, HINT, SPLIT>(t, split, t.layer_begin + l, 1);
+        item_body<ITEM, LANES, VEC, U, HINT, SPLIT>(t, split, begin + l, f.step);
         publish_layer(f, l);
     }
 }
@@ -285,6 +291,7 @@ template <int VEC, int WORDS, int HINT>
 __global__ void __launch_bounds__(kThreads) generic_layers_kernel(const __grid_constant__ Transfer t, Split split,
                                                                   const LayerFlags f) {
     const int count = static_cast<int>(t.layer_count);
+#pragma unroll 1
     for (int l = 0; l < count; ++l) {
         generic_body<VEC, WORDS, HINT>(t, split, t.layer_begin + l, 1);
         publish_layer(f, l);
@@ -640,7 +647,7 @@ int transfer_layers(const Transfer &t, int device, std::uint64_t stream, int max
     // the kernel that sets it (the driver does not see that order), so the Python layer
     // queues captured loads as one launch per layer with events instead.
     if (capturing) return finish(gpuErrorInvalidValue);
-    const LayerFlags f{reinterpret_cast<std::uint32_t *>(flags), reinterpret_cast<std::uint32_t *>(counters), gen};
+    const LayerFlags f{reinterpret_cast<std::uint32_t *>(flags), reinterpret_cast<std::uint32_t *>(counters), gen, 1};
     if (const int status = pick(t.item_bytes, t.num_kv, 1, vec_bytes, LaunchLayers{t, device, max_ctas, s, f}))
         return status;
     if (event == 0) return kNotRecorded;
