@@ -14,6 +14,9 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from tests.helpers.checks import assert_round_trip
+from pointerdomain._platform import backend_for
+from pointerdomain._platform.delegating import DelegatingBackend
+from pointerdomain._platform.testing import install_backend
 from pointerdomain.testing import EmulatedGraph
 from tests.reference import (
     DEV,
@@ -260,3 +263,24 @@ def test_load_layers_queue_time_is_one_native_call() -> None:
         queue = statistics.median(t for t in times if t > 0)
         per_layer_calls = statistics.median(-t for t in times if t < 0)
         assert queue < per_layer_calls / 4, (queue, per_layer_calls)
+
+
+class _NoLayerPipeline(DelegatingBackend):
+    """The emulated backend without the layer pipeline's native half (as a build without
+    the GPU kernels on CUDA)."""
+
+    launch_layers = None  # type: ignore[assignment]
+
+
+def test_a_backend_without_the_pipeline_refuses_before_anything_is_written() -> None:
+    with install_backend(_NoLayerPipeline(backend_for(DEV), "no-layers"), "emulated"):
+        pool = pd.DeviceKVPool(model_layout(), DEV)
+        fill_pool(pool, 3)
+        before = pool_bytes(pool).clone()
+        with pd.HostKVPool(model_layout("page_first"), DEV) as host:
+            idx = torch.tensor([1, 2])
+            with pytest.raises(errors.ExtensionUnavailableError, match="no layer pipeline"):
+                host.load_layers(pool, idx, idx)
+            assert torch.equal(pool_bytes(pool), before)
+            host.load(pool, idx, idx)  # the plain load still runs on it
+            assert not torch.equal(pool_bytes(pool), before)
