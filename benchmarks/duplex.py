@@ -10,7 +10,7 @@ a load of another set at once, each on its own stream from its own thread, with 
 budget given per direction: kernel 1+1, 2+2 (<= 4 CTAs in all), the whole GPU each, staged
 2+2 with CPU index tensors, and the copy engine. Every method is first checked byte for
 byte in both directions (poisoned destinations, plain torch indexing as the reference; see
-:mod:`benchmarks.interference`).
+:mod:`benchmarks.contention`).
 
 Goal (recorded on the H200 in docs/performance.md): >= 0.95 x the duplex ceiling in
 aggregate at <= 4 CTAs in all. ``--emulated``: the CPU's emulated device, one direction
@@ -21,33 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import pointerdomain as pd
-from benchmarks.interference import KVCase, _concurrently, _time_loop, sync
-
-
-def _check_backup(case: KVCase, backup: Callable[[], None], name: str) -> None:
-    """``backup`` writes exactly the call's items into the poisoned host pool."""
-    flat = case.host.buffer.view(torch.uint8).reshape(-1)
-    flat.fill_(0xA5)
-    backup()
-    sync(case.device)
-    lay = case.host.layout
-    host = flat.view(lay.num_kv, lay.num_slots, lay.num_layers, lay.item_bytes)
-    h, d = case.host_slots.cpu(), case.dev_slots.cpu()
-    for kv in range(lay.num_kv):
-        for layer in range(lay.num_layers):
-            want = case.pool.buffer(kv, layer).view(torch.uint8).reshape(-1, lay.item_bytes).cpu()[d]
-            if not torch.equal(host[kv][h, layer], want):
-                raise SystemExit(f"{name}: D2H kv {kv} layer {layer}: moved items are not the device's")
-    rest = torch.ones(lay.num_slots, dtype=torch.bool)
-    rest[h] = False
-    if not bool((host[:, rest] == 0xA5).all()):
-        raise SystemExit(f"{name}: D2H wrote outside the moved slots")
+from benchmarks.contention import KVCase, concurrently, time_loop
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,13 +72,13 @@ def main(argv: list[str] | None = None) -> None:
 
             try:
                 load_case.check(lambda: load(None), name)
-                _check_backup(back_case, lambda: backup(None), name)
+                back_case.check_backup(lambda: backup(None), name)
             except pd.errors.PointerDomainError as exc:
                 skipped[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
                 continue
-            (ls, ln), (bs, bn) = _concurrently(
-                device, lambda: _time_loop(device, s_load, lambda: load(i_load), seconds),
-                lambda: _time_loop(device, s_back, lambda: backup(i_back), seconds))
+            (ls, ln), (bs, bn) = concurrently(
+                device, lambda: time_loop(device, s_load, lambda: load(i_load), seconds),
+                lambda: time_loop(device, s_back, lambda: backup(i_back), seconds))
             rows.append({"method": name, "h2d_gbps": moved * ln / ls / 1e9, "d2h_gbps": moved * bn / bs / 1e9})
         tdev = device.torch_device
         host_a, host_b = torch.empty(moved, dtype=torch.uint8), torch.empty(moved, dtype=torch.uint8)
@@ -107,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
             host_a, host_b = host_a.pin_memory(), host_b.pin_memory()
         dev_a, dev_b = torch.empty(moved, dtype=torch.uint8, device=tdev), torch.empty(moved, dtype=torch.uint8,
                                                                                       device=tdev)
-        (hs, hn), (ds, dn) = _concurrently(
-            device, lambda: _time_loop(device, s_load, lambda: dev_a.copy_(host_a, non_blocking=True), seconds),
-            lambda: _time_loop(device, s_back, lambda: host_b.copy_(dev_b, non_blocking=True), seconds))
+        (hs, hn), (ds, dn) = concurrently(
+            device, lambda: time_loop(device, s_load, lambda: dev_a.copy_(host_a, non_blocking=True), seconds),
+            lambda: time_loop(device, s_back, lambda: host_b.copy_(dev_b, non_blocking=True), seconds))
         ceiling = moved * hn / hs / 1e9 + moved * dn / ds / 1e9
     finally:
         load_case.close()

@@ -5,7 +5,8 @@ transfer method runs on another, measured in one run.
 
 Rows, one per transfer method (H2D loads of 1 KiB items, 32 layers, random slots):
 ``kernel@1``, ``kernel@2``, ``kernel@4``, ``kernel@gpu`` (the whole GPU), ``staged@2`` (CPU
-index tensors), ``copy_engine``. For each: the GEMM's TFLOP/s alone and during the transfer,
+index tensors), ``copy_engine``. For each: the GEMM's TFLOP/s alone (measured right before the
+row, after an untimed warm-up) and during the transfer,
 the transfer's GB/s (10^9 bytes/s) alone and during the GEMM, and the bulk copy's GB/s (one
 ``copy_`` of the same bytes from pinned memory) in the same run. A decode-like part then
 times many small GEMMs (1, 8 and 64 rows x ``--gemm`` x ``--gemm``) one by one, alone and
@@ -13,7 +14,7 @@ during each transfer, and reports their p50 / p99 latency in microseconds.
 
 Every method is first checked byte for byte: the device pool poisoned, the load run, every
 moved item compared with the host pool's item by plain torch indexing of its page_first
-buffer, every other byte still the poison.
+buffer, every other byte still the poison (:meth:`benchmarks.contention.KVCase.check`).
 
 Goal (recorded on the H200 in docs/performance.md): a method with >= 0.95 x bulk while the
 GEMM loses <= 3 %. ``--emulated`` runs the same code on the CPU's emulated device with tiny
@@ -27,77 +28,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import pointerdomain as pd
-
-LAYERS, PAGE_SIZE, HEADS, DIM = 32, 16, 4, 128  # 1 KiB bf16 items
-IN_FLIGHT = 4  # calls a timed loop keeps queued ahead of the device
-
-
-@dataclass
-class KVCase:
-    """A device pool (layer_first) and a registered host pool (page_first) on one device,
-    the host filled with random bytes, and the slots of one call."""
-
-    device: pd.Device
-    pool: pd.DeviceKVPool
-    host: pd.HostKVPool
-    host_slots: torch.Tensor  # on the device (CPU for the emulated device)
-    dev_slots: torch.Tensor
-    bytes_per_call: int
-
-    @classmethod
-    def build(cls, device: pd.Device, tokens: int, seed: int = 0) -> KVCase:
-        pages = 2 * tokens // PAGE_SIZE + 2
-        common: dict[str, Any] = dict(attention="mha", num_layers=LAYERS, page_size=PAGE_SIZE, num_heads=HEADS,
-                                      head_dim=DIM, dtype="bfloat16")
-        pool = pd.DeviceKVPool(pd.KVLayout(kind="layer_first", num_pages=pages, **common), device)
-        host = pd.HostKVPool(pd.KVLayout(kind="page_first", num_pages=2 * pages, **common), device)
-        flat = host.buffer.view(torch.uint8).reshape(-1)
-        g = torch.Generator().manual_seed(seed)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=g))
-        hs = torch.randperm(host.layout.num_slots, generator=g)[:tokens]
-        ds = torch.randperm(pool.layout.num_slots, generator=g)[:tokens]
-        moved = tokens * pool.layout.num_kv * LAYERS * pool.layout.item_bytes
-        return cls(device, pool, host, hs.to(device.torch_device), ds.to(device.torch_device), moved)
-
-    def host_items(self, kv: int, layer: int) -> torch.Tensor:
-        """The host items of the call's slots by plain torch indexing of the page_first
-        buffer ``[kv, slots, layers, item bytes]``."""
-        lay = self.host.layout
-        flat = self.host.buffer.view(torch.uint8).reshape(lay.num_kv, lay.num_slots, LAYERS, lay.item_bytes)
-        return flat[kv][self.host_slots.cpu(), layer]
-
-    def check(self, load: Callable[[], None], name: str) -> None:
-        """``load`` moves exactly the call's items: nothing else of the poisoned pool changes."""
-        for b in self.pool.buffers:
-            b.view(torch.uint8).fill_(0xA5)
-        load()
-        sync(self.device)
-        item = self.pool.layout.item_bytes
-        d = self.dev_slots.cpu()
-        for kv in range(self.pool.layout.num_kv):
-            for layer in range(LAYERS):
-                got = self.pool.buffer(kv, layer).view(torch.uint8).reshape(-1, item).cpu()
-                if not torch.equal(got[d], self.host_items(kv, layer)):
-                    raise SystemExit(f"{name}: kv {kv} layer {layer}: moved items are not the host's")
-                rest = torch.ones(got.shape[0], dtype=torch.bool)
-                rest[d] = False
-                if not bool((got[rest] == 0xA5).all()):
-                    raise SystemExit(f"{name}: kv {kv} layer {layer}: a byte outside the moved slots changed")
-
-    def close(self) -> None:
-        self.host.close()
-
-
-def sync(device: pd.Device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device.ordinal)
-
+from benchmarks.contention import LAYERS, KVCase, concurrently, time_loop
 
 def transfer_methods(case: KVCase) -> dict[str, Callable[[int | None], None]]:
     """Each method as a call taking the stream to run on (None: the current one)."""
@@ -112,58 +48,6 @@ def transfer_methods(case: KVCase) -> dict[str, Callable[[int | None], None]]:
         "staged@2": lambda s: host.load(pool, h_cpu, d_cpu, max_ctas=2, backend="staged", stream=s),
         "copy_engine": lambda s: host.load(pool, h, d, backend="copy_engine", stream=s),
     }
-
-
-def _time_loop(device: pd.Device, stream: Any, fn: Callable[[], object], seconds: float) -> tuple[float, int]:
-    """Calls ``fn`` enqueued on ``stream`` until ``seconds`` of host time passed; returns the
-    device seconds between the first and the last call's end and the call count."""
-    if device.type != "cuda":
-        start, n = time.perf_counter(), 0
-        while n == 0 or time.perf_counter() - start < seconds:
-            fn()
-            n += 1
-        return time.perf_counter() - start, n
-    # At most IN_FLIGHT calls queued ahead of the device: the loop then lasts about as long
-    # on the device as on the host, so two loops started together overlap on the device.
-    from collections import deque
-
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    pending: deque[Any] = deque()
-    with torch.cuda.stream(stream):
-        begin.record()
-        start, n = time.perf_counter(), 0
-        while n == 0 or time.perf_counter() - start < seconds:
-            fn()
-            n += 1
-            pending.append(torch.cuda.Event())
-            pending[-1].record()
-            if len(pending) > IN_FLIGHT:
-                pending.popleft().synchronize()
-        end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3, n
-
-
-def _concurrently(device: pd.Device, a: Callable[[], tuple[float, int]], b: Callable[[], tuple[float, int]]
-                  ) -> tuple[tuple[float, int], tuple[float, int]]:
-    """Run two enqueue loops from two host threads (each on its own stream), so both streams
-    hold work at the same time; on the emulated device one after the other."""
-    if device.type != "cuda":
-        return a(), b()
-    import threading
-
-    out: dict[str, tuple[float, int]] = {}
-
-    def run(key: str, fn: Callable[[], tuple[float, int]]) -> None:
-        torch.cuda.set_device(device.ordinal)
-        out[key] = fn()
-
-    threads = [threading.Thread(target=run, args=("a", a)), threading.Thread(target=run, args=("b", b))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out["a"], out["b"]
 
 
 def _latencies(device: pd.Device, stream: Any, fn: Callable[[], None], count: int) -> list[float]:
@@ -231,30 +115,36 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             methods[name] = fn
         flops = 2.0 * n * n * n
-        g_s, g_n = _time_loop(device, gemm_stream, gemm, seconds)
-        gemm_alone = flops * g_n / g_s / 1e12
-        lat_alone = _latencies(device, gemm_stream, decode, 50 if not emulated else 5)
+        # Warm-up, untimed: a cold card runs its first GEMMs at idle clocks, which made an
+        # "alone" figure taken first lower than every "during" figure.
+        time_loop(device, gemm_stream, gemm, seconds)
+        _latencies(device, gemm_stream, decode, 10 if not emulated else 1)
         bulk_src = torch.empty(case.bytes_per_call, dtype=torch.uint8)
         if not emulated:
             bulk_src = bulk_src.pin_memory()
         bulk_dst = torch.empty(case.bytes_per_call, dtype=torch.uint8, device=tdev)
-        b_s, b_n = _time_loop(device, copy_stream, lambda: bulk_dst.copy_(bulk_src, non_blocking=True), seconds)
+        b_s, b_n = time_loop(device, copy_stream, lambda: bulk_dst.copy_(bulk_src, non_blocking=True), seconds)
         bulk = case.bytes_per_call * b_n / b_s / 1e9
         rows: list[dict[str, Any]] = []
         for name, fn in methods.items():
-            t_s, t_n = _time_loop(device, copy_stream, lambda fn=fn: fn(copy_int), seconds)  # type: ignore[misc]
+            # the GEMM alone right before each method's shared run: clock drift over the run
+            # then moves both sides of the row's ratio together
+            g_s, g_n = time_loop(device, gemm_stream, gemm, seconds)
+            gemm_alone = flops * g_n / g_s / 1e12
+            lat_alone = _latencies(device, gemm_stream, decode, 50 if not emulated else 5)
+            t_s, t_n = time_loop(device, copy_stream, lambda fn=fn: fn(copy_int), seconds)  # type: ignore[misc]
             alone = case.bytes_per_call * t_n / t_s / 1e9
-            (gs, gn), (ts, tn) = _concurrently(
-                device, lambda: _time_loop(device, gemm_stream, gemm, seconds),
-                lambda fn=fn: _time_loop(device, copy_stream, lambda: fn(copy_int), seconds))  # type: ignore[misc]
+            (gs, gn), (ts, tn) = concurrently(
+                device, lambda: time_loop(device, gemm_stream, gemm, seconds),
+                lambda fn=fn: time_loop(device, copy_stream, lambda: fn(copy_int), seconds))  # type: ignore[misc]
             lat_during: list[float] = []
 
             def decode_job() -> tuple[float, int]:
                 lat_during.extend(_latencies(device, gemm_stream, decode, 50 if not emulated else 5))
                 return 1.0, len(lat_during)
 
-            _concurrently(device, decode_job,
-                          lambda fn=fn: _time_loop(device, copy_stream, lambda: fn(copy_int), seconds))  # type: ignore[misc]
+            concurrently(device, decode_job,
+                          lambda fn=fn: time_loop(device, copy_stream, lambda: fn(copy_int), seconds))  # type: ignore[misc]
             rows.append({
                 "method": name, "transfer_gbps_alone": alone, "transfer_gbps_during": case.bytes_per_call * tn / ts / 1e9,
                 "bulk_gbps": bulk, "ratio_during": case.bytes_per_call * tn / ts / 1e9 / bulk,

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 
 import pointerdomain as pd
-from tests.reference import as_bytes, fill_pool, pool_bytes, reference_transfer
+from tests.reference import as_bytes, fill_pool, items, pool_bytes, pool_items, reference_transfer
 
-__all__ = ["assert_round_trip"]
+__all__ = ["assert_graph_loads", "assert_round_trip"]
 
 
 def assert_round_trip(
@@ -34,3 +34,24 @@ def assert_round_trip(
     (load or (lambda: host.load(pool, host_slots, dev_slots)))()
     sync()
     assert torch.equal(pool_bytes(pool), expected), "H2D: not the reference (moved items or the rest)"
+
+
+def assert_graph_loads(graph: torch.cuda.CUDAGraph, pool: pd.DeviceKVPool, host: pd.HostKVPool,
+                       src: torch.Tensor, dst: torch.Tensor, *, replays: int) -> None:
+    """``graph`` captured an H2D load of host slots ``src`` into pool slots ``dst`` (int64
+    CUDA tensors of one length). Replay ``replays`` times, each with new random slots
+    written into ``src`` / ``dst`` in place and the pool poisoned first: every moved item of
+    every kv and layer must equal the host's item (plain torch indexing)."""
+    for seed in range(replays):
+        g = torch.Generator().manual_seed(seed)
+        hs = torch.randperm(host.layout.num_slots, generator=g)[:src.numel()]
+        ds = torch.randperm(pool.layout.num_slots, generator=g)[:dst.numel()]
+        src.copy_(hs)
+        dst.copy_(ds)
+        fill_pool(pool, 40 * seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        for kv in range(pool.layout.num_kv):
+            for layer in range(pool.layout.num_layers):
+                assert torch.equal(as_bytes(pool_items(pool, kv, layer, ds)),
+                                   as_bytes(items(host.buffer, host.layout, kv, layer, hs))), (seed, kv, layer)

@@ -33,10 +33,6 @@ def test_native_doubles_load_on_first_use_and_unknown_names_raise() -> None:
         getattr(testing, "NoSuchDouble")
 
 
-#: Test files that still name the platform module directly (to move to pointerdomain.testing).
-_STILL_ON_PLATFORM = {"registration/test_leases.py", "transfer/test_staged.py", "transfer/test_staged_gpu.py"}
-
-
 def test_tests_outside_the_platform_folder_use_the_public_testing_module() -> None:
     import pathlib
     import re
@@ -47,7 +43,7 @@ def test_tests_outside_the_platform_folder_use_the_public_testing_module() -> No
         str(path.relative_to(root)) for path in root.rglob("*.py")
         if path.parent.name != "platform" and pattern.search(path.read_text())
     )
-    assert set(found) <= _STILL_ON_PLATFORM, found
+    assert found == [], found
 
 
 def test_the_testing_module_names_the_platform_helpers_tests_need() -> None:

@@ -20,11 +20,8 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import LaunchArgs, backend_for
-from pointerdomain._platform.native import KernelPlan
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.testing import install_backend
 from pointerdomain.devices import Device
+from pointerdomain.testing import FaultyBackend, KernelPlan, LaunchArgs, backend_for, install_backend
 from tests.reference import DEV, fill_pool, filled_pools, model_layout, pool_bytes, reference_transfer, same
 from tests import childenv
 
@@ -230,9 +227,7 @@ def test_close_with_a_bad_timeout_is_a_typed_error_and_closes_nothing(bad: objec
 
 _PRELOAD = textwrap.dedent("""
     import pointerdomain as pd
-    from pointerdomain._platform import backend_for
-    from pointerdomain._platform.faulty import FaultyBackend
-    from pointerdomain._platform.testing import install_backend
+    from pointerdomain.testing import FaultyBackend, backend_for, install_backend
     from tests.reference import DEV, model_layout
 
     class Counting(FaultyBackend):

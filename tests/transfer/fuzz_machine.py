@@ -23,13 +23,10 @@ Usage: ``python -m tests.transfer.fuzz_machine --profile ci --summary out.json``
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import pointerdomain as pd
 from pointerdomain import errors
 from tests.reference import as_bytes, fill_random, reference_transfer
+from tests.transfer import fuzz_runner
 
 DEV = pd.Device("emulated", 0)
 GUARD = 4096
@@ -395,26 +393,7 @@ class KVMachine(RuleBasedStateMachine):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="ci", choices=["ci", "dev", "long"])
-    parser.add_argument("--summary", default="")
-    args = parser.parse_args(argv)
-    settings.load_profile(args.profile)
-    torch.set_num_threads(1)
-    start = time.monotonic()
-    test = KVMachine.TestCase("runTest")
-    failure = ""
-    try:
-        test.runTest()
-    except Exception as exc:  # the falsifying example is printed by hypothesis
-        failure = f"{type(exc).__name__}: {exc}"
-    summary = dict(STATS, seconds=round(time.monotonic() - start, 1), profile=args.profile,
-                   leases=HAS_LEASES, failure=failure)
-    if args.summary:
-        with open(args.summary, "w") as f:
-            json.dump(summary, f)
-    print(json.dumps(summary))
-    return 1 if failure else 0
+    return fuzz_runner.main(KVMachine, STATS, __doc__.splitlines()[0], argv, extra={"leases": HAS_LEASES})
 
 
 if __name__ == "__main__":

@@ -31,11 +31,8 @@ Usage: ``python -m tests.transfer.fuzz_surface --profile ci --summary out.json``
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +49,7 @@ from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
 from pointerdomain.compat import lmcache, sgl_kernel, vllm
 from pointerdomain.testing import EmulatedGraph
 from tests.reference import reference_transfer
+from tests.transfer import fuzz_runner
 
 DEV = pd.Device("emulated", 0)
 OTHER = pd.Device("emulated", 1)
@@ -818,25 +816,7 @@ class SurfaceMachine(RuleBasedStateMachine):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="ci", choices=["ci", "dev", "long"])
-    parser.add_argument("--summary", default="")
-    args = parser.parse_args(argv)
-    settings.load_profile(args.profile)
-    torch.set_num_threads(1)
-    start = time.monotonic()
-    test = SurfaceMachine.TestCase("runTest")
-    failure = ""
-    try:
-        test.runTest()
-    except Exception as exc:  # the falsifying example is printed by hypothesis
-        failure = f"{type(exc).__name__}: {exc}"
-    summary = dict(STATS, seconds=round(time.monotonic() - start, 1), profile=args.profile, failure=failure)
-    if args.summary:
-        with open(args.summary, "w") as f:
-            json.dump(summary, f)
-    print(json.dumps(summary))
-    return 1 if failure else 0
+    return fuzz_runner.main(SurfaceMachine, STATS, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from tests.helpers.checks import assert_round_trip
+from tests.helpers.checks import assert_graph_loads, assert_round_trip
 from tests.helpers.models import Model
 from tests.reference import as_bytes, fill_pool, fill_random, filled_pools, items, pool_items
 
@@ -68,19 +68,7 @@ def test_gpu_graph_capture_and_replay() -> None:
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
             host.load(pool, src, dst)
-        for seed in range(3):
-            g = torch.Generator().manual_seed(seed)
-            h = torch.randperm(host_layout.num_slots, generator=g)[:64]
-            d = torch.randperm(dev_layout.num_slots, generator=g)[:64]
-            src.copy_(h)
-            dst.copy_(d)
-            fill_pool(pool, 40 * seed)
-            graph.replay()
-            torch.cuda.synchronize()
-            for kv in range(2):
-                for layer in range(4):
-                    assert torch.equal(as_bytes(pool_items(pool, kv, layer, d)),
-                                       as_bytes(items(host.buffer, host_layout, kv, layer, h)))
+        assert_graph_loads(graph, pool, host, src, dst, replays=3)
         del graph  # a graph that captured the pool's launches holds it open (pointerdomain.transfer.graphs)
 
 

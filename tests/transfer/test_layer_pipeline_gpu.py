@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import pointerdomain as pd
+from tests.helpers.checks import assert_graph_loads
 from tests.helpers.models import Model
 from tests.reference import as_bytes, fill_pool, fill_random, items, pool_items
 
@@ -65,19 +66,7 @@ def test_gpu_layer_pipeline_captured_and_replayed() -> None:
             for layer in range(done.num_layers):
                 done.wait(layer)
                 out[layer] = pool.buffer(0, layer).float().sum()
-        for seed in range(2):
-            g = torch.Generator().manual_seed(seed)
-            hs = torch.randperm(host_layout.num_slots, generator=g)[:64]
-            ds = torch.randperm(dev_layout.num_slots, generator=g)[:64]
-            src.copy_(hs)
-            dst.copy_(ds)
-            fill_pool(pool, 40 * seed)
-            graph.replay()
-            torch.cuda.synchronize()
-            for kv in range(2):
-                for layer in range(MODEL.layers):
-                    assert torch.equal(as_bytes(pool_items(pool, kv, layer, ds)),
-                                       as_bytes(items(host.buffer, host_layout, kv, layer, hs)))
+        assert_graph_loads(graph, pool, host, src, dst, replays=2)
 
 
 def _big_load(tokens: int = 4096) -> tuple[pd.DeviceKVPool, pd.HostKVPool, torch.Tensor, torch.Tensor]:

@@ -12,11 +12,16 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors, staged
-from pointerdomain._platform import Backend, LaunchArgs, StagingArgs, backend_for
-from pointerdomain._platform.native import KernelPlan
-from pointerdomain._platform.cuda import TorchCudartBackend
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import (
+    Backend,
+    FaultyBackend,
+    KernelPlan,
+    LaunchArgs,
+    StagingArgs,
+    TorchCudartBackend,
+    backend_for,
+    install_backend,
+)
 from tests.reference import DEV, as_bytes, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer
 
 #: Staging for the selection tests: 64 KiB of ring tables + 2 slots of 4 KiB, so a ring

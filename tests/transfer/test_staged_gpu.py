@@ -12,9 +12,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors, staged
-from pointerdomain._platform import LaunchArgs, StagingArgs, backend_for
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.testing import install_backend
+from pointerdomain.testing import FaultyBackend, LaunchArgs, StagingArgs, backend_for, install_backend
 from pointerdomain.transfer.plan import plan_for
 from tests.helpers.models import Model
 from tests.reference import as_bytes, fill_pool, fill_random, filled_pools, pool_bytes, reference_transfer

@@ -18,7 +18,10 @@ from tests.childenv import pythonpath
 
 _CHILD = r"""
 import json, sys, torch, pointerdomain as pd
+from pointerdomain.compat import vllm, wrap
+from pointerdomain.transfer.outcomes import run_spans
 t = torch.zeros(16); t.untyped_storage().resize_(0)
+idx = torch.arange(4)
 dev = pd.validate_device("emulated:0")
 calls = {
     "explain": lambda: pd.explain(t),
@@ -34,6 +37,10 @@ calls = {
     "host_ptr_table": lambda: pd.host_ptr_table([t]),
     "make_kernel_ptr_table": lambda: pd.make_kernel_ptr_table([t], dev),
     "page_buffer_meta layout": lambda: pd.page_buffer_meta(pd.host_ptr_table([torch.zeros(8)]), t, [0]),
+    "RegistrationPolicy on_failure": lambda: pd.RegistrationPolicy(on_failure=t),
+    "run_spans total": lambda: run_spans(t, [], lambda start, stop: None),
+    "kernel_op table_tensor": lambda: wrap.kernel_op(lambda: None, table_tensor=t),
+    "swap_blocks_batch order": lambda: vllm.swap_blocks_batch(idx, idx, idx, t),
 }
 name = sys.argv[1]
 try:
@@ -58,6 +65,10 @@ _CASES = {
     "host_ptr_table": "ClosedError",
     "make_kernel_ptr_table": "ClosedError",
     "page_buffer_meta layout": "InvalidTypeError",
+    "RegistrationPolicy on_failure": "InvalidRegistrationError",
+    "run_spans total": "InvalidArgumentError",
+    "kernel_op table_tensor": "InvalidArgumentError",
+    "swap_blocks_batch order": "InvalidTypeError",
 }
 
 _DESCRIBED = "Tensor(shape=(16,), dtype=torch.float32, device=cpu, storage released)"

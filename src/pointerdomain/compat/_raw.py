@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import memory_generation, pointer_info
 from pointerdomain.registration.allocation import memory_device
 from pointerdomain.devices import Device
@@ -554,7 +555,7 @@ def _reaches(name: str, reach: int | Sequence[int] | None, n: int) -> tuple[int 
         raise InvalidArgumentError(f"{name}: {len(values)} reach values for {n} entries")
     for r in values:
         if type(r) is not int or not 0 < r < _SIGN:
-            raise InvalidArgumentError(f"{name}: reach {r!r}, expected an int in (0, 2**63) (bytes)")
+            raise InvalidArgumentError(f"{name}: reach {describe(r)}, expected an int in (0, 2**63) (bytes)")
     return values
 
 
@@ -703,7 +704,7 @@ def _sizes(name: str, nbytes: torch.Tensor | int, addrs: torch.Tensor) -> torch.
             raise InvalidArgumentError(f"{name}: size {nbytes} bytes, expected an int in (0, 2**63)")
         sizes = torch.full((n,), nbytes, dtype=torch.int64)
     else:
-        raise InvalidArgumentError(f"{name}: sizes {nbytes!r}, expected an int or an int64 tensor")
+        raise InvalidArgumentError(f"{name}: sizes {describe(nbytes)}, expected an int or an int64 tensor")
     if bool((sizes <= 0).any()):
         bad = int((sizes <= 0).nonzero()[0])
         raise InvalidArgumentError(f"{name}[{bad}]: size {int(sizes[bad])} bytes, expected an int > 0")

@@ -121,6 +121,7 @@ from typing import Final, NamedTuple, SupportsIndex
 import torch
 
 import pointerdomain as pd
+from pointerdomain.arguments import describe
 from pointerdomain._platform.runtimes import names_one_device
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
@@ -213,7 +214,7 @@ def _contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
 def _count(name: str, x: object) -> int:
     """A size argument: an int >= 0 (not a bool)."""
     if isinstance(x, bool) or not isinstance(x, int):
-        raise InvalidTypeError(f"{name}: found {x!r} ({type(x).__name__}), expected an int")
+        raise InvalidTypeError(f"{name}: found {describe(x)} ({type(x).__name__}), expected an int")
     if x < 0:
         raise InvalidArgumentError(f"{name}: found {x}, expected an int >= 0")
     return int(x)
@@ -221,7 +222,7 @@ def _count(name: str, x: object) -> int:
 
 def _flag(name: str, x: object) -> bool:
     if not isinstance(x, bool):
-        raise InvalidTypeError(f"{name}: found {x!r} ({type(x).__name__}), expected a bool")
+        raise InvalidTypeError(f"{name}: found {describe(x)} ({type(x).__name__}), expected a bool")
     return x
 
 
@@ -231,7 +232,7 @@ def _index_value(name: str, x: object) -> int:
         return operator.index(x)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidTypeError(
-            f"{name}: found {x!r} ({type(x).__name__}), expected an int or an enum with an integer value") from None
+            f"{name}: found {describe(x)} ({type(x).__name__}), expected an int or an enum with an integer value") from None
 
 
 def _to_paged(direction: object) -> bool:
@@ -960,7 +961,7 @@ def _flash(key_value: object, key_cache: object, value_cache: object, slot_mappi
     if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[3] != item or kv.shape[1] == 0:
         raise LayoutError(f"key_value: shape {tuple(kv.shape)}, expected [2, num_layers, num_tokens, {item}]")
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-        raise InvalidTypeError(f"layer_idx: found {layer_idx!r} ({type(layer_idx).__name__}), expected an int")
+        raise InvalidTypeError(f"layer_idx: found {describe(layer_idx)} ({type(layer_idx).__name__}), expected an int")
     if not 0 <= layer_idx < kv.shape[1]:
         raise IndexValidationError(f"layer_idx: {layer_idx} outside [0, {kv.shape[1]}) (key_value's layers)")
     num_tokens = int(kv.shape[2])

@@ -80,6 +80,7 @@ from typing import Final
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.compat.sgl_kernel import (
@@ -161,12 +162,12 @@ def _unroll(value: object) -> None:
     if value is None or (type(value) is int and value == 0):
         return
     if type(value) is not int or not 1 <= value <= 32 or 32 % value:
-        raise InvalidArgumentError(f"unroll: found {value!r}, expected None or an int in [1, 32] dividing 32")
+        raise InvalidArgumentError(f"unroll: found {describe(value)}, expected None or an int in [1, 32] dividing 32")
 
 
 def _positive(name: str, value: object) -> int:
     if type(value) is not int or value <= 0:
-        raise InvalidArgumentError(f"{name}: found {value!r} ({type(value).__name__}), expected an int > 0 (bytes)")
+        raise InvalidArgumentError(f"{name}: found {describe(value)} ({type(value).__name__}), expected an int > 0 (bytes)")
     return value
 
 
@@ -224,7 +225,7 @@ def can_use_page_unified_load_back_jit_kernel(
 ) -> bool:
     """Upstream's answer for the page_unified load-back: ``group_bytes`` a positive multiple of 16."""
     if type(group_bytes) is not int:
-        raise InvalidArgumentError(f"group_bytes: found {group_bytes!r}, expected an int (bytes)")
+        raise InvalidArgumentError(f"group_bytes: found {describe(group_bytes)}, expected an int (bytes)")
     _quota(block_quota)
     if group_bytes <= 0 or group_bytes % 16:
         _logger.warning("Unsupported group_bytes = %d for page-unified JIT load-back", group_bytes)
@@ -854,7 +855,7 @@ def _load_back_page_unified(k_dst: object, v_dst: object | None, src: object, sr
         raise InvalidArgumentError(f"a group's token row is {group} bytes, not a multiple of 16 (upstream: \"Each "
                                    "copied token row must be 16-byte aligned\")")
     if type(layer_id) is not int or not 0 <= layer_id < layers:
-        raise IndexValidationError(f"layer_id {layer_id!r} outside [0, {layers}) (upstream: \"layer id out of range\")")
+        raise IndexValidationError(f"layer_id {describe(layer_id)} outside [0, {layers}) (upstream: \"layer id out of range\")")
     names = ("cache_dst",) if mla else ("k_cache_dst", "v_cache_dst")
     d_ts = tuple(tensor_arg(n, t) for n, t in zip(names, (k_dst, v_dst)))
     s_idx, d_idx = index_pair(src_indices, dst_indices, int32_ok=True)

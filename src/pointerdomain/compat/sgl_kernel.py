@@ -128,6 +128,7 @@ from typing import Final, Literal, NamedTuple
 import torch
 
 import pointerdomain as pd
+from pointerdomain.arguments import describe
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device, as_device
@@ -189,7 +190,7 @@ def _int(name: str, value: object, *, low: int = 1) -> int:
     """``value`` as an int >= ``low`` (a bool is refused: ``True`` is no size)."""
     if type(value) is not int or value < low:
         raise InvalidArgumentError(
-            f"{name}: found {value!r} ({type(value).__name__}), expected an int >= {low}")
+            f"{name}: found {describe(value)} ({type(value).__name__}), expected an int >= {low}")
     return value
 
 
@@ -206,14 +207,14 @@ def block_quota_of(value: object) -> int:
     """``block_quota`` checked: the CTA budget, an int in ``[1, 2**31 - 1]``."""
     if type(value) is not int or not 1 <= value <= _MAX_CTAS:
         raise InvalidArgumentError(
-            f"block_quota: found {value!r}, expected an int in [1, {_MAX_CTAS}] (thread blocks for the copy)")
+            f"block_quota: found {describe(value)}, expected an int in [1, {_MAX_CTAS}] (thread blocks for the copy)")
     return value
 
 
 def _warps(value: object) -> None:
     if type(value) is not int or not 1 <= value <= MAX_WARPS_PER_BLOCK:
         raise InvalidArgumentError(
-            f"num_warps_per_block: found {value!r}, expected an int in [1, {MAX_WARPS_PER_BLOCK}] "
+            f"num_warps_per_block: found {describe(value)}, expected an int in [1, {MAX_WARPS_PER_BLOCK}] "
             f"({WARP_SIZE}-thread warps, at most 1024 threads a block)")
 
 
@@ -541,7 +542,7 @@ def launch(src: Side, dst: Side, s_idx: torch.Tensor, d_idx: torch.Tensor, *, la
 
 def _layer_id(value: object, num_layers: int) -> int:
     if type(value) is not int:
-        raise IndexValidationError(f"layer_id: found {value!r} ({type(value).__name__}), expected an int")
+        raise IndexValidationError(f"layer_id: found {describe(value)} ({type(value).__name__}), expected an int")
     if not 0 <= value < num_layers:
         raise IndexValidationError(f"layer_id {value} outside [0, {num_layers}) (the host buffer's layers)")
     return value
@@ -1588,7 +1589,7 @@ def transfer_kv_per_layer_direct_pf_lf(
     s_idx, d_idx = index_pair(src_indices, dst_indices)
     _page_multiple(s_idx, ps)
     if type(layer_id) is not int:
-        raise IndexValidationError(f"layer_id: found {layer_id!r}, expected an int")
+        raise IndexValidationError(f"layer_id: found {describe(layer_id)}, expected an int")
     _direct_pf(page_ts, "src_ptrs", layer_ts, "dst_ptrs", s_idx, d_idx, layer_id, ps, False,
                "transfer_kv_per_layer_direct_pf_lf")
 
@@ -1624,7 +1625,7 @@ def _int_list(name: str, value: object) -> list[int]:
         raise InvalidTypeError(f"{name}: found a {type(value).__name__}, expected a list of ints")
     for i, v in enumerate(value):
         if type(v) is not int:
-            raise InvalidTypeError(f"{name}[{i}]: found {v!r} ({type(v).__name__}), expected an int")
+            raise InvalidTypeError(f"{name}[{i}]: found {describe(v)} ({type(v).__name__}), expected an int")
     return list(value)
 
 

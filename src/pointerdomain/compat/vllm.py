@@ -71,6 +71,7 @@ import torch
 
 
 import pointerdomain as pd
+from pointerdomain.arguments import describe
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, view_key
 from pointerdomain._platform import backend_for
@@ -617,7 +618,7 @@ def swap_blocks_batch(
     nbytes = _check_array("sizes", sizes, "byte counts")
     if type(is_src_access_order_any) is not bool:
         raise InvalidTypeError(
-            f"is_src_access_order_any: found {is_src_access_order_any!r} ({type(is_src_access_order_any).__name__}), "
+            f"is_src_access_order_any: found {describe(is_src_access_order_any)} ({type(is_src_access_order_any).__name__}), "
             "expected a bool. Fix: pass True or False")
     n = src.numel()
     if dst.numel() != n or nbytes.numel() != n:

@@ -73,6 +73,7 @@ from typing import Generic, Literal, NamedTuple, ParamSpec, TypeVar, cast
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import backend_for
 from pointerdomain.registration.allocation import device_empty
 from pointerdomain.devices import Device
@@ -340,17 +341,17 @@ def kernel_op(
     if not callable(op):
         raise InvalidTypeError(f"kernel_op: op: found a {type(op).__name__}, expected a callable (the op to wrap)")
     if table_tensor not in ("cached", "copy"):
-        raise InvalidArgumentError(f"kernel_op: table_tensor: found {table_tensor!r}, expected 'cached' or 'copy'")
+        raise InvalidArgumentError(f"kernel_op: table_tensor: found {describe(table_tensor)}, expected 'cached' or 'copy'")
     names: tuple[str, ...] | None = None
     if tables is not None:
         if isinstance(tables, str) or not isinstance(cast(object, tables), Sequence):
             raise InvalidTypeError(
-                f"kernel_op: tables: found {tables!r}, expected a sequence of parameter names, e.g. "
+                f"kernel_op: tables: found {describe(tables)}, expected a sequence of parameter names, e.g. "
                 "tables=('src_k_layers', 'dst_k_layers')")
         names = tuple(tables)
         for t in names:
             if not isinstance(cast(object, t), str):
-                raise InvalidTypeError(f"kernel_op: tables: found {t!r} ({type(t).__name__}), expected parameter names")
+                raise InvalidTypeError(f"kernel_op: tables: found {describe(t)} ({type(t).__name__}), expected parameter names")
         if not names:
             raise InvalidArgumentError("kernel_op: tables is empty; name the parameters that take pointer tables")
         if len(set(names)) != len(names):

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from pointerdomain.arguments import describe
 from pointerdomain._platform import backend_for, scoped_backend
 from pointerdomain.distributed._cap import RungCap
 from pointerdomain.distributed._records import GroupOutcome, OnMismatch, RankRecord, level, rung_of_level
@@ -217,7 +218,7 @@ def register_group(
     try:
         resolved = resolve_policy(policy)
         if on_mismatch not in ("refuse", "match"):
-            raise InvalidArgumentError(f"on_mismatch: found {on_mismatch!r}, expected 'refuse' or 'match'")
+            raise InvalidArgumentError(f"on_mismatch: found {describe(on_mismatch)}, expected 'refuse' or 'match'")
     except PointerDomainError as exc:
         argument_error = exc
     value: T | None = None

@@ -52,7 +52,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pointerdomain.arguments import check_instance
+from pointerdomain.arguments import check_instance, describe
 from pointerdomain.errors import InvalidRegistrationError
 
 if TYPE_CHECKING:
@@ -130,23 +130,23 @@ class RegistrationPolicy:
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("fail", "degrade"):
-            raise InvalidRegistrationError(f"on_failure must be 'fail' or 'degrade', got {self.on_failure!r}")
+            raise InvalidRegistrationError(f"on_failure must be 'fail' or 'degrade', got {describe(self.on_failure)}")
         if type(self.chunk_bytes) is not int or self.chunk_bytes <= 0:
-            raise InvalidRegistrationError(f"chunk_bytes must be a positive int (bytes), got {self.chunk_bytes!r}")
+            raise InvalidRegistrationError(f"chunk_bytes must be a positive int (bytes), got {describe(self.chunk_bytes)}")
         for name in ("allow_pinned_copy", "allow_unpinned"):
             if type(getattr(self, name)) is not bool:
-                raise InvalidRegistrationError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidRegistrationError(f"{name} must be a bool, got {describe(getattr(self, name))}")
         bound = self.max_call_seconds
         if bound is not None and (type(bound) not in (int, float) or not math.isfinite(bound) or bound <= 0):
             raise InvalidRegistrationError(
-                f"max_call_seconds: found {bound!r}, expected None or a finite number of seconds > 0. Fix: pass e.g. 0.25")
+                f"max_call_seconds: found {describe(bound)}, expected None or a finite number of seconds > 0. Fix: pass e.g. 0.25")
         if type(self.prefault_threads) is not int or not 0 <= self.prefault_threads <= 1024:
             raise InvalidRegistrationError(
-                f"prefault_threads: found {self.prefault_threads!r}, expected an int in [0, 1024]. Fix: pass e.g. 8 "
+                f"prefault_threads: found {describe(self.prefault_threads)}, expected an int in [0, 1024]. Fix: pass e.g. 8 "
                 "(0: the driver faults the pages)")
         if self.huge_pages not in ("off", "thp", "hugetlbfs"):
             raise InvalidRegistrationError(
-                f"huge_pages: found {self.huge_pages!r}, expected 'off', 'thp' or 'hugetlbfs'. Fix: pass one of them")
+                f"huge_pages: found {describe(self.huge_pages)}, expected 'off', 'thp' or 'hugetlbfs'. Fix: pass one of them")
 
 
 _lock = threading.Lock()

@@ -35,6 +35,7 @@ from typing import Literal, cast
 
 import torch
 
+from pointerdomain.arguments import describe
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
@@ -106,14 +107,14 @@ OUTCOME_ERRORS: tuple[type[BaseException], ...] = (PointerDomainError, RuntimeEr
 
 def _check_spans(total: object, spans: object) -> list[tuple[int, int]]:
     if type(total) is not int or total < 0:
-        raise InvalidArgumentError(f"total must be an int >= 0, got {total!r}")
+        raise InvalidArgumentError(f"total must be an int >= 0, got {describe(total)}")
     if not isinstance(spans, Sequence):
         raise InvalidArgumentError(f"spans must be a sequence of (start, stop) pairs, got {type(spans).__name__}")
     out: list[tuple[int, int]] = []
     prev = 0
     for span in spans:
         if not (isinstance(span, tuple | list) and len(span) == 2 and all(type(v) is int for v in span)):
-            raise InvalidArgumentError(f"spans: found {span!r}, expected a (start, stop) pair of ints")
+            raise InvalidArgumentError(f"spans: found {describe(span)}, expected a (start, stop) pair of ints")
         start, stop = span
         if not prev <= start <= stop <= total:
             raise InvalidArgumentError(
@@ -148,7 +149,7 @@ def _check_chunk(chunk_slots: object, n: int) -> int:
     if chunk_slots is None:
         return max(n, 1)
     if type(chunk_slots) is not int or chunk_slots <= 0:
-        raise InvalidArgumentError(f"chunk_slots must be a positive int or None, got {chunk_slots!r}")
+        raise InvalidArgumentError(f"chunk_slots must be a positive int or None, got {describe(chunk_slots)}")
     return chunk_slots
 
 
