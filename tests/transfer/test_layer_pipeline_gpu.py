@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +19,15 @@ from tests.reference import as_bytes, fill_pool, fill_random, items, pool_items
 pytestmark = pytest.mark.gpu
 
 MODEL = Model(layers=8, page_size=16, mha=(8, 128), mla_dim=576)
+DEADLINE_S = 30.0  # a flag never published would leave a stream waiting forever: fail instead
+
+
+def _until(done: Callable[[], bool], what: str) -> None:
+    """Poll ``done()`` (a stream's or a load's state) until true, or fail after DEADLINE_S."""
+    end = time.monotonic() + DEADLINE_S
+    while not done():
+        assert time.monotonic() < end, f"{what} not done after {DEADLINE_S} s (a layer flag never published?)"
+        time.sleep(1e-4)
 
 
 @pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engine"])
@@ -41,6 +51,7 @@ def test_gpu_layers_wait_per_layer_on_the_model_stream(backend: str) -> None:
             for layer in range(done.num_layers):
                 done.wait(layer)  # the model stream (current here) waits for this layer only
                 seen.append(torch.cat([pool_items(pool, kv, layer, d).clone() for kv in range(2)]))
+        _until(model_stream.query, "the model stream's per-layer waits")
         model_stream.synchronize()
         assert all(done.ready(layer) for layer in range(done.num_layers))
         for layer, got in enumerate(seen):
@@ -97,7 +108,8 @@ def test_gpu_layers_become_ready_in_order() -> None:
         done = host.load_layers(pool, h, d, stream=stream.cuda_stream, max_ctas=1)
         assert done.generation == first.generation + 1
         seen: set[int] = set()
-        while True:
+        end = time.monotonic() + DEADLINE_S
+        while time.monotonic() < end:
             # last layer first: readiness only grows, so a later layer seen ready means every
             # earlier one read after it must be ready too
             ready = [done.ready(layer) for layer in reversed(range(done.num_layers))][::-1]
@@ -106,6 +118,7 @@ def test_gpu_layers_become_ready_in_order() -> None:
             seen.add(count)
             if count == done.num_layers:
                 break
+        assert seen and max(seen) == done.num_layers, f"layers never all ready in {DEADLINE_S} s: {sorted(seen)}"
         done.synchronize()
         assert all(first.ready(layer) for layer in range(first.num_layers))
         assert len(seen) > 2, f"never saw the load in flight: {sorted(seen)}"
@@ -153,6 +166,7 @@ def test_gpu_captured_pipeline_orders_each_layers_consumer() -> None:
             fill_pool(pool, 40 + seed)  # poison: a consumer that ran early reads these
             torch.cuda.synchronize()
             graph.replay()
+            _until(torch.cuda.current_stream().query, "the replay")
             torch.cuda.synchronize()
             for layer in range(MODEL.layers):
                 for kv in range(2):
@@ -178,5 +192,6 @@ def test_gpu_queueing_61_layers_is_one_launch() -> None:
             t0 = time.perf_counter()
             done = host.load_layers(pool, idx, idx, stream=stream.cuda_stream, max_ctas=2)
             times.append(time.perf_counter() - t0)
+            _until(lambda: done.ready(done.num_layers - 1), "the load")
             done.synchronize()
         assert statistics.median(times) < 300e-6, sorted(times)
