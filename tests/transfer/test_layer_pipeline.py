@@ -14,10 +14,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from tests.helpers.checks import assert_round_trip
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.delegating import DelegatingBackend
-from pointerdomain._platform.testing import install_backend
-from pointerdomain.testing import EmulatedGraph
+from pointerdomain.testing import DelegatingBackend, EmulatedGraph, backend_for, install_backend
 from tests.reference import (
     DEV,
     as_bytes,
