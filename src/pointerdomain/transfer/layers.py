@@ -274,8 +274,8 @@ def load_layers(
     if not args.n:  # nothing to move: nothing queued, every layer done
         return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, None, keep)
     runtime = device.runtime
-    queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
     if signals.capturing(device, load):  # one launch per layer, an event after each (module docstring)
+        queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
         if queue is not None and load != current:
             queue.wait_stream(runtime.external_stream(current, device.ordinal))
         events: list[Any] = []
@@ -299,8 +299,10 @@ def load_layers(
         else:
             words = old
         gen = entry.gen = entry.gen + 1
-        if queue is not None and load != current:
-            queue.wait_stream(runtime.external_stream(current, device.ordinal))
+        if load != current:  # after the current stream's work so far (and the new words' zeroing)
+            queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
+            if queue is not None:
+                queue.wait_stream(runtime.external_stream(current, device.ordinal))
         bound = args._replace(stream=load)
         if path is Path.KERNEL:
             recorded = [0]
