@@ -278,12 +278,13 @@ __device__ __forceinline__ void publish_layer(const LayerFlags &f, int l) {
 template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT>
 __global__ void __launch_bounds__(kThreads) item_layers_kernel(const __grid_constant__ Transfer t, Split split,
                                                                const LayerFlags f) {
-    // a 32-bit layer index (layers < 2^24): one register less in the body than the 64-bit one
-    const int count = static_cast<int>(t.layer_count), begin = static_cast<int>(t.layer_begin);
+    // one 32-bit register lives across the body (layers < 2^24): the layer itself, its
+    // bounds and flag index re-read from the launch arguments
 #pragma unroll 1
-    for (int l = 0; l < count; ++l) {
-        item_body<ITEM, LANES, VEC, U, HINT, SPLIT>(t, split, begin + l, f.step);
-        publish_layer(f, l);
+    for (int layer = static_cast<int>(t.layer_begin); layer < static_cast<int>(t.layer_begin + t.layer_count);
+         ++layer) {
+        item_body<ITEM, LANES, VEC, U, HINT, SPLIT>(t, split, layer, f.step);
+        publish_layer(f, layer - static_cast<int>(t.layer_begin));
     }
 }
 
