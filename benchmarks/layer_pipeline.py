@@ -6,12 +6,14 @@ bulk copy of the same bytes, measured in one run.
 
 Rows: MHA items of 1 KiB (4 heads x 128 bf16) and MLA items of 1152 bytes (one 576-element
 bf16 latent), at 1 and 2 CTAs and the whole GPU, 32 layers for bandwidth; plus the queue
-time of a 61-layer request (a DeepSeek-V3-sized model). Every row is first checked byte
+time of a 61-layer request (a DeepSeek-V3-sized model), and of a one-token 61-layer request
+(on the emulated device, whose copies run inside the call, the host cost of queueing alone). Every row is first checked byte
 for byte: ``load_layers`` into a poisoned device pool against ``load`` into another
 poisoned pool, and both against the host items (the torch reference). Figures are
 medians over ``--calls`` calls:
 
-- ``queue_us``: host microseconds for the ``load_layers`` call (every layer queued);
+- ``queue_us``: host microseconds for the ``load_layers`` call (every layer queued: one
+  native call on the kernel path; on the emulated device the copies run inside it);
 - ``per_layer_us``: ``queue_us`` / layers;
 - ``wait_us``: host microseconds per ``LayerLoad.wait`` (the model stream waiting);
 - ``gbps`` / ``bulk_gbps`` / ``ratio``: device-timed GB/s (10^9 bytes/s) of the whole
@@ -150,12 +152,13 @@ def main() -> None:
         for ctas in (1, 2, pd.WHOLE_GPU):
             rows.append(_row(dev, attention, 32, tokens, ctas, opts.calls))
     rows.append(_row(dev, "mla", 61, min(tokens, 256), 2, opts.calls))
+    rows.append(_row(dev, "mla", 61, 1, 2, opts.calls))  # one token: the queueing cost alone (emulated: no copy to speak of)
     print(f"layer pipeline on {dev} (medians of {opts.calls} calls; host us, device GB/s)")
-    print(f"{'shape':>6} {'item':>5} {'layers':>6} {'ctas':>4} {'queue_us':>9} {'per_layer':>9} {'wait_us':>8}"
+    print(f"{'shape':>6} {'item':>5} {'layers':>6} {'tokens':>6} {'ctas':>4} {'queue_us':>9} {'per_layer':>9} {'wait_us':>8}"
           f" {'GB/s':>7} {'bulk':>7} {'ratio':>6}")
     for r in rows:
         bw = (f" {r['gbps']:7.1f} {r['bulk_gbps']:7.1f} {r['ratio']:6.3f}" if "gbps" in r else "")
-        print(f"{r['attention']:>6} {r['item_bytes']:5d} {r['layers']:6d} {r['max_ctas'] or 'all':>4} {r['queue_us']:9.1f}"
+        print(f"{r['attention']:>6} {r['item_bytes']:5d} {r['layers']:6d} {r['tokens']:6d} {r['max_ctas'] or 'all':>4} {r['queue_us']:9.1f}"
               f" {r['per_layer_us']:9.2f} {r['wait_us']:8.2f}{bw}")
     if opts.json:
         with open(opts.json, "w") as f:

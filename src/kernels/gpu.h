@@ -61,6 +61,21 @@ int not_ready_status();
 int transfer_recorded(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
                       std::uint64_t event, bool shared_marks = false);
 int stream_capturing(int device, std::uint64_t stream, int *capturing);
+// The layer pipeline (pointerdomain.transfer.layers): one launch that moves t's layers in
+// order and, once every CTA is done with layer l, writes `gen` to the uint32 word
+// flags[l - t.layer_begin] (device address; host-mapped memory, so the host reads it).
+// counters: as many uint32 words of device memory, 0 before the launch (the kernel leaves
+// them 0). event (nonzero): recorded after the kernel. Refused (invalid value) while the
+// stream is being captured. Returns 0, kNotRecorded (event 0) or a runtime error.
+int transfer_layers(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
+                    std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, std::uint64_t event);
+// Stream memory operations on a uint32 word (device address): the stream waits until
+// (int32_t)(*addr - value) >= 0 (cuStreamWaitValue32 GEQ), or writes value once the
+// stream's earlier work is done (cuStreamWriteValue32). The status is a CUresult
+// (hipError_t on HIP); 801 (not supported) where the driver lacks them.
+int stream_wait_value(int device, std::uint64_t stream, std::uint64_t addr, std::uint32_t value);
+int stream_write_value(int device, std::uint64_t stream, std::uint64_t addr, std::uint32_t value);
+int event_synchronize(std::uint64_t event);
 // Copy-engine path: count copies dsts[i] <- srcs[i] of sizes[i] bytes (host arrays of
 // device addresses / aliases) with cudaMemcpyBatchAsync (CUDA >= 12.8) or a
 // cudaMemcpyAsync loop. The batched copy contract (pointerdomain/_platform/batch_copy.py):

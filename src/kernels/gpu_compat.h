@@ -66,6 +66,7 @@
 #define gpuStreamIsCapturing hipStreamIsCapturing
 #define gpuStreamCaptureStatus hipStreamCaptureStatus
 #define gpuStreamCaptureStatusNone hipStreamCaptureStatusNone
+#define gpuEventSynchronize hipEventSynchronize
 // hipPointerAttribute_t names the memory type `memoryType` before ROCm 6 and `type`
 // from ROCm 6 on (CUDA: `type`); this view gives callers `attr.type` on every version.
 struct pdHipPointerAttributes {
@@ -141,4 +142,5 @@ inline hipError_t pdHipPointerGetAttributes(pdHipPointerAttributes *out, const v
 #define gpuStreamIsCapturing cudaStreamIsCapturing
 #define gpuStreamCaptureStatus cudaStreamCaptureStatus
 #define gpuStreamCaptureStatusNone cudaStreamCaptureStatusNone
+#define gpuEventSynchronize cudaEventSynchronize
 #endif

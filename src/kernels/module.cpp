@@ -111,6 +111,18 @@ NB_MODULE(_C, m) {
           "uint32 words of the duplicate-destination scratch for a destination of num_slots slots.");
 
     m.def(
+        "cpu_transfer_layers",
+        [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t layer_begin, std::int64_t layer_count, std::uint64_t flags, std::uint32_t gen,
+           int num_threads) {
+            pd::transfer_cpu_layers(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count),
+                                    reinterpret_cast<std::uint32_t *>(flags), gen, num_threads);
+        },
+        nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
+        nb::arg("layer_count"), nb::arg("flags"), nb::arg("gen"), nb::arg("num_threads"),
+        nb::call_guard<nb::gil_scoped_release>(),
+        "cpu_transfer one layer at a time, storing gen to the uint32 word flags[l] after layer l.");
+    m.def(
         "cpu_copy_runs",
         [](std::uint64_t dsts, std::uint64_t srcs, std::uint64_t sizes, std::size_t count) {
             const auto *d = reinterpret_cast<const std::uint64_t *>(dsts);
@@ -365,6 +377,26 @@ NB_MODULE(_C, m) {
         "gpu_stream_capturing",
         [out_int](int device, std::uint64_t stream) { return out_int(&g::stream_capturing)(device, stream); },
         nb::arg("device"), nb::arg("stream"), "(status, 1 while the stream of the device is being captured)");
+    m.def(
+        "gpu_transfer_layers",
+        [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
+           std::int64_t layer_begin, std::int64_t layer_count, int device, std::uint64_t stream, int max_ctas,
+           std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, std::uint64_t event) {
+            return g::transfer_layers(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), device, stream,
+                                      max_ctas, plan.vec_bytes, flags, counters, gen, event);
+        },
+        nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
+        nb::arg("layer_count"), nb::arg("device"), nb::arg("stream"), nb::arg("max_ctas"), nb::arg("flags"),
+        nb::arg("counters"), nb::arg("gen"), nb::arg("event"), nb::call_guard<nb::gil_scoped_release>(),
+        "One launch for every layer, gen written to flags[l] (uint32, device address) once layer l is done; "
+        "counters: as many zeroed uint32 words of device memory; event (nonzero): recorded after the kernel. "
+        "0, gpu_not_recorded or a runtime error (invalid value while the stream is captured).");
+    m.def("gpu_stream_wait_value", &g::stream_wait_value, nb::arg("device"), nb::arg("stream"), nb::arg("addr"),
+          nb::arg("value"), "cuStreamWaitValue32 GEQ (cyclic) on a uint32 word: status (a CUresult).");
+    m.def("gpu_stream_write_value", &g::stream_write_value, nb::arg("device"), nb::arg("stream"), nb::arg("addr"),
+          nb::arg("value"), "cuStreamWriteValue32 of a uint32 word after the stream's earlier work: status.");
+    m.def("gpu_event_synchronize", &g::event_synchronize, nb::arg("event"), nb::call_guard<nb::gil_scoped_release>(),
+          "cudaEventSynchronize: status.");
     m.attr("gpu_not_recorded") = g::kNotRecorded;
     m.attr("gpu_marks_per_capture") = g::kMarksPerCapture;
     m.attr("gpu_not_ready") = g::not_ready_status();

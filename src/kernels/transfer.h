@@ -105,5 +105,8 @@ PD_HD bool slot_ok(std::int64_t slot, std::int64_t num_slots) {
 
 // CPU reference implementation (transfer_cpu.cpp).
 void transfer_cpu(const Transfer &t, int num_threads);
+// The layer pipeline on the CPU (the emulated device): t's layers in order, and after
+// layer l is copied, gen stored (release) to flags[l - t.layer_begin].
+void transfer_cpu_layers(const Transfer &t, std::uint32_t *flags, std::uint32_t gen, int num_threads);
 
 }  // namespace pointerdomain

@@ -116,4 +116,14 @@ void transfer_cpu(const Transfer &t, int num_threads) {
     for (auto &th : pool) th.join();
 }
 
+void transfer_cpu_layers(const Transfer &t, std::uint32_t *flags, std::uint32_t gen, int num_threads) {
+    Transfer one = t;
+    one.layer_count = 1;
+    for (std::int64_t l = 0; l < t.layer_count; ++l) {
+        one.layer_begin = t.layer_begin + l;
+        transfer_cpu(one, num_threads);  // its threads are joined: the layer's bytes are all written
+        __atomic_store_n(flags + l, gen, __ATOMIC_RELEASE);
+    }
+}
+
 }  // namespace pointerdomain

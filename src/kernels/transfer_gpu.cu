@@ -2,6 +2,9 @@
 #include "gpu_compat.h"
 
 #include <atomic>
+#if !defined(POINTERDOMAIN_HIP) && !defined(__HIP_PLATFORM_AMD__)
+#include <cuda.h>  // the stream memory operations' types (the driver is reached through the runtime)
+#endif
 #include <map>
 #include <mutex>
 
@@ -139,8 +142,11 @@ struct Split {
 // addresses and strides.
 // SPLIT = false (at least as many pairs as workers, the bandwidth case): no split, so no
 // registers go to it (they are all in use: one more spills).
-template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT>
-__global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ Transfer t, Split split_in) {
+// The body moves layers [layer_begin, layer_begin + lc) of t's slot pairs (item_kernel:
+// t's own range; the layer pipeline's kernel: one layer at a time).
+template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT, class Layer>
+__device__ __forceinline__ void item_body(const Transfer &t, const Split split_in, const Layer layer_begin,
+                                          const int lc) {
     using V = typename Vec<VEC>::T;
     static_assert(ITEM % (LANES * VEC) == 0, "an item must be whole words on every lane");
     static_assert(32 % LANES == 0, "a worker lies inside one warp");
@@ -154,7 +160,6 @@ __global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ 
     const unsigned units = static_cast<unsigned>(t.n) << split.shift;
     unsigned u = blockIdx.x * WORKERS + threadIdx.x / LANES;
     if (u >= units || aborted(t)) return;
-    const int lc = static_cast<int>(t.layer_count);
     const int q_count = static_cast<int>(t.num_kv) * lc;
     const int part_mask = (1 << split.shift) - 1;
     std::int64_t s = __ldg(t.src_idx + (u >> split.shift)), d = __ldg(t.dst_idx + (u >> split.shift));
@@ -181,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ 
                     if (U == 1 || qq < q_end) {
                         const int kv = qq >= lc ? 1 : 0;
                         const V *sp = reinterpret_cast<const V *>(
-                                          item_ptr(t.src, sb, kv, t.layer_begin + (qq - kv * lc))) + lane;
+                                          item_ptr(t.src, sb, kv, layer_begin + (qq - kv * lc))) + lane;
 #pragma unroll
                         for (int w = 0; w < WORDS; ++w) r[k][w] = load_word<HINT>(sp + w * LANES);
                     }
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ 
                     const int qq = q + k;
                     if (U == 1 || qq < q_end) {
                         const int kv = qq >= lc ? 1 : 0;
-                        V *dp = reinterpret_cast<V *>(item_ptr(t.dst, db, kv, t.layer_begin + (qq - kv * lc))) + lane;
+                        V *dp = reinterpret_cast<V *>(item_ptr(t.dst, db, kv, layer_begin + (qq - kv * lc))) + lane;
 #pragma unroll
                         for (int w = 0; w < WORDS; ++w) store_word<HINT>(dp + w * LANES, r[k][w]);
                     }
@@ -210,17 +215,22 @@ __global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ 
     }
 }
 
+template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT>
+__global__ void __launch_bounds__(kThreads) item_kernel(const __grid_constant__ Transfer t, Split split_in) {
+    item_body<ITEM, LANES, VEC, U, HINT, SPLIT>(t, split_in, t.layer_begin, static_cast<int>(t.layer_count));
+}
+
 // Fallback for any item size, word width and num_kv: a warp per part of a slot pair,
 // each item moved in steps of 32 * WORDS words with the tail predicated.
 template <int VEC, int WORDS, int HINT>
-__global__ void __launch_bounds__(kThreads) generic_kernel(const __grid_constant__ Transfer t, Split split) {
+__device__ __forceinline__ void generic_body(const Transfer &t, const Split split, const std::int64_t layer_begin,
+                                             const int lc) {
     using V = typename Vec<VEC>::T;
     constexpr int WORKERS = kThreads / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * WORKERS;
     const std::int64_t words = t.item_bytes / VEC;
     const std::int64_t units = t.n << split.shift;
-    const int lc = static_cast<int>(t.layer_count);
     const int q_count = static_cast<int>(t.num_kv) * lc;
     const int part_mask = (1 << split.shift) - 1;
     if (aborted(t)) return;
@@ -234,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(const __grid_constant
         const SlotBase sb = slot_base(t.src, s, t.page_size), db = slot_base(t.dst, d, t.page_size);
         for (int q = q_begin; q < q_end; ++q) {
             const int kv = q / lc;
-            const std::int64_t l = t.layer_begin + (q - kv * lc);
+            const std::int64_t l = layer_begin + (q - kv * lc);
             const V *sp = reinterpret_cast<const V *>(item_ptr(t.src, sb, kv, l));
             V *dp = reinterpret_cast<V *>(item_ptr(t.dst, db, kv, l));
             for (std::int64_t base = lane; base < words; base += 32 * WORDS) {
@@ -247,6 +257,69 @@ __global__ void __launch_bounds__(kThreads) generic_kernel(const __grid_constant
                     if (base + 32 * w < words) store_word<HINT>(dp + base + 32 * w, r[w]);
             }
         }
+    }
+}
+
+template <int VEC, int WORDS, int HINT>
+__global__ void __launch_bounds__(kThreads) generic_kernel(const __grid_constant__ Transfer t, Split split) {
+    generic_body<VEC, WORDS, HINT>(t, split, t.layer_begin, static_cast<int>(t.layer_count));
+}
+
+// The layer pipeline (one launch for every layer of a request, pointerdomain.transfer.layers):
+// each CTA moves its share of layer 0, then of layer 1, ...; after each layer the CTA
+// arrives on that layer's counter, and the last CTA to arrive publishes the layer: it
+// writes `gen` to flags[l], the word a stream waits on (cuStreamWaitValue32 >= gen) and
+// the host reads. No CTA ever waits for another, so nothing depends on which CTAs are
+// resident. The last arriver also puts the counter back to 0 for the next launch on the
+// buffer (launches on one buffer are ordered: one stream, or a graph's replays).
+struct LayerFlags {
+    std::uint32_t *flags;     // device address of one word per layer (host-mapped memory)
+    std::uint32_t *counters;  // one word per layer, device memory, 0 between launches
+    std::uint32_t gen;
+    // 1, the layers the body moves per step: a launch argument, not the constant, because
+    // the body compiled for a constant 1 needs registers it does not have at 1024 threads
+    // (ptxas spills inside the item loop; as an argument it spills nothing but at 1152 B)
+    int step;
+};
+
+// The arrival is the grid barrier's (cooperative groups' grid sync): the CTA barrier
+// orders every thread's stores of the layer before thread 0's fence, which is cumulative,
+// so they are ordered before the arrival; the last arriver's system fence then orders
+// every CTA's stores before the flag for any observer (a stream wait, the host). The other
+// warps go on to the next layer meanwhile.
+__device__ __forceinline__ void publish_layer(const LayerFlags &f, int l) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(f.counters + l, 1u) == gridDim.x - 1) {
+            __threadfence_system();
+            f.counters[l] = 0u;
+            *reinterpret_cast<volatile std::uint32_t *>(f.flags + l) = f.gen;
+        }
+    }
+}
+
+template <int ITEM, int LANES, int VEC, int U, int HINT, bool SPLIT>
+__global__ void __launch_bounds__(kThreads) item_layers_kernel(const __grid_constant__ Transfer t, Split split,
+                                                               const LayerFlags f) {
+    // one 32-bit register lives across the body (layers < 2^24): the layer itself, its
+    // bounds and flag index re-read from the launch arguments
+#pragma unroll 1
+    for (int layer = static_cast<int>(t.layer_begin); layer < static_cast<int>(t.layer_begin + t.layer_count);
+         ++layer) {
+        item_body<ITEM, LANES, VEC, U, HINT, SPLIT>(t, split, layer, f.step);
+        publish_layer(f, layer - static_cast<int>(t.layer_begin));
+    }
+}
+
+template <int VEC, int WORDS, int HINT>
+__global__ void __launch_bounds__(kThreads) generic_layers_kernel(const __grid_constant__ Transfer t, Split split,
+                                                                  const LayerFlags f) {
+    const int count = static_cast<int>(t.layer_count);
+#pragma unroll 1
+    for (int l = 0; l < count; ++l) {
+        generic_body<VEC, WORDS, HINT>(t, split, t.layer_begin + l, 1);
+        publish_layer(f, l);
     }
 }
 
@@ -327,6 +400,64 @@ struct Launch {
     }
 };
 
+// The layer pipeline's launch: the kernel walks t's layers, one at a time, so each
+// layer's split and CTA count are those of a one-layer launch. At least one CTA, so that
+// every layer is published.
+template <class Kernel>
+int launch_layers(Kernel kernel, int workers_per_cta, const Transfer &t, const Split &split, int ctas, gpuStream_t s,
+                  const LayerFlags &f) {
+    const std::int64_t needed = ((t.n << split.shift) + workers_per_cta - 1) / workers_per_cta;
+    if (needed < ctas) ctas = static_cast<int>(needed);
+    if (ctas < 1) ctas = 1;
+    kernel<<<ctas, kThreads, 0, s>>>(t, split, f);
+    return finish(gpuGetLastError());
+}
+
+inline Transfer one_layer(const Transfer &t) {
+    Transfer one = t;
+    one.layer_count = 1;
+    return one;
+}
+
+template <int VEC, int WORDS, int HINT = 1>
+int launch_generic_layers(const Transfer &t, int device, int max_ctas, gpuStream_t s, const LayerFlags &f) {
+    constexpr auto kernel = generic_layers_kernel<VEC, WORDS, HINT>;
+    int ctas = max_ctas;
+    if (ctas <= 0) {
+        if (const int e = whole_gpu_ctas<kernel>(device, &ctas)) return e;
+    }
+    const int wpc = kThreads / 32;
+    return launch_layers(kernel, wpc, t, split_for(one_layer(t), static_cast<std::int64_t>(ctas) * wpc), ctas, s, f);
+}
+
+template <int ITEM, int LANES, int VEC, int U, int HINT = 1>
+int launch_item_layers(const Transfer &t, int device, int max_ctas, gpuStream_t s, const LayerFlags &f) {
+    if (t.n >= (std::int64_t{1} << 31)) return launch_generic_layers<VEC, 4, HINT>(t, device, max_ctas, s, f);
+    constexpr auto whole = item_layers_kernel<ITEM, LANES, VEC, U, HINT, false>;
+    constexpr auto split = item_layers_kernel<ITEM, LANES, VEC, U, HINT, true>;
+    constexpr int wpc = kThreads / LANES;
+    int ctas = max_ctas;
+    if (ctas <= 0) {
+        if (const int e = whole_gpu_ctas<whole>(device, &ctas)) return e;
+    }
+    const Split sp = split_for(one_layer(t), static_cast<std::int64_t>(ctas) * wpc);
+    if (sp.shift == 0) return launch_layers(whole, wpc, t, sp, ctas, s, f);
+    return launch_layers(split, wpc, t, sp, ctas, s, f);
+}
+
+struct LaunchLayers {
+    const Transfer &t;
+    int device, max_ctas;
+    gpuStream_t s;
+    const LayerFlags &f;
+    template <int ITEM, int LANES, int VEC, int U, int HINT = 1> int item() const {
+        return launch_item_layers<ITEM, LANES, VEC, U, HINT>(t, device, max_ctas, s, f);
+    }
+    template <int VEC, int WORDS, int HINT = 1> int generic() const {
+        return launch_generic_layers<VEC, WORDS, HINT>(t, device, max_ctas, s, f);
+    }
+};
+
 // Lazy module loading (the default since CUDA 12.2) loads a kernel at its first launch,
 // and loading may synchronise the context: a first launch queued behind other work would
 // wait for all of it. cudaFuncGetAttributes loads the kernel ahead of that.
@@ -339,9 +470,12 @@ struct Preload {
     template <int ITEM, int LANES, int VEC, int U, int HINT = 1> int item() const {
         if (const int e = load<item_kernel<ITEM, LANES, VEC, U, HINT, false>>()) return e;
         if (const int e = load<item_kernel<ITEM, LANES, VEC, U, HINT, true>>()) return e;
+        if (const int e = load<item_layers_kernel<ITEM, LANES, VEC, U, HINT, false>>()) return e;
+        if (const int e = load<item_layers_kernel<ITEM, LANES, VEC, U, HINT, true>>()) return e;
         return generic<VEC, 4, HINT>();  // launch_item's fallback at 2^31 pairs or more
     }
     template <int VEC, int WORDS, int HINT = 1> int generic() const {
+        if (const int e = load<generic_layers_kernel<VEC, WORDS, HINT>>()) return e;
         return load<generic_kernel<VEC, WORDS, HINT>>();
     }
 };
@@ -552,6 +686,82 @@ int stream_capturing(int device, std::uint64_t stream, int *capturing) {
     gpuError_t e = gpuSuccess;
     *capturing = capturing_of(reinterpret_cast<gpuStream_t>(stream), &e);
     return finish(e);
+}
+
+int transfer_layers(const Transfer &t, int device, std::uint64_t stream, int max_ctas, int vec_bytes,
+                    std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, std::uint64_t event) {
+    if (t.layer_count <= 0 || t.num_kv <= 0 || t.item_bytes <= 0 || t.n < 0 || t.layer_count >= (1 << 24) ||
+        flags == 0 || counters == 0)
+        return finish(gpuErrorInvalidValue);
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    auto s = reinterpret_cast<gpuStream_t>(stream);
+    gpuError_t e = gpuSuccess;
+    const int capturing = capturing_of(s, &e);
+    if (e != gpuSuccess) return finish(e);
+    // Never captured: in a graph the scheduler may put a stream wait on a flag ahead of
+    // the kernel that sets it (the driver does not see that order), so the Python layer
+    // queues captured loads as one launch per layer with events instead.
+    if (capturing) return finish(gpuErrorInvalidValue);
+    const LayerFlags f{reinterpret_cast<std::uint32_t *>(flags), reinterpret_cast<std::uint32_t *>(counters), gen, 1};
+    if (const int status = pick(t.item_bytes, t.num_kv, 1, vec_bytes, LaunchLayers{t, device, max_ctas, s, f}))
+        return status;
+    if (event == 0) return kNotRecorded;
+    return finish(gpuEventRecord(reinterpret_cast<gpuEvent_t>(event), s));
+}
+
+namespace {
+#if !defined(POINTERDOMAIN_HIP) && !defined(__HIP_PLATFORM_AMD__)
+// cuStreamWaitValue32 / cuStreamWriteValue32 (the driver's stream memory operations, no
+// runtime spelling) through the runtime's driver entry points: nothing links libcuda.
+using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+StreamValueFn driver_entry(const char *name) {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found);
+#endif
+    if (e != cudaSuccess) gpuGetLastError();
+    return e == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<StreamValueFn>(fn) : nullptr;
+}
+
+int stream_value(bool wait, std::uint64_t stream, std::uint64_t addr, std::uint32_t value) {
+    static const StreamValueFn wait_fn = driver_entry("cuStreamWaitValue32");
+    static const StreamValueFn write_fn = driver_entry("cuStreamWriteValue32");
+    const StreamValueFn fn = wait ? wait_fn : write_fn;
+    if (fn == nullptr) return static_cast<int>(cudaErrorNotSupported);
+    // GEQ: (int32_t)(*addr - value) >= 0, a cyclic compare, so generations may wrap
+    return static_cast<int>(fn(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value,
+                               wait ? static_cast<unsigned>(CU_STREAM_WAIT_VALUE_GEQ)
+                                    : static_cast<unsigned>(CU_STREAM_WRITE_VALUE_DEFAULT)));
+}
+#else
+int stream_value(bool wait, std::uint64_t stream, std::uint64_t addr, std::uint32_t value) {
+    auto s = reinterpret_cast<hipStream_t>(stream);
+    auto p = reinterpret_cast<void *>(addr);
+    return static_cast<int>(wait ? hipStreamWaitValue32(s, p, value, hipStreamWaitValueGte, 0xFFFFFFFFu)
+                                 : hipStreamWriteValue32(s, p, value, 0));
+}
+#endif
+}  // namespace
+
+int stream_wait_value(int device, std::uint64_t stream, std::uint64_t addr, std::uint32_t value) {
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    return stream_value(true, stream, addr, value);
+}
+
+int stream_write_value(int device, std::uint64_t stream, std::uint64_t addr, std::uint32_t value) {
+    DeviceGuard guard(device);
+    if (guard.status() != gpuSuccess) return finish(guard.status());
+    return stream_value(false, stream, addr, value);
+}
+
+int event_synchronize(std::uint64_t event) {
+    return finish(gpuEventSynchronize(reinterpret_cast<gpuEvent_t>(event)));
 }
 
 #if !defined(POINTERDOMAIN_HIP) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080

@@ -62,6 +62,11 @@ def marks_words(num_slots: int) -> int:
     uint32 words of the duplicate-destination scratch for a destination of num_slots slots.
     """
 
+def cpu_transfer_layers(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, flags: int, gen: int, num_threads: int) -> None:
+    """
+    cpu_transfer one layer at a time, storing gen to the uint32 word flags[l] after layer l.
+    """
+
 def cpu_copy_runs(dsts: int, srcs: int, sizes: int, count: int) -> None:
     """memcpy runs: addresses of uint64 arrays of dst, src, bytes."""
 
@@ -215,6 +220,24 @@ def gpu_event_query(event: int) -> int:
 
 def gpu_stream_capturing(device: int, stream: int) -> tuple[int, int]:
     """(status, 1 while the stream of the device is being captured)"""
+
+def gpu_transfer_layers(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int, flags: int, counters: int, gen: int, event: int) -> int:
+    """
+    One launch for every layer, gen written to flags[l] (uint32, device address) once layer l is done; counters: as many zeroed uint32 words of device memory; event (nonzero): recorded after the kernel. 0, gpu_not_recorded or a runtime error (invalid value while the stream is captured).
+    """
+
+def gpu_stream_wait_value(device: int, stream: int, addr: int, value: int) -> int:
+    """
+    cuStreamWaitValue32 GEQ (cyclic) on a uint32 word: status (a CUresult).
+    """
+
+def gpu_stream_write_value(device: int, stream: int, addr: int, value: int) -> int:
+    """
+    cuStreamWriteValue32 of a uint32 word after the stream's earlier work: status.
+    """
+
+def gpu_event_synchronize(event: int) -> int:
+    """cudaEventSynchronize: status."""
 
 gpu_not_recorded: int = -3
 

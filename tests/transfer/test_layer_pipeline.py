@@ -4,13 +4,29 @@ errors raised before the first layer is queued."""
 
 from __future__ import annotations
 
+import ctypes
+import statistics
+import time
+
 import pytest
 import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
 from tests.helpers.checks import assert_round_trip
-from tests.reference import DEV, as_bytes, fill_pool, filled_pools, model_layout, pool_bytes
+from pointerdomain.testing import DelegatingBackend, EmulatedGraph, backend_for, install_backend
+from tests.reference import (
+    DEV,
+    as_bytes,
+    fill_pool,
+    fill_random,
+    filled_pools,
+    items,
+    model_layout,
+    pool_bytes,
+    reference_transfer,
+    same,
+)
 
 #: Also run in strict alias mode by CI (python -m pytest -m strict_alias --strict-alias).
 pytestmark = pytest.mark.strict_alias
@@ -112,3 +128,156 @@ def test_module_function_takes_tables_and_layouts() -> None:
         with pytest.raises(errors.InvalidArgumentError, match="KVLayout"):
             pd.load_layers(host.kernel_table, pool.table, idx, idx, src_layout="x",  # type: ignore[arg-type]
                            dst_layout=pool.layout)
+
+
+# The completion words ----------------------------------------------------------------
+# Each layer's flag word reaches the load's generation once the layer's bytes are written
+# (the native call walks the layers in order); waits and ready() read the words. The
+# emulated backend reads and writes them on the host, so these tests set a word by hand to
+# stand for a flag not (yet) published.
+
+def _flag(done: pd.LayerLoad, layer: int) -> ctypes.c_uint32:
+    words = done._words  # the load's completion words (host-readable on the emulated device)
+    assert words is not None and words.host
+    return ctypes.c_uint32.from_address(words.host + 4 * layer)
+
+
+def test_each_layer_publishes_the_load_generation_and_waits_read_it() -> None:
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=4) as (pool, host):
+        idx = torch.tensor([2, 9, 4])
+        first = host.load_layers(pool, idx, idx)
+        second = host.load_layers(pool, idx, idx)  # the same stream's words, the next generation
+        assert first.generation >= 1 and second.generation == first.generation + 1
+        assert [_flag(second, layer).value for layer in range(3)] == [second.generation] * 3
+        assert all(first.ready(layer) and second.ready(layer) for layer in range(3))  # a later flag covers earlier loads
+        _flag(second, 1).value = first.generation  # layer 1 of the second load not published (yet)
+        assert first.ready(1) and not second.ready(1) and second.ready(0) and second.ready(2)
+        with pytest.raises(errors.RuntimeCallError, match="flag 1 holds .* wait forever"):
+            second.wait(1)  # a GPU stream would wait; the synchronous device cannot: it raises
+        second.wait(0)
+        second.wait(2, stream=0)
+        first.wait(1)
+        _flag(second, 1).value = second.generation
+        second.wait(1)
+        second.synchronize()
+
+
+def test_generations_compare_cyclically_and_stay_per_stream() -> None:
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=5) as (pool, host):
+        idx = torch.tensor([1, 3])
+        done = host.load_layers(pool, idx, idx)
+        flag = _flag(done, 0)
+        for value, ready in [(done.generation + 5, True), (done.generation - 1, False),
+                             ((done.generation + 2**31) & 0xFFFFFFFF, False), (0, False)]:
+            flag.value = value & 0xFFFFFFFF
+            assert done.ready(0) is ready, value
+
+
+def test_empty_load_queues_nothing_and_is_done() -> None:
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=6) as (pool, host):
+        empty = torch.empty(0, dtype=torch.int64)
+        done = host.load_layers(pool, empty, empty)
+        assert done.generation == 0 and done._words is None
+        assert all(done.ready(layer) for layer in range(done.num_layers))
+        done.wait(2)
+        done.synchronize()
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_captured_pipeline_replays_layer_by_layer(attention: str) -> None:
+    """A load captured into the stand-in graph with a consumer per layer (a copy of the
+    layer into a second host pool, captured after ``wait(layer)``): the capture records
+    one launch per layer (no flags: a graph gets its order as edges), and every replay
+    moves this replay's bytes (indices and host data rewritten in place) before each
+    layer's consumer reads them."""
+    dev_layout = model_layout("layer_first", pages=6, attention=attention)
+    host_layout = model_layout("page_first", pages=10, attention=attention)
+    with filled_pools(dev_layout, host_layout, DEV, chunk_blocks=None, seed=7) as (pool, host), \
+            pd.HostKVPool(host_layout, DEV) as sink:
+        src = torch.tensor([1, 2, 3, 4])
+        dst = torch.tensor([5, 6, 7, 8])
+        before = pool_bytes(pool).clone()
+        graph = EmulatedGraph("layer pipeline")
+        with graph.capture(DEV):
+            done = host.load_layers(pool, src, dst)
+            for layer in range(done.num_layers):
+                done.wait(layer)
+                pd.transfer_kv_per_layer(pool.table, sink.kernel_table, dst, src, layer_id=layer,
+                                         src_layout=pool.layout, dst_layout=sink.layout)
+        assert torch.equal(pool_bytes(pool), before)  # captured, not run
+        assert done.generation == 0 and done._words is None
+        loads = [args for _plan, args in graph.launches if args[:3] == (src.data_ptr(), dst.data_ptr(), 4)]
+        assert [(begin, count) for *_, begin, count in loads] == [(layer, 1) for layer in range(done.num_layers)]
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            src.copy_(torch.randperm(host_layout.num_slots, generator=g)[:4])
+            dst.copy_(torch.randperm(dev_layout.num_slots, generator=g)[:4])
+            fill_random(host.buffer, 100 + seed)
+            fill_pool(pool, 200 + seed)
+            as_bytes(sink.buffer).fill_(0xA5)
+            expected = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, src, dst)
+            graph.replay()
+            assert torch.equal(pool_bytes(pool), expected)  # every layer, nothing else
+            for kv in range(dev_layout.num_kv):
+                for layer in range(done.num_layers):
+                    assert same(items(sink.buffer, host_layout, kv, layer, src),
+                                items(host.buffer, host_layout, kv, layer, src)), (seed, kv, layer)
+        assert all(done.ready(layer) for layer in range(done.num_layers))
+        with pytest.raises(errors.InvalidArgumentError, match="captured into a graph"):
+            done.synchronize()
+        graph.reset()
+
+
+def test_copy_engine_layers_publish_in_order_too() -> None:
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=9) as (pool, host):
+        idx = torch.tensor([6, 1])
+        fill_pool(pool, 30)
+        expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, idx, idx)
+        done = host.load_layers(pool, idx, idx, backend="copy_engine")
+        assert torch.equal(pool_bytes(pool), expected)
+        assert [_flag(done, layer).value for layer in range(done.num_layers)] == [done.generation] * done.num_layers
+
+
+def test_load_layers_queue_time_is_one_native_call() -> None:
+    """Host time of queueing a 61-layer request of one token (the copy itself negligible):
+    one native call for every layer, so far below 61 per-layer launches from Python. The
+    bound is loose (a loaded 2-core machine); benchmarks/layer_pipeline.py has the figures."""
+    layout = pd.KVLayout(kind="layer_first", num_layers=61, num_pages=4, page_size=16, num_heads=1, head_dim=576,
+                         dtype="bfloat16", attention="mla")
+    pool = pd.DeviceKVPool(layout, DEV)
+    with pd.HostKVPool(layout.replace(kind="page_first", num_pages=8), DEV) as host:
+        idx = torch.tensor([3])
+        host.load_layers(pool, idx, idx)  # warm: the plan, the stream's words
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            host.load_layers(pool, idx, idx)
+            times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for layer in range(61):
+                host.load_layer(pool, idx, idx, layer)
+            times.append(-(time.perf_counter() - t0))
+        queue = statistics.median(t for t in times if t > 0)
+        per_layer_calls = statistics.median(-t for t in times if t < 0)
+        assert queue < per_layer_calls / 4, (queue, per_layer_calls)
+
+
+class _NoLayerPipeline(DelegatingBackend):
+    """The emulated backend without the layer pipeline's native half (as a build without
+    the GPU kernels on CUDA)."""
+
+    launch_layers = None  # type: ignore[assignment]
+
+
+def test_a_backend_without_the_pipeline_refuses_before_anything_is_written() -> None:
+    with install_backend(_NoLayerPipeline(backend_for(DEV), "no-layers"), "emulated"):
+        pool = pd.DeviceKVPool(model_layout(), DEV)
+        fill_pool(pool, 3)
+        before = pool_bytes(pool).clone()
+        with pd.HostKVPool(model_layout("page_first"), DEV) as host:
+            idx = torch.tensor([1, 2])
+            with pytest.raises(errors.ExtensionUnavailableError, match="no layer pipeline"):
+                host.load_layers(pool, idx, idx)
+            assert torch.equal(pool_bytes(pool), before)
+            host.load(pool, idx, idx)  # the plain load still runs on it
+            assert not torch.equal(pool_bytes(pool), before)

@@ -111,6 +111,7 @@ EXEMPT = {
     "KernelOp.__init__:var_keyword": "built by kernel_op() from the op's signature",
     "KernelOp.__init__:table_tensor": "built by kernel_op() (sampled there)",
     "TransferChoice.__init__:host_indices": "built by explain_transfer(), a frozen record",
+    "LayerLoad.__init__:words": "built by load_layers() (its completion words)",
 }
 
 

@@ -30,7 +30,15 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, LaunchArgs, PointerQuery, StagedCopy, StagingArgs
+from pointerdomain._platform.base import (
+    Backend,
+    LaunchArgs,
+    LayerSignals,
+    LayerWords,
+    PointerQuery,
+    StagedCopy,
+    StagingArgs,
+)
 from pointerdomain._platform.pointer_query import PointerInfo
 from pointerdomain.errors import ExtensionUnavailableError
 
@@ -43,6 +51,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "LaunchArgs",
+    "LayerSignals",
+    "LayerWords",
     "StagedCopy",
     "StagingArgs",
     "backend_for",

@@ -26,6 +26,8 @@ __all__ = [
     "Backend",
     "DeviceAttributeName",
     "LaunchArgs",
+    "LayerSignals",
+    "LayerWords",
     "PinnedAllocator",
     "PointerQuery",
     "RuntimeTraits",
@@ -319,6 +321,78 @@ class StagedCopy(Protocol):
             ExtensionUnavailableError: this build has no staged path.
             RuntimeCallError: a runtime call failed.
         """
+        ...
+
+
+class LayerWords:
+    """The completion words of a layer pipeline (:mod:`pointerdomain.transfer.layers`):
+    ``capacity`` uint32 flags, word ``l`` set to a load's generation once its layer ``l``
+    is done, and as many counters the launch's CTAs count their arrivals in (0 between
+    launches; device memory).
+
+    Attributes:
+        capacity: words of each kind.
+        flags: the flags' address for kernels and stream waits (a device address).
+        host: the flags' host address (the host reads them in place).
+        counters: the counters' address (device memory; unused where launches are synchronous).
+        keep: the memory under them, kept alive with this object.
+    """
+
+    __slots__ = ("capacity", "flags", "host", "counters", "keep")
+
+    def __init__(self, capacity: int, flags: int, host: int, counters: int, keep: tuple[object, ...]) -> None:
+        self.capacity = capacity
+        self.flags = flags
+        self.host = host
+        self.counters = counters
+        self.keep = keep
+
+
+@runtime_checkable
+class LayerSignals(Protocol):
+    """A backend with the layer pipeline's native half (optional: without it
+    ``load_layers`` raises ExtensionUnavailableError). Flags compare cyclically: a flag
+    ``f`` satisfies generation ``g`` when ``(f - g) mod 2**32 < 2**31``.
+
+    Raises (every method):
+        RuntimeCallError: a runtime call failed.
+    """
+
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
+        """New words for ``capacity`` layers, zeroed (on the device's current stream where
+        that takes device work)."""
+        ...
+
+    def capturing(self, device: Device, stream: int) -> bool:
+        """Whether ``stream`` of ``device`` is being captured into a graph now."""
+        ...
+
+    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        """Every layer of ``args`` in one launch, flag ``l`` set to ``gen`` once layer
+        ``args.layer_begin + l`` is done (never while capturing: a captured graph could
+        order a stream wait on a flag ahead of the kernel that sets it). Returns the event
+        recorded after the launch (for :meth:`wait_event_done`), or 0 (synchronous)."""
+        ...
+
+    def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        """Set flag ``index`` to ``gen`` once the work queued on ``stream`` so far is done."""
+        ...
+
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        """Make ``stream`` wait, on the device, until flag ``index`` satisfies ``gen``.
+
+        Raises:
+            RuntimeCallError: also on a synchronous device whose flag is not set (a GPU
+                stream would wait forever).
+        """
+        ...
+
+    def layer_flag(self, words: LayerWords, index: int) -> int:
+        """Flag ``index`` as the host reads it now."""
+        ...
+
+    def wait_event_done(self, event: int) -> None:
+        """Block the host until the work before ``event``'s last record is done."""
         ...
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pointerdomain import _C
-from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
+from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, LayerWords, RuntimeTraits, StagingArgs
 from pointerdomain._platform.batch_copy import batch_allowed, plan_copy_runs
 from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.host_memory import VmmAllocation, pageable_access
@@ -354,6 +354,48 @@ class CudaBackend(_TorchDevice):
                                       sub.batched)
             if status != 0:
                 check(self, "cudaMemcpyBatchAsync" if sub.batched else "cudaMemcpyAsync (copy runs)", status)
+
+    # the layer pipeline (LayerSignals): one kernel for every layer, whose last CTA per
+    # layer writes the layer's flag; waits are cuStreamWaitValue32. Flags are host-mapped
+    # pinned memory (the host reads them in place), counters device memory.
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
+        status, host = _C.gpu_pinned_alloc(4 * capacity, device.ordinal)
+        check(self, "cudaHostAlloc (layer flags)", status)
+        assert host is not None  # status 0
+        ctypes.memset(host.data_ptr(), 0, 4 * capacity)  # no GPU work has them yet
+        status, alias = _C.gpu_host_get_device_pointer(host.data_ptr(), device.ordinal)
+        check(self, "cudaHostGetDevicePointer (layer flags)", status)
+        # zeroed on the device's current stream, which the load stream waits for before its launch
+        counters = torch.zeros(4 * capacity, dtype=torch.uint8, device=device.torch_device)
+        return LayerWords(capacity, alias, host.data_ptr(), counters.data_ptr(), (host, counters))
+
+    def capturing(self, device: Device, stream: int) -> bool:
+        status, capturing = _C.gpu_stream_capturing(device.ordinal, stream)
+        check(self, "cudaStreamIsCapturing", status)
+        return bool(capturing)
+
+    def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
+        event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
+        status = _C.gpu_transfer_layers(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
+                                        max_ctas, words.flags, words.counters, gen & 0xFFFFFFFF, event)
+        return self._recorded(event, status, "layer pipeline launch")
+
+    def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        status = _C.gpu_stream_write_value(device.ordinal, stream, words.flags + 4 * index, gen & 0xFFFFFFFF)
+        if status != 0:
+            check(self, "cuStreamWriteValue32 (layer flag)", status)
+
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        status = _C.gpu_stream_wait_value(device.ordinal, stream, words.flags + 4 * index, gen & 0xFFFFFFFF)
+        if status != 0:
+            check(self, "cuStreamWaitValue32 (layer flag)", status)
+
+    def layer_flag(self, words: LayerWords, index: int) -> int:
+        return int(ctypes.c_uint32.from_address(words.host + 4 * index).value)
+
+    def wait_event_done(self, event: int) -> None:
+        check(self, "cudaEventSynchronize", _C.gpu_event_synchronize(event))
 
     def staged_available(self) -> bool:
         return True

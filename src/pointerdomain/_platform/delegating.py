@@ -11,6 +11,8 @@ from pointerdomain._platform.base import (
     Backend,
     DeviceAttributeName,
     LaunchArgs,
+    LayerSignals,
+    LayerWords,
     PointerQuery,
     RuntimeTraits,
     StagedCopy,
@@ -131,6 +133,33 @@ class DelegatingBackend(RuntimeTraits):
         if not isinstance(inner, StagedCopy):
             raise ExtensionUnavailableError(f"the {inner.name} backend has no staged copy-engine path")
         inner.staged(plan, args, staging)
+
+    def _layers(self) -> LayerSignals:
+        inner = self.inner
+        if not isinstance(inner, LayerSignals):
+            raise ExtensionUnavailableError(f"the {inner.name} backend has no layer pipeline")
+        return inner
+
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
+        return self._layers().layer_words(device, capacity)
+
+    def capturing(self, device: Device, stream: int) -> bool:
+        return self._layers().capturing(device, stream)
+
+    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        return self._layers().launch_layers(plan, args, words, gen)
+
+    def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        self._layers().signal_layer(words, index, gen, device, stream)
+
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        self._layers().wait_layer(words, index, gen, device, stream)
+
+    def layer_flag(self, words: LayerWords, index: int) -> int:
+        return self._layers().layer_flag(words, index)
+
+    def wait_event_done(self, event: int) -> None:
+        self._layers().wait_event_done(event)
 
     def synchronize(self, device: Device) -> None:
         self.inner.synchronize(device)

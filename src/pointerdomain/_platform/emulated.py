@@ -29,6 +29,7 @@ host-memory kinds of other platforms, so each kind is tested on CPU:
 from __future__ import annotations
 
 import collections
+import ctypes
 import resource
 import threading
 import weakref
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain import _C, env
-from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, RuntimeTraits, StagingArgs
+from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, LayerWords, RuntimeTraits, StagingArgs
 from pointerdomain._platform.host_memory import NOT_SUPPORTED, VmmAllocation
 from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
 from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
@@ -89,6 +90,9 @@ _RECORDED = 1 << 16
 
 #: cudaErrorInvalidDevice: the status of emulated work for a device that is not current.
 _WRONG_DEVICE = 101
+
+#: cudaErrorNotReady: the status of an emulated stream wait whose flag nothing will set.
+_WAIT_UNSATISFIED = 600
 
 
 def _require_current(device: Device, what: str) -> None:
@@ -312,6 +316,44 @@ class EmulatedBackend(RuntimeTraits):
         # The same bytes through the CPU kernel (emulated indices are host memory already).
         _C.cpu_transfer(plan, args.src_idx, args.dst_idx, args.n, args.layer_begin, args.layer_count,
                         torch.get_num_threads())
+
+    # the layer pipeline (LayerSignals): the CPU kernel walks the layers and sets each
+    # layer's flag after its bytes are written, in one native call; a stream wait is a
+    # check that the flag is set (synchronous: a flag left unset would never be set, where
+    # a GPU stream would wait forever).
+    def layer_words(self, device: Device, capacity: int) -> LayerWords:
+        memory = _C.emu_device_alloc(8 * capacity, device.ordinal)  # flags, then counters (unused here)
+        base = memory.data_ptr()
+        ctypes.memset(base, 0, 8 * capacity)
+        return LayerWords(capacity, base, base, base + 4 * capacity, (memory,))
+
+    def capturing(self, device: Device, stream: int) -> bool:
+        return emulated_capture(device) is not None
+
+    def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args
+        _require_current(device, "layer pipeline launch")
+        _C.cpu_transfer_layers(plan, src_idx, dst_idx, n, layer_begin, layer_count, words.flags, gen & 0xFFFFFFFF,
+                               torch.get_num_threads())
+        return 0  # synchronous: every layer is done
+
+    def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        ctypes.c_uint32.from_address(words.flags + 4 * index).value = gen & 0xFFFFFFFF
+
+    def wait_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
+        flag = ctypes.c_uint32.from_address(words.flags + 4 * index).value
+        if (flag - gen) & 0xFFFFFFFF >= 1 << 31:
+            raise RuntimeCallError(
+                "emulated stream wait on a layer flag", _WAIT_UNSATISFIED,
+                f"flag {index} holds {flag}, not generation {gen} or later, and nothing queued will set it: a GPU "
+                "stream would wait forever",
+            )
+
+    def layer_flag(self, words: LayerWords, index: int) -> int:
+        return int(ctypes.c_uint32.from_address(words.host + 4 * index).value)
+
+    def wait_event_done(self, event: int) -> None:
+        return None  # synchronous: nothing in flight
 
     def synchronize(self, device: Device) -> None:
         return None

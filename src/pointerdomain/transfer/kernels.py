@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import torch
 
@@ -57,6 +57,9 @@ from pointerdomain.layouts import KVLayout
 from pointerdomain.transfer.plan import TransferPlan, plan_for
 from pointerdomain.registration.tables import PointerTable
 
+if TYPE_CHECKING:
+    from pointerdomain._C import KernelPlan
+
 __all__ = [
     "CE_MIN_RUN_BYTES_SMALL_BUDGET",
     "CE_MIN_RUN_BYTES_WHOLE_GPU",
@@ -64,6 +67,7 @@ __all__ = [
     "WHOLE_GPU",
     "IndexCheck",
     "LaunchOptions",
+    "LayersLaunch",
     "MaxCtas",
     "Path",
     "TransferBackend",
@@ -464,31 +468,37 @@ def choose_path(
     return path
 
 
+#: The layer pipeline's kernel launch (:mod:`pointerdomain.transfer.layers`): called by
+#: :func:`run` in place of the plain launch with the kernel plan and the bound arguments;
+#: returns the event recorded after it (0: none, as ``launch_recorded``).
+LayersLaunch = Callable[["KernelPlan", LaunchArgs], int]
+
+
 def run(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
+    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck, layers: LayersLaunch | None = None,
 ) -> None:
     """The launch's last step: run ``path`` (from :func:`choose_path`) on the call bound by
-    :func:`check_call`."""
+    :func:`check_call`; ``layers``: the kernel path's launch is this one instead."""
     if path is _KERNEL and plan.launch_sets_device and not checked.enabled():
         # The native launch sets and restores the device itself (and reads the capture
         # state of the launch stream there): no Python device switch on the hot path.
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
+        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check, layers)
         return
     runtime = plan.runtime
     if runtime is not None and runtime.current_ordinal() == args.device.ordinal:
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)  # on the tables' device already
+        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check, layers)  # on the tables' device already
         return
     # The rest (host copies of the indices, checked mode, the staged path's streams and
     # events, the emulated kernels) on the tables' device; the caller's current device
     # comes back afterwards, also on error.
     with DeviceGuard.for_launch(plan.device):
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
+        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check, layers)
 
 
 def _run_on_device(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
+    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck, layers: LayersLaunch | None = None,
 ) -> None:
     """The launch of ``path`` (resolved: never AUTO) with checked arguments."""
     device, platform = plan.device, plan.platform
@@ -546,6 +556,8 @@ def _run_on_device(
             dsts, srcs, sizes = plan.copy_runs(s_idx, d_idx, args.layer_begin, args.layer_count)
             platform.copy_runs(dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr(), dsts.numel(), device, args.stream)
             event = platform.record_event(device, args.stream) if owners else 0
+        elif layers is not None:  # the layer pipeline: every layer and its flag in one native call
+            event = layers(kernel, args)
         elif owners:  # launch and record in one native call on CUDA
             event = platform.launch_recorded(kernel, args)
         else:

@@ -6,27 +6,53 @@ load) queues each layer's copy on a load stream and has the model's layer ``i``
 wait for copy ``i`` only, so layer 0 computes while layers 1.. are still in flight.
 :func:`load_layers` does the checks of the whole call once (tables, indices,
 options: the same as :func:`~pointerdomain.transfer_kv_all_layer`), picks one path
-for every layer, queues one launch per layer on ``stream`` and records an event after
-each; :class:`LayerLoad` hands them out. The per-layer launches and event records are
-plain stream work, so the whole pipeline can be captured into a CUDA graph (with the
-kernel path: the staged and copy-engine paths read indices on the host), as long as
-every :meth:`LayerLoad.wait` is captured with it.
+for every layer and queues the layers:
 
-Synchronous devices (the emulated device) have nothing in flight: every layer is done
-when :func:`load_layers` returns, and waits are no-ops.
+* the kernel path (the default for KV items), in ONE native call: one kernel walks the
+  layers in order. Its CTAs move their share of layer 0, then of layer 1, ...; the last
+  CTA to finish a layer (an atomic counter per layer; no CTA ever waits for another, so
+  nothing depends on which CTAs are resident) writes the load's generation to that
+  layer's flag word. :meth:`LayerLoad.wait` enqueues one stream wait on the word
+  (``cuStreamWaitValue32``, ">= generation"), :meth:`LayerLoad.ready` reads it on the
+  host (host-mapped pinned memory);
+* the copy-engine path (runs of 512 KiB and more): one copy per layer from Python, each
+  followed by a stream write of the layer's flag (``cuStreamWriteValue32``).
+
+The words are per (backend, device, stream) and every load on a stream takes the next
+generation (assigned and queued under one lock, so launches on a stream publish
+increasing values): a flag at or past a load's generation means its layer is done (a
+later load on the same stream publishes only after the earlier one finished: stream
+order), so a :class:`LayerLoad` stays valid after later loads. A stream wait is queued
+after the kernel that sets its flag (``wait`` is called after ``load_layers``), so even
+streams that share a hardware queue cannot stall the kernel behind the wait.
+
+Captured into a CUDA graph (the load stream capturing), the pipeline is one launch per
+layer with an event after each, and a captured :meth:`LayerLoad.wait` is an event wait:
+in a graph the scheduler orders nodes by the graph's edges alone and could put a flag
+wait ahead of the kernel that sets the flag, so the graph gets its per-layer order as
+edges (and a replay has no flags to go stale). The captured launches and event records
+are plain stream work, so the whole pipeline is captured as long as every
+:meth:`LayerLoad.wait` is captured with it.
+
+On the emulated device the CPU kernel does the same in one native call (each layer's
+flag set once its bytes are written); it is synchronous, so every layer is done when
+:func:`load_layers` returns, and a wait checks the flag (a flag nothing will set raises,
+where a GPU stream would wait forever). Under its stand-in graph the layers are recorded
+one launch each and replayed in order; waits have nothing to wait for.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import threading
+from typing import Any, Final, cast
 
 import torch
 
 from pointerdomain.arguments import describe
-from pointerdomain._platform import Backend
+from pointerdomain._platform import Backend, LayerSignals, LayerWords
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
-from pointerdomain.errors import IndexValidationError, InvalidArgumentError
+from pointerdomain.errors import ExtensionUnavailableError, IndexValidationError, InvalidArgumentError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.tables import PointerTable
 from pointerdomain.transfer.kernels import (
@@ -42,6 +68,9 @@ from pointerdomain.transfer.kernels import (
 
 __all__ = ["LayerLoad", "load_layers"]
 
+_MASK: Final = 0xFFFFFFFF
+_HALF: Final = 1 << 31  # flags compare cyclically: f satisfies g when (f - g) mod 2**32 < 2**31
+
 
 def _check_stream(name: str, stream: object) -> int | None:
     if stream is None or (type(stream) is int and 0 <= stream < 2**64):
@@ -53,68 +82,143 @@ class LayerLoad:
     """Per-layer completion of a :func:`load_layers` call (also from
     :meth:`HostKVPool.load_layers <pointerdomain.HostKVPool.load_layers>`).
 
-    Holds the tables and index tensors of the load until it is collected, so they stay
-    alive while the copies are in flight.
+    Holds the tables, index tensors and completion words of the load until it is
+    collected, so they stay alive while the copies are in flight.
 
     Attributes:
         num_layers: the layers queued (``0 .. num_layers - 1``).
         device: the device the copies run on.
         stream: the stream they were queued on (an int; 0 on the emulated device).
+        generation: the value each layer's flag word reaches once the layer is done (0: the
+            load has no flags: no slots, or captured into a graph).
     """
 
-    __slots__ = ("_events", "_keep", "_platform", "device", "num_layers", "stream")
+    __slots__ = ("_captured", "_event", "_events", "_keep", "_platform", "_signals", "_words", "device",
+                 "generation", "num_layers", "stream")
 
     def __init__(
-        self, platform: Backend, device: Device, stream: int, events: list[Any], keep: tuple[object, ...]
+        self, platform: Backend, signals: LayerSignals, device: Device, stream: int, num_layers: int,
+        words: LayerWords | None, generation: int, event: int, captured: list[Any] | None, keep: tuple[object, ...],
     ) -> None:
         self._platform = platform
+        self._signals = signals
         self.device = device
         self.stream = stream
-        self.num_layers = len(events)
-        self._events = events
+        self.num_layers = num_layers
+        self.generation = generation
+        self._words = words
+        self._event = event
+        self._events = captured  # a captured load's per-layer events (None elsewhere; all None on a synchronous device)
+        self._captured = captured is not None
         self._keep = keep
 
     def __repr__(self) -> str:
         return f"LayerLoad({self.num_layers} layers on {self.device}, stream={self.stream:#x})"
 
-    def _event(self, layer: object) -> Any:
+    def _check_layer(self, layer: object) -> int:
         if type(layer) is not int:
             raise IndexValidationError(f"layer: found {describe(layer)}, expected an int in [0, {self.num_layers})")
         if not 0 <= layer < self.num_layers:
             raise IndexValidationError(f"layer: found {layer}, outside [0, {self.num_layers}) (the layers queued)")
-        return self._events[layer]
+        return layer
 
     def wait(self, layer: int, stream: int | None = None) -> None:
         """Make ``stream`` (default: the device's current stream) wait, on the device,
-        until layer ``layer``'s copy is done; the host does not block. Captured into a
-        graph when called while ``stream`` is capturing.
+        until layer ``layer``'s copy is done; the host does not block (one stream wait on
+        the layer's flag word; an event wait for a captured load). Captured into a graph
+        when called while ``stream`` is capturing; a load captured into a graph must have
+        its waits captured with it.
 
         Raises:
             IndexValidationError: ``layer`` is not an int in ``[0, num_layers)``.
             InvalidArgumentError: ``stream`` is not an int in ``[0, 2**64)`` or None.
+            RuntimeCallError: the runtime refused the wait; on the emulated device, a flag
+                nothing will set.
         """
-        event = self._event(layer)
+        index = self._check_layer(layer)
         target = _check_stream("stream", stream)
-        if event is None:  # synchronous device: already done
+        words = self._words
+        if words is not None:
+            if target is None:
+                target = self._platform.current_stream(self.device)
+            self._signals.wait_layer(words, index, self.generation, self.device, target)
             return
-        runtime = self.device.runtime
-        waiter = runtime.external_stream(
-            self._platform.current_stream(self.device) if target is None else target, self.device.ordinal)
-        waiter.wait_event(event)
+        events = self._events
+        if events is None or events[index] is None:  # nothing queued, or synchronous: done
+            return
+        device = self.device
+        waiter = device.runtime.external_stream(
+            self._platform.current_stream(device) if target is None else target, device.ordinal)
+        waiter.wait_event(events[index])
 
     def ready(self, layer: int) -> bool:
-        """Whether layer ``layer``'s copy is done (a host query; not during capture).
+        """Whether layer ``layer``'s copy is done: its flag word read on the host (not
+        during capture; a captured load: its event's state, which says nothing of replays).
 
         Raises:
             IndexValidationError: ``layer`` is not an int in ``[0, num_layers)``.
         """
-        event = self._event(layer)
-        return True if event is None else bool(event.query())
+        index = self._check_layer(layer)
+        words = self._words
+        if words is not None:
+            return (self._signals.layer_flag(words, index) - self.generation) & _MASK < _HALF
+        events = self._events
+        return True if events is None or events[index] is None else bool(events[index].query())
 
     def synchronize(self) -> None:
-        """Block the host until every layer's copy is done."""
-        if self._events and self._events[-1] is not None:
-            self._events[-1].synchronize()  # one stream: the last layer's event follows every other
+        """Block the host until every layer's copy is done (and any work queued on the
+        load's stream before the last layer's completion was recorded).
+
+        Raises:
+            InvalidArgumentError: the load was captured into a graph (its copies run at each
+                replay: synchronize the stream the graph is replayed on).
+        """
+        if self._captured:
+            raise InvalidArgumentError(
+                f"{self!r} was captured into a graph: its copies run at each replay; synchronize the stream the graph "
+                "is replayed on")
+        if self._event:
+            self._signals.wait_event_done(self._event)
+
+
+class _StreamWords:
+    """The completion words of one (backend, device, stream) for loads outside capture,
+    and the last generation handed out on them. ``lock`` is held from a load's generation
+    to its launch, so launches on the stream publish increasing values."""
+
+    __slots__ = ("gen", "lock", "platform", "retired", "words")
+
+    def __init__(self, platform: Backend) -> None:
+        self.platform = platform  # the key holds the backend's id: keep it alive
+        self.lock = threading.Lock()
+        self.words: LayerWords | None = None
+        self.gen = 0
+        self.retired: list[LayerWords] = []  # kernels queued on them may still run: never freed
+
+
+_streams: dict[tuple[int, Device, int], _StreamWords] = {}
+_streams_lock = threading.Lock()
+_has_signals: dict[type, bool] = {}
+
+
+def _signals_of(platform: Backend) -> LayerSignals:
+    kind = type(platform)
+    has = _has_signals.get(kind)
+    if has is None:
+        has = _has_signals[kind] = isinstance(platform, LayerSignals)  # a Protocol check: once per type
+    if not has:
+        raise ExtensionUnavailableError(f"the {platform.name} backend has no layer pipeline (a build without the GPU "
+                                        "kernels, or a backend that does not implement LayerSignals)")
+    return cast(LayerSignals, platform)
+
+
+def _stream_words(platform: Backend, device: Device, stream: int) -> _StreamWords:
+    key = (id(platform), device, stream)
+    found = _streams.get(key)
+    if found is None:
+        with _streams_lock:
+            found = _streams.setdefault(key, _StreamWords(platform))
+    return found
 
 
 def load_layers(
@@ -131,17 +235,23 @@ def load_layers(
     validate_indices: ValidateIndices = True,
 ) -> LayerLoad:
     """Queue every layer's copy of ``src_indices`` -> ``dst_indices`` on ``stream``, layer
-    0 first, with an event after each: :meth:`LayerLoad.wait` gives a layer to a stream.
+    0 first, each layer's completion published in its flag word (module docstring):
+    :meth:`LayerLoad.wait` gives a layer to a stream.
 
     Moves what :func:`~pointerdomain.transfer_kv_all_layer` moves (``n * num_kv *
-    num_layers * item_bytes`` bytes) on the same path, chosen once for all layers.
-    ``stream`` (default: the device's current stream) first waits for the device's
-    current stream, so the copies follow the work that freed the destination slots.
+    num_layers * item_bytes`` bytes) on the same path, chosen once for all layers; the
+    kernel path queues all layers in one launch, the copy-engine path one copy per layer,
+    and a capture (``stream`` capturing; the kernel path only) one launch per layer with
+    an event after each. ``stream`` (default: the device's current stream) first waits for
+    the device's current stream, so the copies follow the work that freed the
+    destination slots. With no slots nothing is queued and every layer is done.
 
     Raises:
         Every error of :func:`~pointerdomain.transfer_kv_all_layer`, before the first
-        layer is queued. A launch failing after that (e.g. a registration closed by
-        another thread) raises with the earlier layers queued.
+        layer is queued. A launch failing after that (the copy-engine path: e.g. a
+        registration closed by another thread) raises with the earlier layers queued.
+        ExtensionUnavailableError: the backend has no layer pipeline (a build without
+            the GPU kernels).
     """
     if not isinstance(cast(object, src_layout), KVLayout):
         raise InvalidArgumentError(f"src_layout: found {type(src_layout).__name__}, expected a KVLayout")
@@ -155,15 +265,58 @@ def load_layers(
         )
     one = args._replace(layer_count=1)
     path = choose_path(plan, src, dst, options, one, host_indices)  # as each layer's launch would choose it
+    platform = plan.platform
+    signals = _signals_of(platform)
     device = plan.device
-    runtime = device.runtime
-    current = plan.platform.current_stream(device)
+    current = platform.current_stream(device)
     load = current if stream is None else stream
-    queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
-    if queue is not None and load != current:
-        queue.wait_stream(runtime.external_stream(current, device.ordinal))
-    events: list[Any] = []
-    for layer in range(num_layers):
-        run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer), path, options.check)
-        events.append(None if queue is None else queue.record_event())
-    return LayerLoad(plan.platform, device, load, events, (src, dst, src_indices, dst_indices))
+    keep: tuple[object, ...] = (src, dst, src_indices, dst_indices)
+    if not args.n:  # nothing to move: nothing queued, every layer done
+        return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, None, keep)
+    runtime = device.runtime
+    if signals.capturing(device, load):  # one launch per layer, an event after each (module docstring)
+        queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
+        if queue is not None and load != current:
+            queue.wait_stream(runtime.external_stream(current, device.ordinal))
+        events: list[Any] = []
+        for layer in range(num_layers):
+            run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
+                options.check)
+            events.append(None if queue is None else queue.record_event())
+        return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, events, keep)
+    entry = _stream_words(platform, device, load)
+    with entry.lock:  # the generation and the launch together: a stream's flags only grow
+        old = entry.words
+        if old is None or old.capacity < num_layers or entry.gen >= _HALF - 1:
+            # new words, zeroed before the launch is ordered (on the current stream, which the
+            # load stream waits for below); the old ones may be in use by queued kernels
+            capacity = max(num_layers, 64)
+            if old is not None:
+                entry.retired.append(old)
+                capacity = max(capacity, 2 * old.capacity)
+            words = entry.words = signals.layer_words(device, capacity)
+            entry.gen = 0
+        else:
+            words = old
+        gen = entry.gen = entry.gen + 1
+        if load != current:  # after the current stream's work so far (and the new words' zeroing)
+            queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
+            if queue is not None:
+                queue.wait_stream(runtime.external_stream(current, device.ordinal))
+        bound = args._replace(stream=load)
+        if path is Path.KERNEL:
+            recorded = [0]
+
+            def launch(kernel: Any, launch_args: Any) -> int:
+                recorded[0] = signals.launch_layers(kernel, launch_args, words, gen)
+                return recorded[0]
+
+            run(plan, src, dst, src_indices, dst_indices, bound, path, options.check, launch)
+            event = recorded[0]
+        else:  # the copy engine: one copy per layer (descriptors built on the host), each then its flag
+            for layer in range(num_layers):
+                run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
+                    options.check)
+                signals.signal_layer(words, layer, gen, device, load)
+            event = platform.record_event(device, load)
+    return LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
