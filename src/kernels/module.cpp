@@ -381,15 +381,18 @@ NB_MODULE(_C, m) {
         "gpu_transfer_layers",
         [](const KernelPlan &plan, std::uint64_t src_idx, std::uint64_t dst_idx, std::int64_t n,
            std::int64_t layer_begin, std::int64_t layer_count, int device, std::uint64_t stream, int max_ctas,
-           std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, std::uint64_t event) {
-            return g::transfer_layers(plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count), device, stream,
-                                      max_ctas, plan.vec_bytes, flags, counters, gen, event);
+           std::uint64_t flags, std::uint64_t counters, std::uint32_t gen, std::uint64_t event, std::uint64_t marks) {
+            pd::Transfer t = plan.transfer(src_idx, dst_idx, n, layer_begin, layer_count);
+            t.marks = reinterpret_cast<std::uint32_t *>(marks);
+            return g::transfer_layers(t, device, stream, max_ctas, plan.vec_bytes, flags, counters, gen, event);
         },
         nb::arg("plan"), nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("layer_begin"),
         nb::arg("layer_count"), nb::arg("device"), nb::arg("stream"), nb::arg("max_ctas"), nb::arg("flags"),
-        nb::arg("counters"), nb::arg("gen"), nb::arg("event"), nb::call_guard<nb::gil_scoped_release>(),
+        nb::arg("counters"), nb::arg("gen"), nb::arg("event"), nb::arg("marks") = 0,
+        nb::call_guard<nb::gil_scoped_release>(),
         "One launch for every layer, gen written to flags[l] (uint32, device address) once layer l is done; "
-        "counters: as many zeroed uint32 words of device memory; event (nonzero): recorded after the kernel. "
+        "counters: as many zeroed uint32 words of device memory; event (nonzero): recorded after the kernel; "
+        "marks: 0, or the duplicate-destination scratch (as gpu_transfer: a slot given twice copies nothing). "
         "0, gpu_not_recorded or a runtime error (invalid value while the stream is captured).");
     m.def("gpu_stream_wait_value", &g::stream_wait_value, nb::arg("device"), nb::arg("stream"), nb::arg("addr"),
           nb::arg("value"), "cuStreamWaitValue32 GEQ (cyclic) on a uint32 word: status (a CUresult).");

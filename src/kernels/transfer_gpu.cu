@@ -527,12 +527,13 @@ int launch_copy(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuS
 // The duplicate check (Transfer::marks) ahead of the copy, both on `s`: zero the scratch,
 // mark every destination slot, then the copy, which reads the verdict first. Three nodes in
 // a captured graph, no host sync. One index cannot repeat: no check (and no verdict read).
-int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
-    if (t.marks == nullptr) return launch_copy(t, device, max_ctas, vec_bytes, s);
-    Transfer run = t;
+// The validation pass alone (zero the scratch, mark): run.marks dropped where one index
+// cannot repeat, so the copy then reads no verdict.
+int mark_pass(Transfer &run, int max_ctas, gpuStream_t s) {
+    if (run.marks == nullptr) return 0;
     if (run.n < 2) {
         run.marks = nullptr;
-        return launch_copy(run, device, max_ctas, vec_bytes, s);
+        return 0;
     }
     const auto words = static_cast<std::size_t>(marks_words(run.dst.num_slots));
     if (const gpuError_t e = gpuMemsetAsync(run.marks, 0, words * sizeof(std::uint32_t), s)) return finish(e);
@@ -541,7 +542,12 @@ int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuS
     std::int64_t ctas = (run.n + kMarkThreads - 1) / kMarkThreads;
     if (ctas > cap) ctas = cap;
     mark_kernel<<<static_cast<int>(ctas), kMarkThreads, 0, s>>>(run);
-    if (const int e = finish(gpuGetLastError())) return e;
+    return finish(gpuGetLastError());
+}
+
+int launch_best(const Transfer &t, int device, int max_ctas, int vec_bytes, gpuStream_t s) {
+    Transfer run = t;
+    if (const int e = mark_pass(run, max_ctas, s)) return e;
     return launch_copy(run, device, max_ctas, vec_bytes, s);
 }
 
@@ -704,7 +710,11 @@ int transfer_layers(const Transfer &t, int device, std::uint64_t stream, int max
     // queues captured loads as one launch per layer with events instead.
     if (capturing) return finish(gpuErrorInvalidValue);
     const LayerFlags f{reinterpret_cast<std::uint32_t *>(flags), reinterpret_cast<std::uint32_t *>(counters), gen, 1};
-    if (const int status = pick(t.item_bytes, t.num_kv, 1, vec_bytes, LaunchLayers{t, device, max_ctas, s, f}))
+    // the duplicate check ahead of every layer's copy, as for a one-launch transfer (a
+    // duplicate: no layer copied, every flag still published, error bit 2 set)
+    Transfer run = t;
+    if (const int e = mark_pass(run, max_ctas, s)) return e;
+    if (const int status = pick(run.item_bytes, run.num_kv, 1, vec_bytes, LaunchLayers{run, device, max_ctas, s, f}))
         return status;
     if (event == 0) return kNotRecorded;
     return finish(gpuEventRecord(reinterpret_cast<gpuEvent_t>(event), s));

@@ -221,9 +221,9 @@ def gpu_event_query(event: int) -> int:
 def gpu_stream_capturing(device: int, stream: int) -> tuple[int, int]:
     """(status, 1 while the stream of the device is being captured)"""
 
-def gpu_transfer_layers(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int, flags: int, counters: int, gen: int, event: int) -> int:
+def gpu_transfer_layers(plan: KernelPlan, src_idx: int, dst_idx: int, n: int, layer_begin: int, layer_count: int, device: int, stream: int, max_ctas: int, flags: int, counters: int, gen: int, event: int, marks: int = 0) -> int:
     """
-    One launch for every layer, gen written to flags[l] (uint32, device address) once layer l is done; counters: as many zeroed uint32 words of device memory; event (nonzero): recorded after the kernel. 0, gpu_not_recorded or a runtime error (invalid value while the stream is captured).
+    One launch for every layer, gen written to flags[l] (uint32, device address) once layer l is done; counters: as many zeroed uint32 words of device memory; event (nonzero): recorded after the kernel; marks: 0, or the duplicate-destination scratch (as gpu_transfer: a slot given twice copies nothing). 0, gpu_not_recorded or a runtime error (invalid value while the stream is captured).
     """
 
 def gpu_stream_wait_value(device: int, stream: int, addr: int, value: int) -> int:

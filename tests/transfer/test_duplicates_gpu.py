@@ -144,3 +144,33 @@ def test_gpu_streams_do_not_share_scratch() -> None:
         want = reference_transfer(pool_bytes(pool), pool.layout, poisoned, host.layout, s.cpu(), d.cpu())
         assert same(host.buffer.reshape(-1).view(torch.uint8), want)
         host.close()
+
+
+def test_gpu_layer_pipeline_duplicate_destination_writes_nothing() -> None:
+    """The layer pipeline's one native call runs the same validation pass ahead of its
+    layers kernel: a slot given twice copies no layer, every layer's flag is still
+    published (a wait never hangs), and the device's error word raises OverlapError."""
+    dev = _dev()
+    pd.synchronize(dev)
+    pool = pd.DeviceKVPool(model_layout(), dev)
+    fill_pool(pool, 74)
+    with pd.HostKVPool(model_layout("page_first"), dev) as host:
+        fill_random(host.buffer, 75)
+        before = pool_bytes(pool)
+        load = host.load_layers(pool, torch.tensor([0, 1, 2], device="cuda"), torch.tensor([6, 7, 6], device="cuda"),
+                                backend="kernel")
+        consumer = torch.cuda.Stream()
+        for layer in range(pool.layout.num_layers):
+            load.wait(layer, consumer.cuda_stream)
+        consumer.synchronize()
+        with pytest.raises(errors.OverlapError):
+            pd.synchronize(dev)
+        assert same(pool_bytes(pool), before)
+        pd.check_errors(dev)
+        # the same call without the duplicate moves every layer
+        s, d = torch.tensor([0, 1, 2], device="cuda"), torch.tensor([6, 7, 8], device="cuda")
+        load = host.load_layers(pool, s, d, backend="kernel")
+        load.synchronize()
+        pd.synchronize(dev)
+        want = reference_transfer(host.buffer, host.layout, before.clone(), pool.layout, s.cpu(), d.cpu())
+        assert same(pool_bytes(pool), want)

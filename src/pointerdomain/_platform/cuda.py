@@ -377,8 +377,10 @@ class CudaBackend(_TorchDevice):
     def launch_layers(self, plan: _C.KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
         src_idx, dst_idx, n, layer_begin, layer_count, device, stream, max_ctas = args
         event = self._events.get((device.ordinal, stream)) or self._event(device, stream)
+        # never captured (the native call refuses it): the stream's shared scratch serves
+        marks = self._stream_marks(plan, device, stream)[0] if plan.oob and n > 1 else 0
         status = _C.gpu_transfer_layers(plan, src_idx, dst_idx, n, layer_begin, layer_count, device.ordinal, stream,
-                                        max_ctas, words.flags, words.counters, gen & 0xFFFFFFFF, event)
+                                        max_ctas, words.flags, words.counters, gen & 0xFFFFFFFF, event, marks)
         return self._recorded(event, status, "layer pipeline launch")
 
     def signal_layer(self, words: LayerWords, index: int, gen: int, device: Device, stream: int) -> None:
