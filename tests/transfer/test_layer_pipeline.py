@@ -206,7 +206,7 @@ def test_captured_pipeline_replays_layer_by_layer(attention: str) -> None:
                                          src_layout=pool.layout, dst_layout=sink.layout)
         assert torch.equal(pool_bytes(pool), before)  # captured, not run
         assert done.generation == 0 and done._words is None
-        loads = [args for _plan, args in graph.launches if args[:3] == (src.data_ptr(), dst.data_ptr(), 4)]
+        loads = [args for _plan, args, _marks in graph.launches if args[:3] == (src.data_ptr(), dst.data_ptr(), 4)]
         assert [(begin, count) for *_, begin, count in loads] == [(layer, 1) for layer in range(done.num_layers)]
         for seed in range(3):
             g = torch.Generator().manual_seed(seed)
