@@ -54,7 +54,7 @@ from pointerdomain.errors import (
     UnpinnedMemoryError,
 )
 from pointerdomain.layouts import KVLayout
-from pointerdomain.transfer.plan import TransferPlan, plan_for
+from pointerdomain.transfer.plan import LAST_BY_SRC as _LAST_BY_SRC, TransferPlan, plan_for
 from pointerdomain.registration.tables import PointerTable
 
 __all__ = [
@@ -338,7 +338,10 @@ def check_call(
     # Every check below runs on every launch; the common case takes one combined test per
     # group (the tables' liveness words, the index tests, the options cache) and only a
     # failure runs the per-item checks that word the error.
-    plan = plan_for(src, src_layout, dst, dst_layout)
+    plan = _LAST_BY_SRC.get(id(src))  # plan_for's first look, inlined: the plan src last launched with
+    if (plan is None or plan.src_ref() is not src or plan.dst_ref() is not dst or plan.given_src_layout is not src_layout
+            or plan.given_dst_layout is not dst_layout):
+        plan = plan_for(src, src_layout, dst, dst_layout)
     watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
     live = watch.intact() if watch is not None else plan.live(src, dst)
     for owner in plan.owners:
@@ -356,30 +359,30 @@ def check_call(
     d_idx: object = dst_indices
     where = _IDX_BAD
     if (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
-            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT
-            # storages that hold what the tensors view (a released one reads freed memory)
-            and s_idx.untyped_storage().nbytes() >= 8 * (s_idx.storage_offset() + s_idx.numel())
-            and d_idx.untyped_storage().nbytes() >= 8 * (d_idx.storage_offset() + d_idx.numel())):
-        if not plan.host_memory:
-            if s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal:
-                where = _IDX_DEVICE
-        elif s_idx.is_cpu and d_idx.is_cpu:  # emulated: host memory or this emulated device's, by address
-            n, sp, dp = s_idx.numel(), s_idx.data_ptr(), d_idx.data_ptr()
-            lookup, ordinal = plan.platform.device_lookup, device.ordinal
-            s_where = lookup(sp, n * 8 or 8)
-            d_where = lookup(dp, d_idx.numel() * 8 or 8)
-            if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
-                where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
+            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
+        n, nd = s_idx.numel(), d_idx.numel()
+        # storages that hold what the tensors view (a released one reads freed memory)
+        if (s_idx.untyped_storage().nbytes() >= 8 * (s_idx.storage_offset() + n)
+                and d_idx.untyped_storage().nbytes() >= 8 * (d_idx.storage_offset() + nd)):
+            if not plan.host_memory:
+                if s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal:
+                    where = _IDX_DEVICE
+                    sp, dp = s_idx.data_ptr(), d_idx.data_ptr()
+            elif s_idx.is_cpu and d_idx.is_cpu:  # emulated: host memory or this emulated device's, by address
+                sp, dp = s_idx.data_ptr(), d_idx.data_ptr()
+                lookup, ordinal = plan.platform.device_lookup, device.ordinal
+                s_where = lookup(sp, n * 8 or 8)
+                d_where = lookup(dp, nd * 8 or 8)
+                if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
+                    where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
     if where == _IDX_BAD:  # not both on the device: the worded checks
         host_read = backend != "kernel"  # the other paths may take CPU indices
         _check_indices("src_indices", src_indices, device, host_read)
         _check_indices("dst_indices", dst_indices, device, host_read)
         where = _IDX_HOST if _in_host_memory(src_indices) or _in_host_memory(dst_indices) else _IDX_DEVICE
-        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
-    elif not plan.host_memory:
-        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
-    if n != dst_indices.numel():
-        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
+        n, nd, sp, dp = src_indices.numel(), dst_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
+    if n != nd:
+        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {nd}")
     if not n:
         sp = dp = 0
     starts = plan.dst_starts  # plan.indices_in_dst, its one-storage case inlined
@@ -464,31 +467,23 @@ def choose_path(
 
 def run(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
+    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck, _on_device: bool = False,
 ) -> None:
-    """The launch's last step: run ``path`` (from :func:`choose_path`) on the call bound by
-    :func:`check_call`."""
-    if path is _KERNEL and plan.launch_sets_device and not checked.enabled():
-        # The native launch sets and restores the device itself (and reads the capture
-        # state of the launch stream there): no Python device switch on the hot path.
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
-        return
-    runtime = plan.runtime
-    if runtime is not None and runtime.current_ordinal() == args.device.ordinal:
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)  # on the tables' device already
-        return
-    # The rest (host copies of the indices, checked mode, the staged path's streams and
-    # events, the emulated kernels) on the tables' device; the caller's current device
-    # comes back afterwards, also on error.
-    with DeviceGuard.for_launch(plan.device):
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check)
-
-
-def _run_on_device(
-    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
-) -> None:
-    """The launch of ``path`` (resolved: never AUTO) with checked arguments."""
+    """The launch's last step: run ``path`` (from :func:`choose_path`: never AUTO) on the
+    call bound by :func:`check_call`."""
+    # One frame for the common case: the launch runs here unless the tables' device must be
+    # made current first, which runs this again inside the guard (_on_device).
+    if not _on_device and not (path is _KERNEL and plan.launch_sets_device and not checked.enabled()):
+        # (where the native launch sets and restores the device itself, and reads the
+        # capture state of the launch stream there, no Python device switch on the hot path)
+        runtime = plan.runtime
+        if runtime is None or runtime.current_ordinal() != args.device.ordinal:
+            # The rest (host copies of the indices, checked mode, the staged path's streams
+            # and events, the emulated kernels) on the tables' device; the caller's current
+            # device comes back afterwards, also on error.
+            with DeviceGuard.for_launch(plan.device):
+                run(plan, src, dst, s_idx, d_idx, args, path, check, True)
+            return
     device, platform = plan.device, plan.platform
     if path is _COPY_ENGINE:
         # Read the indices once: the copy validated is the copy the descriptors are built from,
@@ -548,7 +543,9 @@ def _run_on_device(
             event = platform.launch_recorded(kernel, args)
         else:
             platform.launch(kernel, args)
-        if event == 0:  # nothing to wait for: synchronous, or captured into a graph (which then holds the memory)
+        # nothing to wait for: synchronous, or captured into a graph (which then holds the
+        # memory); where the backend counts open captures, none open is one attribute test
+        if event == 0 and (plan.captures is None or plan.captures.open):
             graphs.note_launch(platform, plan, src, dst, device, args.stream, (s_idx, d_idx))
     finally:
         if single is not None:
@@ -669,8 +666,9 @@ def transfer_kv_all_layer(
     While the copy can run (the CPU call; on CUDA until the stream reaches it) the
     registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.registration.leases`).
     """
-    # a non-KVLayout (possible from untyped callers) is reported by _launch
-    num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
+    # a non-KVLayout (possible from untyped callers) is reported by check_call's plan
+    layout: object = src_layout  # (no typing.cast call on the launch path)
+    num_layers = layout.num_layers if isinstance(layout, KVLayout) else 0
     plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
                                            stream, max_ctas, backend, validate_indices)
     run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),

@@ -260,8 +260,8 @@ class HostKVPool(ProcessLocal):
     def _table_for_pool(self, device_pool: DevicePool) -> PointerTable[DeviceAlias]:
         # one host pool serves device pools on several devices, each through its own table
         # a Device for a kernel table (its type); None only for a host table cast to one
-        device = cast("Device | None", device_pool.table.device)
-        if device is None or device == self.device:
+        device: Device | None = device_pool.table.device  # (no typing.cast call on the launch path)
+        if device is None or device is self.device or device == self.device:
             return self.kernel_table  # a bad table is reported by the launch's own checks
         return self.kernel_table_for(device)
 
