@@ -34,7 +34,7 @@ import enum
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, NamedTuple, cast
 
 import torch
 
@@ -70,11 +70,14 @@ __all__ = [
     "TransferChoice",
     "ValidateIndices",
     "WholeGpu",
+    "BoundCall",
+    "bind_call",
     "check_call",
     "choose_path",
     "explain_transfer",
     "index_tensor",
     "launch_options",
+    "layer_range",
     "run",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
@@ -159,6 +162,28 @@ def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False)
                 f"launch device. Fix: copy them to {device} (or to host memory) first"
             )
     return idx
+
+
+def layer_range(src_layout: object, layer_id: object, all_layers: bool = True) -> tuple[int, int]:
+    """``(layer_begin, layer_count)`` of a call's ``layer_id``: None is every layer (where
+    ``all_layers``); ``src_layout`` that is not a KVLayout is then ``(0, 0)``, reported by
+    :func:`bind_call` after the tables' checks, as the all-layer launch reports it. An int
+    is that one layer, checked here.
+
+    Raises:
+        InvalidArgumentError: a layer given and ``src_layout`` is not a KVLayout.
+        IndexValidationError: ``layer_id`` is not an int (nor None where ``all_layers``),
+            or outside ``[0, num_layers)``.
+    """
+    if layer_id is None and all_layers:
+        return (0, src_layout.num_layers) if isinstance(src_layout, KVLayout) else (0, 0)
+    if not isinstance(src_layout, KVLayout):
+        raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
+    if type(layer_id) is not int:
+        raise IndexValidationError(f"layer_id must be an int, got {describe(layer_id)}")
+    if not 0 <= layer_id < src_layout.num_layers:
+        raise IndexValidationError(f"layer_id {describe(layer_id)} outside [0, {src_layout.num_layers})")
+    return layer_id, 1
 
 
 def _check_range(s_idx: torch.Tensor, d_idx: torch.Tensor, plan: TransferPlan) -> None:
@@ -318,6 +343,16 @@ def _validate_options(max_ctas: object, backend: object, validate_indices: objec
     return LaunchOptions(path, ctas, check)
 
 
+class BoundCall(NamedTuple):
+    """One call checked and bound (:func:`bind_call`), ready for :func:`run`."""
+
+    plan: TransferPlan
+    options: LaunchOptions
+    args: LaunchArgs
+    host_indices: bool  #: an index tensor lies in host memory (:func:`choose_path` reads it)
+    path: Path | None  #: the path that runs it (never AUTO); None where bind_call was not asked to choose
+
+
 def check_call(
     src: PointerTable[DeviceAlias],
     src_layout: KVLayout,
@@ -334,7 +369,40 @@ def check_call(
 ) -> tuple[TransferPlan, LaunchOptions, LaunchArgs, bool]:
     """The launch's first step: every check of the call (tables, indices, options), and the
     call bound into its plan, options and :class:`LaunchArgs`, and whether an index tensor
-    lies in host memory (:func:`choose_path` reads it). Nothing is launched."""
+    lies in host memory (:func:`choose_path` reads it). Nothing is launched: :func:`bind_call`
+    without choosing the path."""
+    plan, options, args, host, _path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
+                                                 layer_begin, layer_count, stream, max_ctas, backend,
+                                                 validate_indices, False)
+    return plan, options, args, host
+
+
+def bind_call(
+    src: PointerTable[DeviceAlias],
+    src_layout: KVLayout,
+    dst: PointerTable[DeviceAlias],
+    dst_layout: KVLayout,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_count: int,
+    stream: int | None,
+    max_ctas: MaxCtas,
+    backend: TransferBackend,
+    validate_indices: ValidateIndices,
+    choose: bool = True,
+) -> BoundCall:
+    """Everything a transfer call does before its launch, in one step: every check of
+    :func:`check_call`, the call bound, and (``choose``) :func:`choose_path`. The public
+    launches run this, then :func:`run`; :func:`explain_transfer` and the request check of
+    :func:`~pointerdomain.transfer.outcomes.transfer_outcome` run it alone. Layers
+    ``[layer_begin, layer_begin + layer_count)`` (:func:`layer_range` checks a caller's
+    ``layer_id``). Nothing is launched.
+
+    Raises:
+        Every error :func:`transfer_kv_all_layer` raises before its launch (the
+        ``choose_path`` ones only with ``choose``).
+    """
     # Every check below runs on every launch; the common case takes one combined test per
     # group (the tables' liveness words, the index tests, the options cache) and only a
     # failure runs the per-item checks that word the error.
@@ -403,9 +471,10 @@ def check_call(
         options = launch_options(max_ctas, backend, validate_indices, stream)
     if stream is None:  # asked at the launch, where streams exist (run)
         stream = _CURRENT_STREAM if plan.streams else 0
-    return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream,
-                                                 options.ctas)), \
-        where == _IDX_HOST
+    args = _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream, options.ctas))
+    host = where == _IDX_HOST
+    return _new_args(BoundCall, (plan, options, args, host,
+                                 choose_path(plan, src, dst, options, args, host) if choose else None))
 
 
 def choose_path(
@@ -666,13 +735,11 @@ def transfer_kv_all_layer(
     While the copy can run (the CPU call; on CUDA until the stream reaches it) the
     registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.registration.leases`).
     """
-    # a non-KVLayout (possible from untyped callers) is reported by check_call's plan
-    layout: object = src_layout  # (no typing.cast call on the launch path)
-    num_layers = layout.num_layers if isinstance(layout, KVLayout) else 0
-    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
-                                           stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
-        options.check)
+    layout: object = src_layout  # layer_range(src_layout, None), inlined (a non-KVLayout: reported by bind_call)
+    plan, options, args, _host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0,
+                                                 layout.num_layers if isinstance(layout, KVLayout) else 0, stream,
+                                                 max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, path, options.check)  # type: ignore[arg-type]  # chosen
 
 
 def transfer_kv_per_layer(
@@ -696,16 +763,11 @@ def transfer_kv_per_layer(
         IndexValidationError: ``layer_id`` outside ``[0, num_layers)``; and all of
             :func:`transfer_kv_all_layer`'s errors.
     """
-    if not isinstance(cast(object, src_layout), KVLayout):
-        raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
-    if type(layer_id) is not int:
-        raise IndexValidationError(f"layer_id must be an int, got {describe(layer_id)}")
-    if not 0 <= layer_id < src_layout.num_layers:
-        raise IndexValidationError(f"layer_id {describe(layer_id)} outside [0, {src_layout.num_layers})")
-    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
-                                           stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
-        options.check)
+    layer_begin, layer_count = layer_range(src_layout, layer_id, False)
+    plan, options, args, _host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
+                                                 layer_begin, layer_count, stream, max_ctas, backend,
+                                                 validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, path, options.check)  # type: ignore[arg-type]  # chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -774,15 +836,10 @@ def explain_transfer(
             UnpinnedMemoryError), the same class and message.
         IndexValidationError: also for a ``layer_id`` that is not None or a layer.
     """
-    if not isinstance(cast(object, src_layout), KVLayout):
+    if not isinstance(cast(object, src_layout), KVLayout):  # before the tables' checks, also for every layer
         raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
-    if layer_id is None:
-        layer_begin, layer_count = 0, src_layout.num_layers
-    elif type(layer_id) is not int or not 0 <= layer_id < src_layout.num_layers:
-        raise IndexValidationError(f"layer_id {describe(layer_id)} is not None or an int in [0, {src_layout.num_layers})")
-    else:
-        layer_begin, layer_count = layer_id, 1
-    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,
-                                           layer_count, stream, max_ctas, backend, validate_indices)
-    path = choose_path(plan, src, dst, options, args, host)
+    layer_begin, layer_count = layer_range(src_layout, layer_id)
+    plan, options, args, host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
+                                                layer_begin, layer_count, stream, max_ctas, backend, validate_indices)
+    assert path is not None  # chosen
     return TransferChoice(path.value, _reason(plan, options, args, path, host), host)
