@@ -20,7 +20,9 @@ every backend on those. The other layouts' launches skip this.
 
 A launch runs in three steps: :func:`check_call` (every check above, and the call bound
 into its plan, :class:`LaunchOptions` and :class:`~pointerdomain._platform.LaunchArgs`),
-:func:`choose_path` (the :class:`Path` that runs it) and :func:`run`.
+:func:`choose_path` (the :class:`Path` that runs it) and :func:`run`. :func:`bind_call` is the
+first two in one step: what the public launches run before :func:`run`, and all that
+:func:`explain_transfer` runs.
 
 Ordering (CUDA): the launch is enqueued on ``stream`` (default: the current
 stream of the tables' device) and is asynchronous. The caller orders it after
@@ -34,7 +36,7 @@ import enum
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NamedTuple, cast
+from typing import Any, Final, Literal, cast
 
 import torch
 
@@ -343,14 +345,11 @@ def _validate_options(max_ctas: object, backend: object, validate_indices: objec
     return LaunchOptions(path, ctas, check)
 
 
-class BoundCall(NamedTuple):
-    """One call checked and bound (:func:`bind_call`), ready for :func:`run`."""
-
-    plan: TransferPlan
-    options: LaunchOptions
-    args: LaunchArgs
-    host_indices: bool  #: an index tensor lies in host memory (:func:`choose_path` reads it)
-    path: Path | None  #: the path that runs it (never AUTO); None where bind_call was not asked to choose
+#: One call checked and bound (:func:`bind_call`), ready for :func:`run`: its plan, options,
+#: :class:`LaunchArgs`, whether an index tensor lies in host memory (:func:`choose_path`
+#: reads it), and the path that runs it (never AUTO; None where bind_call was not asked to
+#: choose). A plain tuple: built on every launch.
+BoundCall = tuple[TransferPlan, LaunchOptions, LaunchArgs, bool, Path | None]
 
 
 def check_call(
@@ -473,8 +472,7 @@ def bind_call(
         stream = _CURRENT_STREAM if plan.streams else 0
     args = _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream, options.ctas))
     host = where == _IDX_HOST
-    return _new_args(BoundCall, (plan, options, args, host,
-                                 choose_path(plan, src, dst, options, args, host) if choose else None))
+    return plan, options, args, host, choose_path(plan, src, dst, options, args, host) if choose else None
 
 
 def choose_path(
