@@ -286,3 +286,46 @@ def test_the_plan_src_last_launched_with_is_dropped_with_src_and_never_used_for_
     gc.collect()
     assert dropped not in plan_module.LAST_BY_SRC
     host.close()
+
+
+def test_bind_call_is_what_the_launch_and_explain_transfer_run() -> None:
+    from pointerdomain.transfer import kernels
+
+    pool = _device_pool("one allocation", 19)
+    host = pd.HostKVPool(HOST, DEV)
+    s, d = torch.tensor([1, 2]), torch.tensor([3, 4])
+    call: tuple[Any, ...] = (host.kernel_table, host.layout, pool.table, LAYOUT, s, d, 0, LAYOUT.num_layers, None, 4,
+                             "auto", True)
+    plan, options, args, host_indices, path = kernels.bind_call(*call)
+    assert (plan, options, args, host_indices) == kernels.check_call(*call)
+    assert kernels.bind_call(*call, False)[4] is None  # not asked to choose
+    assert (args.src_idx, args.dst_idx, args.n, args.layer_begin, args.layer_count) == (
+        s.data_ptr(), d.data_ptr(), 2, 0, LAYOUT.num_layers)
+    choice = pd.explain_transfer(host.kernel_table, pool.table, s, d, src_layout=host.layout, dst_layout=LAYOUT)
+    assert path is not None and choice.path == path.value and choice.host_indices == host_indices
+    s.untyped_storage().resize_(0)  # what the launch refuses, bind_call and explain_transfer refuse alike
+    for run in (lambda: kernels.bind_call(*call),
+                lambda: pd.explain_transfer(host.kernel_table, pool.table, s, d, src_layout=host.layout,
+                                            dst_layout=LAYOUT),
+                lambda: host.load(pool, s, d)):
+        with pytest.raises(errors.IndexValidationError, match="storage holds 0 bytes"):
+            run()
+    host.close()
+
+
+def test_layer_range() -> None:
+    from pointerdomain.transfer.kernels import layer_range
+
+    assert layer_range(LAYOUT, None) == (0, LAYOUT.num_layers)
+    assert layer_range("not a layout", None) == (0, 0)  # reported by bind_call after the tables' checks
+    assert layer_range(LAYOUT, 5) == (5, 1) and layer_range(LAYOUT, 5, False) == (5, 1)
+    for bad, kind, text in [
+        (None, errors.IndexValidationError, "layer_id must be an int, got None"),
+        (True, errors.IndexValidationError, "layer_id must be an int"),
+        (LAYOUT.num_layers, errors.IndexValidationError, f"outside \\[0, {LAYOUT.num_layers}\\)"),
+        (-1, errors.IndexValidationError, "outside"),
+    ]:
+        with pytest.raises(kind, match=text):
+            layer_range(LAYOUT, bad, False)
+    with pytest.raises(errors.InvalidArgumentError, match="src_layout must be a KVLayout"):
+        layer_range("not a layout", 0)
