@@ -298,7 +298,7 @@ def test_bind_call_is_what_the_launch_and_explain_transfer_run() -> None:
                              "auto", True)
     plan, options, args, host_indices, path = kernels.bind_call(*call)
     assert (plan, options, args, host_indices) == kernels.check_call(*call)
-    assert kernels.bind_call(*call, choose=False)[4] is None  # not asked to choose
+    assert kernels.bind_call(*call, False)[4] is None  # type: ignore[call-arg]  # (not asked to choose)
     assert (args.src_idx, args.dst_idx, args.n, args.layer_begin, args.layer_count) == (
         s.data_ptr(), d.data_ptr(), 2, 0, LAYOUT.num_layers)
     choice = pd.explain_transfer(host.kernel_table, pool.table, s, d, src_layout=host.layout, dst_layout=LAYOUT)
