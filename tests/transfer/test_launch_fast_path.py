@@ -16,17 +16,15 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain._platform import backend_for
-from pointerdomain._platform.faulty import FaultyBackend
-from pointerdomain._platform.graph_holds import EMULATED_CAPTURES
-from pointerdomain._platform.testing import install_backend
-from pointerdomain.testing import EmulatedGraph
+from pointerdomain.testing import EmulatedGraph, FaultyBackend, backend_for, install_backend
 from pointerdomain.transfer import graphs, plan as plan_module
 from tests.reference import DEV, as_bytes, fill_pool, fill_random, model_layout, pool_bytes, reference_transfer, same
 
 LAYOUT = model_layout("layer_first", pages=4).replace(num_layers=32)  # 64 entries: kv x layer
 HOST = LAYOUT.replace(kind="page_first")
 TABLES = ["one allocation", "64 separate allocations"]
+#: the emulated backend's count of open stand-in captures
+EMULATED_CAPTURES: Any = getattr(backend_for(DEV), "graph_captures")
 
 
 class _Separate:
