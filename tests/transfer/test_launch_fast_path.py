@@ -327,3 +327,33 @@ def test_layer_range() -> None:
             layer_range(LAYOUT, bad, False)
     with pytest.raises(errors.InvalidArgumentError, match="src_layout must be a KVLayout"):
         layer_range("not a layout", 0)
+
+
+def test_indices_between_the_destinations_storages_are_not_in_them() -> None:
+    # Allocations one after another, every other one in the table: index tensors in a gap
+    # lie inside the span of the table's storages but in none of them.
+    shape = (LAYOUT.num_pages * LAYOUT.page_size, LAYOUT.item_bytes)
+    allocations = [pd.device_empty(shape, torch.uint8, DEV) for _ in range(2 * LAYOUT.num_kv * LAYOUT.num_layers)]
+    table_buffers, gaps = allocations[::2], allocations[1::2]
+    starts = sorted(b.data_ptr() for b in table_buffers)
+    gap = next((g for g in gaps if starts[0] < g.data_ptr() < starts[-1]), None)
+    if gap is None:
+        pytest.skip("precondition: the allocator placed no gap allocation between the table's")
+    for i, b in enumerate(table_buffers):
+        fill_random(b, 40 + i)
+    table = pd.make_kernel_ptr_table(table_buffers, DEV, layout=LAYOUT)
+    host = pd.HostKVPool(HOST, DEV)
+    fill_random(host.buffer, 20)
+    indices = gap.view(-1)[:16].view(torch.int64)
+    indices.copy_(torch.tensor([3, 4]))
+    before = torch.cat([as_bytes(b).reshape(-1) for b in table_buffers])
+    expected = reference_transfer(host.buffer, host.layout, before, LAYOUT, torch.tensor([1, 2]), torch.tensor([3, 4]))
+    pd.transfer_kv_all_layer(host.kernel_table, table, torch.tensor([1, 2]), indices, src_layout=host.layout,
+                             dst_layout=LAYOUT)
+    assert same(torch.cat([as_bytes(b).reshape(-1) for b in table_buffers]), expected)
+    inside = table_buffers[len(table_buffers) // 2].view(-1)[:16].view(torch.int64)
+    inside.copy_(torch.tensor([3, 4]))
+    with pytest.raises(errors.OverlapError, match="destination table"):
+        pd.transfer_kv_all_layer(host.kernel_table, table, torch.tensor([1, 2]), inside, src_layout=host.layout,
+                                 dst_layout=LAYOUT)
+    host.close()

@@ -452,10 +452,13 @@ def bind_call(
         raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {nd}")
     if not n:
         sp = dp = 0
-    starts = plan.dst_starts  # plan.indices_in_dst, its one-storage case inlined
-    if n and starts and (plan.indices_in_dst(sp, dp, 8 * n) if len(starts) > 1 else
-                         (sp < plan.dst_ends[0] and sp + 8 * n > starts[0])
-                         or (dp < plan.dst_ends[0] and dp + 8 * n > starts[0])):
+    # plan.indices_in_dst, inlined for the span from the first storage's start to the last
+    # one's end (the storages are sorted and merged): the whole test for one storage, and
+    # for several, indices outside it (the common case) need no search
+    starts = plan.dst_starts
+    if n and starts and ((sp < plan.dst_ends[-1] and sp + 8 * n > starts[0])
+                         or (dp < plan.dst_ends[-1] and dp + 8 * n > starts[0])) and (
+            len(starts) == 1 or plan.indices_in_dst(sp, dp, 8 * n)):
         raise OverlapError(
             "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
             "overwrite the indices it is reading, and later slots would land in the wrong place; nothing was "
