@@ -357,3 +357,16 @@ def test_indices_between_the_destinations_storages_are_not_in_them() -> None:
         pd.transfer_kv_all_layer(host.kernel_table, table, torch.tensor([1, 2]), inside, src_layout=host.layout,
                                  dst_layout=LAYOUT)
     host.close()
+
+
+def test_memory_device_of_cpu_tensors() -> None:
+    # the launch's worded index checks ask it for CPU indices: host memory is None, emulated
+    # device memory its device, whichever device was asked about before
+    one = pd.Device("emulated", 1)
+    on_one, on_zero = pd.device_empty((4,), torch.int64, one), pd.device_empty((4,), torch.int64, DEV)
+    host = torch.zeros(4, dtype=torch.int64)
+    for _ in range(2):
+        assert pd.memory_device(host) is None and pd.memory_device(host, whole_storage=True) is None
+        assert pd.memory_device(on_one) == one and pd.memory_device(on_one[2:], whole_storage=True) == one
+        assert pd.memory_device(on_zero) == DEV and pd.memory_device(on_zero[1:]) == DEV
+    assert pd.memory_device_at(host.data_ptr(), 32) is None and pd.memory_device_at(on_one.data_ptr(), 32) == one
