@@ -25,8 +25,8 @@ per-repeat ratios. ``ratio_64_to_1`` is the median of the per-repeat ratios of t
 call over 64 allocations to the one over one allocation (1.0: the cost does not grow with
 the storages). ``--max-ratio X`` exits 1
 when it is above ``X`` (the CI stage). ``--steps`` also times the public call's three
-steps one by one (``check_call``, ``choose_path``, ``run`` of
-:mod:`pointerdomain.transfer.kernels`).
+steps one by one (``check_call``: ``bind_call`` without choosing the path; ``choose_path``;
+``run`` of :mod:`pointerdomain.transfer.kernels`).
 
 On ``emulated:0`` (the default without a GPU) the same calls run on the CPU stand-in: the
 host cost of the Python launch path, with a kernel that copies on the CPU.
@@ -108,10 +108,10 @@ def _steps(src: Any, sl: pd.KVLayout, dst: Any, si: torch.Tensor, di: torch.Tens
     from pointerdomain.transfer import kernels
 
     call = (src, sl, dst, LAYOUT, si, di, 0, LAYOUT.num_layers, None, kernels.DEFAULT_MAX_CTAS, "auto", True)
-    plan, options, args, host = kernels.check_call(*call)
+    plan, options, args, host, _path = kernels.bind_call(*call, False)
     path = kernels.choose_path(plan, src, dst, options, args, host)
     fns: dict[str, Callable[[], object]] = {
-        "check_call": lambda: kernels.check_call(*call),
+        "check_call": lambda: kernels.bind_call(*call, False),  # the checks and binding, no path
         "choose_path": lambda: kernels.choose_path(plan, src, dst, options, args, host),
         "run": lambda: kernels.run(plan, src, dst, si, di, args, path, options.check),
     }

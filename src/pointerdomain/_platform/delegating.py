@@ -19,7 +19,7 @@ from pointerdomain._platform.base import (
     StagingArgs,
 )
 from pointerdomain._platform.host_memory import VmmAllocation, vmm_allocation
-from pointerdomain._platform.graph_holds import GraphHolder, HeldGraph
+from pointerdomain._platform.graph_holds import CaptureCount, GraphHolder, HeldGraph
 from pointerdomain.errors import ExtensionUnavailableError
 
 if TYPE_CHECKING:
@@ -102,6 +102,13 @@ class DelegatingBackend(RuntimeTraits):
 
     def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
         return self.inner.graph_hold(device, stream) if isinstance(self.inner, GraphHolder) else None
+
+    @property
+    def graph_captures(self) -> CaptureCount | None:
+        """The inner backend's count of open captures (:class:`GraphHolder`); a wrapper
+        that overrides :meth:`graph_hold` must answer None here."""
+        captures: CaptureCount | None = getattr(self.inner, "graph_captures", None)
+        return captures
 
     def load_kernels(self, device: Device) -> None:
         self.inner.load_kernels(device)

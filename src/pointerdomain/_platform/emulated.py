@@ -41,7 +41,7 @@ from pointerdomain import _C, env
 from pointerdomain._platform.base import DeviceAttributeName, LaunchArgs, LayerWords, RuntimeTraits, StagingArgs
 from pointerdomain._platform.host_memory import NOT_SUPPORTED, VmmAllocation
 from pointerdomain._platform.batch_copy import Submission, batch_allowed, plan_copy_runs
-from pointerdomain._platform.graph_holds import HeldGraph, emulated_capture
+from pointerdomain._platform.graph_holds import EMULATED_CAPTURES, HeldGraph, emulated_capture
 from pointerdomain._platform.pointer_query import PointerInfo, span_by_lookup
 from pointerdomain._platform.status import MEMLOCK_EXCEEDED, OUT_OF_MEMORY
 from pointerdomain._platform.runtimes import EMULATED_CURRENT
@@ -122,6 +122,8 @@ class EmulatedBackend(RuntimeTraits):
     runtime = "emulated"
     has_alias_op = True
     host_readable = True
+    #: every stand-in capture opens and closes through EmulatedGraph.capture, which counts them
+    graph_captures = EMULATED_CAPTURES
 
     def __init__(self, device_count: int, profile: str | None = None) -> None:
         self._device_count = device_count
@@ -291,7 +293,14 @@ class EmulatedBackend(RuntimeTraits):
         _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
 
     def launch_recorded(self, plan: _C.KernelPlan, args: LaunchArgs) -> int:
-        self.launch(plan, args)
+        # launch's body, not a call to it: every public launch takes this one (a frame less)
+        src_idx, dst_idx, n, layer_begin, layer_count, device, _stream, _ctas = args
+        _require_current(device, "transfer kernel launch")
+        graph = emulated_capture(device)
+        if graph is not None:  # captured: runs at each replay, with these addresses
+            graph.record(plan, (src_idx, dst_idx, n, layer_begin, layer_count))
+            return 0
+        _C.cpu_transfer(plan, src_idx, dst_idx, n, layer_begin, layer_count, torch.get_num_threads())
         return 0  # synchronous: the copy is done when the call returns
 
     def record_event(self, device: Device, stream: int) -> int:

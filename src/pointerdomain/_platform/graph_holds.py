@@ -35,7 +35,16 @@ from pointerdomain.errors import GraphInvalidatedError, InvalidArgumentError
 if TYPE_CHECKING:
     from pointerdomain.devices import Device
 
-__all__ = ["CudaGraphHolds", "EmulatedGraph", "GraphHolder", "HeldGraph", "capture_site", "emulated_capture"]
+__all__ = [
+    "EMULATED_CAPTURES",
+    "CaptureCount",
+    "CudaGraphHolds",
+    "EmulatedGraph",
+    "GraphHolder",
+    "HeldGraph",
+    "capture_site",
+    "emulated_capture",
+]
 
 
 def capture_site() -> str:
@@ -79,9 +88,32 @@ class HeldGraph:
         return f"HeldGraph({self.name}, {'alive' if self.alive() else 'released'})"
 
 
+class CaptureCount:
+    """How many graph captures are open in this process, on any thread: while it is 0 no
+    launch can be captured, so the launch path skips the per-launch capture query
+    (:func:`pointerdomain.transfer.graphs.note_launch`) with one attribute test.
+
+    Attributes:
+        open: the count (changed under :attr:`lock` only).
+        lock: serialises the changes (``+=`` on an attribute is not atomic).
+    """
+
+    __slots__ = ("open", "lock")
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.lock = threading.Lock()
+
+
 @runtime_checkable
 class GraphHolder(Protocol):
-    """A backend that can tell when a graph that captured a launch is destroyed."""
+    """A backend that can tell when a graph that captured a launch is destroyed.
+
+    A backend that sees every capture start and end may also have a ``graph_captures``
+    attribute, a :class:`CaptureCount` (the emulated backend); where it has none, or it is
+    None (CUDA: captures begin in torch, unseen), every launch that recorded no event asks
+    :meth:`graph_hold`.
+    """
 
     def graph_hold(self, device: Device, stream: int) -> HeldGraph | None:
         """The graph that ``stream`` of ``device`` is being captured into, or None when the
@@ -172,9 +204,14 @@ class CudaGraphHolds:
 _capturing = threading.local()  # .graphs: {ordinal: EmulatedGraph} of this thread's open captures
 _names = itertools.count(1)
 
+#: The stand-in captures open on any thread (the emulated backend's ``graph_captures``).
+EMULATED_CAPTURES = CaptureCount()
+
 
 def emulated_capture(device: Device) -> EmulatedGraph | None:
     """The stand-in graph the calling thread is capturing ``device``'s launches into, or None."""
+    if not EMULATED_CAPTURES.open:  # no capture open anywhere: no thread-local read
+        return None
     graphs: dict[int, EmulatedGraph] | None = getattr(_capturing, "graphs", None)
     return None if graphs is None else graphs.get(device.ordinal)
 
@@ -227,10 +264,14 @@ class EmulatedGraph:
         self.held.name = f"{self.name} on {device} (captured at {self._site})"
         graphs[device.ordinal] = self
         _capturing.graphs = graphs
+        with EMULATED_CAPTURES.lock:
+            EMULATED_CAPTURES.open += 1
         try:
             yield self
         finally:
             del graphs[device.ordinal]
+            with EMULATED_CAPTURES.lock:
+                EMULATED_CAPTURES.open -= 1
 
     def record(self, plan: Any, args: tuple[int, int, int, int, int]) -> None:
         """A launch captured into this graph (the emulated backend's launch while capturing).

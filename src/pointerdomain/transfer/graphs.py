@@ -11,7 +11,8 @@ index tensors' storages. Every replay reads and writes them again. The rules:
   exists, with the storages the index tensors had at capture (a ``set_`` that moves an
   index tensor to other storage leaves the captured one allocated, so a CUDA replay
   never reads freed or reused memory), and adds the graph to the lease set of every
-  registration the tables point into;
+  registration the tables point into (a backend that sees every capture open and close,
+  the emulated one, counts them: while none is open anywhere, the launch asks nothing);
 * ``close()`` of such a registration, or of a :class:`~pointerdomain.HostKVPool` over
   it, raises :class:`~pointerdomain.errors.BusyError` naming the graph (device, capture
   id or name, where it was captured) until the graph is destroyed, and nothing closes;

@@ -20,7 +20,9 @@ every backend on those. The other layouts' launches skip this.
 
 A launch runs in three steps: :func:`check_call` (every check above, and the call bound
 into its plan, :class:`LaunchOptions` and :class:`~pointerdomain._platform.LaunchArgs`),
-:func:`choose_path` (the :class:`Path` that runs it) and :func:`run`.
+:func:`choose_path` (the :class:`Path` that runs it) and :func:`run`. :func:`bind_call` is the
+first two in one step: what the public launches run before :func:`run`, and all that
+:func:`explain_transfer` runs.
 
 Ordering (CUDA): the launch is enqueued on ``stream`` (default: the current
 stream of the tables' device) and is asynchronous. The caller orders it after
@@ -54,7 +56,7 @@ from pointerdomain.errors import (
     UnpinnedMemoryError,
 )
 from pointerdomain.layouts import KVLayout
-from pointerdomain.transfer.plan import TransferPlan, plan_for
+from pointerdomain.transfer.plan import LAST_BY_SRC as _LAST_BY_SRC, TransferPlan, plan_for
 from pointerdomain.registration.tables import PointerTable
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ __all__ = [
     "CE_MIN_RUN_BYTES_WHOLE_GPU",
     "DEFAULT_MAX_CTAS",
     "WHOLE_GPU",
+    "BoundCall",
     "IndexCheck",
     "LaunchOptions",
     "LayersLaunch",
@@ -74,11 +77,13 @@ __all__ = [
     "TransferChoice",
     "ValidateIndices",
     "WholeGpu",
+    "bind_call",
     "check_call",
     "choose_path",
     "explain_transfer",
     "index_tensor",
     "launch_options",
+    "layer_range",
     "run",
     "transfer_kv_all_layer",
     "transfer_kv_per_layer",
@@ -163,6 +168,28 @@ def _check_indices(name: str, idx: Any, device: Device, host_read: bool = False)
                 f"launch device. Fix: copy them to {device} (or to host memory) first"
             )
     return idx
+
+
+def layer_range(src_layout: object, layer_id: object, all_layers: bool = True) -> tuple[int, int]:
+    """``(layer_begin, layer_count)`` of a call's ``layer_id``: None is every layer (where
+    ``all_layers``); ``src_layout`` that is not a KVLayout is then ``(0, 0)``, reported by
+    :func:`bind_call` after the tables' checks, as the all-layer launch reports it. An int
+    is that one layer, checked here.
+
+    Raises:
+        InvalidArgumentError: a layer given and ``src_layout`` is not a KVLayout.
+        IndexValidationError: ``layer_id`` is not an int (nor None where ``all_layers``),
+            or outside ``[0, num_layers)``.
+    """
+    if layer_id is None and all_layers:
+        return (0, src_layout.num_layers) if isinstance(src_layout, KVLayout) else (0, 0)
+    if not isinstance(src_layout, KVLayout):
+        raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
+    if type(layer_id) is not int:
+        raise IndexValidationError(f"layer_id must be an int, got {describe(layer_id)}")
+    if not 0 <= layer_id < src_layout.num_layers:
+        raise IndexValidationError(f"layer_id {describe(layer_id)} outside [0, {src_layout.num_layers})")
+    return layer_id, 1
 
 
 def _check_range(s_idx: torch.Tensor, d_idx: torch.Tensor, plan: TransferPlan) -> None:
@@ -322,6 +349,13 @@ def _validate_options(max_ctas: object, backend: object, validate_indices: objec
     return LaunchOptions(path, ctas, check)
 
 
+#: One call checked and bound (:func:`bind_call`), ready for :func:`run`: its plan, options,
+#: :class:`LaunchArgs`, whether an index tensor lies in host memory (:func:`choose_path`
+#: reads it), and the path that runs it (never AUTO; None where bind_call was not asked to
+#: choose). A plain tuple: built on every launch.
+BoundCall = tuple[TransferPlan, LaunchOptions, LaunchArgs, bool, Path | None]
+
+
 def check_call(
     src: PointerTable[DeviceAlias],
     src_layout: KVLayout,
@@ -338,11 +372,47 @@ def check_call(
 ) -> tuple[TransferPlan, LaunchOptions, LaunchArgs, bool]:
     """The launch's first step: every check of the call (tables, indices, options), and the
     call bound into its plan, options and :class:`LaunchArgs`, and whether an index tensor
-    lies in host memory (:func:`choose_path` reads it). Nothing is launched."""
+    lies in host memory (:func:`choose_path` reads it). Nothing is launched: :func:`bind_call`
+    without choosing the path."""
+    plan, options, args, host, _path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
+                                                 layer_begin, layer_count, stream, max_ctas, backend,
+                                                 validate_indices, False)
+    return plan, options, args, host
+
+
+def bind_call(
+    src: PointerTable[DeviceAlias],
+    src_layout: KVLayout,
+    dst: PointerTable[DeviceAlias],
+    dst_layout: KVLayout,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_begin: int,
+    layer_count: int,
+    stream: int | None,
+    max_ctas: MaxCtas,
+    backend: TransferBackend,
+    validate_indices: ValidateIndices,
+    choose: bool = True,
+) -> BoundCall:
+    """Everything a transfer call does before its launch, in one step: every check of
+    :func:`check_call`, the call bound, and (``choose``) :func:`choose_path`. The public
+    launches run this, then :func:`run`; :func:`explain_transfer` and the request check of
+    :func:`~pointerdomain.transfer.outcomes.transfer_outcome` run it alone. Layers
+    ``[layer_begin, layer_begin + layer_count)`` (:func:`layer_range` checks a caller's
+    ``layer_id``). Nothing is launched.
+
+    Raises:
+        Every error :func:`transfer_kv_all_layer` raises before its launch (the
+        ``choose_path`` ones only with ``choose``).
+    """
     # Every check below runs on every launch; the common case takes one combined test per
     # group (the tables' liveness words, the index tests, the options cache) and only a
     # failure runs the per-item checks that word the error.
-    plan = plan_for(src, src_layout, dst, dst_layout)
+    plan = _LAST_BY_SRC.get(id(src))  # plan_for's first look, inlined: the plan src last launched with
+    if (plan is None or plan.src_ref() is not src or plan.dst_ref() is not dst or plan.given_src_layout is not src_layout
+            or plan.given_dst_layout is not dst_layout):
+        plan = plan_for(src, src_layout, dst, dst_layout)
     if plan.dst_clashes and layer_count > 1:  # dst entries of two layers share memory (rare): not over both
         overlap.check_layers(plan.dst_clashes, layer_begin, layer_count)
     watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
@@ -362,36 +432,39 @@ def check_call(
     d_idx: object = dst_indices
     where = _IDX_BAD
     if (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
-            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT
-            # storages that hold what the tensors view (a released one reads freed memory)
-            and s_idx.untyped_storage().nbytes() >= 8 * (s_idx.storage_offset() + s_idx.numel())
-            and d_idx.untyped_storage().nbytes() >= 8 * (d_idx.storage_offset() + d_idx.numel())):
-        if not plan.host_memory:
-            if s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal:
-                where = _IDX_DEVICE
-        elif s_idx.is_cpu and d_idx.is_cpu:  # emulated: host memory or this emulated device's, by address
-            n, sp, dp = s_idx.numel(), s_idx.data_ptr(), d_idx.data_ptr()
-            lookup, ordinal = plan.platform.device_lookup, device.ordinal
-            s_where = lookup(sp, n * 8 or 8)
-            d_where = lookup(dp, d_idx.numel() * 8 or 8)
-            if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
-                where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
+            and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
+        n, nd = s_idx.numel(), d_idx.numel()
+        # storages that hold what the tensors view (a released one reads freed memory)
+        if (s_idx.untyped_storage().nbytes() >= 8 * (s_idx.storage_offset() + n)
+                and d_idx.untyped_storage().nbytes() >= 8 * (d_idx.storage_offset() + nd)):
+            if not plan.host_memory:
+                if s_idx.get_device() == device.ordinal and d_idx.get_device() == device.ordinal:
+                    where = _IDX_DEVICE
+                    sp, dp = s_idx.data_ptr(), d_idx.data_ptr()
+            elif s_idx.is_cpu and d_idx.is_cpu:  # emulated: host memory or this emulated device's, by address
+                sp, dp = s_idx.data_ptr(), d_idx.data_ptr()
+                lookup, ordinal = plan.platform.device_lookup, device.ordinal
+                s_where = lookup(sp, n * 8 or 8)
+                d_where = lookup(dp, nd * 8 or 8)
+                if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
+                    where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
     if where == _IDX_BAD:  # not both on the device: the worded checks
         host_read = backend != "kernel"  # the other paths may take CPU indices
         _check_indices("src_indices", src_indices, device, host_read)
         _check_indices("dst_indices", dst_indices, device, host_read)
         where = _IDX_HOST if _in_host_memory(src_indices) or _in_host_memory(dst_indices) else _IDX_DEVICE
-        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
-    elif not plan.host_memory:
-        n, sp, dp = src_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
-    if n != dst_indices.numel():
-        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {dst_indices.numel()}")
+        n, nd, sp, dp = src_indices.numel(), dst_indices.numel(), src_indices.data_ptr(), dst_indices.data_ptr()
+    if n != nd:
+        raise IndexValidationError(f"src_indices has {n} slots but dst_indices has {nd}")
     if not n:
         sp = dp = 0
-    starts = plan.dst_starts  # plan.indices_in_dst, its one-storage case inlined
-    if n and starts and (plan.indices_in_dst(sp, dp, 8 * n) if len(starts) > 1 else
-                         (sp < plan.dst_ends[0] and sp + 8 * n > starts[0])
-                         or (dp < plan.dst_ends[0] and dp + 8 * n > starts[0])):
+    # plan.indices_in_dst, inlined for the span from the first storage's start to the last
+    # one's end (the storages are sorted and merged): the whole test for one storage, and
+    # for several, indices outside it (the common case) need no search
+    starts = plan.dst_starts
+    if n and starts and ((sp < plan.dst_ends[-1] and sp + 8 * n > starts[0])
+                         or (dp < plan.dst_ends[-1] and dp + 8 * n > starts[0])) and (
+            len(starts) == 1 or plan.indices_in_dst(sp, dp, 8 * n)):
         raise OverlapError(
             "src_indices or dst_indices lie in the memory of the destination table's buffers: the copy would "
             "overwrite the indices it is reading, and later slots would land in the wrong place; nothing was "
@@ -406,9 +479,9 @@ def check_call(
         options = launch_options(max_ctas, backend, validate_indices, stream)
     if stream is None:  # asked at the launch, where streams exist (run)
         stream = _CURRENT_STREAM if plan.streams else 0
-    return plan, options, _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream,
-                                                 options.ctas)), \
-        where == _IDX_HOST
+    args = _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream, options.ctas))
+    host = where == _IDX_HOST
+    return plan, options, args, host, choose_path(plan, src, dst, options, args, host) if choose else None
 
 
 def choose_path(
@@ -477,30 +550,23 @@ LayersLaunch = Callable[["KernelPlan", LaunchArgs], int]
 def run(
     plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
     d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck, layers: LayersLaunch | None = None,
+    _on_device: bool = False,
 ) -> None:
-    """The launch's last step: run ``path`` (from :func:`choose_path`) on the call bound by
-    :func:`check_call`; ``layers``: the kernel path's launch is this one instead."""
-    if path is _KERNEL and plan.launch_sets_device and not checked.enabled():
-        # The native launch sets and restores the device itself (and reads the capture
-        # state of the launch stream there): no Python device switch on the hot path.
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check, layers)
-        return
-    runtime = plan.runtime
-    if runtime is not None and runtime.current_ordinal() == args.device.ordinal:
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check, layers)  # on the tables' device already
-        return
-    # The rest (host copies of the indices, checked mode, the staged path's streams and
-    # events, the emulated kernels) on the tables' device; the caller's current device
-    # comes back afterwards, also on error.
-    with DeviceGuard.for_launch(plan.device):
-        _run_on_device(plan, src, dst, s_idx, d_idx, args, path, check, layers)
-
-
-def _run_on_device(
-    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
-    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck, layers: LayersLaunch | None = None,
-) -> None:
-    """The launch of ``path`` (resolved: never AUTO) with checked arguments."""
+    """The launch's last step: run ``path`` (from :func:`choose_path`: never AUTO) on the
+    call bound by :func:`check_call`; ``layers``: the kernel path's launch is this one instead."""
+    # One frame for the common case: the launch runs here unless the tables' device must be
+    # made current first, which runs this again inside the guard (_on_device).
+    if not _on_device and not (path is _KERNEL and plan.launch_sets_device and not checked.enabled()):
+        # (where the native launch sets and restores the device itself, and reads the
+        # capture state of the launch stream there, no Python device switch on the hot path)
+        runtime = plan.runtime
+        if runtime is None or runtime.current_ordinal() != args.device.ordinal:
+            # The rest (host copies of the indices, checked mode, the staged path's streams
+            # and events, the emulated kernels) on the tables' device; the caller's current
+            # device comes back afterwards, also on error.
+            with DeviceGuard.for_launch(plan.device):
+                run(plan, src, dst, s_idx, d_idx, args, path, check, layers, True)
+            return
     device, platform = plan.device, plan.platform
     if path is _COPY_ENGINE:
         # Read the indices once: the copy validated is the copy the descriptors are built from,
@@ -562,7 +628,9 @@ def _run_on_device(
             event = platform.launch_recorded(kernel, args)
         else:
             platform.launch(kernel, args)
-        if event == 0:  # nothing to wait for: synchronous, or captured into a graph (which then holds the memory)
+        # nothing to wait for: synchronous, or captured into a graph (which then holds the
+        # memory); where the backend counts open captures, none open is one attribute test
+        if event == 0 and (plan.captures is None or plan.captures.open):
             graphs.note_launch(platform, plan, src, dst, device, args.stream, (s_idx, d_idx))
     finally:
         if single is not None:
@@ -690,12 +758,11 @@ def transfer_kv_all_layer(
     While the copy can run (the CPU call; on CUDA until the stream reaches it) the
     registrations it uses are leased: their ``close()`` waits (:mod:`pointerdomain.registration.leases`).
     """
-    # a non-KVLayout (possible from untyped callers) is reported by _launch
-    num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
-    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0, num_layers,
-                                           stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
-        options.check)
+    layout: object = src_layout  # layer_range(src_layout, None), inlined (a non-KVLayout: reported by bind_call)
+    plan, options, args, _host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0,
+                                                 layout.num_layers if isinstance(layout, KVLayout) else 0, stream,
+                                                 max_ctas, backend, validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, path, options.check)  # type: ignore[arg-type]  # chosen
 
 
 def transfer_kv_per_layer(
@@ -719,16 +786,11 @@ def transfer_kv_per_layer(
         IndexValidationError: ``layer_id`` outside ``[0, num_layers)``; and all of
             :func:`transfer_kv_all_layer`'s errors.
     """
-    if not isinstance(cast(object, src_layout), KVLayout):
-        raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
-    if type(layer_id) is not int:
-        raise IndexValidationError(f"layer_id must be an int, got {describe(layer_id)}")
-    if not 0 <= layer_id < src_layout.num_layers:
-        raise IndexValidationError(f"layer_id {describe(layer_id)} outside [0, {src_layout.num_layers})")
-    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_id, 1,
-                                           stream, max_ctas, backend, validate_indices)
-    run(plan, src, dst, src_indices, dst_indices, args, choose_path(plan, src, dst, options, args, host),
-        options.check)
+    layer_begin, layer_count = layer_range(src_layout, layer_id, False)
+    plan, options, args, _host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
+                                                 layer_begin, layer_count, stream, max_ctas, backend,
+                                                 validate_indices)
+    run(plan, src, dst, src_indices, dst_indices, args, path, options.check)  # type: ignore[arg-type]  # chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -797,15 +859,10 @@ def explain_transfer(
             UnpinnedMemoryError), the same class and message.
         IndexValidationError: also for a ``layer_id`` that is not None or a layer.
     """
-    if not isinstance(cast(object, src_layout), KVLayout):
+    if not isinstance(cast(object, src_layout), KVLayout):  # before the tables' checks, also for every layer
         raise InvalidArgumentError(f"src_layout must be a KVLayout, got {type(src_layout).__name__}")
-    if layer_id is None:
-        layer_begin, layer_count = 0, src_layout.num_layers
-    elif type(layer_id) is not int or not 0 <= layer_id < src_layout.num_layers:
-        raise IndexValidationError(f"layer_id {describe(layer_id)} is not None or an int in [0, {src_layout.num_layers})")
-    else:
-        layer_begin, layer_count = layer_id, 1
-    plan, options, args, host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, layer_begin,
-                                           layer_count, stream, max_ctas, backend, validate_indices)
-    path = choose_path(plan, src, dst, options, args, host)
+    layer_begin, layer_count = layer_range(src_layout, layer_id)
+    plan, options, args, host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
+                                                layer_begin, layer_count, stream, max_ctas, backend, validate_indices)
+    assert path is not None  # chosen
     return TransferChoice(path.value, _reason(plan, options, args, path, host), host)

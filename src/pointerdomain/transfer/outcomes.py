@@ -52,7 +52,8 @@ from pointerdomain.transfer.kernels import (
     DEFAULT_MAX_CTAS,
     MaxCtas,
     TransferBackend,
-    check_call,
+    bind_call,
+    layer_range,
     transfer_kv_all_layer,
 )
 
@@ -162,9 +163,11 @@ def _check_request(
     is launched: chunks checked one by one would miss a destination slot written in two
     chunks, or a slot read in one and written in another, and would copy the chunks
     before a bad one."""
-    num_layers = src_layout.num_layers if isinstance(cast(object, src_layout), KVLayout) else 0
-    plan, _options, args, _host = check_call(src, src_layout, dst, dst_layout, src_indices, dst_indices, 0,
-                                             num_layers, stream, max_ctas, backend, True)
+    # the launch's own checks and binding; not its path: each chunk's launch chooses its own
+    # (refused paths fail at that chunk, as they did before the request check existed)
+    layer_begin, layer_count = layer_range(src_layout, None)
+    plan, _options, args, _host, _path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
+                                                   layer_begin, layer_count, stream, max_ctas, backend, True, False)
     if not args.n:
         return
     s_idx, d_idx = src_indices, dst_indices

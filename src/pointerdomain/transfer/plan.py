@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
+from pointerdomain._platform.graph_holds import CaptureCount
 from pointerdomain._platform.host_indices import slots_problem
 from pointerdomain._platform.liveness import JointWatch, joint_watch
 from pointerdomain.devices import Device, DeviceRuntime
@@ -85,6 +86,9 @@ class TransferPlan:
             check then).
         dst_clashes: layers whose dst entries share memory (:func:`~pointerdomain.transfer.overlap.entry_clashes`):
             a launch over both is refused; empty for every table whose entries are disjoint.
+        captures: the backend's count of open graph captures
+            (:class:`~pointerdomain._platform.graph_holds.CaptureCount`), or None where it
+            cannot count them (a launch that recorded no event then asks for a capture).
     """
 
     device: Device
@@ -118,6 +122,7 @@ class TransferPlan:
     host_word: ctypes.c_uint32 | None = None
     watch: JointWatch | None = None
     dst_clashes: tuple[LayerClash, ...] = ()
+    captures: CaptureCount | None = None
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
@@ -345,13 +350,15 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     owners = tuple({id(o): o for o in (*src.registrations(), *dst.registrations())}.values())
     unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
     starts, ends = _merged_ranges(dst.storage_spans())
-    return TransferPlan(device, backend_for(device), src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
+    platform = backend_for(device)
+    return TransferPlan(device, platform, src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
                         kernel_plan(*args),
                         owners, same_memory, unpinned, starts, ends, lowering, device.runtime.host_memory,
                         device.runtime.launch_sets_device, device.runtime.streams, given_src.num_slots,
                         given_dst.num_slots, device.runtime, host_word(device),
-                        joint_watch(src.storage_watch(), dst.storage_watch()), dst_clashes=clashes)
+                        joint_watch(src.storage_watch(), dst.storage_watch()),
+                        captures=getattr(platform, "graph_captures", None), dst_clashes=clashes)
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -375,11 +382,15 @@ _plans: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[tuple[int, int
 # where the plan's own references say it is for these very objects (an id can be reused
 # once its object is gone), and dropped with its src.
 _by_ids: dict[tuple[int, int, int, int], TransferPlan] = {}
+#: The plan each src (by id) was last launched with, checked by the same references: the
+#: launch path's first look (one id, one lookup), ahead of :func:`plan_for`.
+LAST_BY_SRC: dict[int, TransferPlan] = {}
 
 
 def _clear() -> None:
     _plans.clear()
     _by_ids.clear()
+    LAST_BY_SRC.clear()
 
 
 on_backend_change(_clear)
@@ -404,6 +415,7 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
     plan = _by_ids.get(ids)
     if (plan is not None and plan.src_ref() is src and plan.dst_ref() is dst and plan.given_src_layout is src_layout
             and plan.given_dst_layout is dst_layout):
+        LAST_BY_SRC[ids[0]] = plan  # (dropped with src by _by_ids's finalizer, which has this id)
         return plan
     key = ids[1:]
     per_src = _plans.get(src) if isinstance(cast(object, src), PointerTable) else None
@@ -415,5 +427,7 @@ def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerT
     _plans.setdefault(src, {})[key] = plan
     if _by_ids.get(ids) is None:
         weakref.finalize(src, _by_ids.pop, ids, None)
+        weakref.finalize(src, LAST_BY_SRC.pop, ids[0], None)
     _by_ids[ids] = plan
+    LAST_BY_SRC[ids[0]] = plan
     return plan

@@ -25,7 +25,8 @@ from pointerdomain.transfer.kernels import (
     MaxCtas,
     TransferBackend,
     ValidateIndices,
-    transfer_kv_all_layer,
+    bind_call,
+    run,
     transfer_kv_per_layer,
 )
 from pointerdomain.registration.ladder import RegistrationPolicy
@@ -207,11 +208,12 @@ class HostKVPool(ProcessLocal):
         ``device_pool`` is not a device pool (None, a HostKVPool, ...): raised before any launch.
         """
         _check_device_pool("backup", device_pool)
-        transfer_kv_all_layer(
-            device_pool.table, self._table_for_pool(device_pool), device_indices, host_indices,
-            src_layout=device_pool.layout, dst_layout=self.layout, stream=stream, max_ctas=max_ctas,
-            backend=backend, validate_indices=validate_indices,
-        )
+        # transfer_kv_all_layer's two steps, called directly (no keyword call on the hot path)
+        src, src_layout, dst = device_pool.table, device_pool.layout, self._table_for_pool(device_pool)
+        plan, options, args, _host, path = bind_call(src, src_layout, dst, self.layout, device_indices, host_indices,
+                                                     0, src_layout.num_layers, stream, max_ctas, backend,
+                                                     validate_indices)
+        run(plan, src, dst, device_indices, host_indices, args, path, options.check)  # type: ignore[arg-type]
 
     def load(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, *,
@@ -220,11 +222,12 @@ class HostKVPool(ProcessLocal):
     ) -> None:
         """H2D: copy ``host_indices`` back to ``device_indices`` of ``device_pool``, all layers."""
         _check_device_pool("load", device_pool)
-        transfer_kv_all_layer(
-            self._table_for_pool(device_pool), device_pool.table, host_indices, device_indices,
-            src_layout=self.layout, dst_layout=device_pool.layout, stream=stream, max_ctas=max_ctas,
-            backend=backend, validate_indices=validate_indices,
-        )
+        # transfer_kv_all_layer's two steps, called directly (no keyword call on the hot path)
+        src, dst, layout = self._table_for_pool(device_pool), device_pool.table, self.layout
+        plan, options, args, _host, path = bind_call(src, layout, dst, device_pool.layout, host_indices,
+                                                     device_indices, 0, layout.num_layers, stream, max_ctas, backend,
+                                                     validate_indices)
+        run(plan, src, dst, host_indices, device_indices, args, path, options.check)  # type: ignore[arg-type]
 
     def load_layer(
         self, device_pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, *,
@@ -260,8 +263,8 @@ class HostKVPool(ProcessLocal):
     def _table_for_pool(self, device_pool: DevicePool) -> PointerTable[DeviceAlias]:
         # one host pool serves device pools on several devices, each through its own table
         # a Device for a kernel table (its type); None only for a host table cast to one
-        device = cast("Device | None", device_pool.table.device)
-        if device is None or device == self.device:
+        device: Device | None = device_pool.table.device  # (no typing.cast call on the launch path)
+        if device is None or device is self.device or device == self.device:
             return self.kernel_table  # a bad table is reported by the launch's own checks
         return self.kernel_table_for(device)
 
