@@ -918,11 +918,14 @@ def test_gpu_direct_and_hicache() -> None:
     lf = [rand(_pinned(tokens, heads, hd)) for _ in range(2)]
     sk.transfer_kv_direct(lf, dks[:2], s_cpu, d_cpu.cuda(), page_size=ps)
     # JIT one layer over page_first views, int32 CUDA indices
-    hc.transfer_hicache_one_layer(dks[2], dks[2], d_cpu.cuda().int(), hk.transpose(0, 1)[1], hk.transpose(0, 1)[1],
+    # (K and V destinations apart: one buffer for both is refused, OverlapError)
+    v_dst = poison(_cuda(dtoks, heads, hd))
+    hc.transfer_hicache_one_layer(dks[2], v_dst, d_cpu.cuda().int(), hk.transpose(0, 1)[1], hk.transpose(0, 1)[1],
                                   s_cpu.cuda().int(), element_dim=heads * hd)
     pd.synchronize("cuda:0")
     assert torch.equal(u8(dks[0]).cpu()[d_cpu], u8(lf[0])[s_cpu])
     assert torch.equal(u8(dks[2]).cpu()[d_cpu], u8(hk)[s_cpu, 1])
+    assert torch.equal(u8(v_dst).cpu()[d_cpu], u8(hk)[s_cpu, 1])
     # JIT all layer over host tables (host VAs of pinned memory in a CUDA uint64 tensor)
     hkt = _cuda_table([hk.transpose(0, 1)[i] for i in range(layers)])
     fresh = [poison(_cuda(dtoks, heads, hd)) for _ in range(layers)]

@@ -81,8 +81,8 @@ def test_gpu_host_table_rejected_and_no_sticky_error() -> None:
         with pytest.raises(errors.DomainError):
             pd.transfer_kv_all_layer(host.host_table, pool.table, idx, idx,  # type: ignore[arg-type]
                                      src_layout=host_layout, dst_layout=pool.layout)
-        with pytest.raises(errors.IndexValidationError, match="on cpu"):
-            host.load(pool, idx.cpu(), idx)
+        with pytest.raises(errors.IndexValidationError, match="on cpu"):  # the kernel reads indices on the GPU
+            host.load(pool, idx.cpu(), idx, backend="kernel")
         with pytest.raises(errors.AlreadyRegisteredError):
             pd.register_host_tensor(host.memory.tensor[:4096], dev)
         # the failed registration left no pending CUDA error behind

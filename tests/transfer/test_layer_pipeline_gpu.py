@@ -78,6 +78,7 @@ def test_gpu_layer_pipeline_captured_and_replayed() -> None:
                 done.wait(layer)
                 out[layer] = pool.buffer(0, layer).float().sum()
         assert_graph_loads(graph, pool, host, src, dst, replays=2)
+        del graph  # a graph that captured the pool's launches holds it open (pointerdomain.transfer.graphs)
 
 
 def _big_load(tokens: int = 4096) -> tuple[pd.DeviceKVPool, pd.HostKVPool, torch.Tensor, torch.Tensor]:
@@ -173,6 +174,7 @@ def test_gpu_captured_pipeline_orders_each_layers_consumer() -> None:
                     want = items(host.buffer, host.layout, kv, layer, hs)
                     assert torch.equal(as_bytes(out[layer, kv]), as_bytes(want)), (seed, layer, kv)
                     assert torch.equal(as_bytes(pool_items(pool, kv, layer, ds)), as_bytes(want)), (seed, layer, kv)
+        del graph  # holds the host pool open until destroyed
 
 
 def test_gpu_queueing_61_layers_is_one_launch() -> None:
@@ -194,4 +196,6 @@ def test_gpu_queueing_61_layers_is_one_launch() -> None:
             times.append(time.perf_counter() - t0)
             _until(lambda: done.ready(done.num_layers - 1), "the load")
             done.synchronize()
-        assert statistics.median(times) < 300e-6, sorted(times)
+        # one launch per layer would cost >= 61 bare launches (~5 us each) in every call: the
+        # fastest call says which design ran; a median would read the machine's load
+        assert min(times) < 300e-6, sorted(times)
