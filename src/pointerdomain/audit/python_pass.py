@@ -289,14 +289,19 @@ def _ast_call_name(call: ast.Call) -> str | None:
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
 
 
+# Python-level modules beside _PY_ROOTS whose functions take an int as an int (`bisect_left(starts, ptr)`
+# is a range look-up)
+_PY_HELPER_ROOTS = _PY_ROOTS | {"bisect", "heapq", "copy", "re", "asyncio", "queue", "contextlib", "array"}
+
+
 def _python_modules(tree: ast.Module) -> set[str]:
     """Names the module binds by importing a Python-level package (``import numpy as np``)."""
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update((a.asname or a.name).split(".")[0] for a in node.names
-                       if a.name.split(".")[0] in _PY_ROOTS)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in _PY_ROOTS:
+                       if a.name.split(".")[0] in _PY_HELPER_ROOTS)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in _PY_HELPER_ROOTS:
             out.update(a.asname or a.name for a in node.names)
     return out
 
@@ -329,6 +334,28 @@ def _native_sink(call: ast.Call, defined: set[str], imported: set[str], python: 
     return name if name in imported else None
 
 
+def _carried(expr: ast.expr, origins: dict[str, set[str]]) -> set[str]:
+    """The parameters whose address value ``expr`` still is: through names, containers (for
+    unpacking), ``int()`` and the ctypes wrappers, ``+`` and page rounding (``&``, ``|``). An
+    offset (``a - base``), a product, a quotient, a comparison or another call's result is
+    no longer the address."""
+    if isinstance(expr, ast.Name):
+        return set(origins.get(expr.id, ()))
+    if isinstance(expr, (ast.Tuple, ast.List, ast.Set)):
+        return {o for e in expr.elts for o in _carried(e, origins)}
+    if isinstance(expr, (ast.Subscript, ast.Starred)):
+        return _carried(expr.value, origins)
+    if isinstance(expr, ast.Attribute) and expr.attr == "value":
+        return _carried(expr.value, origins)  # `c_void_p(addr).value`
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.BitAnd, ast.BitOr)):
+        return _carried(expr.left, origins) | _carried(expr.right, origins)
+    if isinstance(expr, ast.IfExp):
+        return _carried(expr.body, origins) | _carried(expr.orelse, origins)
+    if isinstance(expr, ast.Call) and (_ast_call_name(expr) in _WRAPPERS or _ast_call_name(expr) == "int"):
+        return {o for a in expr.args for o in _carried(a, origins)}
+    return set()
+
+
 def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
     """For each function or method defined in ``source``: the parameters (by position, without
     ``self``/``cls``, and by name) whose value reaches a native call inside it (directly, through
@@ -353,7 +380,7 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
         for _ in range(3):  # local assignments, to a small fixed point
             for node in ast.walk(fn):
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-                    used = {o for n in ast.walk(node.value) if isinstance(n, ast.Name) for o in origins.get(n.id, ())}
+                    used = _carried(node.value, origins)
                     if used:
                         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                         for t in targets:
@@ -363,13 +390,7 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
         calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
         plan.append((fn, params, origins, calls))
 
-    def reached(arg: ast.expr, origins: dict[str, set[str]]) -> set[str]:
-        if isinstance(arg, (ast.Compare, ast.JoinedStr, ast.Lambda)):
-            return set()
-        if isinstance(arg, ast.Call) and _ast_call_name(arg) in _NOT_NATIVE - {"int"}:
-            return set()  # `len(x)`, `str(x)`: not the value itself
-        return {o for n in ast.walk(arg) if isinstance(n, ast.Name) for o in origins.get(n.id, ())}
-
+    reached = _carried
     changed = True
     while changed:  # helpers calling helpers
         changed = False
@@ -620,6 +641,7 @@ class _Auditor(cst.CSTVisitor):
         self._function_names: list[str] = []  # the enclosing functions, innermost last
         self._memo: dict[tuple[int, int], bool] = {}
         self._helpers: dict[str, dict[int | str, str]] | None = None  # helper_sinks() of the file, on demand
+        self._cute_dsl = re.search(r"^\s*(?:import|from)\s+cutlass\b", "\n".join(lines), re.M) is not None
         # the functions and methods of the file (from the unsliced text: a helper without a
         # trigger word is blanked before parsing)
         self.defined = set(re.findall(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", "\n".join(lines), re.M))
@@ -1063,7 +1085,10 @@ class _Auditor(cst.CSTVisitor):
                 self._check_helper_call(node, name)  # a Python helper of this file: does it hand the int on?
                 return
         elif isinstance(node.func, cst.Name):
-            if not self._imported(node.func) and not node.func.value.lstrip("_")[:1].isupper() \
+            # `_Buffer(base=t.data_ptr())`: a record class of the file, private too (not in a CuTe DSL
+            # module, whose private state classes hold DSL pointers)
+            cls_name = node.func.value if self._cute_dsl else node.func.value.lstrip("_")
+            if not self._imported(node.func) and not cls_name[:1].isupper() \
                     and not self._bound_to_loaded_callable(node.func):
                 if name in self.defined:
                     self._check_helper_call(node, name)

@@ -2,6 +2,7 @@
 # descriptor whose row size reads a shape, a private record class, a nested argument tuple.
 import ctypes
 import dataclasses
+from bisect import bisect_left
 
 import torch
 import triton
@@ -26,12 +27,23 @@ def _release(ptr):
     _unpin(ptr)
 
 
+def _view_at(state, start_addr, n):
+    byte_offset = start_addr - state.data_ptr()
+    return state.view(-1).narrow(0, byte_offset // state.element_size(), n)
+
+
+def _block_of(starts, ptr):
+    return bisect_left(starts, ptr)
+
+
 def advise(t):
     _madvise(t.data_ptr(), t.nbytes, 4)  # expect[PD008]
     _describe(t.data_ptr(), t.nbytes)  # negative: the helper only formats it
     _madvise(0, t.nbytes, 4)  # negative: no address
     _release(t.data_ptr())  # expect[PD008]
     _madvise(len(t.data_ptr().to_bytes(8, "little")), t.nbytes, 4)  # negative: a length, no address
+    _view_at(t, t[1].data_ptr(), 4)  # negative: the helper turns it into an offset at once
+    _block_of([0], t.data_ptr())  # negative: a range look-up in Python
 
 
 class Offload:
