@@ -334,6 +334,11 @@ def _native_sink(call: ast.Call, defined: set[str], imported: set[str], python: 
     return name if name in imported else None
 
 
+# calls that make a call later, and the position of the callable (its arguments follow it)
+_DEFERRED = {"to_thread": 0, "run_in_executor": 1, "submit": 0, "finalize": 1, "partial": 0, "call_soon": 0,
+             "call_soon_threadsafe": 0}
+
+
 def _carried(expr: ast.expr, origins: dict[str, set[str]]) -> set[str]:
     """The parameters whose address value ``expr`` still is: through names, containers (for
     unpacking), ``int()`` and the ctypes wrappers, ``+`` and page rounding (``&``, ``|``). An
@@ -399,7 +404,16 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
             for call in calls:
                 sink = _native_sink(call, defined, imported, python)
                 callee = out.get(_ast_call_name(call) or "") if sink is None else None
-                for i, a in enumerate(call.args):
+                args = call.args
+                later = _DEFERRED.get(_ast_call_name(call) or "")
+                if later is not None and len(call.args) > later:
+                    # `asyncio.to_thread(self.engine.transfer_sync, sid, src, ...)`: the call made later
+                    f = call.args[later]
+                    fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                    sink = fname if fname in _ENGINE_METHODS or _GPU_ENTRY.match(fname) else None
+                    callee = out.get(fname) if sink is None else None
+                    args = call.args[later + 1:]
+                for i, a in enumerate(args):
                     target = sink
                     if callee is not None:
                         target = callee.get(i)
@@ -1098,6 +1112,8 @@ class _Auditor(cst.CSTVisitor):
         hits = [a for a in args if self._carries_address(a)]
         if not hits:
             return
+        if self._check_deferred_call(node, name):
+            return
         # `(ctypes.c_char * n).from_address(p)`: libcst names a method of an expression `builtins.None`
         qns = set() if isinstance(node.func, cst.Attribute) and get_full_name_for_node(node.func.value) is None \
             else self._qualnames(node.func)
@@ -1133,6 +1149,28 @@ class _Auditor(cst.CSTVisitor):
             return
         self._report(call, "PD008", f"data_ptr() address {how}: {why}", self._domain_fix(hit))
         self._cover_subtree(call)
+
+    def _check_deferred_call(self, node: cst.Call, name: str) -> bool:
+        """``weakref.finalize(obj, _unpin, t.data_ptr())``, ``pool.submit(self._register, ptr, n)``:
+        the address goes to a helper of this file that hands it to native code. True when reported."""
+        later = _DEFERRED.get(name)
+        positional = [a.value for a in node.args if a.keyword is None and not a.star]
+        if later is None or len(positional) <= later:
+            return False
+        f = positional[later]
+        helper = f.attr.value if isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and \
+            f.value.value in ("self", "cls") else f.value if isinstance(f, cst.Name) else None
+        if helper is None or helper not in self.defined:
+            return False
+        if self._helpers is None:
+            self._helpers = helper_sinks("\n".join(self.lines))
+        sinks = self._helpers.get(helper, {})
+        for i, a in enumerate(positional[later + 1:]):
+            if i in sinks and id(a) not in self._covered and self._carries_address(a):
+                self._report_argument(node, a, f"passed as an int to {helper}() (called by {name}()), which hands it "
+                                      f"to native {sinks[i]}()", "neither can tell a host VA from a device address")
+                return True
+        return False
 
     def _check_helper_call(self, node: cst.Call, name: str) -> None:
         """``self._pre_register(buf.data_ptr(), n)`` where the helper of this file hands that

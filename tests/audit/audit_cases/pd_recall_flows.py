@@ -1,11 +1,13 @@
 # Addresses that leave through a helper of the file, a tuple handed on, a kernel launch, a
 # descriptor whose row size reads a shape, a private record class, a nested argument tuple.
+import asyncio
 import ctypes
 import dataclasses
 from bisect import bisect_left
 
 import torch
 import triton
+import weakref
 
 _libc = ctypes.CDLL(None)
 
@@ -111,3 +113,23 @@ def host_view(t):
     view = (ctypes.c_char * host.nbytes).from_address(addr)  # expect[PD008]
     copy = (ctypes.c_char * host.nbytes).from_buffer_copy(bytes(host.nbytes))  # negative: no address
     return view, copy
+
+
+class Sender:
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def _send(self, sid, src, dst, n):
+        return await asyncio.to_thread(self.engine.transfer_sync_write, sid, src, dst, n)
+
+    async def _count(self, sid, src, n):
+        return await asyncio.to_thread(print, sid, src, n)
+
+    async def send(self, sid, t, dst):
+        await self._send(sid, t.data_ptr(), dst, t.nbytes)  # expect[PD008]
+        await self._count(sid, t.data_ptr(), t.nbytes)  # negative: printed, never handed to native code
+
+
+def pin_for_life(storage):
+    weakref.finalize(storage, _unpin, storage.data_ptr())  # expect[PD008]
+    weakref.finalize(storage, _describe, storage.data_ptr(), 0)  # negative: the helper only formats it
