@@ -1076,8 +1076,10 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.Call) and len(expr.args) == 1 and _call_name(expr) not in _NOT_NATIVE:
             return self.is_address(expr.args[0].value)
         if isinstance(expr, (cst.Tuple, cst.List)):
-            return not _identity_tuple(expr) and any(self.is_address(e.value) or self.is_address_collection(e.value)
-                                                     for e in expr.elements)
+            # `(arg_values, arg_types)` of cuda-python's launch: a tuple may carry a collection of addresses
+            # (a list literal of descriptors stays PD002's)
+            return not _identity_tuple(expr) and any(self.is_address(e.value) or (
+                isinstance(expr, cst.Tuple) and self.is_address_collection(e.value)) for e in expr.elements)
         if isinstance(expr, cst.Name):
             # `args = (n, self.req_ids_ptr, ...)` then `op(args)`: a list/tuple of addresses
             return any(not _identity_tuple(v)
