@@ -1091,7 +1091,7 @@ class _Auditor(cst.CSTVisitor):
         if name in ("append", "add") and len(positional) > 1 or name == "insert" and len(positional) > 2:
             name = f"{name} (a native method: a Python container takes one item)"  # `iobufs.append(ptr, n, True)`
         elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or id(node) in self._covered \
-                or _call_name(node) in _WRAPPERS | _TYPED_DEVICE_POINTERS:
+                or _call_name(node) in _WRAPPERS | _TYPED_DEVICE_POINTERS or self._typed_dsl_pointer(node):
             return
         if isinstance(node.func, cst.Attribute):
             recv = get_full_name_for_node(node.func.value) or ""
@@ -1151,6 +1151,13 @@ class _Auditor(cst.CSTVisitor):
             return
         self._report(call, "PD008", f"data_ptr() address {how}: {why}", self._domain_fix(hit))
         self._cover_subtree(call)
+
+    def _typed_dsl_pointer(self, node: cst.Call) -> bool:
+        """``make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem)``: the CuTe DSL is told the address
+        space, like ``CUdeviceptr``; the int becomes a typed pointer there."""
+        return _call_name(node) == "make_ptr" and any(
+            "AddressSpace" in _code_of(a.value) or (a.keyword is not None and a.keyword.value in (
+                "mem_space", "address_space")) for a in node.args)
 
     def _check_deferred_call(self, node: cst.Call, name: str) -> bool:
         """``weakref.finalize(obj, _unpin, t.data_ptr())``, ``pool.submit(self._register, ptr, n)``:

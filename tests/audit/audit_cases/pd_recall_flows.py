@@ -133,3 +133,10 @@ class Sender:
 def pin_for_life(storage):
     weakref.finalize(storage, _unpin, storage.data_ptr())  # expect[PD008]
     weakref.finalize(storage, _describe, storage.data_ptr(), 0)  # negative: the helper only formats it
+
+
+def dsl_pointers(cute, t, dtype):
+    from dsl_runtime import make_ptr  # the CuTe DSL runtime, re-exported
+
+    typed = make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)  # negative: the space is named
+    return typed, make_ptr(dtype, t.data_ptr())  # expect[PD008]
