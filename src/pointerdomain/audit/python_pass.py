@@ -1122,6 +1122,7 @@ class _Auditor(cst.CSTVisitor):
         if any(q.split(".", 1)[0] in _PY_ROOTS and not q.startswith("torch.ops.") for q in qns):
             return  # torch / numpy / stdlib Python APIs (torch.tensor is PD001's)
         if any(q.startswith("cutlass.") and not q.endswith(".make_ptr") for q in qns):
+            self._cover_subtree(node)  # `cutlass.Array(smem_base.data_ptr() + off, ...)`: DSL arithmetic too
             return  # CuTe DSL functions (`cute.make_tensor`, `pipeline.PipelineAsync.create`) take DSL pointers
             # (shared-memory storage fields); make_ptr is where a host int becomes one
         self._report_argument(node, hits[0], f"passed as an int to {name}()", "the callee cannot tell a host VA "
