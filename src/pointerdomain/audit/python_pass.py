@@ -376,7 +376,7 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
     imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in n.names} - python
     out: dict[str, dict[int | str, str]] = {}
-    plan = []
+    plan: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, list[str], dict[str, set[str]], list[ast.Call]]] = []
     for fn in functions:
         params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
         if params and params[0] in ("self", "cls"):
@@ -395,7 +395,6 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
         calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
         plan.append((fn, params, origins, calls))
 
-    reached = _carried
     changed = True
     while changed:  # helpers calling helpers
         changed = False
@@ -419,7 +418,7 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
                         target = callee.get(i)
                     if target is None:
                         continue
-                    for p in reached(a, origins):
+                    for p in _carried(a, origins):
                         if p not in found:
                             found[p] = target
                             if p in params:
@@ -429,7 +428,7 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
                     target = sink if callee is None else callee.get(kw.arg or "")
                     if target is None:
                         continue
-                    for p in reached(kw.value, origins):
+                    for p in _carried(kw.value, origins):
                         if p not in found:
                             found[p] = target
                             if p in params:
