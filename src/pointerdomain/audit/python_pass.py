@@ -281,6 +281,163 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# helpers of the file that hand a parameter to native code
+
+
+def _ast_call_name(call: ast.Call) -> str | None:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+# Python-level modules beside _PY_ROOTS whose functions take an int as an int (`bisect_left(starts, ptr)`
+# is a range look-up)
+_PY_HELPER_ROOTS = _PY_ROOTS | {"bisect", "heapq", "copy", "re", "asyncio", "queue", "contextlib", "array"}
+
+
+def _python_modules(tree: ast.Module) -> set[str]:
+    """Names the module binds by importing a Python-level package (``import numpy as np``)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names
+                       if a.name.split(".")[0] in _PY_HELPER_ROOTS)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in _PY_HELPER_ROOTS:
+            out.update(a.asname or a.name for a in node.names)
+    return out
+
+
+def _native_sink(call: ast.Call, defined: set[str], imported: set[str], python: set[str]) -> str | None:
+    """The name of ``call`` when it is native code that takes an int address as one (an engine
+    method, a GPU/collective runtime entry, ``from_address``, a method of a loaded library or
+    extension object), else None. Python code (this file's functions, logging, containers, the
+    Python-level packages) is no sink."""
+    name = _ast_call_name(call)
+    if name is None:
+        return None
+    if name in _ENGINE_METHODS or name in _REGISTER_FUNCS or _GPU_ENTRY.match(name) or name == "from_address":
+        return name
+    if name in _NOT_NATIVE or name in defined or name.startswith(("assert", "log", "_log")) or name in _WRAPPERS:
+        return None
+    func = call.func
+    if isinstance(func, ast.Attribute):
+        root: ast.expr = func.value
+        while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        receiver = func.value.attr if isinstance(func.value, ast.Attribute) else \
+            func.value.id if isinstance(func.value, ast.Name) else ""
+        if isinstance(func.value, ast.Name) and func.value.id in ("self", "cls"):
+            return None  # a method of this object: Python
+        if receiver in _NOT_NATIVE_RECEIVERS or (isinstance(root, ast.Name) and root.id in python and not (
+                isinstance(func.value, ast.Attribute) and "ops" in ast.unparse(func.value).split("."))):
+            return None
+        return name
+    return name if name in imported else None
+
+
+# calls that make a call later, and the position of the callable (its arguments follow it)
+_DEFERRED = {"to_thread": 0, "run_in_executor": 1, "submit": 0, "finalize": 1, "partial": 0, "call_soon": 0,
+             "call_soon_threadsafe": 0}
+
+
+def _carried(expr: ast.expr, origins: dict[str, set[str]]) -> set[str]:
+    """The parameters whose address value ``expr`` still is: through names, containers (for
+    unpacking), ``int()`` and the ctypes wrappers, ``+`` and page rounding (``&``, ``|``). An
+    offset (``a - base``), a product, a quotient, a comparison or another call's result is
+    no longer the address."""
+    if isinstance(expr, ast.Name):
+        return set(origins.get(expr.id, ()))
+    if isinstance(expr, (ast.Tuple, ast.List, ast.Set)):
+        return {o for e in expr.elts for o in _carried(e, origins)}
+    if isinstance(expr, (ast.Subscript, ast.Starred)):
+        return _carried(expr.value, origins)
+    if isinstance(expr, ast.Attribute) and expr.attr == "value":
+        return _carried(expr.value, origins)  # `c_void_p(addr).value`
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.BitAnd, ast.BitOr)):
+        return _carried(expr.left, origins) | _carried(expr.right, origins)
+    if isinstance(expr, ast.IfExp):
+        return _carried(expr.body, origins) | _carried(expr.orelse, origins)
+    if isinstance(expr, ast.Call) and (_ast_call_name(expr) in _WRAPPERS or _ast_call_name(expr) == "int"):
+        return {o for a in expr.args for o in _carried(a, origins)}
+    return set()
+
+
+def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
+    """For each function or method defined in ``source``: the parameters (by position, without
+    ``self``/``cls``, and by name) whose value reaches a native call inside it (directly, through
+    local assignments and tuple unpacking, or through another such helper of the file), each with
+    the native callee's name. One file, no inference across modules."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError):
+        return {}
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    defined = {f.name for f in functions}
+    python = _python_modules(tree)
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names} - python
+    out: dict[str, dict[int | str, str]] = {}
+    plan: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, list[str], dict[str, set[str]], list[ast.Call]]] = []
+    for fn in functions:
+        params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+        if params and params[0] in ("self", "cls"):
+            params = params[1:]
+        origins: dict[str, set[str]] = {p: {p} for p in (*params, *(a.arg for a in fn.args.kwonlyargs))}
+        for _ in range(3):  # local assignments, to a small fixed point
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                    used = _carried(node.value, origins)
+                    if used:
+                        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                        for t in targets:
+                            for n in ast.walk(t):
+                                if isinstance(n, ast.Name):
+                                    origins.setdefault(n.id, set()).update(used)
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+        plan.append((fn, params, origins, calls))
+
+    changed = True
+    while changed:  # helpers calling helpers
+        changed = False
+        for fn, params, origins, calls in plan:
+            found = out.setdefault(fn.name, {})
+            for call in calls:
+                sink = _native_sink(call, defined, imported, python)
+                callee = out.get(_ast_call_name(call) or "") if sink is None else None
+                args = call.args
+                later = _DEFERRED.get(_ast_call_name(call) or "")
+                if later is not None and len(call.args) > later:
+                    # `asyncio.to_thread(self.engine.transfer_sync, sid, src, ...)`: the call made later
+                    f = call.args[later]
+                    fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                    sink = fname if fname in _ENGINE_METHODS or _GPU_ENTRY.match(fname) else None
+                    callee = out.get(fname) if sink is None else None
+                    args = call.args[later + 1:]
+                for i, a in enumerate(args):
+                    target = sink
+                    if callee is not None:
+                        target = callee.get(i)
+                    if target is None:
+                        continue
+                    for p in _carried(a, origins):
+                        if p not in found:
+                            found[p] = target
+                            if p in params:
+                                found[params.index(p)] = target
+                            changed = True
+                for kw in call.keywords:
+                    target = sink if callee is None else callee.get(kw.arg or "")
+                    if target is None:
+                        continue
+                    for p in _carried(kw.value, origins):
+                        if p not in found:
+                            found[p] = target
+                            if p in params:
+                                found[params.index(p)] = target
+                            changed = True
+    return {k: v for k, v in out.items() if v}
+
+
+# ---------------------------------------------------------------------------------------
 # the analysis
 
 
@@ -402,6 +559,15 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
 _IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\bid\(|\.is_inference\(")
 
 
+def _identity_tuple(node: cst.BaseExpression) -> bool:
+    """A tuple with an element that is a tensor's identity (``t.shape``, ``t.shape[1]``,
+    ``t._version``, ``id(t)``): a cache key. A shape inside arithmetic (``n // t.shape[0]``,
+    a row size in a descriptor) is no identity."""
+    return isinstance(node, cst.Tuple) and any(
+        not isinstance(e.value, cst.BinaryOperation) and _IDENTITY_KEY.search(_code_of(e.value))
+        for e in node.elements)
+
+
 def _getattr_as_attribute(call: cst.Call) -> cst.Attribute | None:
     """``obj.name`` for ``getattr(obj, "name")`` with a literal name, else None."""
     if not (isinstance(call.func, cst.Name) and call.func.value == "getattr" and len(call.args) == 2):
@@ -487,6 +653,8 @@ class _Auditor(cst.CSTVisitor):
         self._assert_depth = 0
         self._function_names: list[str] = []  # the enclosing functions, innermost last
         self._memo: dict[tuple[int, int], bool] = {}
+        self._helpers: dict[str, dict[int | str, str]] | None = None  # helper_sinks() of the file, on demand
+        self._cute_dsl = re.search(r"^\s*(?:import|from)\s+cutlass\b", "\n".join(lines), re.M) is not None
         # the functions and methods of the file (from the unsliced text: a helper without a
         # trigger word is blanked before parsing)
         self.defined = set(re.findall(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", "\n".join(lines), re.M))
@@ -688,6 +856,8 @@ class _Auditor(cst.CSTVisitor):
             return True
         if isinstance(expr, (cst.Tuple, cst.List)):
             return any(self.is_address(e.value, depth + 1) for e in expr.elements)
+        if isinstance(expr, cst.IfExp):  # `None if t is None else (t.data_ptr(), n)`
+            return self._holds_address(expr.body, depth + 1) or self._holds_address(expr.orelse, depth + 1)
         return False
 
     def _is_address_collection(self, expr: cst.BaseExpression, depth: int = 0) -> bool:
@@ -822,6 +992,8 @@ class _Auditor(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         name = _call_name(node)
+        if name is None and isinstance(node.func, cst.Subscript) and "PD008" in self.rules.enabled:
+            self._check_kernel_launch(node, node.func)
         if name is None and not isinstance(node.func, cst.Call):
             return
         if name is not None and name.startswith("assert"):
@@ -875,7 +1047,7 @@ class _Auditor(cst.CSTVisitor):
             return  # `return base + off` is PD002's
         if self._wraps_address(value):
             what = "as a ctypes pointer"
-        elif self.is_address(value) or (isinstance(value, cst.Tuple) and not _IDENTITY_KEY.search(_code_of(value))
+        elif self.is_address(value) or (isinstance(value, cst.Tuple) and not _identity_tuple(value)
                                         and any(self.is_address(e.value) for e in value.elements)):
             what = "as an int"
         else:
@@ -903,10 +1075,13 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.Call) and len(expr.args) == 1 and _call_name(expr) not in _NOT_NATIVE:
             return self.is_address(expr.args[0].value)
         if isinstance(expr, (cst.Tuple, cst.List)):
-            return not _IDENTITY_KEY.search(_code_of(expr)) and any(self.is_address(e.value) for e in expr.elements)
+            # `(arg_values, arg_types)` of cuda-python's launch: a tuple may carry a collection of addresses
+            # (a list literal of descriptors stays PD002's)
+            return not _identity_tuple(expr) and any(self.is_address(e.value) or (
+                isinstance(expr, cst.Tuple) and self.is_address_collection(e.value)) for e in expr.elements)
         if isinstance(expr, cst.Name):
             # `args = (n, self.req_ids_ptr, ...)` then `op(args)`: a list/tuple of addresses
-            return any(not (isinstance(v, cst.Tuple) and _IDENTITY_KEY.search(_code_of(v)))
+            return any(not _identity_tuple(v)
                        for v in self._values_of(expr)) and self.is_address_collection(expr)
         return False
 
@@ -915,27 +1090,122 @@ class _Auditor(cst.CSTVisitor):
         if name in ("append", "add") and len(positional) > 1 or name == "insert" and len(positional) > 2:
             name = f"{name} (a native method: a Python container takes one item)"  # `iobufs.append(ptr, n, True)`
         elif name in _NOT_NATIVE or name.startswith(("assert", "log", "_log")) or id(node) in self._covered \
-                or _call_name(node) in _WRAPPERS | _TYPED_DEVICE_POINTERS:
+                or _call_name(node) in _WRAPPERS | _TYPED_DEVICE_POINTERS or self._typed_dsl_pointer(node):
             return
         if isinstance(node.func, cst.Attribute):
             recv = get_full_name_for_node(node.func.value) or ""
-            if recv.rsplit(".", 1)[-1] in _NOT_NATIVE_RECEIVERS or (recv in ("self", "cls") and name in self.defined):
-                return  # logging, or a Python helper of this file (its own calls are checked)
+            if recv.rsplit(".", 1)[-1] in _NOT_NATIVE_RECEIVERS:
+                return  # logging
+            if recv in ("self", "cls") and name in self.defined:
+                self._check_helper_call(node, name)  # a Python helper of this file: does it hand the int on?
+                return
         elif isinstance(node.func, cst.Name):
-            if not self._imported(node.func) and not node.func.value[:1].isupper() \
+            # `_Buffer(base=t.data_ptr())`: a record class of the file, private too (not in a CuTe DSL
+            # module, whose private state classes hold DSL pointers)
+            cls_name = node.func.value if self._cute_dsl else node.func.value.lstrip("_")
+            if not self._imported(node.func) and not cls_name[:1].isupper() \
                     and not self._bound_to_loaded_callable(node.func):
+                if name in self.defined:
+                    self._check_helper_call(node, name)
                 return  # a local function or a parameter: Python code (a class, e.g. a ctypes struct of
                 # kernel arguments, is reported: the address is stored in its field)
         args = [a.value for a in node.args if id(a.value) not in self._covered]
         hits = [a for a in args if self._carries_address(a)]
         if not hits:
             return
-        qns = self._qualnames(node.func)
+        if self._check_deferred_call(node, name):
+            return
+        # `(ctypes.c_char * n).from_address(p)`: libcst names a method of an expression `builtins.None`
+        qns = set() if isinstance(node.func, cst.Attribute) and get_full_name_for_node(node.func.value) is None \
+            else self._qualnames(node.func)
         if any(q.split(".", 1)[0] in _PY_ROOTS and not q.startswith("torch.ops.") for q in qns):
             return  # torch / numpy / stdlib Python APIs (torch.tensor is PD001's)
-        self._report(node, "PD008", f"data_ptr() address passed as an int to {name}(): the callee cannot tell a "
-                     "host VA from a device address", self._domain_fix(hits[0]))
-        self._cover_subtree(node)
+        if any(q.startswith("cutlass.") and not q.endswith(".make_ptr") for q in qns):
+            self._cover_subtree(node)  # `cutlass.Array(smem_base.data_ptr() + off, ...)`: DSL arithmetic too
+            return  # CuTe DSL functions (`cute.make_tensor`, `pipeline.PipelineAsync.create`) take DSL pointers
+            # (shared-memory storage fields); make_ptr is where a host int becomes one
+        self._report_argument(node, hits[0], f"passed as an int to {name}()", "the callee cannot tell a host VA "
+                              "from a device address")
+
+    def _check_kernel_launch(self, node: cst.Call, func: cst.Subscript) -> None:
+        """``kernel[grid](t.data_ptr(), ...)``: a JIT kernel (Triton, Numba) launched with an int
+        address, which the kernel turns into a pointer."""
+        kernel = get_full_name_for_node(func.value)
+        if kernel is None or id(node) in self._covered or self._assert_depth:
+            return
+        hits = [a.value for a in node.args if id(a.value) not in self._covered and self._carries_address(a.value)]
+        if hits:
+            self._report_argument(node, hits[0], f"passed as an int to the kernel launch {kernel}[...]()",
+                                  "the kernel cannot tell a host VA from a device address")
+
+    def _report_argument(self, call: cst.Call, hit: cst.BaseExpression, how: str, why: str) -> None:
+        """PD008 for an address argument of ``call``; where the argument is a name bound to a tuple
+        literal in this scope (``args = (n, self.x_ptr, ...)`` then ``op(args)``), at that tuple:
+        that is where the ints are packed, and a tuple reaching several calls is one finding."""
+        packed = [v for v in self._values_of(hit) if isinstance(v, cst.Tuple)] if isinstance(hit, cst.Name) else []
+        if isinstance(hit, cst.Name) and len(packed) == 1 and len(self._values_of(hit)) == 1:
+            self._cover_subtree(call)
+            if id(packed[0]) in self._covered:
+                return  # reported at the tuple already
+            how = how.replace("as an int", "as ints").replace("hands it", "hands them")
+            self._report(packed[0], "PD008", f"data_ptr() addresses packed into the tuple {hit.value} are {how}: "
+                         f"{why}", self._domain_fix(packed[0]))
+            self._cover_subtree(packed[0])
+            return
+        self._report(call, "PD008", f"data_ptr() address {how}: {why}", self._domain_fix(hit))
+        self._cover_subtree(call)
+
+    def _typed_dsl_pointer(self, node: cst.Call) -> bool:
+        """``make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem)``: the CuTe DSL is told the address
+        space, like ``CUdeviceptr``; the int becomes a typed pointer there."""
+        return _call_name(node) == "make_ptr" and any(
+            "AddressSpace" in _code_of(a.value) or (a.keyword is not None and a.keyword.value in (
+                "mem_space", "address_space")) for a in node.args)
+
+    def _check_deferred_call(self, node: cst.Call, name: str) -> bool:
+        """``weakref.finalize(obj, _unpin, t.data_ptr())``, ``pool.submit(self._register, ptr, n)``:
+        the address goes to a helper of this file that hands it to native code. True when reported."""
+        later = _DEFERRED.get(name)
+        positional = [a.value for a in node.args if a.keyword is None and not a.star]
+        if later is None or len(positional) <= later:
+            return False
+        f = positional[later]
+        helper = f.attr.value if isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and \
+            f.value.value in ("self", "cls") else f.value if isinstance(f, cst.Name) else None
+        if helper is None or helper not in self.defined:
+            return False
+        if self._helpers is None:
+            self._helpers = helper_sinks("\n".join(self.lines))
+        sinks = self._helpers.get(helper, {})
+        for i, a in enumerate(positional[later + 1:]):
+            if i in sinks and id(a) not in self._covered and self._carries_address(a):
+                self._report_argument(node, a, f"passed as an int to {helper}() (called by {name}()), which hands it "
+                                      f"to native {sinks[i]}()", "neither can tell a host VA from a device address")
+                return True
+        return False
+
+    def _check_helper_call(self, node: cst.Call, name: str) -> None:
+        """``self._pre_register(buf.data_ptr(), n)`` where the helper of this file hands that
+        parameter to native code (an engine, a runtime entry, a loaded library): the address
+        leaves typed code at this call."""
+        if self._helpers is None:
+            self._helpers = helper_sinks("\n".join(self.lines))
+        sinks = self._helpers.get(name)
+        if not sinks or id(node) in self._covered:
+            return
+        positional = [a for a in node.args if a.keyword is None and not a.star]
+        for i, a in enumerate(positional):
+            if i in sinks and id(a.value) not in self._covered and self._carries_address(a.value):
+                self._report_argument(node, a.value, f"passed as an int to {name}(), which hands it to native "
+                                      f"{sinks[i]}()", "neither can tell a host VA from a device address")
+                return
+        for a in node.args:
+            if a.keyword is not None and a.keyword.value in sinks and id(a.value) not in self._covered \
+                    and self._carries_address(a.value):
+                self._report_argument(node, a.value, f"passed as an int to {name}(), which hands it to native "
+                                      f"{sinks[a.keyword.value]}()", "neither can tell a host VA from a device "
+                                      "address")
+                return
 
     def _bound_to_loaded_callable(self, name: cst.Name) -> bool:
         """``func = module["flashinfer_moe_permute"]`` / ``fn = lib.get_function(...)``: a callable
@@ -1182,11 +1452,11 @@ class _Auditor(cst.CSTVisitor):
     def _check_collection(self, node: cst.BaseExpression, kind: str) -> None:
         if id(node) in self._covered or self._assert_depth:
             return
-        if isinstance(node, cst.Tuple) and _IDENTITY_KEY.search(_code_of(node)):
+        if _identity_tuple(node):
             self._cover_subtree(node)  # `(t.data_ptr(), t.shape, t._version)`: a cache key, never dereferenced
             return
         elts = self._element_exprs(node)
-        if any(isinstance(e, cst.Tuple) and _IDENTITY_KEY.search(_code_of(e)) for e in elts):
+        if any(_identity_tuple(e) for e in elts):
             self._cover_subtree(node)
             return
         if any(self._holds_address(e, 0) for e in elts):
@@ -1257,7 +1527,7 @@ class _Auditor(cst.CSTVisitor):
         call = node.value
         if isinstance(call, cst.Call) and _call_name(call) in ("append", "extend", "insert"):
             args = self._arg_values(call)
-            if args and isinstance(args[-1], cst.Tuple) and _IDENTITY_KEY.search(_code_of(args[-1])):
+            if args and _identity_tuple(args[-1]):
                 return  # `seen.append((x.shape[1], x.untyped_storage().data_ptr()))`: a tensor's identity
             if args and (self._holds_address(args[-1], 0) or self.is_address_collection(args[-1])):
                 self._report(call, "PD002", f"data_ptr() address collected with .{_call_name(call)}()")
