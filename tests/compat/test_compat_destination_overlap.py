@@ -161,7 +161,7 @@ def test_hicache_one_layer_destination_is_a_source() -> None:
 def test_hicache_all_layer_same_destination_table_for_k_and_v(host: Host) -> None:
     hk, hv = rand(host(L, HT, H, D)), rand(host(L, HT, H, D))
     dks = [dev(T, H, D) for _ in range(L)]
-    with pytest.raises(errors.OverlapError, match="k_ptr_dst and v_ptr_dst share memory"):
+    with pytest.raises(errors.OverlapError, match=r"k_ptr_dst\[\d\] and v_ptr_dst\[\d\] share memory"):
         hc.transfer_hicache_all_layer(table(dks, DEV), table(dks, DEV), D_IDX, table([hk[i] for i in range(L)], DEV),
                                       table([hv[i] for i in range(L)], DEV), S_IDX, kv_cache_src_stride_bytes=ITEM,
                                       kv_cache_dst_stride_bytes=ITEM)
@@ -186,7 +186,7 @@ def test_hicache_all_layer_backup_into_page_first_rows(host: Host) -> None:
         want_v[S_IDX, i] = u8(dvs[i])[D_IDX]
     assert torch.equal(u8(hk), want_k) and torch.equal(u8(hv), want_v)
     # the same tables for K and V are still refused
-    with pytest.raises(errors.OverlapError, match="k_ptr_dst and v_ptr_dst share memory"):
+    with pytest.raises(errors.OverlapError, match=r"k_ptr_dst\[\d\] and v_ptr_dst\[\d\] share memory"):
         hc.transfer_hicache_all_layer(hk_t, hk_t, S_IDX, table(dks, DEV), table(dvs, DEV), D_IDX,
                                       kv_cache_src_stride_bytes=ITEM, kv_cache_dst_stride_bytes=L * ITEM,
                                       element_size=ITEM)
@@ -225,3 +225,108 @@ def test_direct_destination_list_naming_one_buffer_twice(host: Host) -> None:
     with pytest.raises(errors.OverlapError, match=r"dst_layers\[0\] overlaps src_layers\[1\]"):
         sk.transfer_kv_direct(layers, [layers[1], dev(T, H, D)], idx, idx + 4, 4)
     assert torch.equal(u8(layers[1]), before)
+
+
+# -- interleaved destinations: rows that meet at different addresses ---------------------------
+
+def _registered_rows(rows: int, width: int) -> tuple[torch.Tensor, object]:
+    """``rows`` poisoned bf16 rows of ``width`` elements in registered host memory, and the
+    registration (kept alive by the caller)."""
+    r = pd.alloc_registered(rows * width * 2, DEV)
+    x = r.tensor.view(torch.uint8)[: rows * width * 2]
+    x.fill_(POISON)
+    return x.view(DT).view(rows, width), r
+
+
+def _ptrs(values: list[int]) -> torch.Tensor:
+    t = pd.device_empty((len(values),), torch.uint64, DEV)
+    t.copy_(torch.tensor(values, dtype=torch.uint64))
+    return t
+
+
+def test_hicache_one_layer_v_rows_one_row_after_k_rows() -> None:
+    """k_dst = X[0:2N:2], v_dst = X[2:2N+2:2]: V row i is K row i+1, every other row untouched
+    in between, so the buffers start apart but rows meet."""
+    n, width = 8, 16
+    ks, vs = rand(_dev(n, width, dtype=DT, device=DEV)), rand(_dev(n, width, dtype=DT, device=DEV))
+    x, _keep = _registered_rows(2 * n + 2, width)
+    with pytest.raises(errors.OverlapError, match="k_cache_dst and v_cache_dst share memory"):
+        hc.transfer_hicache_one_layer(x[0:2 * n:2], x[2:2 * n + 2:2], torch.tensor([1, 0]), ks, vs,
+                                      torch.tensor([3, 5]))
+    assert untouched(x)
+    # V half a row after K: rows still meet
+    with pytest.raises(errors.OverlapError, match="k_cache_dst and v_cache_dst share memory"):
+        hc.transfer_hicache_one_layer(x[0:2 * n:2], x.view(-1)[width // 2: width // 2 + 2 * n * width].view(
+            2 * n, width)[0::2], torch.tensor([1, 0]), ks, vs, torch.tensor([3, 5]))
+    assert untouched(x)
+    # V one row after K, rows 2 apart: interleaved by design, exact bytes
+    hc.transfer_hicache_one_layer(x[0:2 * n:2], x[1:2 * n + 1:2], torch.tensor([1, 0]), ks, vs, torch.tensor([3, 5]))
+    want = u8(x).clone().fill_(POISON).view(2 * n + 2, -1)
+    want[2], want[0] = u8(ks)[3], u8(ks)[5]
+    want[3], want[1] = u8(vs)[3], u8(vs)[5]
+    assert torch.equal(u8(x).view(2 * n + 2, -1), want)
+
+
+@pytest.mark.parametrize("shift", [2.0, 0.5, 1.5])
+def test_hicache_all_layer_mla_layer_pointers_rows_apart(shift: float) -> None:
+    """Layer 1's destination pointer = layer 0's + ``shift`` rows, rows two rows apart: rows
+    of the two layers meet (two rows, one stride: layer 1 row i is layer 0 row i+1; half a
+    row or one and a half: rows half over each other)."""
+    layers, n, width = 2, 8, 16
+    el = 2 * width
+    stride = layers * el
+    src = [rand(_dev(n, width, dtype=DT, device=DEV)) for _ in range(layers)]
+    y, _keep = _registered_rows(2 * (n + 2), width)
+    base = y.data_ptr()
+    with pytest.raises(errors.OverlapError, match=r"ptr_dst\[0\] and ptr_dst\[1\] share memory"):
+        hc.transfer_hicache_all_layer_mla(_ptrs([base, base + int(shift * el)]), torch.tensor([1, 0]),
+                                          _ptrs([s.data_ptr() for s in src]), torch.tensor([3, 5]),
+                                          cache_src_stride_bytes=el, cache_dst_stride_bytes=stride, element_size=el)
+    assert untouched(y)
+
+
+def test_hicache_all_layer_mla_page_first_layers_interleave() -> None:
+    """Layer l's pointer = base + l * row in a page_first pool (rows ``layers`` items apart):
+    by design; exact bytes."""
+    layers, n, width = 3, 8, 16
+    el = 2 * width
+    src = [rand(_dev(n, width, dtype=DT, device=DEV)) for _ in range(layers)]
+    y, _keep = _registered_rows(n * layers, width)
+    hc.transfer_hicache_all_layer_mla(_ptrs([y.data_ptr() + l * el for l in range(layers)]), torch.tensor([1, 0, 6]),
+                                      _ptrs([s.data_ptr() for s in src]), torch.tensor([3, 5, 2]),
+                                      cache_src_stride_bytes=el, cache_dst_stride_bytes=layers * el, element_size=el)
+    want = u8(y).clone().fill_(POISON).view(n, layers, el)
+    for l in range(layers):
+        want[[1, 0, 6], l] = u8(src[l])[[3, 5, 2]]
+    assert torch.equal(u8(y).view(n, layers, el), want)
+
+
+def _lmc_case(fmt: int, shift_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    layers, nb, bs, nh, hs, tokens = 2, 2, 4, 2, 8, 3
+    e = nh * hs
+    kv_size = 1 if fmt == 3 else 2
+    kv = rand(_dev(kv_size, layers, tokens, e, dtype=DT, device=DEV))
+    cache = pd.device_empty((4 * nb * bs * e,), DT, DEV)
+    u8(cache).fill_(POISON)
+    ptrs = torch.tensor([cache.data_ptr(), cache.data_ptr() + shift_tokens * e * 2], dtype=torch.int64)
+    return kv, cache, ptrs
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3])
+def test_lmcache_key_value_ptrs_one_token_apart(fmt: int) -> None:
+    kv, cache, ptrs = _lmc_case(fmt, 1)
+    with pytest.raises(errors.OverlapError, match=r"key_value_ptrs\[0\].* and key_value_ptrs\[1\].* share memory"):
+        lmc.multi_layer_kv_transfer(kv, ptrs, torch.tensor([0, 5, 6]), DEV, 8, 0, fmt, block_size=4)
+    assert untouched(cache)
+
+
+def test_lmcache_unilateral_key_value_ptrs_one_token_apart() -> None:
+    e, p, tokens = 16, 8, 3
+    kv = rand(_dev(2, 1, tokens, e, dtype=DT, device=DEV))
+    cache = pd.device_empty((4 * p * e,), DT, DEV)
+    u8(cache).fill_(POISON)
+    base = cache.data_ptr()
+    ptrs = torch.tensor([base, base + e * 2], dtype=torch.int64)  # V = K shifted by one token
+    with pytest.raises(errors.OverlapError, match=r"key_value_ptrs\[0\] and key_value_ptrs\[1\] share memory"):
+        lmc.multi_layer_kv_transfer_unilateral(kv, ptrs, torch.tensor([0, 5, 6]), DEV, p, 0, 0)
+    assert untouched(cache)

@@ -422,7 +422,8 @@ def _paged_table(name: str, table: PointerTable[DeviceAlias], bases: tuple[int, 
     device = table.device
     derived = resolved_kernel_table(values, [entry_bytes] * len(values), device, table.registrations(),
                                     table.resolved_regions())
-    allow_interleaved(derived)  # K and V one base apart in each block: the slot arithmetic keeps them apart
+    # K and V blocks alternating (rows of bases[1] bytes, 2 * bases[1] apart), or entries that must not meet
+    allow_interleaved(derived, (2 * bases[1], bases[1]) if len(bases) == 2 and bases[1] < entry_bytes else None)
     with _lock:
         _raw.remember(_derived, key, _Derived(weakref.ref(table), derived), _DERIVED_MAX)
     return derived
@@ -785,7 +786,8 @@ def multi_layer_kv_transfer(
     mem = _raw.tensor_table("key_value", [kv], device)
     mem_layout = _layout(kv_size, num_layers, num_tokens * g.heads, g.run * es)
     paged_layout = _layout(kv_size, num_layers, g.runs, g.run * es)
-    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ("key_value_ptrs",), to_paged)
+    ptr_names = ("key_value_ptrs[{}]",) if len(g.kv_base) == 1 else ("key_value_ptrs[{}] (K)", "key_value_ptrs[{}] (V)")
+    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ptr_names, to_paged)
     pairs = _pairs(slots[skip:num_tokens], skip, capacity, g.heads, g)
     if pairs is not None:
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
@@ -839,7 +841,7 @@ def multi_layer_kv_transfer_unilateral(
     paged = _paged_table("key_value_ptrs", table, (0,), capacity * item * es)
     mem = _raw.tensor_table("key_value", [kv], device)
     mem_layout, paged_layout = _layout(2, num_layers, num_tokens, item * es), _layout(2, num_layers, capacity, item * es)
-    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ("key_value_ptrs",), to_paged)
+    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ("key_value_ptrs[{}]",), to_paged)
     pairs = _pairs(slots, 0, capacity, 1, g)
     if pairs is None:
         return
@@ -958,7 +960,8 @@ def single_layer_kv_transfer(
     g = _paged_geometry(fmt, item, capacity, bs, hs)
     paged = _raw.tensor_table("vllm_key_value_cache", _byte_slices(cache, [b * es for b in g.kv_base],
                                                                    g.runs * g.run * es), device)
-    allow_interleaved(paged)  # K and V one base apart in each block: the slot arithmetic keeps them apart
+    alternate = len(g.kv_base) == 2 and g.kv_base[1] < g.runs * g.run  # K and V blocks alternate in the cache
+    allow_interleaved(paged, (2 * g.kv_base[1] * es, g.kv_base[1] * es) if alternate else None)
     if mla or not major:
         mem_runs, tok_runs = buffered * g.heads, g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", [lmc], device)
@@ -966,7 +969,7 @@ def single_layer_kv_transfer(
         mem_runs, tok_runs = (2 * buffered - 1) * g.heads, 2 * g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", _byte_slices(lmc, [0, item * es], mem_runs * g.run * es),
                                 device)
-        allow_interleaved(mem)  # K and V of a token side by side: tok_runs keeps their slots apart
+        allow_interleaved(mem, (2 * item * es, item * es))  # K and V of a token side by side
     pairs = _pairs(slots, 0, capacity, tok_runs, g)
     run_bytes = g.run * es
     mem_layout, paged_layout = _layout(g.kv_size, 1, mem_runs, run_bytes), _layout(g.kv_size, 1, g.runs, run_bytes)

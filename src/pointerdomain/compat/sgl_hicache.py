@@ -340,8 +340,8 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
         sides.append(Side(buffers_table(name, rows.buffers, device), rows.rows,
                           layout("layer_first", kv, 1, nbytes // g, 1, g)))
     parts = src.element // g
-    if dst.stride > dst.element:  # rows of other buffers (layers of a page_first pool) lie between these rows
-        allow_interleaved(sides[1].table)
+    # rows of other buffers (layers of a page_first pool) may lie between these rows
+    allow_interleaved(sides[1].table, (dst.stride, dst.element) if dst.stride > dst.element else None)
     apart(sides[0], s_names, sides[1], d_names)
     launch(sides[0], sides[1], row_parts(s_idx, src.rows, parts, src.stride // g),
            row_parts(d_idx, dst.rows, parts, dst.stride // g), layer=None, ctas=ctas)
@@ -429,8 +429,8 @@ def _raw_rows(names: Sequence[str], ptrs: Sequence[torch.Tensor], device: Device
     rows = (have - element) // stride + 1
     reach = (rows - 1) * stride + element
     table = joined([exact(n, t, device, reach) for n, t in zip(names, ptrs)])
-    if stride > element:  # rows of other entries (layers of a page_first pool) lie between these rows
-        allow_interleaved(table)
+    # rows of other entries (layers of a page_first pool) may lie between these rows
+    allow_interleaved(table, (stride, element) if stride > element else None)
     return table, rows, reach // g
 
 
@@ -490,7 +490,7 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     src = Side(s_table, s_rows, layout("layer_first", kv, layers, s_sub, 1, g))
     dst = Side(d_table, d_rows, layout("layer_first", kv, layers, d_sub, 1, g))
     parts = element // g
-    apart(src, s_names, dst, d_names)
+    apart(src, [n + "[{}]" for n in s_names], dst, [n + "[{}]" for n in d_names])  # errors name the layer entries
     launch(src, dst, row_parts(s_idx, s_rows, parts, s_stride // g), row_parts(d_idx, d_rows, parts, d_stride // g),
            layer=None, ctas=ctas)
     if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots

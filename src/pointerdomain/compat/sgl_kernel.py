@@ -154,7 +154,7 @@ from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
-from pointerdomain.transfer.overlap import interleaved_entries
+from pointerdomain.transfer.overlap import interleaved_entries, rows_clash
 
 __all__ = [
     "transfer_embedding_ranges_direct",
@@ -533,28 +533,34 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
 
 # -- launching ------------------------------------------------------------------------------
 def _addressed(side: Side, names: Sequence[str], layer: int | None) -> list[tuple[int, int, str]]:
-    """``(start, end, argument)`` of each entry of ``side`` a launch addresses (all of them,
+    """``(start, end, name)`` of each entry of ``side`` a launch addresses (all of them,
     or for a one-layer launch over a table with an entry per kv and layer, that layer's),
     in the alias domain of kernel tables; the entries are the arguments' in order, an
-    equal share each (K layers then V layers)."""
+    equal share each (K layers then V layers). A name with ``{}`` (a pointer table
+    argument: ``"k_ptr_dst[{}]"``) names each entry, ``k`` counted within the argument."""
     table, lay = side.table, side.layout
     n = len(table)
     per = max(1, n // len(names))
     split = layer is not None and lay.kind == "layer_first" and n == lay.num_kv * lay.num_layers
-    return [(v, v + size, names[min(i // per, len(names) - 1)])
-            for i, (v, size) in enumerate(zip(table.raw_values(), table.sizes))
-            if not split or i % lay.num_layers == layer]
+    out = []
+    for i, (v, size) in enumerate(zip(table.raw_values(), table.sizes)):
+        if split and i % lay.num_layers != layer:
+            continue
+        arg = min(i // per, len(names) - 1)
+        out.append((v, v + size, names[arg].format(i - arg * per)))
+    return out
 
 
 def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None) -> None:
     """Refuse a call whose destination buffers overlap each other or a source buffer, as
     the launch addresses them (layout-aware: the entries the tables hold, exactly their
     items' bytes; destination entries whose rows interleave by design,
-    :func:`~pointerdomain.transfer.overlap.allow_interleaved`, only where two start at one
-    address). Runs once per call shape (prepared calls skip it).
+    :func:`~pointerdomain.transfer.overlap.allow_interleaved`, where a row of one meets a
+    row of another: :func:`~pointerdomain.transfer.overlap.rows_clash`). Runs once per call
+    shape (prepared calls skip it).
 
     Raises:
-        OverlapError: naming the two arguments.
+        OverlapError: naming the two arguments (entries: names with ``{}``, :func:`_addressed`).
     """
     _refuse_overlaps(sorted(_addressed(dst, d_names, layer)), sorted(_addressed(src, s_names, layer)),
                      interleaved_entries(dst.table))
@@ -571,19 +577,25 @@ def apart_tensors(d_names: Sequence[str], d_ts: Sequence[torch.Tensor], s_names:
     def spans(names: Sequence[str], ts: Sequence[torch.Tensor]) -> list[tuple[int, int, str]]:
         return sorted((t.data_ptr(), t.data_ptr() + nbytes_of(t), n) for n, t in zip(names, ts))
 
-    _refuse_overlaps(spans(d_names, d_ts), spans(s_names, s_ts), False)
+    _refuse_overlaps(spans(d_names, d_ts), spans(s_names, s_ts), None)
 
 
 def _refuse_overlaps(d_spans: list[tuple[int, int, str]], s_spans: list[tuple[int, int, str]],
-                     interleaved: bool) -> None:
-    """``(start, end, argument)`` spans, each list sorted: two destination spans that meet
-    (``interleaved``: that start at one address: rows of each lie between another's), or a
-    destination span meeting a source span, raise ``OverlapError`` naming both."""
-    for (a, a_end, x), (b, _b_end, y) in zip(d_spans, d_spans[1:]):
-        if b < a_end if not interleaved else b == a:
-            raise with_address(OverlapError(
-                f"{x} and {y} share memory (from {b:#x}): the copy would write those bytes twice, in no defined "
-                "order (a race on a GPU); nothing was copied. Fix: give K and V and every layer their own buffers"), b)
+                     rows: tuple[int, int] | None) -> None:
+    """``(start, end, name)`` spans, each list sorted: two destination spans that clash
+    (:func:`~pointerdomain.transfer.overlap.rows_clash`: that intersect, or with ``rows``,
+    whose rows meet), or a destination span meeting a source span, raise ``OverlapError``
+    naming both."""
+    active: list[tuple[int, int, str]] = []  # spans that may reach the next start
+    for b, b_end, y in d_spans:
+        active = [s for s in active if s[1] > b]
+        for a, a_end, x in active:
+            if rows_clash(a, a_end, b, b_end, rows):
+                raise with_address(OverlapError(
+                    f"{x} and {y} share memory (from {b:#x}): the copy would write those bytes twice, in no defined "
+                    "order (a race on a GPU); nothing was copied. Fix: give K and V and every layer their own "
+                    "buffers"), b)
+        active.append((b, b_end, y))
     i = j = 0
     while i < len(d_spans) and j < len(s_spans):
         (a, a_end, x), (b, b_end, y) = d_spans[i], s_spans[j]

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pointerdomain.arguments import describe
-from pointerdomain.errors import OverlapError
+from pointerdomain.errors import InvalidArgumentError, OverlapError
 
 if TYPE_CHECKING:
     from pointerdomain.domains import DeviceAlias
@@ -58,6 +58,7 @@ __all__ = [
     "check_slots",
     "entry_clashes",
     "interleaved_entries",
+    "rows_clash",
     "shared_memory",
 ]
 
@@ -102,21 +103,48 @@ def _entry_layer(index: int, geo: Geometry) -> int | None:
     return None  # unreachable: e_layer > 0 is among the strides
 
 
-#: Tables whose entries intersect by design (:func:`allow_interleaved`).
-_interleaved: weakref.WeakSet[PointerTable[DeviceAlias]] = weakref.WeakSet()
+#: Tables whose entries intersect by design (:func:`allow_interleaved`): table -> (row stride, row bytes).
+_interleaved: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
-def allow_interleaved(table: PointerTable[DeviceAlias]) -> None:
-    """Let ``table``'s entries intersect at different addresses as a destination: for a
-    format whose items interleave (K and V of a token side by side, each entry covering
-    the whole buffer from its first item), where the caller computes slots that never
-    meet. Entries at one address stay refused (every slot would be written twice)."""
-    _interleaved.add(table)
+def allow_interleaved(table: PointerTable[DeviceAlias], rows: tuple[int, int] | None) -> None:
+    """Let ``table``'s entries intersect as a destination where their rows cannot meet:
+    with ``rows = (stride, row)``, each entry holds rows of ``row`` bytes every ``stride``
+    bytes from its address (K at offset 0 and V at offset ``row`` of a ``2 * row`` stride,
+    or layers of a page_first pool); two intersecting entries still clash where a row of
+    one meets a row of the other (:func:`rows_clash`). ``None`` clears the mark (a cached
+    table met again by a call whose rows are packed).
+
+    Raises:
+        InvalidArgumentError: ``stride`` or ``row`` < 1.
+    """
+    if rows is None:
+        _interleaved.pop(table, None)
+        return
+    stride, row = rows
+    if stride < 1 or row < 1:
+        raise InvalidArgumentError(f"allow_interleaved: stride {stride} and row {row} bytes, expected both >= 1")
+    _interleaved[table] = (stride, row)
 
 
-def interleaved_entries(table: PointerTable[DeviceAlias]) -> bool:
-    """Whether ``table`` was passed to :func:`allow_interleaved`."""
-    return table in _interleaved
+def interleaved_entries(table: PointerTable[DeviceAlias]) -> tuple[int, int] | None:
+    """``(row stride, row bytes)`` given to :func:`allow_interleaved` for ``table``, or None."""
+    return _interleaved.get(table)
+
+
+def rows_clash(a: int, a_end: int, b: int, b_end: int, rows: tuple[int, int] | None) -> bool:
+    """Whether entries over bytes ``[a, a_end)`` and ``[b, b_end)`` may write one byte twice.
+    Without ``rows``: whenever they intersect. With ``rows = (S, B)`` (each entry's rows ``B``
+    bytes every ``S`` bytes from its start): intersecting entries clash iff
+    ``(b - a) mod S`` is < ``B`` or > ``S - B``, a row of one meeting a row of the other
+    (exact where both hold rows through the intersection; otherwise it refuses)."""
+    if a_end <= b or b_end <= a:
+        return False
+    if rows is None:
+        return True
+    stride, row = rows
+    offset = (b - a) % stride
+    return offset < row or offset > stride - row
 
 
 #: Two layers whose destination entries share memory, and the error a launch over both raises.
@@ -133,7 +161,7 @@ def entry_clashes(dst: PointerTable[DeviceAlias], dst_geo: Geometry) -> tuple[La
     layers are addressed together only by a launch over both layers: returned, for
     :func:`check_layers` (a per-layer launch over a table whose layers name one buffer
     is sound, and compat builds such tables). A table passed to :func:`allow_interleaved`
-    may have entries that intersect at different addresses.
+    may have entries that intersect where their rows do not meet (:func:`rows_clash`).
 
     Raises:
         OverlapError: two entries of one layer intersect, naming both (K / V, layer, page).
@@ -141,15 +169,15 @@ def entry_clashes(dst: PointerTable[DeviceAlias], dst_geo: Geometry) -> tuple[La
     values, sizes = dst.raw_values(), dst.sizes
     if len(values) < 2:
         return ()
-    interleaved = dst in _interleaved
+    rows = _interleaved.get(dst)
     spans = sorted((v, v + n, i) for i, (v, n) in enumerate(zip(values, sizes)))
     nearest: dict[int, tuple[int, int, int, int]] = {}  # layer a -> (the nearest layer b > a, entries, address)
     active: list[tuple[int, int]] = []  # (end, entry) of spans that may reach the next start
     for start, end, i in spans:
         active = [(e, j) for e, j in active if e > start]
         for _e, j in active:
-            if interleaved and values[i] != values[j]:
-                continue  # interleaved by design: the caller's slot arithmetic keeps the items apart
+            if not rows_clash(values[j], _e, start, end, rows):
+                continue  # interleaved by design: rows of the two entries never meet
             first, second = sorted((i, j))
             la, lb = _entry_layer(first, dst_geo), _entry_layer(second, dst_geo)
             if la is None or lb is None or la == lb:
