@@ -9,6 +9,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.transfer.overlap import allow_interleaved, entry_clashes, rows_clash
 from pointerdomain.transfer.plan import plan_for
 from tests.reference import DEV, fill_pool, model_layout, same
 
@@ -111,3 +112,57 @@ def test_disjoint_destination_entries_pay_nothing() -> None:
     with pd.HostKVPool(model_layout("page_first"), DEV) as host:
         assert plan_for(gpu.table, gpu.layout, host.kernel_table, host.layout).dst_clashes == ()
         assert plan_for(host.kernel_table, host.layout, gpu.table, gpu.layout).dst_clashes == ()
+
+
+def _row_bytes(start: int, rows: int, stride: int, row: int) -> set[int]:
+    return {start + i * stride + k for i in range(rows) for k in range(row)}
+
+
+@pytest.mark.parametrize(("stride", "row"), [(8, 4), (12, 4), (10, 3), (6, 4), (4, 4)])
+def test_rows_clash_matches_the_bytes_rows_touch(stride: int, row: int) -> None:
+    """rows_clash against the byte sets of two entries of ``rows`` rows each: exact wherever
+    the second entry starts inside the first's rows (not at its last row), and it never
+    misses a byte written twice at the edges."""
+    rows = 6
+    a = 5 * stride
+    span = (rows - 1) * stride + row
+    a_bytes = _row_bytes(a, rows, stride, row)
+    for b in range(a - span - stride, a + span + stride):
+        truth = bool(a_bytes & _row_bytes(b, rows, stride, row))
+        got = rows_clash(a, a + span, b, b + span, (stride, row))
+        if abs(b - a) < (rows - 2) * stride:
+            assert got == truth, (b - a)
+        else:
+            assert got or not truth, (b - a)  # conservative at the edges, never lenient
+        assert rows_clash(a, a + span, b, b + span, None) == (b < a + span and a < b + span)
+
+
+@pytest.mark.parametrize(("offset_rows", "refused"), [(1.0, False), (0.5, True), (2.0, True), (0.0, True),
+                                                      (1.5, True)])
+def test_interleaved_table_refuses_entries_whose_rows_meet(offset_rows: float, refused: bool) -> None:
+    """A table marked interleaved with rows ``B`` bytes every ``2B``: V of layer 0 starting
+    ``offset_rows * B`` after K of layer 0 passes only where its rows fall between K's."""
+    layout = model_layout("layer_first")
+    gpu = pd.DeviceKVPool(layout, DEV)
+    n = gpu.buffers[0].numel() * gpu.buffers[0].element_size()
+    row = n // layout.num_slots
+    flat = torch.full((2 * n * 2 * layout.num_layers + n,), POISON, dtype=torch.uint8)
+    starts = [2 * n * i for i in range(2 * layout.num_layers)]
+    starts[layout.num_layers] = int(offset_rows * row)  # V of layer 0 against K of layer 0
+    views = [flat[s:s + n] for s in starts]
+    with pd.register_host_tensor(flat, DEV):
+        table = pd.make_kernel_ptr_table(views, DEV)
+        geo = layout.geometry(len(table), tuple(table.sizes), "dst")
+        with pytest.raises(errors.OverlapError, match=r"entry 0 \(K, layer 0\) and entry \d+ \(V, layer 0\)"):
+            entry_clashes(table, geo)  # unmarked: intersecting entries always clash
+        allow_interleaved(table, (2 * row, row))
+        if refused:
+            with pytest.raises(errors.OverlapError, match=r"entry 0 \(K, layer 0\) and entry \d+ \(V, layer 0\)"):
+                entry_clashes(table, geo)
+        else:
+            assert entry_clashes(table, geo) == ()
+        allow_interleaved(table, None)
+        with pytest.raises(errors.OverlapError):
+            entry_clashes(table, geo)
+    with pytest.raises(errors.InvalidArgumentError):
+        allow_interleaved(table, (0, 1))

@@ -353,6 +353,14 @@ def _paged_geometry(fmt: EngineKVFormat, item: int, capacity: int, block_size: i
     return _Paged(1, run, heads, (0,), capacity * heads, block_size, heads * block_size, block_size)
 
 
+def _alternating(g: _Paged, es: int) -> tuple[int, int] | None:
+    """``(stride, row)`` bytes of a per-layer entry whose K and V blocks alternate (K block at
+    0, V block at ``kv_base[1]``, each ``kv_base[1]`` elements), else None."""
+    if len(g.kv_base) == 2 and g.kv_base[1] < g.runs * g.run:
+        return 2 * g.kv_base[1] * es, g.kv_base[1] * es
+    return None
+
+
 def _check_block_args(fmt: EngineKVFormat, page_buffer_size: int, block_size: int, item: int,
                       head_size: int) -> None:
     """Upstream's check_block_size / check_head_size, and the sizes the offsets need."""
@@ -489,28 +497,29 @@ def _pairs(slots: torch.Tensor, first: int, capacity: int, tok_runs: int, g: _Pa
 
 #: (id(mem), id(paged), to_paged) of table pairs :func:`_apart` passed, with references that
 #: rule out a reused id: a call shape met again pays a look-up.
-_apart_seen: dict[tuple[int, int, bool], tuple[weakref.ref[PointerTable[DeviceAlias]], weakref.ref[PointerTable[DeviceAlias]]]] = {}
+_apart_seen: dict[tuple[int, int, bool, tuple[int, int] | None], tuple[weakref.ref[PointerTable[DeviceAlias]], weakref.ref[PointerTable[DeviceAlias]]]] = {}
 
 
 def _apart(mem: PointerTable[DeviceAlias], mem_layout: pd.KVLayout, mem_names: tuple[str, ...],
            paged: PointerTable[DeviceAlias], paged_layout: pd.KVLayout, paged_names: tuple[str, ...],
-           to_paged: bool) -> None:
+           to_paged: bool, rows: tuple[int, int] | None = None) -> None:
     """Refuse destination buffers that overlap each other or a source buffer, naming the
     arguments (:func:`pointerdomain.compat.sgl_kernel.apart`; K and V one base apart in a
-    block are interleaved by design). Once per pair of tables.
+    block are interleaved by design: ``rows``, the destination's ``(stride, row)`` bytes, for
+    :func:`~pointerdomain.transfer.overlap.rows_clash`). Once per pair of tables.
 
     Raises:
         OverlapError: naming the two arguments.
     """
-    key = (id(mem), id(paged), to_paged)
+    key = (id(mem), id(paged), to_paged, rows)
     seen = _apart_seen.get(key)
     if seen is not None and seen[0]() is mem and seen[1]() is paged:
         return
     m, p = Side(mem, 0, mem_layout), Side(paged, 0, paged_layout)
     if to_paged:
-        apart(m, mem_names, p, paged_names)
+        apart(m, mem_names, p, paged_names, rows=rows)
     else:
-        apart(p, paged_names, m, mem_names)
+        apart(p, paged_names, m, mem_names, rows=rows)
     if len(_apart_seen) >= 1024:
         _apart_seen.clear()
     _apart_seen[key] = (weakref.ref(mem), weakref.ref(paged))
@@ -787,7 +796,8 @@ def multi_layer_kv_transfer(
     mem_layout = _layout(kv_size, num_layers, num_tokens * g.heads, g.run * es)
     paged_layout = _layout(kv_size, num_layers, g.runs, g.run * es)
     ptr_names = ("key_value_ptrs[{}]",) if len(g.kv_base) == 1 else ("key_value_ptrs[{}] (K)", "key_value_ptrs[{}] (V)")
-    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ptr_names, to_paged)
+    _apart(mem, mem_layout, ("key_value",), paged, paged_layout, ptr_names, to_paged,
+           _alternating(g, es) if to_paged else None)
     pairs = _pairs(slots[skip:num_tokens], skip, capacity, g.heads, g)
     if pairs is not None:
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
@@ -960,8 +970,9 @@ def single_layer_kv_transfer(
     g = _paged_geometry(fmt, item, capacity, bs, hs)
     paged = _raw.tensor_table("vllm_key_value_cache", _byte_slices(cache, [b * es for b in g.kv_base],
                                                                    g.runs * g.run * es), device)
-    alternate = len(g.kv_base) == 2 and g.kv_base[1] < g.runs * g.run  # K and V blocks alternate in the cache
-    allow_interleaved(paged, (2 * g.kv_base[1] * es, g.kv_base[1] * es) if alternate else None)
+    paged_rows = _alternating(g, es)  # K and V blocks alternate in the cache
+    allow_interleaved(paged, paged_rows)
+    mem_rows = None
     if mla or not major:
         mem_runs, tok_runs = buffered * g.heads, g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", [lmc], device)
@@ -969,11 +980,13 @@ def single_layer_kv_transfer(
         mem_runs, tok_runs = (2 * buffered - 1) * g.heads, 2 * g.heads
         mem = _raw.tensor_table("lmc_key_value_cache", _byte_slices(lmc, [0, item * es], mem_runs * g.run * es),
                                 device)
-        allow_interleaved(mem, (2 * item * es, item * es))  # K and V of a token side by side
+        mem_rows = (2 * item * es, item * es)  # K and V of a token side by side
+        allow_interleaved(mem, mem_rows)
     pairs = _pairs(slots, 0, capacity, tok_runs, g)
     run_bytes = g.run * es
     mem_layout, paged_layout = _layout(g.kv_size, 1, mem_runs, run_bytes), _layout(g.kv_size, 1, g.runs, run_bytes)
-    _apart(mem, mem_layout, ("lmc_key_value_cache",), paged, paged_layout, ("vllm_key_value_cache",), to_paged)
+    _apart(mem, mem_layout, ("lmc_key_value_cache",), paged, paged_layout, ("vllm_key_value_cache",), to_paged,
+           paged_rows if to_paged else mem_rows)
     if pairs is not None:
         _launch(mem, mem_layout, paged, paged_layout, pairs, to_paged, device)
     if tok_runs == 1 and not g.block and key is not None:

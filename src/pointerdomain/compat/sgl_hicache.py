@@ -341,8 +341,9 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
                           layout("layer_first", kv, 1, nbytes // g, 1, g)))
     parts = src.element // g
     # rows of other buffers (layers of a page_first pool) may lie between these rows
-    allow_interleaved(sides[1].table, (dst.stride, dst.element) if dst.stride > dst.element else None)
-    apart(sides[0], s_names, sides[1], d_names)
+    interleave = (dst.stride, dst.element) if dst.stride > dst.element else None
+    allow_interleaved(sides[1].table, interleave)
+    apart(sides[0], s_names, sides[1], d_names, rows=interleave)
     launch(sides[0], sides[1], row_parts(s_idx, src.rows, parts, src.stride // g),
            row_parts(d_idx, dst.rows, parts, dst.stride // g), layer=None, ctas=ctas)
     if parts == 1 and src.stride == dst.stride == g:  # packed rows: the indices are the slots
@@ -490,7 +491,8 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     src = Side(s_table, s_rows, layout("layer_first", kv, layers, s_sub, 1, g))
     dst = Side(d_table, d_rows, layout("layer_first", kv, layers, d_sub, 1, g))
     parts = element // g
-    apart(src, [n + "[{}]" for n in s_names], dst, [n + "[{}]" for n in d_names])  # errors name the layer entries
+    apart(src, [n + "[{}]" for n in s_names], dst, [n + "[{}]" for n in d_names],  # errors name the layer entries
+          rows=(d_stride, element) if d_stride > element else None)
     launch(src, dst, row_parts(s_idx, s_rows, parts, s_stride // g), row_parts(d_idx, d_rows, parts, d_stride // g),
            layer=None, ctas=ctas)
     if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots

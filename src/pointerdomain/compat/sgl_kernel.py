@@ -154,7 +154,7 @@ from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
-from pointerdomain.transfer.overlap import interleaved_entries, rows_clash
+from pointerdomain.transfer.overlap import rows_clash
 
 __all__ = [
     "transfer_embedding_ranges_direct",
@@ -551,19 +551,20 @@ def _addressed(side: Side, names: Sequence[str], layer: int | None) -> list[tupl
     return out
 
 
-def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None) -> None:
+def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None,
+          rows: tuple[int, int] | None = None) -> None:
     """Refuse a call whose destination buffers overlap each other or a source buffer, as
     the launch addresses them (layout-aware: the entries the tables hold, exactly their
-    items' bytes; destination entries whose rows interleave by design,
-    :func:`~pointerdomain.transfer.overlap.allow_interleaved`, where a row of one meets a
-    row of another: :func:`~pointerdomain.transfer.overlap.rows_clash`). Runs once per call
-    shape (prepared calls skip it).
+    items' bytes; with ``rows = (stride, row)``, bytes of destination entries whose rows
+    interleave by design, where a row of one meets a row of another:
+    :func:`~pointerdomain.transfer.overlap.rows_clash`). ``rows`` comes from the call, not
+    from the table: a cached table may serve call shapes of other geometries. Runs once per
+    call shape (prepared calls skip it).
 
     Raises:
         OverlapError: naming the two arguments (entries: names with ``{}``, :func:`_addressed`).
     """
-    _refuse_overlaps(sorted(_addressed(dst, d_names, layer)), sorted(_addressed(src, s_names, layer)),
-                     interleaved_entries(dst.table))
+    _refuse_overlaps(sorted(_addressed(dst, d_names, layer)), sorted(_addressed(src, s_names, layer)), rows)
 
 
 def apart_tensors(d_names: Sequence[str], d_ts: Sequence[torch.Tensor], s_names: Sequence[str],
