@@ -12,7 +12,9 @@ The rule, checked before anything is launched:
    for entries of two different layers, per launch by its layer range
    (:func:`check_layers`: free for tables without such entries). Sources may share
    memory (reads only). This holds whatever built the table (:func:`make_kernel_ptr_table`,
-   a pool, an adapter, compat).
+   a pool, an adapter, compat). A table whose rows interleave by design carries its row
+   stride and row bytes (:func:`allow_interleaved`): its intersecting entries clash where
+   a row of one meets a row of another (:func:`rows_clash`, also compat's argument check).
 1. Tables whose buffers do not intersect in memory: nothing to check (the common
    device <-> host case; found once per plan, no per-launch cost).
 2. Tables over the same memory with the same geometry (one table, or two tables of
