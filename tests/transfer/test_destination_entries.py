@@ -9,7 +9,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
-from pointerdomain.transfer.overlap import allow_interleaved, entry_clashes, rows_clash
+from pointerdomain.transfer.overlap import allow_interleaved, entry_clashes, first_shared, rows_clash
 from pointerdomain.transfer.plan import plan_for
 from tests.reference import DEV, fill_pool, model_layout, same
 
@@ -132,6 +132,9 @@ def test_rows_clash_matches_the_bytes_rows_touch(stride: int, row: int) -> None:
         got = rows_clash(a, a + span, b, b + span, (stride, row))
         if abs(b - a) < (rows - 2) * stride:
             assert got == truth, (b - a)
+            if truth:  # the address an error names: the first byte both write
+                lo, hi = min(a, b), max(a, b)
+                assert first_shared(lo, hi, (stride, row)) == min(a_bytes & _row_bytes(b, rows, stride, row))
         else:
             assert got or not truth, (b - a)  # conservative at the edges, never lenient
         assert rows_clash(a, a + span, b, b + span, None) == (b < a + span and a < b + span)

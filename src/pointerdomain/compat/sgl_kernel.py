@@ -154,7 +154,7 @@ from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
-from pointerdomain.transfer.overlap import rows_clash
+from pointerdomain.transfer.overlap import first_shared, rows_clash
 
 __all__ = [
     "transfer_embedding_ranges_direct",
@@ -592,10 +592,11 @@ def _refuse_overlaps(d_spans: list[tuple[int, int, str]], s_spans: list[tuple[in
         active = [s for s in active if s[1] > b]
         for a, a_end, x in active:
             if rows_clash(a, a_end, b, b_end, rows):
+                at = first_shared(a, b, rows)
                 raise with_address(OverlapError(
-                    f"{x} and {y} share memory (from {b:#x}): the copy would write those bytes twice, in no defined "
+                    f"{x} and {y} share memory (from {at:#x}): the copy would write those bytes twice, in no defined "
                     "order (a race on a GPU); nothing was copied. Fix: give K and V and every layer their own "
-                    "buffers"), b)
+                    "buffers"), at)
         active.append((b, b_end, y))
     i = j = 0
     while i < len(d_spans) and j < len(s_spans):

@@ -59,6 +59,7 @@ __all__ = [
     "check_layers",
     "check_slots",
     "entry_clashes",
+    "first_shared",
     "interleaved_entries",
     "rows_clash",
     "shared_memory",
@@ -149,6 +150,15 @@ def rows_clash(a: int, a_end: int, b: int, b_end: int, rows: tuple[int, int] | N
     return offset < row or offset > stride - row
 
 
+def first_shared(a: int, b: int, rows: tuple[int, int] | None) -> int:
+    """The first byte entries starting at ``a`` <= ``b`` that :func:`rows_clash` both write
+    (for a message): ``b``, or where ``b``'s first row reaches ``a``'s next row."""
+    if rows is None:
+        return b
+    offset = (b - a) % rows[0]
+    return b if offset < rows[1] else b + rows[0] - offset
+
+
 #: Two layers whose destination entries share memory, and the error a launch over both raises.
 LayerClash = tuple[int, int, str]
 
@@ -180,13 +190,14 @@ def entry_clashes(dst: PointerTable[DeviceAlias], dst_geo: Geometry) -> tuple[La
         for _e, j in active:
             if not rows_clash(values[j], _e, start, end, rows):
                 continue  # interleaved by design: rows of the two entries never meet
+            address = first_shared(values[j], start, rows)
             first, second = sorted((i, j))
             la, lb = _entry_layer(first, dst_geo), _entry_layer(second, dst_geo)
             if la is None or lb is None or la == lb:
-                raise OverlapError(_clash_message(dst, dst_geo, first, second, start))
+                raise OverlapError(_clash_message(dst, dst_geo, first, second, address))
             la, lb = min(la, lb), max(la, lb)
             if la not in nearest or lb < nearest[la][0]:
-                nearest[la] = (lb, first, second, start)
+                nearest[la] = (lb, first, second, address)
         active.append((end, i))
     # per layer a only its nearest clashing layer b: a launch over [a, b] holds every farther one too
     return tuple((la, lb, _clash_message(dst, dst_geo, first, second, start))
