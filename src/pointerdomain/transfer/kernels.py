@@ -403,8 +403,8 @@ def bind_call(
     ``layer_id``). Nothing is launched.
 
     Raises:
-        Every error :func:`transfer_kv_all_layer` raises before its launch (the
-        ``choose_path`` ones only with ``choose``).
+        PointerDomainError: every error :func:`transfer_kv_all_layer` raises before its
+            launch (the ``choose_path`` ones only with ``choose``).
     """
     # Every check below runs on every launch; the common case takes one combined test per
     # group (the tables' liveness words, the index tests, the options cache) and only a
