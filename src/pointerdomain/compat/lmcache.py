@@ -421,7 +421,7 @@ def _paged_table(name: str, table: PointerTable[DeviceAlias], bases: tuple[int, 
     values = [a + b for b in bases for a in aliases]
     device = table.device
     derived = resolved_kernel_table(values, [entry_bytes] * len(values), device, table.registrations(),
-                                    table.resolved_regions())
+                                    table.resolved_regions(), [a + b for b in bases for a in table.entry_addresses()])
     allow_interleaved(derived)  # K and V one base apart in each block: the slot arithmetic keeps them apart
     with _lock:
         _raw.remember(_derived, key, _Derived(weakref.ref(table), derived), _DERIVED_MAX)
