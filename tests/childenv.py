@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]  # the checkout: `tests` importable i
 
 
 def pythonpath() -> str:
+    """The child's PYTHONPATH, in the order the test's own path has them: the checkout, the
+    run's PYTHONPATH, then the folder pointerdomain was imported from. A module both on the
+    run's PYTHONPATH and beside the installed package (a newer typing_extensions carried to
+    a machine whose site-packages has an older one) is then the same module in the child."""
     package_parent = str(Path(pointerdomain.__file__).resolve().parents[1])
-    parts = (package_parent, str(ROOT), os.environ.get("PYTHONPATH", ""))
+    parts = (str(ROOT), os.environ.get("PYTHONPATH", ""), package_parent)
     return os.pathsep.join(p for p in parts if p)

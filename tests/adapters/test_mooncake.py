@@ -81,6 +81,29 @@ def test_wrapper_accepts_only_host_addresses(pool: pd.HostKVPool) -> None:
     assert fake.calls[-1] == ("unregister_memory", (infos[0].address.value,))
 
 
+def test_device_memory_over_released_metadata_is_named_device_memory() -> None:
+    # host memory whose metadata was handed out, released; emulated device memory taken
+    # until one allocation reuses those addresses: it is device memory, not stale metadata
+    layout = pd.KVLayout(kind="page_first", num_layers=2, num_pages=4, page_size=2, num_heads=1, head_dim=32)
+    released: list[tuple[int, int]] = []
+    for _ in range(4):
+        with pd.HostKVPool(layout, DEV) as p:
+            released += [(i.address.value, i.address.value + i.nbytes) for i in p.get_contiguous_buf_infos()]
+    fake = FakeEngine()
+    eng = HostTransferEngine(fake, "127.0.0.1")
+    held = []
+    for _ in range(64):
+        held.append(pd.device_empty((4096,), torch.uint8, DEV))
+        a = held[-1].data_ptr()
+        if any(lo < a + 4096 and a < hi for lo, hi in released):
+            break
+    else:
+        pytest.fail("no emulated device allocation reused released pool memory")
+    with pytest.raises(errors.DomainError, match="device memory"):
+        eng.register_memory(pd.HostVA(a), 4096)
+    assert fake.calls == []
+
+
 def test_wrapper_checks_registration_sizes_and_return_codes(pool: pd.HostKVPool) -> None:
     eng = HostTransferEngine(FakeEngine(), "127.0.0.1")
     block = pool.get_page_buffer_meta([0])[0]

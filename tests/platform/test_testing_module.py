@@ -46,11 +46,12 @@ def test_tests_outside_the_platform_folder_use_the_public_testing_module() -> No
     assert found == [], found
 
 
-def test_the_testing_module_names_the_platform_helpers_tests_need() -> None:
+def test_the_testing_module_names_the_platform_helpers_tests_need(monkeypatch: pytest.MonkeyPatch) -> None:
     import pointerdomain.testing as testing
 
     plan = testing.kernel_plan(0, (0,) * 8, 0, (0,) * 8, 1, 1, 1, 1)
     assert isinstance(plan, testing.KernelPlan)
-    assert testing.default_device() == pd.Device("emulated", 0)  # no GPU here: the CPU stand-in
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # cuda:<current> where CUDA is there
+    assert testing.default_device() == pd.Device("emulated", 0)  # without a GPU: the CPU stand-in
     assert callable(testing.load_cudart)
     assert testing.NOT_REGISTERED == 713 and testing.NOT_SUPPORTED == 801

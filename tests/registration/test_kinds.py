@@ -34,6 +34,13 @@ def _fresh_counters() -> Iterator[None]:
     ladder.reset_ladder_stats()
 
 
+@pytest.fixture
+def emulated_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """explain() reads an unregistered address's memory kind on the default device (cuda:0
+    where CUDA is there): these cases mean the emulated one, whose profile they install."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def profile(name: str) -> DriverFaults:
     """The emulated backend of profile ``name``, wrapped to count register calls."""
     return DriverFaults(EmulatedBackend(2, profile=name))
@@ -111,6 +118,7 @@ def test_coherent_degrade_takes_not_needed_before_any_copy() -> None:
             assert mem.rung is pd.Rung.NOT_NEEDED and fb.pinned_calls == 0  # never the pinned_copy rung
 
 
+@pytest.mark.usefixtures("emulated_default")
 def test_coherent_unregistered_host_memory_is_named_device_accessible() -> None:
     t = torch.zeros(4 * PAGE, dtype=torch.uint8)
     with install_backend(profile("coherent"), "emulated"):
@@ -258,6 +266,7 @@ def test_unknown_profile_warns_and_is_distinct(monkeypatch: pytest.MonkeyPatch) 
         EmulatedBackend(2, profile="gh200")
 
 
+@pytest.mark.usefixtures("emulated_default")
 def test_explain_names_another_owners_pin_foreign() -> None:
     t = torch.zeros(8 * PAGE, dtype=torch.uint8)
     with install_backend(DriverFaults(backend_for(DEV)), "emulated") as fb:

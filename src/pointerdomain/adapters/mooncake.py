@@ -276,10 +276,12 @@ class HostTransferEngine(ProcessLocal):
             RuntimeCallError: the engine refused.
         """
         va, n = self._span(region, nbytes, "region")
-        check_metadata_live(va, n, "region")
+        # device memory first: its addresses may reuse released host memory whose metadata
+        # was handed out, which the liveness check would name instead
         where = _device_memory_at(va, n)
         if where is not None:
             raise DomainError(f"region: {describe(va)} lies in device memory of {where}; only host memory can be registered here")
+        check_metadata_live(va, n, "region")
         self._check("register_memory", self.engine.register_memory(va.value, n))
         with self._lock:
             self._registered[va.value] = n

@@ -680,7 +680,7 @@ def resolved_table(
     want = None if reaches[0] is None else torch.tensor(reaches, dtype=torch.int64)
     got = _resolve(name, values, want, device)
     table = resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
-                                  got.regions)
+                                  got.regions, [v & _MASK for v in values.tolist()])
     with _lock:
         remember(_raw_cache, key,
                   _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), table,
@@ -722,9 +722,10 @@ def addresses_table(
         As :func:`resolve_addresses`.
     """
     _check_address_tensor(name, addrs, device)
-    got = _resolve(name, _read_addresses(addrs), _sizes(name, nbytes, addrs), device)
+    values = _read_addresses(addrs)
+    got = _resolve(name, values, _sizes(name, nbytes, addrs), device)
     return resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
-                                 got.regions)
+                                 got.regions, [v & _MASK for v in values.tolist()])
 
 
 def resolve_addresses(name: str, addrs: torch.Tensor, nbytes: torch.Tensor | int, device: Device) -> torch.Tensor:

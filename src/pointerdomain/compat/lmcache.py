@@ -429,7 +429,7 @@ def _paged_table(name: str, table: PointerTable[DeviceAlias], bases: tuple[int, 
     values = [a + b for b in bases for a in aliases]
     device = table.device
     derived = resolved_kernel_table(values, [entry_bytes] * len(values), device, table.registrations(),
-                                    table.resolved_regions())
+                                    table.resolved_regions(), [a + b for b in bases for a in table.entry_addresses()])
     # K and V blocks alternating (rows of bases[1] bytes, 2 * bases[1] apart), or entries that must not meet
     allow_interleaved(derived, (2 * bases[1], bases[1]) if len(bases) == 2 and bases[1] < entry_bytes else None)
     with _lock:

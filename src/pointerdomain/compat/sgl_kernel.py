@@ -493,7 +493,8 @@ def joined(tables: Sequence[PointerTable[DeviceAlias]], *, interleave: bool = Fa
             owners.setdefault(id(o), o)
     device = tables[0].device
     table = resolved_kernel_table([t.raw_values()[i] for t, i in order], [t.sizes[i] for t, i in order], device,
-                                  tuple(owners.values()), tuple(r for t in tables for r in t.resolved_regions()))
+                                  tuple(owners.values()), tuple(r for t in tables for r in t.resolved_regions()),
+                                  [t.entry_addresses()[i] for t, i in order])
     with _lock:
         _raw.remember(_joins, key, (tuple(weakref.ref(t) for t in tables), table), _CACHE)
     return table

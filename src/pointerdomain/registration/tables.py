@@ -103,7 +103,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     """
 
     __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment",
-                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "_tensor_ptrs", "_resolved", "_watch",
+                 "_layout", "_storages", "_storage_state", "_storage_ptrs", "_tensor_ptrs", "_resolved", "_watch", "_addresses",
                  "__weakref__")
 
     def __init__(
@@ -130,6 +130,9 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         #: (lo, hi, kind) alias-space ranges a raw table's entries were resolved into
         #: (:func:`resolved_kernel_table`); empty for tables built from tensors
         self._resolved: tuple[tuple[int, int, str], ...] = ()
+        #: the entries as the caller gave them (``data_ptr()`` domain), for a raw table
+        #: whose aliases differ from them (:func:`resolved_kernel_table`); else the values
+        self._addresses = values
         # Storage identity and size of every entry (one per storage): a launch refuses the
         # table once one was released or reallocated under it (resize_), see check_live.
         storages: dict[int, torch.UntypedStorage] = {}
@@ -232,6 +235,13 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         """The addresses as plain ints, host-side (escape hatch like :meth:`as_uint64_tensor`;
         used to build copy-engine descriptors without reading the device copy)."""
         return self._values
+
+    def entry_addresses(self) -> tuple[int, ...]:
+        """Where each entry's buffer starts in the domain of tensors' ``data_ptr()`` (host
+        VAs, device addresses): the addresses a table resolved from raw addresses was given
+        (:func:`resolved_kernel_table`), else :meth:`raw_values` (for a table built from
+        tensors, :meth:`storage_spans` says where its memory lies)."""
+        return self._addresses
 
     def registrations(self) -> tuple[RegisteredHostMemory, ...]:
         """The registrations this table points into (kept open-checked at every launch)."""
@@ -535,12 +545,23 @@ def resolved_kernel_table(
     device: Device,
     owners: Sequence[RegisteredHostMemory],
     regions: Sequence[tuple[int, int, str]] = (),
+    addresses: Sequence[int] | None = None,
 ) -> PointerTable[DeviceAlias]:
     """A kernel table over device aliases already resolved and checked by the caller
     (:mod:`pointerdomain.compat`, for an engine's raw ``data_ptr()`` tables): no tensors
     to keep alive, ``owners`` the registrations the entries lie in (launches then
     refuse the table once one is closed), ``regions`` the other alias ranges (device
-    memory, runtime-pinned memory) the entries were checked against."""
+    memory, runtime-pinned memory) the entries were checked against, ``addresses`` the
+    entries as given (``data_ptr()`` domain, one per value; None: the values themselves,
+    as for device memory), which a launch compares its index tensors against.
+
+    Raises:
+        InvalidArgumentError: ``addresses`` of another length than ``values``.
+    """
     table = PointerTable(_TOKEN, DeviceAlias, device, tuple(values), tuple(sizes), (), tuple(owners))
     table._resolved = tuple(regions)  # noqa: SLF001 -- set once, before the table is handed out
+    if addresses is not None:
+        if len(addresses) != len(values):
+            raise InvalidArgumentError(f"addresses: {len(addresses)} entries for {len(values)} values")
+        table._addresses = tuple(addresses)  # noqa: SLF001 -- as above
     return table

@@ -403,8 +403,8 @@ def bind_call(
     ``layer_id``). Nothing is launched.
 
     Raises:
-        Every error :func:`transfer_kv_all_layer` raises before its launch (the
-        ``choose_path`` ones only with ``choose``).
+        PointerDomainError: every error :func:`transfer_kv_all_layer` raises before its
+            launch (the ``choose_path`` ones only with ``choose``).
     """
     # Every check below runs on every launch; the common case takes one combined test per
     # group (the tables' liveness words, the index tests, the options cache) and only a
@@ -829,6 +829,23 @@ def _reason(plan: TransferPlan, options: LaunchOptions, args: LaunchArgs, path: 
     return "the kernel (graph-safe, no host sync; faster than the copy engine for runs this short)"
 
 
+def _check_values(
+    plan: TransferPlan, s_idx: torch.Tensor, d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
+    host: bool,
+) -> None:
+    """The checks of the index values that :func:`run` makes before launching ``path``,
+    without launching: the slot range and destination slots given twice where the host
+    reads the indices without a device sync (host memory, or a device whose memory the
+    host reads), and the same-memory slot overlap (:func:`overlap.check_slots`)."""
+    platform = plan.platform
+    if args.n and (host or platform.host_readable) and (
+            path is _COPY_ENGINE or path is _STAGED or check is _CHECK_HOST
+            or (check is _CHECK_DEFERRED and platform.host_readable)):
+        _check_range(s_idx, d_idx, plan)
+    if plan.same_memory:
+        overlap.check_slots(s_idx, d_idx, platform.is_capturing(plan.device))
+
+
 def explain_transfer(
     src: PointerTable[DeviceAlias],
     dst: PointerTable[DeviceAlias],
@@ -845,7 +862,10 @@ def explain_transfer(
 ) -> TransferChoice:
     """The path :func:`transfer_kv_all_layer` (``layer_id`` None) or
     :func:`transfer_kv_per_layer` (``layer_id``) would run with these arguments, and why;
-    every check of the call runs, nothing is launched or copied. With ``backend="auto"``
+    every check of the call runs, nothing is launched or copied; the index values are
+    checked where the launch checks them before launching (slot range, a destination slot
+    given twice, a slot both read and written in one memory) and the host reads them
+    without a device sync. With ``backend="auto"``
     the answer can change with the arguments' sizes, the indices' memory, the stream's
     capture state and the staging configuration, so it holds for this call.
 
@@ -865,4 +885,5 @@ def explain_transfer(
     plan, options, args, host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
                                                 layer_begin, layer_count, stream, max_ctas, backend, validate_indices)
     assert path is not None  # chosen
+    _check_values(plan, src_indices, dst_indices, args, path, options.check, host)
     return TransferChoice(path.value, _reason(plan, options, args, path, host), host)

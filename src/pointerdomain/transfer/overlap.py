@@ -59,6 +59,7 @@ __all__ = [
     "check_layers",
     "check_slots",
     "entry_clashes",
+    "entry_spans",
     "first_shared",
     "interleaved_entries",
     "rows_clash",
@@ -202,6 +203,15 @@ def entry_clashes(dst: PointerTable[DeviceAlias], dst_geo: Geometry) -> tuple[La
     # per layer a only its nearest clashing layer b: a launch over [a, b] holds every farther one too
     return tuple((la, lb, _clash_message(dst, dst_geo, first, second, start))
                  for la, (lb, first, second, start) in sorted(nearest.items()))
+
+
+def entry_spans(table: PointerTable[DeviceAlias]) -> tuple[tuple[int, int], ...]:
+    """``(start, end)`` byte ranges, in the domain of tensors' ``data_ptr()``, of what
+    ``table``'s entries address: each entry holds exactly its layout's bytes (as in
+    :func:`entry_clashes`) from where it starts
+    (:meth:`~pointerdomain.registration.tables.PointerTable.entry_addresses`). For a table
+    built from raw addresses, which keeps no storages to say where its memory lies."""
+    return tuple((a, a + n) for a, n in zip(table.entry_addresses(), table.sizes))
 
 
 def _clash_message(dst: PointerTable[DeviceAlias], geo: Geometry, first: int, second: int, address: int) -> str:

@@ -39,7 +39,7 @@ from pointerdomain.errors import DeviceMismatchError, IndexValidationError, Inva
 from pointerdomain.transfer.launch_errors import error_word_address, host_word
 from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
 from pointerdomain.registration.memory import RegisteredHostMemory
-from pointerdomain.transfer.overlap import check_distinct_destinations, LayerClash, entry_clashes, shared_memory
+from pointerdomain.transfer.overlap import check_distinct_destinations, LayerClash, entry_clashes, entry_spans, shared_memory
 from pointerdomain.registration.tables import PointerTable, require_domain
 
 if TYPE_CHECKING:
@@ -72,8 +72,9 @@ class TransferPlan:
         owners: the registrations both tables point into (leased by every launch).
         same_memory: src and dst are the same memory with the same geometry, so a
             launch must not read and write one slot (see :mod:`pointerdomain.transfer.overlap`).
-        dst_starts, dst_ends: the byte ranges of the storages of dst's buffers, sorted and
-            merged (:meth:`indices_in_dst`; empty where the table keeps no tensors).
+        dst_starts, dst_ends: the byte ranges of the storages of dst's buffers (for a table
+            resolved from raw addresses, of what its entries address), sorted and merged
+            (:meth:`indices_in_dst`).
         unpinned: the first owner kernels cannot read (the ``unpinned`` rung), or None.
         lowering: how a launch between layouts that split items runs over per-part items
             (:func:`~pointerdomain.layouts.lower_pair`), or None (the common case).
@@ -349,7 +350,8 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     kernel = kernel_plan(*args, error_word_address(device))
     owners = tuple({id(o): o for o in (*src.registrations(), *dst.registrations())}.values())
     unpinned = next((o for o in owners if not o.kernel_readable), None)  # fixed at registration
-    starts, ends = _merged_ranges(dst.storage_spans())
+    # a table resolved from raw addresses keeps no storages: what its entries address instead
+    starts, ends = _merged_ranges(dst.storage_spans() if dst.kept_tensors() else entry_spans(dst))
     platform = backend_for(device)
     return TransferPlan(device, platform, src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
