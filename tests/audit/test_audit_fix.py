@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pointerdomain.audit import AuditConfig, audit_file
 from pointerdomain.audit.autofix import check_fix, fix_source
 from pointerdomain.audit.cli import main
 from tests import childenv
@@ -269,3 +270,63 @@ def test_a_dry_run_prints_each_diff_once_across_a_stopped_file(tmp_path: Path) -
     assert "+++ b/b_stall.py" not in out.stdout
     assert "2 site(s) would be rewritten; 1 file(s) skipped" in out.stderr
     assert (tree / "a_good.py").read_text() == _TABLE_SITE  # a dry run
+
+
+def test_a_device_held_in_a_name_is_followed_or_the_site_refused() -> None:
+    source = _case("named_devices.py")
+    result = fix_source(source)
+    # bound once to the CPU (a local, a module constant, `self.device` set once in __init__): the host form
+    assert "self.ptrs = host_ptr_table(bufs)\n" in result.code
+    # bound to the CPU and to something else, or a parameter whose default is the CPU: left alone
+    assert [line for line, _ in result.refused] == [16, 23, 44]
+    assert all("known only at run time" in why for _, why in result.refused)
+    kept_sites = ("device=self.device)\n\n    def move", "device=device)\n\n\ndef local_cpu",
+                  "device=dev)\n\n\ndef local_cuda")
+    for kept in kept_sites:
+        assert kept in source and kept in result.code
+    # a device bound once, a literal "cpu" and a parameter without a default: as before
+    assert "    dev = \"cuda\"\n    return make_kernel_ptr_table(bufs, dev)\n" in result.code
+    assert "def literal_cpu(bufs: list[torch.Tensor]) -> object:\n    return host_ptr_table(bufs)\n" in result.code
+    assert "return make_kernel_ptr_table(bufs, device)\n" in result.code
+    assert result.fixes == 7
+    # on the CPU each rewritten host site returns what the original returned
+    ns: dict[str, object] = {}
+    exec(compile(result.code, "named_devices.py", "exec"), ns)
+    original: dict[str, object] = {}
+    exec(compile(source, "named_devices.py", "exec"), original)
+    bufs = [torch.zeros(4), torch.zeros(8, dtype=torch.uint8), torch.zeros(2, dtype=torch.float64)]
+    want = [b.data_ptr() for b in bufs]
+    for fn in ("local_cpu", "module_cpu", "local_torch_device", "literal_cpu", "default_cpu"):
+        before = original[fn](bufs)  # type: ignore[operator]
+        assert before.device.type == "cpu" and before.tolist() == want
+        after = ns[fn](bufs)  # type: ignore[operator]
+        got = after if isinstance(after, torch.Tensor) else after.as_uint64_tensor()
+        assert got.device.type == "cpu" and got.dtype == torch.uint64 and got.tolist() == want, fn
+    pool = ns["HostPool"](bufs).ptrs  # type: ignore[operator]
+    assert pool.as_uint64_tensor().tolist() == want
+
+
+def test_a_copied_table_is_left_alone() -> None:
+    source = _case("copies.py")
+    result = fix_source(source)
+    # `t2 = tbl` then a native op, `self.other = self.tbl` then a native op, a copy then `.sum()`
+    assert [line for line, _ in result.refused] == [7, 13, 20]
+    assert all("copied to another name" in why for _, why in result.refused)
+    assert result.code.count("torch.tensor([x.data_ptr() for x in bufs]") == 3
+    # returned as is: still rewritten
+    assert result.fixes == 1 and "    tbl = host_ptr_table(bufs)\n    return tbl\n" in result.code
+    # with the tensor style a uint64 copy stays the same tensor: rewritten; the int64 one is not
+    tensor = fix_source(source, "tensor")
+    assert tensor.fixes == 3 and [line for line, _ in tensor.refused] == [13]
+    assert "tbl = make_kernel_ptr_table(bufs, \"cuda\").as_uint64_tensor()\n    t2 = tbl\n" in tensor.code
+
+
+def test_the_finding_names_the_domain_of_a_device_held_in_a_name() -> None:
+    path = FIX_CASES / "named_devices.py"
+    found = {f.line: f.message for f in audit_file(path, AuditConfig(root=FIX_CASES))[0]}
+    # `dev = "cpu"`, `torch.device("cpu")`: a host table, not a device one
+    assert found[28].endswith("untyped host pointer table") and found[37].endswith("untyped host pointer table")
+    assert found[49].endswith("untyped device pointer table")
+    # a parameter defaulting to the CPU, `self.device = "cpu"`: either, named in the fix too
+    for line in (10, 23):
+        assert "host or device pointer table (the device is chosen at run time)" in found[line]

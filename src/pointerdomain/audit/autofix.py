@@ -13,6 +13,9 @@ Rewritten forms (``torch`` resolved by qualified name, any import alias)::
 device chosen at run time gives one builder per case under the same condition
 (``device=device if device else "cpu"`` -> ``make_kernel_ptr_table(X, device) if device else
 host_ptr_table(X)``; ``device or "cpu"`` the same when ``device`` is a name or attribute).
+A device name is followed to its binding when it is a name assigned once or ``self.attr``
+assigned once in ``__init__`` (``dev = "cpu"`` gives ``host_ptr_table``); a parameter with a
+CPU default, or a name bound to the CPU and to something else, refuses the site.
 ``X`` is passed as is only when it is known to be a list/tuple of tensors (a list display
 or comprehension, ``list(...)``, or a name annotated ``list[...]``/``Sequence[...]``/
 ``tuple[...]``); otherwise it becomes ``[*X]`` (not ``list(X)``: a local ``list`` may
@@ -28,7 +31,8 @@ A site is left alone (the finding stays, the reason is in :attr:`FixResult.refus
   pointerdomain builders raise there;
 * a consumer of the value would break with a ``PointerTable`` (``style="table"``):
   arithmetic, indexing, a method other than ``as_uint64_tensor()``, an element of a list or
-  tuple (``torch.cat([t1, t2])``), or an argument of any call other than pointerdomain's own
+  tuple (``torch.cat([t1, t2])``), a copy to another name or attribute (``t2 = tbl``: its
+  reads are not followed), or an argument of any call other than pointerdomain's own
   API (and ``isinstance``/``id``/``repr``/``print``/``type``): a native op such as
   ``sgl_kernel.transfer_kv_all_layer``, a Triton launch ``kern[grid](table)`` or an untyped
   helper may read it as a tensor; with ``style="tensor"`` the same consumers are refused
@@ -79,6 +83,8 @@ _SEQUENCE_ANNOTATION = re.compile(r"^(?:typing\.)?(?:list|List|tuple|Tuple|Seque
 _TABLE_METHODS = frozenset({"as_uint64_tensor"})
 _TABLE_ATTRS = frozenset({"device", "domain", "layout"})
 # calls that accept a PointerTable argument besides pointerdomain's own API
+# a device that may be the CPU, decided outside what the fix sees
+_UNKNOWN = "unknown"
 _ANY_OBJECT_BUILTINS = frozenset({"builtins.isinstance", "builtins.id", "builtins.repr", "builtins.print",
                                   "builtins.type"})
 
@@ -267,8 +273,11 @@ class _Rewriter(cst.CSTTransformer):
             return f"its value is passed to {callee}(), which may need a tensor"
         if isinstance(parent, cst.Comparison):
             return None
-        if isinstance(parent, (cst.Assign, cst.AnnAssign, cst.AssignTarget)):
-            return None  # re-bound: mypy (check_fix) follows it further
+        if isinstance(parent, (cst.Assign, cst.AnnAssign)):
+            # a copy (`t2 = tbl`, `self.other = self.tbl`): its reads are not followed, and
+            # mypy sees no error where an untyped native op receives it
+            return None if tensor_style and uint64 else "its value is copied to another name, whose uses the fix " \
+                "does not follow"
         return None if tensor_style and uint64 else f"its value is used in a {type(parent).__name__}"
 
     def _takes_a_table(self, call: cst.Call) -> bool:
@@ -331,32 +340,153 @@ class _Rewriter(cst.CSTTransformer):
                 self._refuse(original_node, why)
                 return updated_node
         device = kwargs.get("device")
-        if device is not None and len(device_targets(device)) > 1 and not self._splittable(device):
+        if device is not None and _UNKNOWN in self._targets(device):
+            self._refuse(original_node, f"the device ({_code(device)}) is known only at run time: it may be the CPU "
+                         "(a parameter with a CPU default, or a name or attribute bound to the CPU and to something "
+                         "else), where a device table raises")
+            return updated_node
+        if device is not None and len(self._targets(device)) > 1 and not self._splittable(device):
             self._refuse(original_node, f"the device ({_code(device)}) is chosen at run time in a form the fix "
                          "cannot split into a device and a host table")
             return updated_node
         self.fixes += 1
         return self._table_call(tensors, device)
 
+    def _targets(self, device: cst.BaseExpression, truthy: bool = False, depth: int = 0) -> frozenset[str]:
+        """:func:`device_targets` with simple bindings followed: a name assigned once in its
+        scope, ``self.attr`` assigned once in its class's ``__init__``, a parameter's default.
+        ``_UNKNOWN`` among them: the device may be the CPU but is not known here (a parameter
+        with a CPU default, a name bound to the CPU and to something else). ``truthy``: the
+        value is read only where it tested true (``D if D else ...``, ``D or ...``), so a
+        ``None`` binding does not reach it."""
+        if depth > 8:
+            return frozenset({_UNKNOWN})
+        if isinstance(device, cst.IfExp):
+            body_truthy = _code(device.test) == _code(device.body)
+            return self._targets(device.body, body_truthy, depth + 1) | self._targets(device.orelse, False, depth + 1)
+        if isinstance(device, cst.BooleanOperation):
+            left_truthy = isinstance(device.operator, cst.Or)
+            return self._targets(device.left, left_truthy, depth + 1) | self._targets(device.right, False, depth + 1)
+        if isinstance(device, cst.Name) and device.value not in ("None", "True", "False"):
+            bound = self._name_bindings(device)
+        elif isinstance(device, cst.Attribute) and isinstance(device.value, cst.Name) \
+                and device.value.value in ("self", "cls"):
+            bound = self._attribute_bindings(device)
+        else:
+            return device_targets(device)
+        if bound is None:
+            return frozenset({"device"})  # bound where this pass does not look: the caller's device, as before
+        values, single = bound
+        found: set[str] = set()
+        for value, from_default in values:
+            if truthy and _code(value) == "None":
+                continue  # read only when true
+            targets = self._targets(value, False, depth + 1)
+            if from_default and "host" in targets:
+                return frozenset({_UNKNOWN})  # the CPU unless the caller says otherwise
+            found |= targets
+        if not found:
+            return frozenset({"device"})
+        if "host" in found and (not single or len(found) > 1):
+            return frozenset({_UNKNOWN})
+        return frozenset(found)
+
+    def _name_bindings(self, name: cst.Name) -> tuple[list[tuple[cst.BaseExpression, bool]], bool] | None:
+        """The values bound to ``name`` where it is read, each with whether it is a
+        parameter's default, and whether it is bound once by a plain assignment; None when
+        nothing binds it that this pass follows (a parameter without a default, an import,
+        a loop variable)."""
+        scope = self.get_metadata(ScopeProvider, name, None)
+        if scope is None:
+            return None
+        values: list[tuple[cst.BaseExpression, bool]] = []
+        plain = 0
+        others = 0
+        for a in scope[name.value]:
+            node = getattr(a, "node", None)
+            if isinstance(node, cst.Param):
+                if node.default is not None:
+                    values.append((node.default, True))
+                else:
+                    others += 1
+                continue
+            parent = self.get_metadata(ParentNodeProvider, node, None) if node is not None else None
+            if isinstance(parent, cst.AnnAssign) and parent.value is not None:
+                values.append((parent.value, False))
+                plain += 1
+            elif isinstance(parent, cst.AssignTarget):
+                assign = self.get_metadata(ParentNodeProvider, parent, None)
+                if isinstance(assign, cst.Assign):
+                    values.append((assign.value, False))
+                    plain += 1
+                else:
+                    others += 1
+            else:
+                others += 1
+        if not values:
+            return None
+        return values, plain == 1 and others == 0 and len(values) == 1
+
+    def _attribute_bindings(self, attr: cst.Attribute) -> tuple[list[tuple[cst.BaseExpression, bool]], bool] | None:
+        """The values assigned to ``self.attr`` in the enclosing class, and whether that is
+        one plain assignment in ``__init__``; None when the class assigns none."""
+        owner = self._classes[-1] if self._classes else None
+        values: list[tuple[cst.BaseExpression, bool]] = []
+        in_init = 0
+        stores = 0
+        for node in self._attribute_nodes.get(_code(attr), []):
+            if owner is None or self._enclosing(node, cst.ClassDef) is not owner:
+                continue
+            parent = self.get_metadata(ParentNodeProvider, node, None)
+            if isinstance(parent, cst.AssignTarget) and parent.target is node:
+                assign = self.get_metadata(ParentNodeProvider, parent, None)
+                value = assign.value if isinstance(assign, cst.Assign) else None
+            elif isinstance(parent, cst.AnnAssign) and parent.target is node:
+                value = parent.value
+            elif isinstance(parent, (cst.AugAssign, cst.Element, cst.StarredElement)):
+                stores += 1  # `self.d += ...`, `self.a, self.d = ...`: a value this pass does not follow
+                continue
+            else:
+                continue  # a read
+            if value is None:
+                continue
+            stores += 1
+            values.append((value, False))
+            function = self._enclosing(node, cst.FunctionDef)
+            if isinstance(function, cst.FunctionDef) and function.name.value == "__init__":
+                in_init += 1
+        if not values:
+            return None
+        return values, stores == 1 and in_init == 1
+
+    def _enclosing(self, node: cst.CSTNode, kind: type[cst.CSTNode]) -> cst.CSTNode | None:
+        current = self.get_metadata(ParentNodeProvider, node, None)
+        while current is not None and not isinstance(current, kind):
+            current = self.get_metadata(ParentNodeProvider, current, None)
+        return current
+
     def _splittable(self, device: cst.BaseExpression) -> bool:
         """A device expression whose host and device cases can become two builder calls:
         ``A if C else B`` (each branch once, as before), ``D or B`` with ``D`` a name or
         attribute (``D`` read twice: as the test and as the device)."""
         if isinstance(device, cst.IfExp):
-            return all(len(device_targets(b)) == 1 or self._splittable(b) for b in (device.body, device.orelse))
+            return all(len(self._targets(b, b is device.body and _code(device.test) == _code(b))) == 1
+                       or self._splittable(b) for b in (device.body, device.orelse))
         if isinstance(device, cst.BooleanOperation) and isinstance(device.operator, cst.Or):
             return isinstance(device.left, (cst.Name, cst.Attribute)) and (
-                len(device_targets(device.right)) == 1 or self._splittable(device.right))
+                len(self._targets(device.right)) == 1 or self._splittable(device.right))
         return False
 
-    def _table_call(self, tensors: cst.BaseExpression, device: cst.BaseExpression | None) -> cst.BaseExpression:
+    def _table_call(self, tensors: cst.BaseExpression, device: cst.BaseExpression | None,
+                    truthy: bool = False) -> cst.BaseExpression:
         """The builder call for ``device`` (None: torch's default, the CPU): ``host_ptr_table``
         for the CPU, ``make_kernel_ptr_table`` otherwise, and for a device chosen at run time
         one of each under the same condition (``device if device else "cpu"`` becomes
         ``make_kernel_ptr_table(X, device) if device else host_ptr_table(X)``)."""
-        if device is not None and len(device_targets(device)) > 1:
+        if device is not None and len(self._targets(device, truthy)) > 1:
             if isinstance(device, cst.IfExp):
-                return cst.IfExp(test=device.test, body=self._table_call(tensors, device.body),
+                body_truthy = _code(device.test) == _code(device.body)
+                return cst.IfExp(test=device.test, body=self._table_call(tensors, device.body, body_truthy),
                                  orelse=self._table_call(tensors, device.orelse),
                                  whitespace_before_if=device.whitespace_before_if,
                                  whitespace_after_if=device.whitespace_after_if,
@@ -364,14 +494,15 @@ class _Rewriter(cst.CSTTransformer):
                                  whitespace_after_else=device.whitespace_after_else)
             if isinstance(device, cst.BooleanOperation):
                 left = device.left.with_changes(lpar=[], rpar=[])
-                return cst.IfExp(test=left, body=self._table_call(tensors, left),
+                return cst.IfExp(test=left, body=self._table_call(tensors, device.left, True),
                                  orelse=self._table_call(tensors, device.right))
-        if device is None or device_targets(device) == {"host"}:
+        if device is None or self._targets(device, truthy) == {"host"}:
             name, args = "host_ptr_table", [cst.Arg(tensors)]
         else:
             name = "make_kernel_ptr_table"
             args = [cst.Arg(tensors, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                    cst.Arg(device.with_changes(lpar=[], rpar=[]) if isinstance(device, cst.IfExp) else device)]
+                    cst.Arg(device.with_changes(lpar=[], rpar=[])
+                            if isinstance(device, (cst.IfExp, cst.Name, cst.Attribute)) else device)]
         func: cst.BaseExpression
         if self.qualified is None:
             AddImportsVisitor.add_needed_import(self.context, "pointerdomain", name)

@@ -1281,6 +1281,30 @@ class _Auditor(cst.CSTVisitor):
         return ("say the domain in the type: a HostVA for host memory read by CPU code or engines, a device "
                 "address (make_kernel_ptr_table / the tensor itself) for device memory and kernels")
 
+    def _named_device_targets(self, device: cst.BaseExpression) -> frozenset[str]:
+        """:func:`device_targets`, through the values bound to a device name or attribute
+        (``dev = "cpu"``: the host); a parameter with a default, or an attribute bound to the
+        CPU, may be either."""
+        targets = device_targets(device)
+        if not isinstance(device, (cst.Name, cst.Attribute)):
+            return targets
+        bound: set[str] = set()
+        for value in self._values_of(device):
+            bound |= device_targets(value)
+        if isinstance(device, cst.Attribute) and "host" in bound:
+            bound.add("device")  # a method this pass skipped may assign the attribute again
+        if isinstance(device, cst.Name):
+            scope: Scope | None = self.get_metadata(ScopeProvider, device, None)
+            try:
+                assignments = list(scope[device.value]) if scope is not None else []
+            except Exception:  # libcst raises on a few odd names; then nothing is known
+                assignments = []
+            for a in assignments:
+                param = getattr(a, "node", None)
+                if isinstance(param, cst.Param) and param.default is not None:
+                    bound |= device_targets(param.default) | {"device"}  # the caller's choice
+        return frozenset(bound) or targets
+
     def _check_table(self, node: cst.Call) -> None:
         data = _arg(node, 0, "data")
         if data is None or not self.is_address_collection(data):
@@ -1293,7 +1317,7 @@ class _Auditor(cst.CSTVisitor):
         chain = self._device_chain.get(id(node))
         targets = frozenset({"host"})
         if device is not None:
-            targets = device_targets(device)
+            targets = self._named_device_targets(device)
         elif chain is not None:
             targets = frozenset({"device"})
         kernel_fix = ("pointerdomain.make_kernel_ptr_table(tensors, device) -> PointerTable[DeviceAlias] (device "
