@@ -5,6 +5,7 @@ mypy and against data_ptr() at run time), the flake8 plugin and the worker pool.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -100,6 +101,72 @@ def test_suppressions(tmp_path: Path) -> None:
                            (7, "PD002"): 1, (7, "PD900"): 1, (9, "PD002"): 1})
     messages = {x.line: x.message for x in findings if x.code == "PD900"}
     assert "no reason" in messages[3] and "no rule code" in messages[6] and "PD999" in messages[7]
+
+
+def test_suppression_covers_a_multiline_statement(tmp_path: Path) -> None:
+    # on the first line or the closing line, a suppression covers every line of the statement
+    # (a call is reported at its first line, arithmetic in it at its own); on a middle line,
+    # that line only
+    f = tmp_path / "m.py"
+    f.write_text(textwrap.dedent("""\
+        from ext import ops
+
+
+        def f(x, y):
+            ops.dispatch(
+                x.data_ptr(),
+            )  # pointerdomain: ignore[PD008] the op takes a HostVA by contract
+            ends = (  # pointerdomain: ignore[PD002] range ends for an overlap check
+                x.data_ptr() + 8,
+                y.data_ptr() + 8,
+            )
+            lasts = (
+                x.data_ptr() + 8,
+                y.data_ptr() + 8,
+            )  # pointerdomain: ignore[PD002] range ends for an overlap check
+            # pointerdomain: ignore[PD002] range ends for an overlap check
+            firsts = (
+                x.data_ptr() + 8,
+                y.data_ptr() + 8,
+            )
+            mids = (
+                x.data_ptr() + 8,  # pointerdomain: ignore[PD002] only this line
+                y.data_ptr() + 8,
+            )
+            ops.dispatch(  # pointerdomain: ignore[PD001] wrong code: still reported
+                x.data_ptr(),
+            )
+            with ops.session(
+                x.data_ptr(),
+            ) as s:  # pointerdomain: ignore[PD008] the header of a with statement
+                ops.dispatch(s, y.data_ptr())
+            return ends, lasts, firsts, mids
+        """))
+    findings, suppressed = audit_file(f, AuditConfig(root=tmp_path))
+    # left: the line after the covered middle line (23), the wrong code (25), the with body (31)
+    assert Counter((x.line, x.code) for x in findings) == Counter({(23, "PD002"): 1, (25, "PD008"): 1,
+                                                                   (31, "PD008"): 1})
+    assert suppressed == 9
+    # the same through flake8
+    plugin = Plugin(ast.parse(f.read_text()), f.read_text().splitlines(keepends=True), str(f))
+    assert sorted(line for line, *_ in plugin.run()) == [23, 25, 31]
+
+
+def test_cpp_suppression_covers_a_multiline_statement(tmp_path: Path) -> None:
+    f = tmp_path / "k.cu"
+    f.write_text("void f(at::Tensor t) {\n"
+                 "  auto a = reinterpret_cast<uintptr_t>(  // pointerdomain: ignore[PD102] printed only\n"
+                 "      t.data_ptr());\n"
+                 "  auto b = reinterpret_cast<uintptr_t>(\n"
+                 "      t.data_ptr());  // pointerdomain: ignore[PD102] printed only\n"
+                 "  auto c =\n"
+                 "      reinterpret_cast<uintptr_t>(t.data_ptr());\n"
+                 "  use(a, b,  // pointerdomain: ignore[PD102] a middle line\n"
+                 "      c);\n"
+                 "}\n")
+    findings, suppressed = audit_file(f, AuditConfig(root=tmp_path))
+    assert suppressed == 2
+    assert [(x.line, x.code) for x in findings] == [(7, "PD102")]
 
 
 def test_cpp_suppression(tmp_path: Path) -> None:

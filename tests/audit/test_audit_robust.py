@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,3 +159,109 @@ def test_a_symlink_loop_is_a_pd901_and_a_linked_file_is_audited_once(tmp_path: P
     result = audit_paths([tmp_path], AuditConfig(root=tmp_path))
     seen = sorted((f.path, f.code) for f in result.findings)
     assert seen == [("loop.py", "PD901"), ("real.py", "PD001")]
+
+
+# -- files not audited are visible: text, JSON, SARIF and the exit status ---------------
+
+
+_BAD = "def f(x):\n    return x.data_ptr(\n"  # a trigger word, and no parse
+
+
+def _gate(root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+          *args: str) -> tuple[int, str, str]:
+    monkeypatch.chdir(root)
+    rc = main(["--progress", "none", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("how", ["ignore", "per_file_ignores", "baseline"])
+def test_an_unparsed_file_fails_the_gate_even_when_pd901_is_silenced(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    (tmp_path / "bad.py").write_text(_BAD)
+    (tmp_path / "clean.py").write_text("def g(x):\n    return x + 1\n")
+    config = {"ignore": 'ignore = ["PD901"]\n', "per_file_ignores": 'per_file_ignores = { "bad.py" = ["PD9"] }\n',
+              "baseline": 'baseline = "base.json"\n'}[how]
+    (tmp_path / "pyproject.toml").write_text("[tool.pointerdomain.audit]\n" + config)
+    if how == "baseline":
+        assert _gate(tmp_path, capsys, monkeypatch, "--write-baseline", "base.json", ".")[0] == 0
+    rc, out, _ = _gate(tmp_path, capsys, monkeypatch, ".")
+    assert rc == 3, out  # no new finding, but one file was not audited
+    assert "bad.py: skipped: libcst cannot parse this file" in out and "1 file(s) skipped" in out
+    assert "PD901" not in out.split("bad.py: skipped")[0]  # the finding itself stays silenced
+    # accepted explicitly: the option, or the configuration key
+    assert _gate(tmp_path, capsys, monkeypatch, "--allow-skipped", ".")[0] == 0
+    (tmp_path / "pyproject.toml").write_text("[tool.pointerdomain.audit]\n" + config + "allow_skipped = true\n")
+    assert _gate(tmp_path, capsys, monkeypatch, ".")[0] == 0
+    # excluding the file is the other way to accept it
+    (tmp_path / "pyproject.toml").write_text("[tool.pointerdomain.audit]\n" + config + 'exclude = ["bad.py"]\n')
+    assert _gate(tmp_path, capsys, monkeypatch, ".")[0] == 0
+
+
+def test_skipped_files_in_json_and_sarif(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.py").write_text(_BAD)
+    (tmp_path / "big.py").write_text("import torch\n" + "x = 1\n" * 400)  # ~2.4 KiB: above a 1 KiB cap
+    (tmp_path / "ok.py").write_text("def g(x):\n    return x + 1\n")
+    args = ("--max-file-kb", "1", "--ignore", "PD901", ".")
+    rc, out, err = _gate(tmp_path, capsys, monkeypatch, "--format", "json", *args)
+    report = json.loads(out)
+    assert rc == 3 and report["findings"] == [] and report["summary"]["skipped"] == 2
+    assert [s["path"] for s in report["skipped"]] == ["bad.py", "big.py"]
+    reasons = {s["path"]: s["reason"] for s in report["skipped"]}
+    assert reasons["big.py"].endswith("above max_file_kb = 1") and "cannot parse" in reasons["bad.py"]
+    assert {f["path"]: f["skipped"] for f in report["files"]} == {**reasons, "ok.py": None}
+    assert "(not audited: this fails the run" in err
+
+    rc, out, _ = _gate(tmp_path, capsys, monkeypatch, "--format", "sarif", *args)
+    (run,) = json.loads(out)["runs"]
+    assert rc == 3 and run["results"] == []
+    (invocation,) = run["invocations"]
+    assert invocation["executionSuccessful"] is False
+    notes = invocation["toolExecutionNotifications"]
+    assert [n["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for n in notes] == ["bad.py", "big.py"]
+    assert all(n["level"] == "error" and "was not audited" in n["message"]["text"] for n in notes)
+
+    rc, out, _ = _gate(tmp_path, capsys, monkeypatch, "--format", "sarif", "--allow-skipped", *args)
+    (invocation,) = json.loads(out)["runs"][0]["invocations"]
+    assert rc == 0 and invocation["executionSuccessful"] is True
+    assert [n["level"] for n in invocation["toolExecutionNotifications"]] == ["warning", "warning"]
+    # a clean tree: no notification, a successful run
+    (tmp_path / "bad.py").unlink()
+    (tmp_path / "big.py").unlink()
+    rc, out, _ = _gate(tmp_path, capsys, monkeypatch, "--format", "sarif", ".")
+    (invocation,) = json.loads(out)["runs"][0]["invocations"]
+    assert rc == 0 and invocation == {"executionSuccessful": True, "toolExecutionNotifications": []}
+
+
+def test_new_findings_take_precedence_over_skipped_files(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.py").write_text(_BAD)
+    (tmp_path / "ok.py").write_text(_OTHER)
+    rc, out, _ = _gate(tmp_path, capsys, monkeypatch, ".")
+    assert rc == 1 and "bad.py:2:1: PD901" in out and "ok.py:4:" in out and "bad.py: skipped:" in out
+
+
+def test_a_timed_out_file_fails_the_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    body = "".join(f"    a{i} = t.data_ptr() + {i}  # pointerdomain: ignore[PD002] test body\n" for i in range(3000))
+    (tmp_path / "slow.py").write_text("def f(t):\n" + body)
+    rc, out, _ = _gate(tmp_path, capsys, monkeypatch, "--file-timeout", "0.5", "-j", "1", ".")
+    assert rc == 3 and "slow.py: skipped: not finished within file_timeout = 0.5 s" in out
+    rc, out, _ = _gate(tmp_path, capsys, monkeypatch, ".")  # with room it is audited, everything suppressed
+    assert rc == 0 and "3000 suppressed" in out
+
+
+def test_an_analysis_failure_is_a_skipped_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import pointerdomain.audit.engine as engine
+
+    def broken(path: str, text: str, rules: object) -> list[object]:
+        raise ValueError("an odd node")
+
+    (tmp_path / "a.py").write_text(_OTHER)
+    monkeypatch.setattr(engine, "audit_python_source", broken)
+    result = audit_paths([tmp_path], AuditConfig(root=tmp_path), jobs=1, progress="none")
+    assert [(r.path, r.skipped) for r in result.skipped] == [
+        ("a.py", "the audit failed on this file: ValueError: an odd node")]
+    assert [f.code for f in result.findings] == ["PD901"]

@@ -3,7 +3,8 @@
 
 Exit status: 0 no new findings; 1 new findings (or, with ``--fix``, findings left
 after fixing); 2 a usage or configuration error (bad option, missing path, invalid
-``[tool.pointerdomain.audit]``, unreadable baseline).
+``[tool.pointerdomain.audit]``, unreadable baseline); 3 no new finding, but files were
+not audited (size cap, timeout, PD901) and ``--allow-skipped`` / ``allow_skipped`` is off.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pointerdomain.audit.rules import RULES
 __all__ = ["add_arguments", "main", "run"]
 
 _VERSION = "0.1.0"
-EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, EXIT_SKIPPED = 0, 1, 2, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "config max_file_kb, else 1024)")
     parser.add_argument("--file-timeout", type=float, help="seconds per file before it is skipped and reported "
                         "(default: config file_timeout, else 60)")
+    parser.add_argument("--allow-skipped", action="store_true", default=None,
+                        help="files not audited (size cap, timeout, parse error) do not fail the run (default: "
+                        "config allow_skipped, else they do: exit status 3 when there is no new finding)")
     parser.add_argument("--list-rules", action="store_true", help="print the rule catalogue and exit")
 
 
@@ -87,6 +91,8 @@ def _config(args: argparse.Namespace) -> AuditConfig:
         update["max_file_kb"] = args.max_file_kb
     if getattr(args, "file_timeout", None) is not None:
         update["file_timeout"] = float(args.file_timeout)
+    if getattr(args, "allow_skipped", None):
+        update["allow_skipped"] = True
     if update:
         try:
             config = AuditConfig.model_validate(config.model_dump() | update | {"root": config.root,
@@ -343,9 +349,11 @@ def run(args: argparse.Namespace) -> int:
     if args.write_baseline is not None:
         write_baseline(args.write_baseline, result.findings)
         print(f"pointerdomain audit: wrote {len(result.findings)} finding(s) to {args.write_baseline}", file=sys.stderr)
+        for r in result.skipped:  # their findings, if any, are not in the baseline
+            print(f"{r.path}: skipped: {r.skipped}", file=sys.stderr)
         return EXIT_CLEAN
     summary = Summary(result.files, len(result.new), len(result.baselined), result.suppressed, result.stale,
-                      result.seconds, len(result.skipped))
+                      result.seconds, len(result.skipped), not config.allow_skipped)
     report = render(cast(Format, args.format), result.new, summary, _VERSION, result.per_file)
     if args.output is not None:
         args.output.write_text(report, encoding="utf-8")
@@ -354,7 +362,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(report)
         if args.format != "text":
             print(summary.line(), file=sys.stderr)
-    return EXIT_FINDINGS if result.new else EXIT_CLEAN
+    if result.new:
+        return EXIT_FINDINGS
+    return EXIT_SKIPPED if result.skipped and not config.allow_skipped else EXIT_CLEAN
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,8 @@ Keys (all optional)::
     cpp = true                          # run the PD1xx pass on .cpp/.cc/.cu/.cuh/.h/.hpp files
     max_file_kb = 1024                  # larger files (generated kernels, tables) are skipped and reported
     file_timeout = 60.0                 # seconds per file; a file past it is reported as skipped
+    allow_skipped = false               # true: files not audited (size cap, timeout, parse error) do not
+                                        # fail the run (exit status 3 otherwise)
 
 Unknown keys and wrong types are errors (exit status 2), not silently ignored.
 """
@@ -65,6 +67,7 @@ class AuditConfig(ValidatedModel, frozen=True):
     cpp: bool = True
     max_file_kb: int = pydantic.Field(default=1024, gt=0)
     file_timeout: float = pydantic.Field(default=60.0, gt=0)
+    allow_skipped: bool = False
     root: Path = pydantic.Field(default_factory=Path.cwd, exclude=True)
     source: Path | None = pydantic.Field(default=None, exclude=True)
 

@@ -9,7 +9,7 @@ address, not a typed pointer cast:
   or read from a name that says it holds pointers (``*ptr*``, ``*addr*``): a tensor read
   as a table of integer addresses;
 * PD102 ``reinterpret_cast<T**>(x.data_ptr())`` (a tensor read as a pointer table) or a
-  cast of ``data_ptr()`` to an integer type (``reinterpret_cast<uintptr_t>``,
+  cast of ``data_ptr()`` (also ``mutable_data_ptr()``, ``const_data_ptr()``) to an integer type (``reinterpret_cast<uintptr_t>``,
   ``(uint64_t)t.data_ptr()``). ``reinterpret_cast<uint8_t*>(t.data_ptr())`` is a typed
   pointer cast and is not reported;
 * PD103 an address held in an integer declaration: ``uintptr_t x``, or
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pointerdomain.audit.rules import RULES, Finding
 from pointerdomain.audit.suppressions import MARKER, Suppression, parse_comment
 
-__all__ = ["CPP_SUFFIXES", "audit_cpp_source", "cpp_suppressions", "strip_comments_and_strings"]
+__all__ = ["CPP_SUFFIXES", "audit_cpp_source", "cpp_statement_spans", "cpp_suppressions", "strip_comments_and_strings"]
 
 #: File name endings the pass reads by default.
 CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".cu", ".cuh", ".h", ".hpp", ".hh")
@@ -44,7 +44,9 @@ _HANDLE_NAME_RE = re.compile(r"(?i)(?:stream|handle|event|comm|fd\b|_fn\b|reqh|b
 
 _DATA_PTR_INT = re.compile(r"\b(?:mutable_|const_)?data_ptr\s*<\s*(?:std::)?(?P<t>u?intptr_t|u?int64_t)\s*>\s*\(\s*\)")
 _REINTERPRET = re.compile(r"\breinterpret_cast\s*<(?P<t>[^<>;]*(?:<[^<>;]*>[^<>;]*)?)>\s*\(")
-_C_CAST_INT = re.compile(rf"\(\s*{_INT_T}\s*\)\s*\(?\s*[\w.\->]+\s*(?:\.|->)\s*data_ptr\s*(?:<[^>]*>)?\s*\(")
+# `data_ptr()` and ATen's `mutable_data_ptr()` / `const_data_ptr()`: the same address
+_ANY_DATA_PTR = r"(?:mutable_|const_)?data_ptr"
+_C_CAST_INT = re.compile(rf"\(\s*{_INT_T}\s*\)\s*\(?\s*[\w.\->]+?\s*(?:\.|->)\s*{_ANY_DATA_PTR}\s*(?:<[^>]*>)?\s*\(")
 _INT_DECL = re.compile(
     rf"(?<![\w:<,(*&])(?:(?:const|static|volatile|constexpr|__device__|__host__|inline)\s+)*"
     rf"(?P<t>{_INT_T})\s+(?P<name>\w+)\s*(?=[;=,)\[{{])"
@@ -147,6 +149,25 @@ def cpp_suppressions(text: str, comments: list[tuple[int, str]] | None = None) -
     return out
 
 
+def cpp_statement_spans(text: str) -> list[tuple[int, int]]:
+    """(first line, last line) of each C++ statement written over several lines: from the
+    first code after a ``;``, ``{`` or ``}`` to the next of them (lexical, like the rules:
+    a ``for (;;)`` header counts as pieces; preprocessor lines are left out)."""
+    code, _ = strip_comments_and_strings(text)
+    lines = _Lines(code)
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for m in re.finditer(r"[;{}]|^[ \t]*#[^\n]*", code, re.M):
+        first = re.search(r"\S", code[start: m.start() + 1])
+        if first is not None and m.group().strip()[:1] != "#":  # a preprocessor line ends no statement
+            a = lines.pos(start + first.start())[0]
+            b = lines.pos(m.start())[0]
+            if b > a:
+                spans.append((a, b))
+        start = m.end()
+    return spans
+
+
 def _balanced_arg(code: str, open_paren: int) -> str:
     """The text inside the parenthesis opened at ``open_paren`` (up to 2 KiB)."""
     depth = 0
@@ -205,7 +226,7 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
     for m in _REINTERPRET.finditer(code):
         target = m.group("t").strip()
         arg = _balanced_arg(code, m.end() - 1)
-        if re.search(r"\bdata_ptr\s*(?:<[^>]*>)?\s*\(", arg):
+        if re.search(rf"\b{_ANY_DATA_PTR}\s*(?:<[^>]*>)?\s*\(", arg):
             rest = code[m.end() - 1 + len(arg) + 2: m.end() + len(arg) + 40].lstrip()
             bound = re.search(r"(\w+)\s*=\s*$", code[max(0, m.start() - 80): m.start()])
             before = code[max(0, m.start() - 40): m.start()].rstrip()

@@ -6,7 +6,8 @@ Files are audited in a :mod:`multiprocessing` pool (``fork`` from the CLI; see
 ``_SERIAL_BELOW`` candidate files run in-process, where a pool costs more than it
 saves. Progress goes to stderr: a rich bar when stderr is a terminal, else a line every
 ``_LINE_EVERY`` files. A file above ``max_file_kb`` is not read, one that runs past
-``file_timeout`` seconds is abandoned; both are reported as skipped, and the run goes on.
+``file_timeout`` seconds is abandoned, one that cannot be read, parsed or analysed gives a
+PD901 finding; all three are reported as skipped (not audited), and the run goes on.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Literal
 
 from pointerdomain.audit.baseline import read_baseline, split_baselined
 from pointerdomain.audit.config import AuditConfig, ConfigError
-from pointerdomain.audit.cpp_pass import CPP_SUFFIXES, audit_cpp_source, cpp_suppressions
+from pointerdomain.audit.cpp_pass import CPP_SUFFIXES, audit_cpp_source, cpp_statement_spans, cpp_suppressions
 from pointerdomain.audit.python_pass import PythonRules, audit_python_source
 from pointerdomain.audit.rules import RULES, Finding
-from pointerdomain.audit.suppressions import apply_suppressions, python_comments
+from pointerdomain.audit.suppressions import apply_suppressions, python_comments, python_statement_spans
 
 __all__ = ["AuditRun", "FileResult", "Progress", "audit_file", "audit_paths", "discover"]
 
@@ -39,7 +40,9 @@ _LINE_EVERY = 500
 @dataclasses.dataclass(frozen=True)
 class FileResult:
     """One file's outcome: its findings (suppressions applied), the number suppressed, the
-    seconds spent on it, and why it was skipped (None when it was audited)."""
+    seconds spent on it, and why it was skipped (None when it was audited). A file that
+    could not be read, parsed or analysed is skipped even when its PD901 finding is
+    ignored, suppressed or baselined: no rule ran on it."""
 
     path: str
     findings: tuple[Finding, ...]
@@ -64,7 +67,8 @@ class AuditRun:
 
     @property
     def skipped(self) -> tuple[FileResult, ...]:
-        """Files not audited: above the size cap, or past the per-file timeout."""
+        """Files not audited: above the size cap, past the per-file timeout, or unreadable,
+        unparsable or not analysable (PD901)."""
         return tuple(r for r in self.per_file if r.skipped is not None)
 
     @property
@@ -101,8 +105,18 @@ def discover(paths: Sequence[Path], config: AuditConfig) -> list[Path]:
 
 def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None) -> tuple[list[Finding], int]:
     """Audit one file with the enabled rules, suppressions and per-file ignores applied.
-    Returns (findings, number suppressed). A file that cannot be read or decoded gives a
-    PD901 finding."""
+    Returns (findings, number suppressed). A file that cannot be read, decoded, parsed or
+    analysed gives a PD901 finding."""
+    findings, suppressed, _ = _audit(path, config, rules)
+    return findings, suppressed
+
+
+def _not_audited(rel: str, message: str) -> tuple[list[Finding], int, str]:
+    return [Finding(rel, 1, 1, "PD901", message, RULES["PD901"].fix)], 0, message
+
+
+def _audit(path: Path, config: AuditConfig, rules: PythonRules | None) -> tuple[list[Finding], int, str | None]:
+    """:func:`audit_file`, and why no rule ran on the file (None when it was audited)."""
     rel = config.relative(path)
     enabled = config.enabled()
     ignored = config.ignored_for(path)
@@ -113,16 +127,23 @@ def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        return [Finding(rel, 1, 1, "PD901", f"cannot read the file: {exc}", RULES["PD901"].fix)], 0
+        return _not_audited(rel, f"cannot read the file: {exc}")
     lines = text.splitlines()
+    unaudited: str | None = None
     if path.suffix in (".py", ".pyi") or not path.suffix.endswith(CPP_SUFFIXES):
         try:
             findings = audit_python_source(rel, text, rules)
         except RecursionError:
             # libcst walks its tree recursively: a very long expression (hundreds of chained
             # `+` terms) exhausts the stack. Report this file, keep the run going.
-            return [Finding(rel, 1, 1, "PD901", "libcst cannot analyse this file: an expression is nested too "
-                            "deeply for its recursive tree walk (RecursionError)", RULES["PD901"].fix)], 0
+            return _not_audited(rel, "libcst cannot analyse this file: an expression is nested too deeply for "
+                                "its recursive tree walk (RecursionError)")
+        except _FileTimeout:
+            raise
+        except Exception as exc:  # a defect of the analysis on one file must not end the run
+            return _not_audited(rel, f"the audit failed on this file: {type(exc).__name__}: {exc}")
+        # PD901 from the pass is a parse error: no rule ran, whether or not PD901 is enabled
+        unaudited = next((f"{f.message} (line {f.line})" for f in findings if f.code == "PD901"), None)
         sups = python_comments(text)
         prefix = "#"
     else:
@@ -130,8 +151,9 @@ def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None
         sups = cpp_suppressions(text)
         prefix = "//"
     findings = [f for f in findings if f.code in enabled]
-    kept, suppressed = apply_suppressions(rel, findings, sups, lines, prefix)
-    return sorted(kept), suppressed
+    spans = (python_statement_spans(text) if prefix == "#" else cpp_statement_spans(text)) if sups else ()
+    kept, suppressed = apply_suppressions(rel, findings, sups, lines, prefix, spans)
+    return sorted(kept), suppressed, unaudited
 
 
 class _FileTimeout(Exception):
@@ -160,7 +182,7 @@ def timed_audit_file(path: Path, config: AuditConfig, rules: PythonRules | None 
         previous = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, config.file_timeout)
     try:
-        found, suppressed = audit_file(path, config, rules)
+        found, suppressed, unaudited = _audit(path, config, rules)
     except _FileTimeout:
         return FileResult(rel, (), 0, time.perf_counter() - t0,
                           f"not finished within file_timeout = {config.file_timeout:g} s")
@@ -168,7 +190,8 @@ def timed_audit_file(path: Path, config: AuditConfig, rules: PythonRules | None 
         if armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-    return FileResult(rel, tuple(found), suppressed, time.perf_counter() - t0)
+    return FileResult(rel, tuple(found), suppressed, time.perf_counter() - t0,
+                      unaudited)
 
 
 # -- the pool -------------------------------------------------------------------------------

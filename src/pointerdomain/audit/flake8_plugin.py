@@ -17,7 +17,7 @@ from typing import Any
 
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
 from pointerdomain.audit.python_pass import PythonRules, audit_python_source
-from pointerdomain.audit.suppressions import apply_suppressions, python_comments
+from pointerdomain.audit.suppressions import apply_suppressions, python_comments, python_statement_spans
 
 __all__ = ["Plugin"]
 
@@ -49,6 +49,8 @@ class Plugin:
         enabled = frozenset(c for c in enabled if c == "PD900" or not any(c.startswith(p) for p in ignored))
         source = "".join(self.lines)
         findings = audit_python_source(self.filename, source, PythonRules(enabled, frozenset(config.kernel_ops)))
-        kept, _ = apply_suppressions(self.filename, findings, python_comments(source), source.splitlines(), "#")
+        sups = python_comments(source)
+        spans = python_statement_spans(source) if sups else []
+        kept, _ = apply_suppressions(self.filename, findings, sups, source.splitlines(), "#", spans)
         for f in kept:
             yield f.line, f.col - 1, f"{f.code} {f.message} (fix: {f.fix})", type(self)

@@ -6,7 +6,9 @@ SARIF follows the OASIS SARIF 2.1.0 standard
 catalogue in ``tool.driver.rules``, each result with ``ruleId``/``ruleIndex``, a
 ``physicalLocation`` (1-based ``startLine``/``startColumn``), the suggested fix in
 ``message`` and ``properties.fix``, and ``partialFingerprints`` from the baseline's
-fingerprint so viewers track findings across commits.
+fingerprint so viewers track findings across commits. Files that were not audited (size
+cap, timeout, PD901) are ``toolExecutionNotifications`` of the run's invocation, so a
+viewer shows that the tree was not checked whole.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 @dataclasses.dataclass(frozen=True)
 class Summary:
     """Counts for a run: files read, new / baselined findings, suppressed findings,
-    stale baseline entries, wall time in seconds, files skipped (size cap, timeout)."""
+    stale baseline entries, wall time in seconds, files skipped (size cap, timeout, PD901),
+    and whether skipped files fail the run (``allow_skipped`` off)."""
 
     files: int
     new: int
@@ -39,11 +42,14 @@ class Summary:
     stale: int
     seconds: float
     skipped: int = 0
+    skipped_fail: bool = False
 
     def line(self) -> str:
         return (f"pointerdomain audit: {self.new} new finding(s), {self.baselined} baselined, "
                 f"{self.suppressed} suppressed, in {self.files} file(s), {self.seconds:.1f} s"
                 + (f"; {self.skipped} file(s) skipped" if self.skipped else "")
+                + (" (not audited: this fails the run; exclude them, or pass --allow-skipped)"
+                   if self.skipped and self.skipped_fail else "")
                 + (f"; {self.stale} baseline entr{'y' if self.stale == 1 else 'ies'} no longer found"
                    if self.stale else ""))
 
@@ -61,11 +67,12 @@ def _json(findings: Sequence[Finding], summary: Summary, version: str, per_file:
              for f, fp in zip(findings, fingerprints(findings))]
     files = [{"path": r.path, "seconds": round(r.seconds, 4), "findings": len(r.findings), "skipped": r.skipped}
              for r in per_file]
+    skipped = [{"path": r.path, "reason": r.skipped} for r in per_file if r.skipped is not None]
     return json.dumps({"tool": "pointerdomain-audit", "version": version, "findings": items,
-                       "files": files, "summary": dataclasses.asdict(summary)}, indent=1) + "\n"
+                       "skipped": skipped, "files": files, "summary": dataclasses.asdict(summary)}, indent=1) + "\n"
 
 
-def _sarif(findings: Sequence[Finding], version: str) -> str:
+def _sarif(findings: Sequence[Finding], version: str, summary: Summary, per_file: Sequence[FileResult]) -> str:
     codes = list(RULES)
     rules = [{"id": r.code, "name": r.name, "shortDescription": {"text": r.summary},
               "fullDescription": {"text": r.summary}, "help": {"text": f"Fix: {r.fix}"},
@@ -83,9 +90,18 @@ def _sarif(findings: Sequence[Finding], version: str) -> str:
             "partialFingerprints": {"pointerdomainAudit/v1": fp},
             "properties": {"fix": f.fix},
         })
+    # a file no rule ran on: an error notification when it fails the run, else a warning
+    notifications = [{
+        "level": "error" if summary.skipped_fail else "warning",
+        "message": {"text": f"{r.path} was not audited: {r.skipped}"},
+        "locations": [{"physicalLocation": {"artifactLocation": {"uri": r.path, "uriBaseId": "%SRCROOT%"}}}],
+        "descriptor": {"id": "skipped-file"},
+    } for r in per_file if r.skipped is not None]
     log = {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [{
         "tool": {"driver": {"name": "pointerdomain-audit", "version": version,
                             "rules": rules}},
+        "invocations": [{"executionSuccessful": not (notifications and summary.skipped_fail),
+                         "toolExecutionNotifications": notifications}],
         "columnKind": "unicodeCodePoints",
         "results": results,
     }]}
@@ -95,9 +111,10 @@ def _sarif(findings: Sequence[Finding], version: str) -> str:
 def render(fmt: Format, findings: Sequence[Finding], summary: Summary, version: str,
            per_file: Sequence[FileResult] = ()) -> str:
     """The report of ``findings`` (the new ones) in format ``fmt``. ``per_file`` adds each
-    file's time and skip reason (JSON ``files``; skipped files as lines of the text report)."""
+    file's time and skip reason (JSON ``files`` and ``skipped``; SARIF tool execution
+    notifications; skipped files as lines of the text report)."""
     if fmt == "json":
         return _json(findings, summary, version, per_file)
     if fmt == "sarif":
-        return _sarif(findings, version)
+        return _sarif(findings, version, summary, per_file)
     return _text(findings, summary, per_file)

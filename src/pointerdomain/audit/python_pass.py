@@ -29,12 +29,14 @@ from libcst.metadata import (Assignment, CodeRange, MetadataWrapper, PositionPro
 
 from pointerdomain.audit.rules import RULES, Finding
 
-__all__ = ["PythonRules", "audit_python_source", "device_targets", "slice_source", "trigger_words"]
+__all__ = ["PythonRules", "audit_python_source", "device_targets", "helper_sinks", "sink_at", "slice_source",
+           "trigger_words"]
 
 _BASE_TRIGGERS = (
     "data_ptr", "HostRegister", "HostUnregister", "hostRegister", "register_memory", "register_buffer",
     "deregister_memory", "transfer_sync", "transfer_submit", "transfer_async", "transfer_read_on", "transfer_write_on",
     "xfer_desc", "reg_desc", "xfer_dlist", "pointer_type", "c_void_p", "addressof", "ctypes.data",
+    "array_interface__", "caching_allocator_alloc",
     # constructors of transfer-engine objects, so `self.engine = TransferEngine()` is analysed
     "TransferEngine", "nixl_agent", "MooncakeDistributedStore",
 )
@@ -84,14 +86,18 @@ _NOT_NATIVE = frozenset({
     "tensor", "as_tensor", "asarray", "array", "fromiter", "Tensor", "LongTensor", "full", "empty", "zeros",
     "data_ptr", "item", "to_bytes", "from_bytes", "pack", "pack_into", "dumps", "setattr", "getattr", "type",
     "itemgetter", "sum", "next", "iter", "reversed", "hasattr", "callable", "bin", "oct", "chr", "ord",
+    "move_to_end", "popitem",
 })
+# logging methods: an address in a log record (message arguments, `extra={...}`) is formatted, never used
+_LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log"})
 _NOT_NATIVE_RECEIVERS = frozenset({"logger", "logging", "log", "LOG", "LOGGER", "_logger", "math", "os", "sys"})
 _WRAPPERS = frozenset({"c_void_p", "c_uint64", "c_int64", "c_size_t", "c_ulonglong", "c_longlong", "buffer_type",
                        "c_char_p", "cast", "POINTER", "pointer"})
 # Python-level APIs that take an int as an int (PD008 looks for native code that dereferences it).
 _PY_ROOTS = frozenset({"torch", "numpy", "builtins", "math", "os", "sys", "struct", "pickle", "json", "logging",
                        "itertools", "functools", "operator", "collections", "typing", "warnings", "time",
-                       "pytest", "unittest", "dataclasses", "weakref", "threading", "multiprocessing"})
+                       "pytest", "unittest", "dataclasses", "weakref", "threading", "multiprocessing",
+                       "bisect", "heapq"})
 _CPU_DEVICES = frozenset({"cpu", "'cpu'", '"cpu"'})
 _MAX_DEPTH = 16
 # `x - arena_base`: what an offset is measured from
@@ -102,6 +108,7 @@ _KEY_NAME = re.compile(r"(?i)(?:^|_)key$|^key_|_key_")
 _KEY_FUNCTION = re.compile(r"(?i)(?:^|_)(?:key|signature|fingerprint)(?:$|_)")
 # typed device-pointer wrappers (cuda-python, hip-python): the callee is told the domain
 _TYPED_DEVICE_POINTERS = frozenset({"CUdeviceptr", "CUdeviceptr_v2", "hipDeviceptr_t"})
+_ARRAY_INTERFACES = frozenset({"__array_interface__", "__cuda_array_interface__"})
 
 
 def _is_triton_jit(qualname: str) -> bool:
@@ -163,14 +170,33 @@ def _names(node: ast.AST) -> tuple[set[str], set[str]]:
     return stores, loads
 
 
-_DSL_KERNEL = re.compile(r"\bcute\b.*\b(?:kernel|jit)\b")
+_DSL_DECORATORS = frozenset({"kernel", "jit"})
 
 
-def _device_dsl_kernel(node: ast.stmt) -> bool:
-    """A CuTe DSL function (``@cute.kernel``, ``@cute.experimental.kernel``, ``@cute.jit``):
-    its ``x.data_ptr()`` is a typed pointer of the DSL (shared memory, a DSL tensor), not an
-    integer, and arithmetic on it stays typed."""
-    return any(_DSL_KERNEL.search(ast.unparse(d)) for d in getattr(node, "decorator_list", []))
+def _dsl_names(tree: ast.Module) -> set[str]:
+    """The names the module binds by importing from the CuTe DSL (``import cutlass.cute as cute``:
+    ``cute``; ``import cutlass``: ``cutlass``; ``from cutlass.cute import kernel``: ``kernel``)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "cutlass")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "cutlass":
+            out.update(a.asname or a.name for a in node.names)
+    return out
+
+
+def _device_dsl_kernel(node: ast.stmt, dsl: set[str]) -> bool:
+    """A CuTe DSL function (``@cute.kernel``, ``@cute.experimental.kernel``, ``@cute.jit``), its
+    decorator's root name imported from ``cutlass`` (``dsl``, from :func:`_dsl_names`): its
+    ``x.data_ptr()`` is a typed pointer of the DSL (shared memory, a DSL tensor), not an
+    integer, and arithmetic on it stays typed. A ``cute`` of the file's own is no DSL."""
+    for d in getattr(node, "decorator_list", []):
+        target = d.func if isinstance(d, ast.Call) else d
+        parts = ast.unparse(target).split(".")
+        if parts[0] in dsl and (parts[-1] in _DSL_DECORATORS or (len(parts) == 1 and parts[0] in _DSL_DECORATORS)):
+            return True
+    return False
 
 
 def slice_source(source: str, triggers: Sequence[str]) -> str:
@@ -193,6 +219,7 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
     triggers = tuple(triggers) + tuple(f".{a}" for a in sorted(attrs))
     lines = source.splitlines(keepends=True)
     drop: list[ast.stmt] = []
+    dsl = _dsl_names(tree)
 
     def segment(node: ast.stmt) -> str:
         return "".join(lines[_stmt_start(node) - 1: node.end_lineno])
@@ -212,7 +239,7 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
                 for st, inner in zip(body, nested)]
         kept = [seed for _, seed, _, _ in info]
         for i, st in enumerate(body):
-            if nested[i] and _has_trigger(segment(st), triggers) and not _device_dsl_kernel(st):
+            if nested[i] and _has_trigger(segment(st), triggers) and not _device_dsl_kernel(st, dsl):
                 kept[i] = True
                 if isinstance(st, ast.ClassDef):
                     visit_body(st.body, False)
@@ -239,7 +266,7 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
     def visit_body(body: Sequence[ast.stmt], module_level: bool) -> None:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if _device_dsl_kernel(node):
+                if _device_dsl_kernel(node, dsl):
                     drop.append(node)
                 elif _has_trigger(segment(node), triggers):
                     visit_function(node)
@@ -361,27 +388,56 @@ def _carried(expr: ast.expr, origins: dict[str, set[str]]) -> set[str]:
     return set()
 
 
+def sink_at(sinks: dict[int | str, str], position: int) -> str | None:
+    """The native callee that positional argument ``position`` of a helper reaches (a key
+    ``"*n"`` of :func:`helper_sinks` stands for every position from ``n`` on: ``*args``)."""
+    if position in sinks:
+        return sinks[position]
+    for key, target in sinks.items():
+        if isinstance(key, str) and key.startswith("*") and position >= int(key[1:]):
+            return target
+    return None
+
+
+def _helper_functions(tree: ast.Module) -> list[tuple[str, ast.arguments, ast.AST]]:
+    """(name, parameters, body) of each function and method of the module, and of each lambda
+    bound to a name or an attribute (``launch = lambda p, n: ops.copy(p, n)``)."""
+    out: list[tuple[str, ast.arguments, ast.AST]] = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.append((n.name, n.args, n))
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Lambda):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                name = t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else None
+                if name is not None:
+                    out.append((name, n.value.args, n.value.body))
+    return out
+
+
 def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
-    """For each function or method defined in ``source``: the parameters (by position, without
-    ``self``/``cls``, and by name) whose value reaches a native call inside it (directly, through
-    local assignments and tuple unpacking, or through another such helper of the file), each with
-    the native callee's name. One file, no inference across modules."""
+    """For each function or method defined in ``source`` (and each lambda bound to a name): the
+    parameters (by position, without ``self``/``cls``, and by name; ``"*n"`` for a ``*args``
+    that starts at position ``n``) whose value reaches a native call inside it (directly, through
+    local assignments and tuple unpacking, or through another such helper of the file), each
+    with the native callee's name. One file, no inference across modules."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError):
         return {}
-    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    defined = {f.name for f in functions}
+    functions = _helper_functions(tree)
+    defined = {name for name, _, _ in functions}
     python = _python_modules(tree)
     imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in n.names} - python
     out: dict[str, dict[int | str, str]] = {}
-    plan: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, list[str], dict[str, set[str]], list[ast.Call]]] = []
-    for fn in functions:
-        params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    plan: list[tuple[str, list[str], dict[str, set[str]], list[ast.Call]]] = []
+    for fname, args, fn in functions:
+        params = [a.arg for a in (*args.posonlyargs, *args.args)]
         if params and params[0] in ("self", "cls"):
             params = params[1:]
-        origins: dict[str, set[str]] = {p: {p} for p in (*params, *(a.arg for a in fn.args.kwonlyargs))}
+        origins: dict[str, set[str]] = {p: {p} for p in (*params, *(a.arg for a in args.kwonlyargs))}
+        if args.vararg is not None:  # `def run(*args): ops.foo(*args)`: every position from len(params) on
+            origins[args.vararg.arg] = {f"*{len(params)}"}
         for _ in range(3):  # local assignments, to a small fixed point
             for node in ast.walk(fn):
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
@@ -393,13 +449,13 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
                                 if isinstance(n, ast.Name):
                                     origins.setdefault(n.id, set()).update(used)
         calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
-        plan.append((fn, params, origins, calls))
+        plan.append((fname, params, origins, calls))
 
     changed = True
     while changed:  # helpers calling helpers
         changed = False
-        for fn, params, origins, calls in plan:
-            found = out.setdefault(fn.name, {})
+        for fname, params, origins, calls in plan:
+            found = out.setdefault(fname, {})
             for call in calls:
                 sink = _native_sink(call, defined, imported, python)
                 callee = out.get(_ast_call_name(call) or "") if sink is None else None
@@ -415,7 +471,7 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
                 for i, a in enumerate(args):
                     target = sink
                     if callee is not None:
-                        target = callee.get(i)
+                        target = sink_at(callee, i)
                     if target is None:
                         continue
                     for p in _carried(a, origins):
@@ -535,6 +591,11 @@ class _Collector(cst.CSTVisitor):
         self._bind(target, _element_of(it))
 
     def visit_Call(self, node: cst.Call) -> None:
+        if _call_name(node) == "map" and len(node.args) >= 2 and isinstance(node.args[0].value, cst.Lambda):
+            # `map(lambda p: lib.free(p), ptrs)`: each parameter is an element of its iterable
+            fn = node.args[0].value
+            for param, seq in zip(fn.params.params, node.args[1:]):
+                self.values[id(param)] = _element_of(seq.value)
         if isinstance(node.func, cst.Attribute) and node.args:
             method = node.func.attr.value
             if method in ("append", "add", "insert", "appendleft"):
@@ -559,13 +620,38 @@ def _element_of(expr: cst.BaseExpression) -> cst.BaseExpression:
 _IDENTITY_KEY = re.compile(r"\._version\b|\.shape\b|\.dtype\b|\bid\(|\.is_inference\(")
 
 
-def _identity_tuple(node: cst.BaseExpression) -> bool:
+def _identity_tuple(node: cst.BaseExpression, dims: bool = True) -> bool:
     """A tuple with an element that is a tensor's identity (``t.shape``, ``t.shape[1]``,
     ``t._version``, ``id(t)``): a cache key. A shape inside arithmetic (``n // t.shape[0]``,
-    a row size in a descriptor) is no identity."""
+    a row size in a descriptor) is no identity. ``dims=False`` (a tuple handed to native
+    code as an argument): one dimension (``t.shape[0]``, ``t.size(1)``) next to the address
+    is a descriptor's extent, not an identity."""
     return isinstance(node, cst.Tuple) and any(
         not isinstance(e.value, cst.BinaryOperation) and _IDENTITY_KEY.search(_code_of(e.value))
-        for e in node.elements)
+        and (dims or not _dimension(e.value)) for e in node.elements)
+
+
+def _dimension(expr: cst.BaseExpression) -> bool:
+    """``t.shape[i]`` / ``t.size(i)``: one extent of a tensor, an int."""
+    if isinstance(expr, cst.Subscript) and isinstance(expr.value, cst.Attribute):
+        return expr.value.attr.value == "shape"
+    return isinstance(expr, cst.Call) and _call_name(expr) in ("size", "stride") and len(expr.args) == 1
+
+
+def _index(node: cst.Subscript) -> int | None:
+    """The integer literal ``node`` is indexed with, else None."""
+    if len(node.slice) == 1:
+        index = node.slice[0].slice
+        if isinstance(index, cst.Index) and isinstance(index.value, cst.Integer):
+            return int(index.value.value, 0)
+    return None
+
+
+def _numpy_data_as(call: cst.Call) -> bool:
+    """numpy's ``a.ctypes.data_as(T)``: a ctypes pointer to the array's (host) buffer."""
+    func = call.func
+    return isinstance(func, cst.Attribute) and func.attr.value == "data_as" and isinstance(func.value, cst.Attribute) \
+        and func.value.attr.value == "ctypes"
 
 
 def _getattr_as_attribute(call: cst.Call) -> cst.Attribute | None:
@@ -657,7 +743,13 @@ class _Auditor(cst.CSTVisitor):
         self._cute_dsl = re.search(r"^\s*(?:import|from)\s+cutlass\b", "\n".join(lines), re.M) is not None
         # the functions and methods of the file (from the unsliced text: a helper without a
         # trigger word is blanked before parsing)
-        self.defined = set(re.findall(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", "\n".join(lines), re.M))
+        text = "\n".join(lines)
+        self.defined = set(re.findall(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", text, re.M))
+        # `name = lambda ...` / `self.name = lambda ...`: helpers too (helper_sinks follows them)
+        self.defined |= set(re.findall(r"^[ \t]*(?:(?:self|cls)\.)?(\w+)[ \t]*(?::[^=\n]+)?=[ \t]*lambda\b", text, re.M))
+        # functions of the file used as a sort or look-up key (`sorted(ts, key=self._addr_key)`,
+        # `bisect(..., key=f)`): what they return orders, never addresses memory
+        self.key_functions = set(re.findall(r"\bkey[ \t]*=[ \t]*(?:(?:self|cls)\.)?(\w+)\b(?![ \t]*\()", text))
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -753,10 +845,14 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, cst.Attribute) and expr.attr.value == "value" and isinstance(expr.value, cst.Call) \
                 and self._is_ctypes_cast(expr.value) and self._casts_an_address(expr.value, depth + 1):
             return True  # `ctypes.cast(buf, c_void_p).value`: the address as an int
+        if isinstance(expr, cst.Subscript) and _index(expr) == 0 and self._interface_data(expr.value, depth + 1):
+            return True  # `a.__array_interface__["data"][0]`: the buffer's address ([1] is the read-only flag)
         if isinstance(expr, cst.Call):
             name = _call_name(expr)
             if name == "data_ptr":
                 return True
+            if name == "caching_allocator_alloc" and any(q.startswith("torch.") for q in self._qualnames(expr.func)):
+                return True  # `torch.cuda.caching_allocator_alloc(n)`: a raw device address
             if name == "addressof" and "ctypes.addressof" in self._qualnames(expr.func):
                 return True
             if name in ("int", "item") and expr.args and isinstance(expr.func, cst.Name):
@@ -778,6 +874,30 @@ class _Auditor(cst.CSTVisitor):
             return self.is_address_collection(expr.value, depth + 1)
         if isinstance(expr, (cst.Name, cst.Attribute)):
             return any(self.is_address(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _interface_data(self, expr: cst.BaseExpression, depth: int) -> bool:
+        """``x.__array_interface__["data"]`` (or ``__cuda_array_interface__``): the (address,
+        read-only) pair, itself or through a name bound to the interface dict or to the pair."""
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.Subscript) and len(expr.slice) == 1:
+            index = expr.slice[0].slice
+            if isinstance(index, cst.Index) and isinstance(index.value, cst.SimpleString) \
+                    and index.value.evaluated_value == "data":
+                return self._interface_dict(expr.value, depth + 1)
+            return False
+        if isinstance(expr, cst.Name):
+            return any(self._interface_data(v, depth + 1) for v in self._values_of(expr))
+        return False
+
+    def _interface_dict(self, expr: cst.BaseExpression, depth: int) -> bool:
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(expr, cst.Attribute):
+            return expr.attr.value in _ARRAY_INTERFACES
+        if isinstance(expr, cst.Name):
+            return any(self._interface_dict(v, depth + 1) for v in self._values_of(expr))
         return False
 
     def _offset_base(self, expr: cst.BaseExpression) -> bool:
@@ -990,8 +1110,20 @@ class _Auditor(cst.CSTVisitor):
                 return v
         return None
 
+    def _logging_call(self, node: cst.Call, name: str | None) -> bool:
+        """``logger.info("%x", ptr, extra={"ptr": t.data_ptr()})``, ``logging.getLogger(n).debug(...)``:
+        a log record formats the address, never dereferences it."""
+        if name not in _LOG_METHODS or not isinstance(node.func, cst.Attribute):
+            return False
+        if re.search(r"(?i)log", _code_of(node.func.value)):
+            return True
+        return any(q.startswith("logging.") for q in self._qualnames(node.func))
+
     def visit_Call(self, node: cst.Call) -> None:
         name = _call_name(node)
+        if self._logging_call(node, name):
+            self._cover_subtree(node)  # no address use inside: PD002 and PD008 both skip it
+            return
         if name is None and isinstance(node.func, cst.Subscript) and "PD008" in self.rules.enabled:
             self._check_kernel_launch(node, node.func)
         if name is None and not isinstance(node.func, cst.Call):
@@ -1045,6 +1177,9 @@ class _Auditor(cst.CSTVisitor):
         value = node.value
         if value is None or id(value) in self._covered or isinstance(value, cst.BinaryOperation):
             return  # `return base + off` is PD002's
+        if self._function_names and (self._function_names[-1] == "__hash__"
+                                     or self._function_names[-1] in self.key_functions):
+            return  # a hash or a sort key: the address orders or identifies, it is never dereferenced
         if self._wraps_address(value):
             what = "as a ctypes pointer"
         elif self.is_address(value) or (isinstance(value, cst.Tuple) and not _identity_tuple(value)
@@ -1057,6 +1192,8 @@ class _Auditor(cst.CSTVisitor):
         self._cover_subtree(value)
 
     def _wraps_address(self, expr: cst.BaseExpression) -> bool:
+        if isinstance(expr, cst.Call) and _numpy_data_as(expr):
+            return True  # `a.ctypes.data_as(c_void_p)`: a ctypes pointer to the array's buffer
         if isinstance(expr, cst.Call) and self._is_ctypes_cast(expr):
             return self.is_address(expr.args[0].value)  # `ctypes.cast(t.data_ptr(), c_void_p)`
         return isinstance(expr, cst.Call) and _call_name(expr) in _WRAPPERS and len(expr.args) == 1 \
@@ -1077,11 +1214,11 @@ class _Auditor(cst.CSTVisitor):
         if isinstance(expr, (cst.Tuple, cst.List)):
             # `(arg_values, arg_types)` of cuda-python's launch: a tuple may carry a collection of addresses
             # (a list literal of descriptors stays PD002's)
-            return not _identity_tuple(expr) and any(self.is_address(e.value) or (
+            return not _identity_tuple(expr, dims=False) and any(self.is_address(e.value) or (
                 isinstance(expr, cst.Tuple) and self.is_address_collection(e.value)) for e in expr.elements)
         if isinstance(expr, cst.Name):
             # `args = (n, self.req_ids_ptr, ...)` then `op(args)`: a list/tuple of addresses
-            return any(not _identity_tuple(v)
+            return any(not _identity_tuple(v, dims=False)
                        for v in self._values_of(expr)) and self.is_address_collection(expr)
         return False
 
@@ -1157,10 +1294,12 @@ class _Auditor(cst.CSTVisitor):
 
     def _typed_dsl_pointer(self, node: cst.Call) -> bool:
         """``make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem)``: the CuTe DSL is told the address
-        space, like ``CUdeviceptr``; the int becomes a typed pointer there."""
+        space, like ``CUdeviceptr``; the int becomes a typed pointer there. The space must resolve to
+        the DSL's (``cutlass.cute.AddressSpace``) through the file's imports."""
         return _call_name(node) == "make_ptr" and any(
-            "AddressSpace" in _code_of(a.value) or (a.keyword is not None and a.keyword.value in (
-                "mem_space", "address_space")) for a in node.args)
+            ("AddressSpace" in _code_of(a.value) or (a.keyword is not None and a.keyword.value in (
+                "mem_space", "address_space"))) and any(q.startswith("cutlass.") for q in self._qualnames(a.value))
+            for a in node.args)
 
     def _check_deferred_call(self, node: cst.Call, name: str) -> bool:
         """``weakref.finalize(obj, _unpin, t.data_ptr())``, ``pool.submit(self._register, ptr, n)``:
@@ -1178,9 +1317,10 @@ class _Auditor(cst.CSTVisitor):
             self._helpers = helper_sinks("\n".join(self.lines))
         sinks = self._helpers.get(helper, {})
         for i, a in enumerate(positional[later + 1:]):
-            if i in sinks and id(a) not in self._covered and self._carries_address(a):
+            if sink_at(sinks, i) and id(a) not in self._covered and self._carries_address(a):
                 self._report_argument(node, a, f"passed as an int to {helper}() (called by {name}()), which hands it "
-                                      f"to native {sinks[i]}()", "neither can tell a host VA from a device address")
+                                      f"to native {sink_at(sinks, i)}()", "neither can tell a host VA from a device "
+                                      "address")
                 return True
         return False
 
@@ -1195,9 +1335,9 @@ class _Auditor(cst.CSTVisitor):
             return
         positional = [a for a in node.args if a.keyword is None and not a.star]
         for i, a in enumerate(positional):
-            if i in sinks and id(a.value) not in self._covered and self._carries_address(a.value):
+            if sink_at(sinks, i) and id(a.value) not in self._covered and self._carries_address(a.value):
                 self._report_argument(node, a.value, f"passed as an int to {name}(), which hands it to native "
-                                      f"{sinks[i]}()", "neither can tell a host VA from a device address")
+                                      f"{sink_at(sinks, i)}()", "neither can tell a host VA from a device address")
                 return
         for a in node.args:
             if a.keyword is not None and a.keyword.value in sinks and id(a.value) not in self._covered \
@@ -1254,7 +1394,7 @@ class _Auditor(cst.CSTVisitor):
         was made (``device="cuda"``, ``.cuda()``, ``pin_memory``, ``device="cpu"``), else None."""
         tensor = self._tensor_of(expr)
         if tensor is None:
-            return None
+            return self._source_domain(expr)
         texts = [cst.Module([]).code_for_node(v) for v in [tensor, *self._values_of(tensor)]] \
             if isinstance(tensor, (cst.Name, cst.Attribute)) else [cst.Module([]).code_for_node(tensor)]
         text = " ".join(texts)
@@ -1267,6 +1407,18 @@ class _Auditor(cst.CSTVisitor):
             return "host"
         if re.search(r"cuda|[\"'](?:npu|xpu|hip|musa)|\.npu\(|device\s*=", text):
             return "device"
+        return None
+
+    def _source_domain(self, expr: cst.BaseExpression) -> str | None:
+        """The domain of an address read from an allocator or an array interface, through names:
+        ``caching_allocator_alloc`` / ``__cuda_array_interface__``: device; numpy's
+        ``__array_interface__`` / ``.ctypes``: host."""
+        values = [expr, *self._values_of(expr)] if isinstance(expr, (cst.Name, cst.Attribute)) else [expr]
+        text = " ".join(_code_of(v) for v in values)
+        if re.search(r"caching_allocator_alloc|__cuda_array_interface__", text):
+            return "device"
+        if re.search(r"__array_interface__|\.ctypes\.data", text):
+            return "host"
         return None
 
     def _domain_fix(self, expr: cst.BaseExpression) -> str:
@@ -1405,6 +1557,8 @@ class _Auditor(cst.CSTVisitor):
                 return False  # `(c_void_p * 1)(ctypes.addressof(args))`: the launch API's host kernel-argument buffer
             if _call_name(expr) in _TYPED_DEVICE_POINTERS:
                 return False  # `cuda.CUdeviceptr(addr)`: typed as device memory for the callee
+            if _numpy_data_as(expr):
+                return True  # `a.ctypes.data_as(c_void_p)`
             if _call_name(expr) != "c_void_p" and len(expr.args) == 1 and self.is_address(expr.args[0].value):
                 return True  # `buffer_type(t.data_ptr())` with `buffer_type = ctypes.c_void_p` in another module
             if _call_name(expr) == "c_void_p":
@@ -1576,8 +1730,18 @@ class _Auditor(cst.CSTVisitor):
 
     # PD005 -----------------------------------------------------------------------------
 
+    def _dsl_function(self, node: cst.FunctionDef) -> bool:
+        """Decorated by the CuTe DSL (``@cute.kernel``, ``@cute.jit``), resolved through the file's
+        imports: ``cutlass.cute.kernel``, never a ``cute`` of the file's own."""
+        for d in node.decorators:
+            target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
+            if any(q.startswith("cutlass.") and q.rsplit(".", 1)[-1] in _DSL_DECORATORS
+                   for q in self._qualnames(target)):
+                return True
+        return False
+
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool | None:
-        if any(_DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in node.decorators):
+        if self._dsl_function(node):
             return False  # CuTe DSL device code: data_ptr() there is a typed DSL pointer
         if node.name.value == "__c_pointers__":
             return False  # the CuTe DSL argument protocol: addresses of host ctypes descriptors
@@ -1591,8 +1755,7 @@ class _Auditor(cst.CSTVisitor):
         return None
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        if original_node.name.value != "__c_pointers__" and not any(
-                _DSL_KERNEL.search(cst.Module([]).code_for_node(d.decorator)) for d in original_node.decorators):
+        if original_node.name.value != "__c_pointers__" and not self._dsl_function(original_node):
             self._function_names.pop()
         if id(original_node) in getattr(self, "_jit_nodes", set()):
             self._triton_depth -= 1

@@ -1,13 +1,17 @@
 """Inline suppressions: ``# pointerdomain: ignore[PD001] reason`` (``//`` in C++).
 
 A suppression must name its codes and give a reason. It applies to findings on its own
-line, or, written alone on a line, to the next line that is not a comment. One with no
-reason (or no code) suppresses nothing and is itself a finding (PD900), so a gate cannot
-be silenced without saying why.
+line, or, written alone on a line, to the next line that is not a comment. Where that line
+is the first or the last line of a statement written over several lines, it covers every
+line of the statement (a call whose arguments are spread over lines is reported at its
+first line, an argument at its own); a comment on a middle line covers that line only.
+One with no reason (or no code) suppresses nothing and is itself a finding (PD900), so a
+gate cannot be silenced without saying why.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import io
 import re
@@ -16,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 from pointerdomain.audit.rules import RULES, Finding
 
-__all__ = ["MARKER", "Suppression", "apply_suppressions", "parse_comment", "python_comments"]
+__all__ = ["MARKER", "Suppression", "apply_suppressions", "parse_comment", "python_comments", "python_statement_spans"]
 
 #: Text every suppression contains; files without it skip the comment scan.
 MARKER = "pointerdomain:"
@@ -75,6 +79,30 @@ def python_comments(source: str) -> list[Suppression]:
     return found
 
 
+def python_statement_spans(source: str) -> list[tuple[int, int]]:
+    """(first line, last line) of each Python statement written over several lines: a
+    simple statement whole, a compound statement's header (``with engine.register(...):``
+    up to its body), a decorator list with its ``def``/``class`` line. Empty when the source
+    does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError):
+        return []
+    spans: list[tuple[int, int]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt):
+            continue
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        body: list[ast.stmt] = getattr(node, "body", None) or []
+        if body and isinstance(body, list) and isinstance(body[0], ast.stmt):
+            last = max(node.lineno, body[0].lineno - 1)  # the header: the body may share its line
+        else:
+            last = node.end_lineno or node.lineno
+        if last > first:
+            spans.append((first, last))
+    return spans
+
+
 def _resolve_targets(sups: Iterable[Suppression], lines: Sequence[str], comment_prefix: str) -> list[Suppression]:
     out = []
     for s in sups:
@@ -89,11 +117,19 @@ def _resolve_targets(sups: Iterable[Suppression], lines: Sequence[str], comment_
 
 
 def apply_suppressions(
-    path: str, findings: Sequence[Finding], sups: Sequence[Suppression], lines: Sequence[str], comment_prefix: str
+    path: str, findings: Sequence[Finding], sups: Sequence[Suppression], lines: Sequence[str], comment_prefix: str,
+    spans: Sequence[tuple[int, int]] = (),
 ) -> tuple[list[Finding], int]:
     """Drop findings covered by a valid suppression and add a PD900 finding for each invalid
-    one. Returns (findings kept, number suppressed)."""
+    one. ``spans`` are the (first, last) lines of the statements written over several lines
+    (:func:`python_statement_spans`, :func:`pointerdomain.audit.cpp_pass.cpp_statement_spans`):
+    a suppression aimed at the first or the last line of one covers all of its lines.
+    Returns (findings kept, number suppressed)."""
     resolved = _resolve_targets(sups, lines, comment_prefix)
+    ends: dict[int, list[tuple[int, int]]] = {}
+    for first, last in spans:
+        ends.setdefault(first, []).append((first, last))
+        ends.setdefault(last, []).append((first, last))
     valid: dict[int, set[str]] = {}
     out: list[Finding] = []
     for s in resolved:
@@ -101,7 +137,11 @@ def apply_suppressions(
             text = lines[s.line - 1].strip() if 0 < s.line <= len(lines) else ""
             out.append(Finding(path, s.line, s.col, "PD900", s.problem, RULES["PD900"].fix, text))
         else:
-            valid.setdefault(s.target_line, set()).update(s.codes)
+            covered = {s.target_line}
+            for first, last in ends.get(s.target_line, ()):
+                covered.update(range(first, last + 1))
+            for line in covered:
+                valid.setdefault(line, set()).update(s.codes)
     suppressed = 0
     for f in findings:
         if f.code in valid.get(f.line, ()):

@@ -14,3 +14,16 @@ def build_scheduler(storage, layout, stages):
 
 def wrap(counter, dtype):
     return make_ptr(dtype, counter.data_ptr())  # expect[PD008]
+
+
+def wrap_typed(counter, dtype):
+    return make_ptr(dtype, counter.data_ptr(), cute.AddressSpace.gmem)  # negative: the DSL's space is named
+
+
+def wrap_typed_keyword(counter, dtype):
+    return make_ptr(dtype, counter.data_ptr(), mem_space=cute.AddressSpace.gmem, assumed_align=16)  # negative
+
+
+@cute.kernel
+def copy_kernel(src, dst):
+    cute.copy(src.data_ptr() + 16, dst)  # negative: a DSL kernel (decorator resolved to cutlass.cute.kernel)
