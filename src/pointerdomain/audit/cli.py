@@ -349,8 +349,8 @@ def run(args: argparse.Namespace) -> int:
     if args.write_baseline is not None:
         write_baseline(args.write_baseline, result.findings)
         print(f"pointerdomain audit: wrote {len(result.findings)} finding(s) to {args.write_baseline}", file=sys.stderr)
-        for r in result.skipped:  # their findings, if any, are not in the baseline
-            print(f"{r.path}: skipped: {r.skipped}", file=sys.stderr)
+        for skip in result.skipped:  # their findings, if any, are not in the baseline
+            print(f"{skip.path}: skipped: {skip.skipped}", file=sys.stderr)
         return EXIT_CLEAN
     summary = Summary(result.files, len(result.new), len(result.baselined), result.suppressed, result.stale,
                       result.seconds, len(result.skipped), not config.allow_skipped)

@@ -90,6 +90,8 @@ _NOT_NATIVE = frozenset({
 })
 # logging methods: an address in a log record (message arguments, `extra={...}`) is formatted, never used
 _LOG_METHODS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log"})
+# a logger by its name: `logger`, `self._log`, `LOG`, `logging.getLogger(n)` (not `self.catalog`)
+_LOGGER = re.compile(r"(?i)logger|logging|(?:^|[._])_*log(?:$|[._(\[])")
 _NOT_NATIVE_RECEIVERS = frozenset({"logger", "logging", "log", "LOG", "LOGGER", "_logger", "math", "os", "sys"})
 _WRAPPERS = frozenset({"c_void_p", "c_uint64", "c_int64", "c_size_t", "c_ulonglong", "c_longlong", "buffer_type",
                        "c_char_p", "cast", "POINTER", "pointer"})
@@ -431,13 +433,13 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
                 for a in n.names} - python
     out: dict[str, dict[int | str, str]] = {}
     plan: list[tuple[str, list[str], dict[str, set[str]], list[ast.Call]]] = []
-    for fname, args, fn in functions:
-        params = [a.arg for a in (*args.posonlyargs, *args.args)]
+    for helper, sig, fn in functions:
+        params = [a.arg for a in (*sig.posonlyargs, *sig.args)]
         if params and params[0] in ("self", "cls"):
             params = params[1:]
-        origins: dict[str, set[str]] = {p: {p} for p in (*params, *(a.arg for a in args.kwonlyargs))}
-        if args.vararg is not None:  # `def run(*args): ops.foo(*args)`: every position from len(params) on
-            origins[args.vararg.arg] = {f"*{len(params)}"}
+        origins: dict[str, set[str]] = {p: {p} for p in (*params, *(a.arg for a in sig.kwonlyargs))}
+        if sig.vararg is not None:  # `def run(*args): ops.foo(*args)`: every position from len(params) on
+            origins[sig.vararg.arg] = {f"*{len(params)}"}
         for _ in range(3):  # local assignments, to a small fixed point
             for node in ast.walk(fn):
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
@@ -449,13 +451,13 @@ def helper_sinks(source: str) -> dict[str, dict[int | str, str]]:
                                 if isinstance(n, ast.Name):
                                     origins.setdefault(n.id, set()).update(used)
         calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
-        plan.append((fname, params, origins, calls))
+        plan.append((helper, params, origins, calls))
 
     changed = True
     while changed:  # helpers calling helpers
         changed = False
-        for fname, params, origins, calls in plan:
-            found = out.setdefault(fname, {})
+        for helper, params, origins, calls in plan:
+            found = out.setdefault(helper, {})
             for call in calls:
                 sink = _native_sink(call, defined, imported, python)
                 callee = out.get(_ast_call_name(call) or "") if sink is None else None
@@ -1115,7 +1117,7 @@ class _Auditor(cst.CSTVisitor):
         a log record formats the address, never dereferences it."""
         if name not in _LOG_METHODS or not isinstance(node.func, cst.Attribute):
             return False
-        if re.search(r"(?i)log", _code_of(node.func.value)):
+        if _LOGGER.search(_code_of(node.func.value)):
             return True
         return any(q.startswith("logging.") for q in self._qualnames(node.func))
 
@@ -1819,7 +1821,12 @@ def audit_python_source(path: str, source: str, rules: PythonRules) -> list[Find
             return [Finding(path, exc.raw_line, exc.raw_column + 1, "PD901", f"libcst cannot parse this file: "
                             f"{exc.message}", RULES["PD901"].fix,
                             lines[exc.raw_line - 1].strip() if 0 < exc.raw_line <= len(lines) else "")]
-        module = cst.parse_module(source)  # the slicing broke an odd line: analyse it all
+        try:
+            module = cst.parse_module(source)  # the slicing broke an odd line: analyse it all
+        except cst.ParserSyntaxError as whole:
+            return [Finding(path, whole.raw_line, whole.raw_column + 1, "PD901", f"libcst cannot parse this file: "
+                            f"{whole.message}", RULES["PD901"].fix,
+                            lines[whole.raw_line - 1].strip() if 0 < whole.raw_line <= len(lines) else "")]
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     collector = _Collector()
     wrapper.module.visit(collector)

@@ -94,7 +94,7 @@ def python_statement_spans(source: str) -> list[tuple[int, int]]:
             continue
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         body: list[ast.stmt] = getattr(node, "body", None) or []
-        if body and isinstance(body, list) and isinstance(body[0], ast.stmt):
+        if body:
             last = max(node.lineno, body[0].lineno - 1)  # the header: the body may share its line
         else:
             last = node.end_lineno or node.lineno

@@ -41,6 +41,7 @@ class Registry:
         logging.getLogger("pool").debug("alloc %x", t.data_ptr() + off, extra={"end": t.data_ptr() + t.nbytes})
         self.log.warning("freed %#x", t.data_ptr())  # negative
         ops.record({"ptr": t.data_ptr()})  # expect[PD002]
+        self.catalog.info({"ptr": t.data_ptr()})  # expect[PD002]: a catalog, not a logger
 
     def native_order(self, t):
         ops.heappush(self.heap, t.data_ptr())  # expect[PD008]
