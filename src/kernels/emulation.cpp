@@ -2,10 +2,13 @@
 
 #include "strict_alloc.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <atomic>
 #include <iterator>
@@ -72,6 +75,52 @@ bool overlaps_registration(std::uint64_t va, std::uint64_t len) {
         if (it->first + it->second.len > va) return true;
     }
     return false;
+}
+
+// Whether [base, base + len) is still the region's own mapping of its memfd (offset 0 at
+// base). A caller's tensor can release its storage while registered (resize_, set_):
+// glibc then unmaps those pages and may hand the range to another mapping. Reading,
+// remapping or copying "our" pages then faults or overwrites someone else's memory, so
+// every path that touches a region made in place asks /proc/self/maps first. Plain
+// syscalls and a stack buffer only: the child of a fork calls it too.
+bool still_mapped(std::uint64_t base, std::uint64_t len, int fd) {
+    struct stat st{};
+    if (fstat(fd, &st) != 0) return false;
+    const int maps = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (maps < 0) return false;
+    std::uint64_t covered = base;  // [base, covered) proven so far
+    bool bad = false;
+    char buf[8192];
+    std::size_t have = 0;
+    for (;;) {
+        const ssize_t n = read(maps, buf + have, sizeof(buf) - 1 - have);
+        if (n < 0) { bad = true; break; }
+        have += static_cast<std::size_t>(n);
+        buf[have] = '\0';
+        char *line = buf;
+        for (char *nl; (nl = std::strchr(line, '\n')) != nullptr; line = nl + 1) {
+            *nl = '\0';
+            unsigned long long lo = 0, hi = 0, off = 0, ino = 0;
+            unsigned dmaj = 0, dmin = 0;
+            char perms[8] = {0};
+            if (std::sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &off, &dmaj, &dmin,
+                            &ino) != 7)
+                continue;
+            if (hi <= covered || lo >= base + len) continue;  // outside what is left to prove
+            if (lo > covered || ino != static_cast<unsigned long long>(st.st_ino) ||
+                off != lo - base) {
+                bad = true;
+                break;
+            }
+            covered = hi;
+        }
+        if (bad || n == 0 || covered >= base + len) break;
+        have = std::strlen(line);  // an unfinished line moves to the front
+        std::memmove(buf, line, have);
+        if (have >= sizeof(buf) - 1) { bad = true; break; }  // a line longer than the buffer
+    }
+    close(maps);
+    return !bad && covered >= base + len;
 }
 
 int make_fd(std::uint64_t len) {
@@ -166,6 +215,10 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
     std::lock_guard<std::mutex> lock(mu);
     if (overlaps_registration(va, nbytes)) return kAlreadyRegistered;
     auto reg = containing(regions, va, nbytes);
+    // The caller's pages of that region were released and the range reused: an alias of
+    // the old file would not see the new memory's bytes.
+    if (reg != regions.end() && !reg->second.owned && !still_mapped(reg->first, reg->second.len, reg->second.fd))
+        return kSharedPage;
     int why = kMapFailed;
     if (reg == regions.end()) reg = make_shareable(va, nbytes, &why);
     if (reg == regions.end()) return why;
@@ -180,7 +233,10 @@ int register_range(std::uint64_t va, std::uint64_t nbytes, std::uint64_t *alias)
 int prepare_range(std::uint64_t va, std::uint64_t nbytes) {
     if (va == 0 || nbytes == 0) return kInvalidValue;
     std::lock_guard<std::mutex> lock(mu);
-    if (containing(regions, va, nbytes) != regions.end()) return kOk;
+    auto found = containing(regions, va, nbytes);
+    if (found != regions.end())
+        return found->second.owned || still_mapped(found->first, found->second.len, found->second.fd) ? kOk
+                                                                                                    : kSharedPage;
     int why = kMapFailed;
     return make_shareable(va, nbytes, &why) == regions.end() ? why : kOk;
 }
@@ -224,6 +280,9 @@ void before_fork() { mu.lock(); }
 void after_fork_parent() { mu.unlock(); }
 void after_fork_child() {
     for (auto &kv : regions) {
+        // A caller's range released under its registration belongs to other memory now:
+        // mapping the file there would overwrite it (the aliases stay the parent's pages).
+        if (!kv.second.owned && !still_mapped(kv.first, kv.second.len, kv.second.fd)) continue;
         if (!kv.second.owned && copy_into_own_file(kv.first, kv.second)) continue;
         mmap(reinterpret_cast<void *>(kv.first), kv.second.len, PROT_READ | PROT_WRITE,
              MAP_PRIVATE | MAP_FIXED, kv.second.fd, 0);
@@ -249,6 +308,7 @@ const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_f
 // Python binding holds the GIL). If the copy cannot be made the pages stay a shared
 // mapping of the file (bytes kept).
 void restore_private(std::uint64_t base, const Region &r) {
+    if (!still_mapped(base, r.len, r.fd)) return;  // released under its registration: not ours now
     void *copy = mmap(nullptr, r.len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (copy == MAP_FAILED) return;
     std::memcpy(copy, reinterpret_cast<const void *>(base), r.len);

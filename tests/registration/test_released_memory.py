@@ -3,6 +3,8 @@ table was built: refused with ClosedError, nothing handed to an engine or writte
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from pointerdomain import errors
 from pointerdomain.adapters.mooncake import HostTransferEngine
 from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
 from pointerdomain.adapters.sglang import HostKVCacheAdapter
+from tests import childenv
 from tests.reference import DEV, fill_random, model_layout
 
 
@@ -301,3 +304,53 @@ def test_released_index_tensors_are_refused() -> None:
                            env=dict(os.environ, PYTHONPATH=pythonpath()))
     assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-2000:]}"
     assert child.stdout.splitlines() == ["IndexValidationError True"] * 4 + ["unchanged True"]
+
+
+# A registered tensor whose storage is released or moved under its registration: glibc
+# unmaps those pages (1 MiB is above its mmap threshold) and the next allocations of that
+# size may take the range. close(), a fork and a new registration must then leave the new
+# memory alone: no crash, no byte of it changed.
+_RELEASED_UNDER_REGISTRATION = r"""
+import os, sys, torch, pointerdomain as pd
+how = sys.argv[1]
+x = torch.zeros(1 << 20, dtype=torch.uint8)
+reg = pd.register_host_tensor(x, "emulated:0")
+if how == "grow":
+    x.resize_(4 << 20)
+elif how == "release":
+    x.untyped_storage().resize_(0)
+else:
+    x.set_(torch.zeros(16, dtype=torch.uint8))
+try:
+    pd.make_kernel_ptr_table([x], "emulated:0")
+    raise SystemExit("a table over released storage was built")
+except pd.errors.PointerDomainError:
+    pass
+# new memory, likely in the released range; a pattern that any overwrite would change
+news = [torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8) for _ in range(4)]
+want = [n.clone() for n in news]
+pid = os.fork()
+if pid == 0:
+    ok = all(torch.equal(n, w) for n, w in zip(news, want))
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, ("fork child saw changed bytes", status)
+reg.close()
+assert all(torch.equal(n, w) for n, w in zip(news, want)), "close() changed new memory"
+# the new memory registers and moves bytes through its own alias
+again = pd.register_host_tensor(news[0], "emulated:0")
+table = pd.make_kernel_ptr_table([news[0]], "emulated:0")
+again.close()
+print("ok", how)
+"""
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["normal", "strict"])
+@pytest.mark.parametrize("how", ["grow", "release", "set_"])
+def test_close_after_storage_released_under_registration(how: str, strict: bool) -> None:
+    env = {"PYTHONPATH": childenv.pythonpath(), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "POINTERDOMAIN_STRICT_ALIAS": "1" if strict else "0"}
+    proc = subprocess.run([sys.executable, "-c", _RELEASED_UNDER_REGISTRATION, how], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=childenv.ROOT)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert f"ok {how}" in proc.stdout
