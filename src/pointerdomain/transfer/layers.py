@@ -26,6 +26,16 @@ order), so a :class:`LayerLoad` stays valid after later loads. A stream wait is 
 after the kernel that sets its flag (``wait`` is called after ``load_layers``), so even
 streams that share a hardware queue cannot stall the kernel behind the wait.
 
+A stream is known here only by its handle, which outlives nothing: the loads own their
+stream's words. Once no :class:`LayerLoad` of a stream is left and its last launch is
+done, the stream's entry is dropped and its words go back to a spare list of the backend
+and device, for the next stream that needs words (so a program that makes a stream per
+request holds words for the streams in use at once, not for every handle it ever used).
+A stream (or a new stream on a reused handle) that takes spare words starts past every
+generation they published: their flags only ever grow, so a stream wait still queued on
+them (or captured into a graph) stays satisfied, and no flag reads as a new load's layer
+done before its kernel sets it. A handle whose loads are still held keeps its entry.
+
 Captured into a CUDA graph (the load stream capturing), the pipeline is one launch per
 layer with an event after each, and a captured :meth:`LayerLoad.wait` is an event wait:
 in a graph the scheduler orders nodes by the graph's edges alone and could put a flag
@@ -44,19 +54,23 @@ one launch each and replayed in order; waits have nothing to wait for.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import deque
 from typing import Any, Final, cast
 
 import torch
 
 from pointerdomain.arguments import describe
-from pointerdomain._platform import Backend, LayerSignals, LayerWords
+from pointerdomain._platform import Backend, LaunchArgs, LayerSignals, LayerWords
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import ExtensionUnavailableError, IndexValidationError, InvalidArgumentError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.tables import PointerTable
+from pointerdomain.transfer.plan import TransferPlan
 from pointerdomain.transfer.kernels import (
     DEFAULT_MAX_CTAS,
+    IndexCheck,
     MaxCtas,
     Path,
     TransferBackend,
@@ -93,8 +107,8 @@ class LayerLoad:
             load has no flags: no slots, or captured into a graph).
     """
 
-    __slots__ = ("_captured", "_event", "_events", "_keep", "_platform", "_signals", "_words", "device",
-                 "generation", "num_layers", "stream")
+    __slots__ = ("__weakref__", "_captured", "_event", "_events", "_keep", "_platform", "_signals", "_words",
+                 "device", "generation", "num_layers", "stream")
 
     def __init__(
         self, platform: Backend, signals: LayerSignals, device: Device, stream: int, num_layers: int,
@@ -183,22 +197,67 @@ class LayerLoad:
 
 class _StreamWords:
     """The completion words of one (backend, device, stream) for loads outside capture,
-    and the last generation handed out on them. ``lock`` is held from a load's generation
-    to its launch, so launches on the stream publish increasing values."""
+    the last generation handed out on them, the loads that hold the entry and the event
+    recorded after its last launch. ``lock`` is held from a load's generation to its
+    launch, so launches on the stream publish increasing values."""
 
-    __slots__ = ("gen", "lock", "platform", "retired", "words")
+    __slots__ = ("device", "event", "gen", "key", "loads", "lock", "platform", "words")
 
-    def __init__(self, platform: Backend) -> None:
+    def __init__(self, platform: Backend, key: tuple[int, Device, int], device: Device) -> None:
         self.platform = platform  # the key holds the backend's id: keep it alive
+        self.key = key
+        self.device = device
         self.lock = threading.Lock()
         self.words: LayerWords | None = None
         self.gen = 0
-        self.retired: list[LayerWords] = []  # kernels queued on them may still run: never freed
+        self.loads = 0  # LayerLoads (and loads being queued) that hold this entry; under _streams_lock
+        self.event = 0  # recorded after the last launch (0: none, or synchronous)
 
 
 _streams: dict[tuple[int, Device, int], _StreamWords] = {}
 _streams_lock = threading.Lock()
 _has_signals: dict[type, bool] = {}
+#: entries whose loads were collected since the last look: a load's finalizer only appends
+#: here (it may run inside a locked section, on any thread), _settle takes them under the lock
+_dropped: deque[_StreamWords] = deque()
+#: entries no load holds whose last launch may still run (their words are not reused until it is done)
+_idle: list[_StreamWords] = []
+#: words of streams no load holds, with the last generation each published, per (backend id, device)
+_spare: dict[tuple[int, Device], tuple[Backend, list[tuple[LayerWords, int]]]] = {}
+#: words replaced on a live stream (grown, or their generations used up): stream waits queued
+#: on them, or captured into graphs, may still read them, so they are never freed
+_retired: list[LayerWords] = []
+
+
+def _settle() -> None:
+    """Under ``_streams_lock``: the collected loads let go of their entries; an entry no load
+    holds leaves ``_streams``, and its words become spare once its last launch is done."""
+    while _dropped:
+        entry = _dropped.popleft()
+        entry.loads -= 1
+        if entry.loads == 0:
+            if _streams.get(entry.key) is entry:
+                del _streams[entry.key]
+            if entry.words is not None:
+                _idle.append(entry)
+    if not _idle:
+        return
+    waiting = []
+    for entry in _idle:
+        try:
+            done = entry.event == 0 or entry.platform.event_done(entry.event)
+        except Exception:  # a faulted context: keep the words out of use
+            done = False
+        if not done:
+            waiting.append(entry)
+            continue
+        assert entry.words is not None
+        spare = _spare.get((id(entry.platform), entry.device))
+        if spare is None or spare[0] is not entry.platform:
+            spare = _spare[(id(entry.platform), entry.device)] = (entry.platform, [])
+        spare[1].append((entry.words, entry.gen))
+        entry.words = None
+    _idle[:] = waiting
 
 
 def _signals_of(platform: Backend) -> LayerSignals:
@@ -213,12 +272,30 @@ def _signals_of(platform: Backend) -> LayerSignals:
 
 
 def _stream_words(platform: Backend, device: Device, stream: int) -> _StreamWords:
+    """The entry of (``platform``, ``device``, ``stream``), held for one more load (the
+    caller hands the hold to its :class:`LayerLoad`, or gives it back with ``_dropped``)."""
     key = (id(platform), device, stream)
-    found = _streams.get(key)
-    if found is None:
-        with _streams_lock:
-            found = _streams.setdefault(key, _StreamWords(platform))
+    with _streams_lock:
+        if _dropped or _idle:
+            _settle()
+        found = _streams.get(key)
+        if found is None:
+            found = _streams[key] = _StreamWords(platform, key, device)
+        found.loads += 1
     return found
+
+
+def _take_words(platform: Backend, signals: LayerSignals, device: Device, capacity: int) -> tuple[LayerWords, int]:
+    """Spare words of at least ``capacity`` layers and the last generation they published,
+    or new (zeroed) words and 0."""
+    with _streams_lock:
+        spare = _spare.get((id(platform), device))
+        if spare is not None and spare[0] is platform:
+            for i, (words, gen) in enumerate(spare[1]):
+                if words.capacity >= capacity and gen < _HALF - 1:
+                    del spare[1][i]
+                    return words, gen
+    return signals.layer_words(device, capacity), 0
 
 
 def load_layers(
@@ -285,17 +362,33 @@ def load_layers(
             events.append(None if queue is None else queue.record_event())
         return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, events, keep)
     entry = _stream_words(platform, device, load)
+    try:
+        return _queue(plan, src, dst, src_indices, dst_indices, args, one, path, options.check, platform, signals,
+                      device, current, load, num_layers, keep, entry)
+    except BaseException:
+        _dropped.append(entry)  # no load holds it
+        raise
+
+
+def _queue(plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
+           src_indices: torch.Tensor, dst_indices: torch.Tensor, args: LaunchArgs, one: LaunchArgs, path: Path,
+           check: IndexCheck, platform: Backend, signals: LayerSignals, device: Device, current: int, load: int,
+           num_layers: int, keep: tuple[object, ...], entry: _StreamWords) -> LayerLoad:
+    """:func:`load_layers` outside capture, on ``entry``'s words (held for this load: the
+    returned :class:`LayerLoad` lets go of it when collected)."""
+    runtime = device.runtime
     with entry.lock:  # the generation and the launch together: a stream's flags only grow
         old = entry.words
         if old is None or old.capacity < num_layers or entry.gen >= _HALF - 1:
-            # new words, zeroed before the launch is ordered (on the current stream, which the
-            # load stream waits for below); the old ones may be in use by queued kernels
+            # spare words (flags at or below entry.gen: nothing reads as done early), or new
+            # ones zeroed before the launch is ordered (on the current stream, which the load
+            # stream waits for below); replaced ones may be in use by queued kernels and waits
             capacity = max(num_layers, 64)
             if old is not None:
-                entry.retired.append(old)
+                _retired.append(old)
                 capacity = max(capacity, 2 * old.capacity)
-            words = entry.words = signals.layer_words(device, capacity)
-            entry.gen = 0
+            words, entry.gen = _take_words(platform, signals, device, capacity)
+            entry.words = words
         else:
             words = old
         gen = entry.gen = entry.gen + 1
@@ -311,12 +404,15 @@ def load_layers(
                 recorded[0] = signals.launch_layers(kernel, launch_args, words, gen)
                 return recorded[0]
 
-            run(plan, src, dst, src_indices, dst_indices, bound, path, options.check, launch)
+            run(plan, src, dst, src_indices, dst_indices, bound, path, check, launch)
             event = recorded[0]
         else:  # the copy engine: one copy per layer (descriptors built on the host), each then its flag
             for layer in range(num_layers):
                 run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
-                    options.check)
+                    check)
                 signals.signal_layer(words, layer, gen, device, load)
             event = platform.record_event(device, load)
-    return LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
+        entry.event = event
+    done = LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
+    weakref.finalize(done, _dropped.append, entry)  # the load owns its hold on the stream's words
+    return done
