@@ -312,13 +312,15 @@ class _Pipeline(DelegatingBackend):
 
 def test_words_of_streams_no_load_holds_are_reused_not_leaked() -> None:
     """Loads on many streams one after another, each dropped before the next (a stream per
-    request, destroyed after it): the words of a stream no load holds go back for the next
-    stream, so the allocations stay at one instead of one per stream ever used; every load
-    still moves the reference bytes and publishes its layers."""
+    request, destroyed after it): the words of streams no load holds go back for the next
+    streams, so the allocations stop growing instead of one per stream ever used; every
+    load still moves the reference bytes and publishes its layers."""
     with install_backend(_Pipeline(), "emulated") as backend, \
             filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=11) as (pool, host):
         idx = torch.tensor([2, 7, 5])
-        for stream in range(1000, 1040):
+        allocated = []
+        for stream in range(1000, 1060):
+            allocated.append(backend.allocated)
             fill_pool(pool, stream)
             expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, idx, idx)
             done = host.load_layers(pool, idx, idx, stream=stream)
@@ -326,10 +328,10 @@ def test_words_of_streams_no_load_holds_are_reused_not_leaked() -> None:
             assert done.stream == stream and all(done.ready(layer) for layer in range(done.num_layers))
             del done
             gc.collect()
-        assert backend.allocated == 1
-        kept = [host.load_layers(pool, idx, idx, stream=s) for s in (1, 2, 3)]  # three streams at once: three
-        assert backend.allocated == 3
+        assert allocated[-1] < 20 and allocated[-1] == allocated[20] == backend.allocated
+        kept = [host.load_layers(pool, idx, idx, stream=s) for s in range(1, 31)]  # thirty streams at once
         assert all(load.ready(layer) for load in kept for layer in range(load.num_layers))
+        assert backend.allocated >= 30
         del kept
 
 
@@ -367,7 +369,13 @@ def test_a_reused_stream_handle_never_sees_another_loads_progress() -> None:
         backend.queued = False
         del again, later
         gc.collect()
+        for stream in range(100, 120):  # streams enough for the early ones' words to be spare
+            host.load_layers(pool, idx, idx, stream=stream)
+        gc.collect()
+        host.load_layers(pool, idx, idx, stream=120)
+        allocated = backend.allocated
         backend.queued = True
         reused = host.load_layers(pool, idx, idx, stream=9)  # takes over words whose loads are all gone
+        assert backend.allocated == allocated
         assert not any(reused.ready(layer) for layer in layers)
         backend.queued = False

@@ -27,10 +27,12 @@ after the kernel that sets its flag (``wait`` is called after ``load_layers``), 
 streams that share a hardware queue cannot stall the kernel behind the wait.
 
 A stream is known here only by its handle, which outlives nothing: the loads own their
-stream's words. Once no :class:`LayerLoad` of a stream is left and its last launch is
-done, the stream's entry is dropped and its words go back to a spare list of the backend
-and device, for the next stream that needs words (so a program that makes a stream per
-request holds words for the streams in use at once, not for every handle it ever used).
+stream's words. Once no :class:`LayerLoad` of a stream is left, its entry rests among the
+eight streams most recently let go of (their next load finds it); past those, the entry is
+dropped and, once its last launch is done, its words go back to a spare list of the
+backend and device, for the next stream that needs words (so a program that makes a
+stream per request holds words for the streams in use at once and a few more, not for
+every handle it ever used).
 A stream (or a new stream on a reused handle) that takes spare words starts past every
 generation they published: their flags only ever grow, so a stream wait still queued on
 them (or captured into a graph) stays satisfied, and no flag reads as a new load's layer
@@ -54,8 +56,7 @@ one launch each and replayed in order; waits have nothing to wait for.
 from __future__ import annotations
 
 import threading
-import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Final, cast
 
 import torch
@@ -107,8 +108,8 @@ class LayerLoad:
             load has no flags: no slots, or captured into a graph).
     """
 
-    __slots__ = ("__weakref__", "_captured", "_event", "_events", "_keep", "_platform", "_signals", "_words",
-                 "device", "generation", "num_layers", "stream")
+    __slots__ = ("_captured", "_entry", "_event", "_events", "_keep", "_platform", "_signals", "_words", "device",
+                 "generation", "num_layers", "stream")
 
     def __init__(
         self, platform: Backend, signals: LayerSignals, device: Device, stream: int, num_layers: int,
@@ -125,6 +126,15 @@ class LayerLoad:
         self._events = captured  # a captured load's per-layer events (None elsewhere; all None on a synchronous device)
         self._captured = captured is not None
         self._keep = keep
+        self._entry: _StreamWords | None = None  # the stream's words this load holds (set by _queue)
+
+    def __del__(self) -> None:
+        entry = self._entry
+        if entry is not None:
+            try:
+                _dropped.append(entry)  # taken under the lock by the next load (_settle)
+            except Exception:  # interpreter shutdown: the module is gone
+                pass
 
     def __repr__(self) -> str:
         return f"LayerLoad({self.num_layers} layers on {self.device}, stream={self.stream:#x})"
@@ -217,9 +227,13 @@ class _StreamWords:
 _streams: dict[tuple[int, Device, int], _StreamWords] = {}
 _streams_lock = threading.Lock()
 _has_signals: dict[type, bool] = {}
-#: entries whose loads were collected since the last look: a load's finalizer only appends
+#: entries whose loads were collected since the last look: a load's ``__del__`` only appends
 #: here (it may run inside a locked section, on any thread), _settle takes them under the lock
 _dropped: deque[_StreamWords] = deque()
+#: entries no load holds, still in _streams (the most recent few: a stream's next load, the
+#: common case, finds its entry), oldest first
+_resting: OrderedDict[tuple[int, Device, int], _StreamWords] = OrderedDict()
+_RESTING_MAX: Final = 8
 #: entries no load holds whose last launch may still run (their words are not reused until it is done)
 _idle: list[_StreamWords] = []
 #: words of streams no load holds, with the last generation each published, per (backend id, device)
@@ -236,10 +250,13 @@ def _settle() -> None:
         entry = _dropped.popleft()
         entry.loads -= 1
         if entry.loads == 0:
-            if _streams.get(entry.key) is entry:
-                del _streams[entry.key]
-            if entry.words is not None:
-                _idle.append(entry)
+            _resting[entry.key] = entry
+            if len(_resting) > _RESTING_MAX:  # the stream least recently let go of leaves
+                _key, oldest = _resting.popitem(last=False)
+                if _streams.get(oldest.key) is oldest:
+                    del _streams[oldest.key]
+                if oldest.words is not None:
+                    _idle.append(oldest)
     if not _idle:
         return
     waiting = []
@@ -281,6 +298,8 @@ def _stream_words(platform: Backend, device: Device, stream: int) -> _StreamWord
         found = _streams.get(key)
         if found is None:
             found = _streams[key] = _StreamWords(platform, key, device)
+        elif not found.loads:
+            _resting.pop(key, None)
         found.loads += 1
     return found
 
@@ -414,5 +433,5 @@ def _queue(plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable
             event = platform.record_event(device, load)
         entry.event = event
     done = LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
-    weakref.finalize(done, _dropped.append, entry)  # the load owns its hold on the stream's words
+    done._entry = entry  # the load owns its hold on the stream's words
     return done
