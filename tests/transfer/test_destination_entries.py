@@ -171,6 +171,7 @@ def test_interleaved_table_refuses_entries_whose_rows_meet(offset_rows: float, r
         allow_interleaved(table, (0, 1))
 
 
+@pytest.mark.strict_alias  # also run in strict alias mode by CI
 @pytest.mark.parametrize("backend", ["kernel", "copy_engine"])
 @pytest.mark.parametrize("second", [None, "rows_meet"])
 def test_a_cached_plan_follows_a_changed_interleave_mark(backend: str, second: str | None) -> None:

@@ -116,6 +116,7 @@ def _bytes(*ts: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.reshape(-1).view(torch.uint8) for t in ts])
 
 
+@pytest.mark.strict_alias  # also run in strict alias mode by CI
 @pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engine", "staged"])
 @pytest.mark.parametrize("host_kind", ["page_first", "page_head", "layer_first"])
 def test_explain_gives_the_launch_verdict(backend: str, host_kind: str) -> None:
@@ -174,6 +175,7 @@ class _UnreadableDevice(DelegatingBackend):
         self.host_readable = False
 
 
+@pytest.mark.strict_alias  # also run in strict alias mode by CI
 @pytest.mark.parametrize("backend", ["copy_engine", "kernel"])
 def test_explain_reads_device_indices_where_the_launch_does(backend: str) -> None:
     """Indices in device memory the host cannot read in place: the copy engine and
