@@ -382,6 +382,14 @@ def test_embedding_ranges_destination_outside_the_tensor_is_refused() -> None:
     assert untouched(whole)
 
 
+def test_embedding_ranges_into_released_storage_are_refused() -> None:
+    src = rand(_dev(8, EMB, dtype=DT, device=DEV))
+    dst = _pageable(10)
+    dst.untyped_storage().resize_(0)  # the torch route would write (or torch refuse, untyped) there
+    with pytest.raises(errors.ClosedError, match="dst: .*storage holds fewer bytes"):
+        sk.transfer_embedding_ranges_direct(src, dst, [0], [0], [2])
+
+
 @pytest.mark.parametrize("route", ["registered", "pageable"])
 def test_embedding_ranges_disjoint_destinations_still_copy(host: Host, route: str) -> None:
     """Adjacent and out-of-order disjoint ranges, zero-length ranges at a used row, and a

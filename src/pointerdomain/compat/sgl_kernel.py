@@ -130,7 +130,7 @@ from typing import Final, Literal, NamedTuple
 import torch
 
 import pointerdomain as pd
-from pointerdomain.arguments import describe
+from pointerdomain.arguments import describe, storage_short
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device, as_device
@@ -244,8 +244,19 @@ def _default_mla_block_quota() -> int:
 # -- tensors --------------------------------------------------------------------------------
 
 def tensor_arg(name: str, t: object) -> torch.Tensor:
+    """``t``: a dense tensor whose storage holds every byte it views.
+
+    Raises:
+        InvalidTypeError: not a dense tensor (:func:`pointerdomain.compat._raw.plain_tensor`).
+        ClosedError: its storage was released or shrunk under it (reading or writing it
+            would touch freed memory; torch's own copies would raise an untyped error).
+    """
     _raw.plain_tensor(name, t)  # a tensor with memory behind it (not sparse, not meta)
     assert isinstance(t, torch.Tensor)
+    if storage_short(t):
+        raise ClosedError(
+            f"{name}: {describe(t)}: its storage holds fewer bytes than the tensor views (released or shrunk). Fix: "
+            "pass a tensor whose storage is allocated")
     return t
 
 
