@@ -62,16 +62,14 @@ from typing import Any, Final, cast
 import torch
 
 from pointerdomain.arguments import describe
-from pointerdomain._platform import Backend, LaunchArgs, LayerSignals, LayerWords
+from pointerdomain._platform import Backend, LayerSignals, LayerWords
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import ExtensionUnavailableError, IndexValidationError, InvalidArgumentError
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.tables import PointerTable
-from pointerdomain.transfer.plan import TransferPlan
 from pointerdomain.transfer.kernels import (
     DEFAULT_MAX_CTAS,
-    IndexCheck,
     MaxCtas,
     Path,
     TransferBackend,
@@ -380,58 +378,47 @@ def load_layers(
                 options.check)
             events.append(None if queue is None else queue.record_event())
         return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, events, keep)
-    entry = _stream_words(platform, device, load)
+    entry = _stream_words(platform, device, load)  # held for this load: the LayerLoad lets go of it when collected
     try:
-        return _queue(plan, src, dst, src_indices, dst_indices, args, one, path, options.check, platform, signals,
-                      device, current, load, num_layers, keep, entry)
+        with entry.lock:  # the generation and the launch together: a stream's flags only grow
+            old = entry.words
+            if old is None or old.capacity < num_layers or entry.gen >= _HALF - 1:
+                # spare words (flags at or below entry.gen: nothing reads as done early), or new
+                # ones zeroed before the launch is ordered (on the current stream, which the load
+                # stream waits for below); replaced ones may be in use by queued kernels and waits
+                capacity = max(num_layers, 64)
+                if old is not None:
+                    _retired.append(old)
+                    capacity = max(capacity, 2 * old.capacity)
+                words, entry.gen = _take_words(platform, signals, device, capacity)
+                entry.words = words
+            else:
+                words = old
+            gen = entry.gen = entry.gen + 1
+            if load != current:  # after the current stream's work so far (and the new words' zeroing)
+                queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
+                if queue is not None:
+                    queue.wait_stream(runtime.external_stream(current, device.ordinal))
+            bound = args._replace(stream=load)
+            if path is Path.KERNEL:
+                recorded = [0]
+
+                def launch(kernel: Any, launch_args: Any) -> int:
+                    recorded[0] = signals.launch_layers(kernel, launch_args, words, gen)
+                    return recorded[0]
+
+                run(plan, src, dst, src_indices, dst_indices, bound, path, options.check, launch)
+                event = recorded[0]
+            else:  # the copy engine: one copy per layer (descriptors built on the host), each then its flag
+                for layer in range(num_layers):
+                    run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
+                        options.check)
+                    signals.signal_layer(words, layer, gen, device, load)
+                event = platform.record_event(device, load)
+            entry.event = event
+        done = LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
+        done._entry = entry  # the load owns its hold on the stream's words
+        return done
     except BaseException:
         _dropped.append(entry)  # no load holds it
         raise
-
-
-def _queue(plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
-           src_indices: torch.Tensor, dst_indices: torch.Tensor, args: LaunchArgs, one: LaunchArgs, path: Path,
-           check: IndexCheck, platform: Backend, signals: LayerSignals, device: Device, current: int, load: int,
-           num_layers: int, keep: tuple[object, ...], entry: _StreamWords) -> LayerLoad:
-    """:func:`load_layers` outside capture, on ``entry``'s words (held for this load: the
-    returned :class:`LayerLoad` lets go of it when collected)."""
-    runtime = device.runtime
-    with entry.lock:  # the generation and the launch together: a stream's flags only grow
-        old = entry.words
-        if old is None or old.capacity < num_layers or entry.gen >= _HALF - 1:
-            # spare words (flags at or below entry.gen: nothing reads as done early), or new
-            # ones zeroed before the launch is ordered (on the current stream, which the load
-            # stream waits for below); replaced ones may be in use by queued kernels and waits
-            capacity = max(num_layers, 64)
-            if old is not None:
-                _retired.append(old)
-                capacity = max(capacity, 2 * old.capacity)
-            words, entry.gen = _take_words(platform, signals, device, capacity)
-            entry.words = words
-        else:
-            words = old
-        gen = entry.gen = entry.gen + 1
-        if load != current:  # after the current stream's work so far (and the new words' zeroing)
-            queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
-            if queue is not None:
-                queue.wait_stream(runtime.external_stream(current, device.ordinal))
-        bound = args._replace(stream=load)
-        if path is Path.KERNEL:
-            recorded = [0]
-
-            def launch(kernel: Any, launch_args: Any) -> int:
-                recorded[0] = signals.launch_layers(kernel, launch_args, words, gen)
-                return recorded[0]
-
-            run(plan, src, dst, src_indices, dst_indices, bound, path, check, launch)
-            event = recorded[0]
-        else:  # the copy engine: one copy per layer (descriptors built on the host), each then its flag
-            for layer in range(num_layers):
-                run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
-                    check)
-                signals.signal_layer(words, layer, gen, device, load)
-            event = platform.record_event(device, load)
-        entry.event = event
-    done = LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
-    done._entry = entry  # the load owns its hold on the stream's words
-    return done
