@@ -608,7 +608,9 @@ def kernel_op(
             addresses (``IndexValidationError``), and a slot given twice in an index
             tensor that addresses a ``writes`` table (``OverlapError``). The indices are
             read on the host: a device sync for CUDA indices, refused during CUDA graph
-            capture (``InvalidArgumentError``).
+            capture (``InvalidArgumentError``). Both declared cost about 15 us more a call
+            than none (two 32-slot CPU index tensors, four tables, this project's 2-core CPU
+            machine: docs/log/2026-12-05-declared-writes.md).
 
     Returns:
         A decorator taking the stub and returning a :class:`KernelOp` with the stub's
