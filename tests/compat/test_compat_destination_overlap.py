@@ -14,7 +14,7 @@ from pointerdomain import errors
 from pointerdomain.compat import lmcache as lmc
 from pointerdomain.compat import sgl_hicache as hc
 from pointerdomain.compat import sgl_kernel as sk
-from tests.helpers.compat import POISON, rand, u8
+from tests.helpers.compat import POISON, rand, same, u8
 from tests.helpers.compat import dev as _dev
 from tests.helpers.compat import table
 
@@ -330,3 +330,81 @@ def test_lmcache_unilateral_key_value_ptrs_one_token_apart() -> None:
     with pytest.raises(errors.OverlapError, match=r"key_value_ptrs\[0\] and key_value_ptrs\[1\] share memory"):
         lmc.multi_layer_kv_transfer_unilateral(kv, ptrs, torch.tensor([0, 5, 6]), DEV, p, 0, 0)
     assert untouched(cache)
+
+
+# -- embedding ranges ----------------------------------------------------------------------------
+
+EMB = 12  # bf16 elements a row
+
+
+def _pageable(rows: int) -> torch.Tensor:
+    """Plain pageable host memory (the torch route), poisoned."""
+    t = torch.empty(rows, EMB, dtype=DT)
+    u8(t).fill_(POISON)
+    return t
+
+
+@pytest.mark.parametrize("route", ["registered", "pageable"])
+@pytest.mark.parametrize(("dst_starts", "lengths"), [([2, 2], [3, 3]), ([2, 4], [3, 1]), ([0, 5, 3], [4, 2, 2])])
+def test_embedding_ranges_writing_one_destination_row_twice(host: Host, route: str, dst_starts: list[int],
+                                                            lengths: list[int]) -> None:
+    """Two ranges whose destination rows meet: which one lands would be the copy order's choice."""
+    src = rand(_dev(16, EMB, dtype=DT, device=DEV))
+    dst = _pageable(10) if route == "pageable" else host(10, EMB)
+    u8(dst).fill_(POISON)
+    starts = [0, 6, 12][: len(lengths)]
+    with pytest.raises(errors.OverlapError, match=r"range \d and range \d write dst row"):
+        sk.transfer_embedding_ranges_direct(src, dst, starts, dst_starts, lengths)
+    assert untouched(dst)
+
+
+@pytest.mark.parametrize(("src_start", "dst_start", "src_view", "dst_view"),
+                         [(0, 2, 0, 0), (4, 0, 0, 2), (0, 0, 3, 0), (5, 5, 0, 0)])
+def test_embedding_ranges_destination_meeting_the_source(src_start: int, dst_start: int, src_view: int,
+                                                         dst_view: int) -> None:
+    """src and dst over one device buffer (the same tensor, or views at other rows) where a
+    destination range's bytes are bytes a source range reads."""
+    whole = rand(_dev(20, EMB, dtype=DT, device=DEV))
+    before = u8(whole).clone()
+    src, dst = whole[src_view:src_view + 12], whole[dst_view:dst_view + 12]
+    with pytest.raises(errors.OverlapError, match=r"range 0 writes dst rows .* that range 0 reads"):
+        sk.transfer_embedding_ranges_direct(src, dst, [src_start], [dst_start], [4])
+    assert torch.equal(u8(whole), before)
+
+
+def test_embedding_ranges_destination_outside_the_tensor_is_refused() -> None:
+    src = rand(_dev(8, EMB, dtype=DT, device=DEV))
+    whole = _dev(12, EMB, dtype=DT, device=DEV)
+    u8(whole).fill_(POISON)
+    dst = whole[:6]  # rows 6.. of the allocation are not dst's
+    with pytest.raises(errors.IndexValidationError, match="outside a tensor"):
+        sk.transfer_embedding_ranges_direct(src, dst, [0, 2], [0, 4], [2, 3])
+    assert untouched(whole)
+
+
+def test_embedding_ranges_into_released_storage_are_refused() -> None:
+    src = rand(_dev(8, EMB, dtype=DT, device=DEV))
+    dst = _pageable(10)
+    dst.untyped_storage().resize_(0)  # the torch route would write (or torch refuse, untyped) there
+    with pytest.raises(errors.ClosedError, match="dst: .*storage holds fewer bytes"):
+        sk.transfer_embedding_ranges_direct(src, dst, [0], [0], [2])
+
+
+@pytest.mark.parametrize("route", ["registered", "pageable"])
+def test_embedding_ranges_disjoint_destinations_still_copy(host: Host, route: str) -> None:
+    """Adjacent and out-of-order disjoint ranges, zero-length ranges at a used row, and a
+    move inside one device buffer whose ranges do not meet: exact bytes, the rest poison."""
+    src = rand(_dev(16, EMB, dtype=DT, device=DEV))
+    dst = _pageable(10) if route == "pageable" else host(10, EMB)
+    u8(dst).fill_(POISON)
+    ss, ds, ls = [0, 9, 3, 5], [5, 0, 8, 5], [3, 2, 2, 0]
+    sk.transfer_embedding_ranges_direct(src, dst, ss, ds, ls)
+    want = _pageable(10)
+    for a, b, n in zip(ss, ds, ls):
+        want[b:b + n] = src[a:a + n]
+    assert same(dst, want)
+    whole = rand(_dev(20, EMB, dtype=DT, device=DEV))
+    want = whole.clone()
+    want[10:14] = whole[0:4]
+    sk.transfer_embedding_ranges_direct(whole, whole, [0], [10], [4])
+    assert same(whole, want)

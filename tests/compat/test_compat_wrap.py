@@ -390,3 +390,125 @@ def test_decoration_refuses_host_tables_raw_tensors_defaults_and_varargs() -> No
         kernel_op(op_stub)(no_table)
     with pytest.raises(errors.InvalidTypeError, match="expected a function"):
         kernel_op(op_stub)(3)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- what the op writes
+
+#: sglang's transfer_kv_all_layer: slot i of every entry is item_size bytes at entry + i * item_size
+SGLANG_SLOTS = {"src_k_layers": ("src_indices", "item_size"), "dst_k_layers": ("dst_indices", "item_size"),
+                "src_v_layers": ("src_indices", "item_size"), "dst_v_layers": ("dst_indices", "item_size")}
+
+
+def checked(op: Recorder) -> KernelOp[..., None]:
+    return wrap(op, writes=("dst_k_layers", "dst_v_layers"), slots=SGLANG_SLOTS)
+
+
+def test_declared_writes_move_exact_bytes_for_disjoint_slots(host: tuple[pd.RegisteredHostMemory, torch.Tensor]) -> None:
+    _, buf = host
+    dk, dv = device_layers(1), device_layers(10)
+    hk, hv = tables([buf[0, i] for i in range(LAYERS)]), tables([buf[1, i] for i in range(LAYERS)])
+    op = Recorder()
+    fn = checked(op)
+    src, dst = torch.tensor([1, 6, 3, 0]), torch.tensor([0, 7, 2, 5])
+    for _ in range(2):  # the second call meets the tables again
+        fn(tables(dk), hk, tables(dv), hv, src, dst, ITEM, LAYERS)
+    check_backup(buf, dk, dv, src, dst)
+    assert len(op.calls) == 2
+    # one device buffer, slots moved inside it: entries are both read and written
+    whole = device_layers(3)
+    t = tables(whole)
+    before = [x.clone() for x in whole]
+    with pytest.raises(errors.OverlapError, match=r"dst_k_layers\[(\d)\] overlaps src_k_layers\[\1\]"):
+        fn(t, t, tables(dv), hv, torch.tensor([0]), torch.tensor([1]), ITEM, LAYERS)
+    assert all(torch.equal(a, b) for a, b in zip(whole, before))
+
+
+@pytest.mark.parametrize(("src", "dst", "error", "match"), [
+    ([0, 1, 2], [4, 7, 4], errors.OverlapError, r"dst_indices: slot 4 is given twice.*dst_k_layers"),
+    ([0, 1], [3, SLOTS], errors.IndexValidationError, rf"dst_indices: slot {SLOTS} outside \[0, {SLOTS}\)"),
+    ([0, 1], [-1, 2], errors.IndexValidationError, rf"dst_indices: slot -1 outside \[0, {SLOTS}\)"),
+    ([0, SLOTS + 5], [1, 2], errors.IndexValidationError, rf"src_indices: slot {SLOTS + 5} outside"),
+])
+def test_declared_writes_refuse_bad_slots(host: tuple[pd.RegisteredHostMemory, torch.Tensor], src: list[int],
+                                          dst: list[int], error: type[Exception], match: str) -> None:
+    _, buf = host
+    hk, hv = tables([buf[0, i] for i in range(LAYERS)]), tables([buf[1, i] for i in range(LAYERS)])
+    op = Recorder()
+    s, d = torch.tensor(src), torch.tensor(dst)
+    with pytest.raises(error, match=match):
+        checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, s, d, ITEM, LAYERS)
+    for where in ("emulated", "int32"):  # indices in emulated device memory; int32 indices
+        if where == "emulated":
+            s2, d2 = pd.device_empty(s.shape, torch.int64, DEV), pd.device_empty(d.shape, torch.int64, DEV)
+            s2.copy_(s), d2.copy_(d)
+        else:
+            s2, d2 = s.to(torch.int32), d.to(torch.int32)
+        with pytest.raises(error, match=match):
+            checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, s2, d2, ITEM, LAYERS)
+    assert op.calls == [] and bool((buf == POISON).all())
+
+
+def test_declared_writes_refuse_an_item_size_past_the_entries(host: tuple[pd.RegisteredHostMemory, torch.Tensor]) -> None:
+    """item_size twice the real item: slot SLOTS // 2 would write past every host layer."""
+    _, buf = host
+    hk, hv = tables([buf[0, i] for i in range(LAYERS)]), tables([buf[1, i] for i in range(LAYERS)])
+    op = Recorder()
+    with pytest.raises(errors.IndexValidationError, match=rf"dst_indices: slot {SLOTS // 2} outside \[0, {SLOTS // 2}\)"):
+        checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, torch.tensor([0]),
+                    torch.tensor([SLOTS // 2]), 2 * ITEM, LAYERS)
+    for bad in (0, -ITEM, 1.5, True):
+        with pytest.raises(errors.InvalidArgumentError, match="item_size"):
+            checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, torch.tensor([0]),
+                        torch.tensor([0]), bad, LAYERS)
+    for idx in (torch.tensor([0.0]), torch.tensor([[0]]), torch.tensor([0, 1, 2, 3])[::2], [0]):
+        with pytest.raises(errors.IndexValidationError, match="dst_indices"):
+            checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, torch.tensor([0]), idx, ITEM,
+                        LAYERS)
+    assert op.calls == [] and bool((buf == POISON).all())
+
+
+@pytest.mark.parametrize("shape", ["k_is_v", "v_one_slot_after_k", "two_layers_one_buffer", "dst_is_src"])
+def test_declared_writes_refuse_destination_entries_that_share_memory(
+        host: tuple[pd.RegisteredHostMemory, torch.Tensor], shape: str) -> None:
+    mem, buf = host
+    flat = buf.view(-1)
+    layer_bytes = SLOTS * ITEM
+    hk = tables([buf[0, i] for i in range(LAYERS)])
+    dk, dv = tables(device_layers(1)), tables(device_layers(10))
+    if shape == "k_is_v":
+        src_k, dst_v, match = dk, hk, r"dst_k_layers\[0\] and dst_v_layers\[0\] share memory"
+    elif shape == "v_one_slot_after_k":  # V's slot 0 is K's slot 1
+        views = [flat[ITEM + 2 * i * layer_bytes: ITEM + (2 * i + 1) * layer_bytes] for i in range(LAYERS)]
+        src_k, dst_v, match = dk, tables(views), r"dst_k_layers\[0\] and dst_v_layers\[0\] share memory"
+    elif shape == "two_layers_one_buffer":
+        src_k, dst_v = dk, tables([buf[1, 0], buf[1, 1], buf[1, 0]])
+        match = r"dst_v_layers\[0\] and dst_v_layers\[2\] share memory"
+    else:  # the host layers are read and written
+        src_k, dst_v = hk, tables([buf[1, i] for i in range(LAYERS)])
+        match = r"dst_k_layers\[(\d)\] overlaps src_k_layers\[\1\]"
+    op = Recorder()
+    with pytest.raises(errors.OverlapError, match=match):
+        checked(op)(src_k, hk, dv, dst_v, torch.tensor([0, 1]), torch.tensor([2, 3]), ITEM, LAYERS)
+    assert op.calls == [] and bool((buf == POISON).all())
+    assert not mem.closed
+
+
+def test_declared_writes_refused_at_decoration() -> None:
+    op = Recorder()
+    with pytest.raises(errors.InvalidArgumentError, match="writes names 'item_size'"):
+        wrap(op, writes=("item_size",))
+    with pytest.raises(errors.InvalidArgumentError, match="writes names 'nope'"):
+        wrap(op, writes=("nope",))
+    with pytest.raises(errors.InvalidTypeError, match="writes"):
+        wrap(op, writes="dst_k_layers")
+    with pytest.raises(errors.InvalidArgumentError, match="slots names 'src_indices'"):
+        wrap(op, slots={"src_indices": ("src_indices", "item_size")})
+    with pytest.raises(errors.InvalidArgumentError, match="'idx' is not a parameter"):
+        wrap(op, slots={"src_k_layers": ("idx", "item_size")})
+    with pytest.raises(errors.InvalidArgumentError, match="'dst_v_layers' is a table parameter"):
+        wrap(op, slots={"src_k_layers": ("src_indices", "dst_v_layers")})
+    with pytest.raises(errors.InvalidTypeError, match="slots"):
+        wrap(op, slots={"src_k_layers": "src_indices"})
+    fn = checked(op)
+    assert fn.writes == ("dst_k_layers", "dst_v_layers") and fn.slots == SGLANG_SLOTS
+    assert wrap(op).writes == () and wrap(op).slots == {}

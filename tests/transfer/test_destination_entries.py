@@ -169,3 +169,45 @@ def test_interleaved_table_refuses_entries_whose_rows_meet(offset_rows: float, r
             entry_clashes(table, geo)
     with pytest.raises(errors.InvalidArgumentError):
         allow_interleaved(table, (0, 1))
+
+
+@pytest.mark.strict_alias  # also run in strict alias mode by CI
+@pytest.mark.parametrize("backend", ["kernel", "copy_engine"])
+@pytest.mark.parametrize("second", [None, "rows_meet"])
+def test_a_cached_plan_follows_a_changed_interleave_mark(backend: str, second: str | None) -> None:
+    """Rule 0's verdict is the table's as marked at the launch, not as marked when the plan was
+    first built: V of layer 0 one row after K of layer 0 passes while marked (rows of B bytes
+    every 2B), and once the mark is cleared (or says rows of 1.5B, which meet) the same
+    table, layouts and slots are refused with every destination byte as it was."""
+    layout = model_layout("layer_first")
+    gpu = pd.DeviceKVPool(layout, DEV)
+    fill_pool(gpu, 7)
+    n = gpu.buffers[0].numel() * gpu.buffers[0].element_size()
+    row = n // layout.num_slots
+    flat = torch.full((2 * n * 2 * layout.num_layers + n,), POISON, dtype=torch.uint8)
+    starts = [2 * n * i for i in range(2 * layout.num_layers)]
+    starts[layout.num_layers] = row  # V of layer 0: its rows between K of layer 0's
+    views = [flat[s:s + n] for s in starts]
+    with pd.register_host_tensor(flat, DEV):
+        table = pd.make_kernel_ptr_table(views, DEV)
+        allow_interleaved(table, (2 * row, row))
+        src, dst = torch.tensor([1, 4]), torch.tensor([0, 2])  # even slots: K and V rows interleave
+        pd.transfer_kv_all_layer(gpu.table, table, src, dst, src_layout=layout, dst_layout=layout,
+                                 backend=backend)  # type: ignore[arg-type]
+        k0, v0 = gpu.buffers[0].view(torch.uint8), gpu.buffers[layout.num_layers].view(torch.uint8)
+        assert torch.equal(views[0].view(-1, row)[dst], k0.view(-1, row)[src])
+        assert torch.equal(views[layout.num_layers].view(-1, row)[dst], v0.view(-1, row)[src])
+        allow_interleaved(table, None if second is None else (2 * row, row + row // 2))
+        before = flat.clone()
+        for launch in range(2):  # the plan built before the change, and a launch after the refusal
+            with pytest.raises(errors.OverlapError, match=r"entry 0 \(K, layer 0\) and entry \d+ \(V, layer 0\)"):
+                pd.transfer_kv_all_layer(gpu.table, table, torch.tensor([3, 5]), torch.tensor([1, 3]),
+                                         src_layout=layout, dst_layout=layout, backend=backend)  # type: ignore[arg-type]
+            with pytest.raises(errors.OverlapError):
+                pd.transfer_kv_per_layer(gpu.table, table, torch.tensor([3]), torch.tensor([1]), layer_id=0,
+                                         src_layout=layout, dst_layout=layout, backend=backend)  # type: ignore[arg-type]
+            assert torch.equal(flat, before)
+        allow_interleaved(table, (2 * row, row))  # marked again: launches again
+        pd.transfer_kv_all_layer(gpu.table, table, torch.tensor([3]), torch.tensor([4]), src_layout=layout,
+                                 dst_layout=layout, backend=backend)  # type: ignore[arg-type]
+        assert torch.equal(views[0].view(-1, row)[4], k0.view(-1, row)[3])

@@ -11,6 +11,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain import errors
+from pointerdomain.testing import DelegatingBackend, backend_for, install_backend
 
 DEV = pd.Device("emulated", 0)
 LAYOUT = pd.KVLayout(kind="layer_first", num_layers=3, num_pages=8, page_size=4, num_heads=2, head_dim=16)
@@ -87,3 +88,117 @@ def test_valid_call_explains_and_copies(pools: tuple[pd.DeviceKVPool, pd.HostKVP
             want = torch.full_like(got, 0xA5)
             want[di] = host[kv, si, layer]
             assert torch.equal(got, want)
+
+
+# -- explain's verdict is the launch's, over a matrix of bad (and good) calls -------------------
+
+_CASES = {  # (src slots, dst slots) on the device pool's side / the host pool's side
+    "valid": ([0, 1, 5], [2, 3, 7]),
+    "src out of range": ([0, 10**6], [2, 3]),
+    "dst out of range": ([0, 1], [2, 10**6]),
+    "negative": ([-1, 1], [2, 3]),
+    "dst twice": ([0, 1, 2], [3, 4, 3]),
+    "dst twice and out of range": ([0, 1, 10**6], [3, 3, 4]),
+    "read and written": ([0, 1], [1, 2]),
+    "none": ([], []),
+}
+
+
+def _verdict(call: object) -> tuple[str, str] | None:
+    try:
+        call()  # type: ignore[operator]
+    except errors.PointerDomainError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _bytes(*ts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in ts])
+
+
+@pytest.mark.strict_alias  # also run in strict alias mode by CI
+@pytest.mark.parametrize("backend", ["auto", "kernel", "copy_engine", "staged"])
+@pytest.mark.parametrize("host_kind", ["page_first", "page_head", "layer_first"])
+def test_explain_gives_the_launch_verdict(backend: str, host_kind: str) -> None:
+    """Every combination of direction (D2H, H2D, inside one device pool), ``validate_indices``,
+    index memory (CPU tensors, emulated device memory), all layers or one, and slot sets:
+    explain_transfer raises exactly what the launch raises (class and message), or both
+    pass; a refused launch leaves the destination as it was."""
+    gp = pd.DeviceKVPool(LAYOUT, DEV)
+    hp = pd.HostKVPool(LAYOUT.replace(kind=host_kind, num_pages=10), DEV)
+    try:
+        for t in gp.buffers:
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+        checked = 0
+        for name, (dev_slots, host_slots) in _CASES.items():
+            for direction in ("d2h", "h2d", "inside"):
+                if direction == "d2h":
+                    src, dst, s_lay, d_lay, s, d, written = gp.table, hp.kernel_table, LAYOUT, hp.layout, \
+                        dev_slots, host_slots, (hp.buffer,)
+                elif direction == "h2d":
+                    src, dst, s_lay, d_lay, s, d, written = hp.kernel_table, gp.table, hp.layout, LAYOUT, \
+                        host_slots, dev_slots, tuple(gp.buffers)
+                else:
+                    src, dst, s_lay, d_lay, s, d, written = gp.table, gp.table, LAYOUT, LAYOUT, dev_slots, \
+                        host_slots, tuple(gp.buffers)
+                for where in ("cpu", "device"):
+                    si, di = torch.tensor(s, dtype=torch.int64), torch.tensor(d, dtype=torch.int64)
+                    if where == "device":
+                        si = pd.device_empty(si.shape, torch.int64, DEV).copy_(si)
+                        di = pd.device_empty(di.shape, torch.int64, DEV).copy_(di)
+                    for validate in (True, "host", False):
+                        for layer in (None, 1):
+                            kw = dict(src_layout=s_lay, dst_layout=d_lay, backend=backend, validate_indices=validate)
+                            explained = _verdict(lambda: pd.explain_transfer(src, dst, si, di, layer_id=layer, **kw))
+                            before = _bytes(*written)
+                            if layer is None:
+                                launched = _verdict(lambda: pd.transfer_kv_all_layer(src, dst, si, di, **kw))
+                            else:
+                                launched = _verdict(lambda: pd.transfer_kv_per_layer(src, dst, si, di, layer_id=layer,
+                                                                                     **kw))
+                            where_ = (name, direction, where, validate, layer)
+                            assert explained == launched, where_
+                            if launched is not None:
+                                assert torch.equal(_bytes(*written), before), where_
+                            checked += 1
+        assert checked == len(_CASES) * 3 * 2 * 3 * 2
+    finally:
+        hp.close()
+
+
+class _UnreadableDevice(DelegatingBackend):
+    """The emulated device as a GPU's memory looks to the host: not readable in place, so a
+    launch reads device-memory indices on the host only where its path copies them there."""
+
+    def __init__(self) -> None:
+        super().__init__(backend_for(DEV), "unreadable")
+        self.host_readable = False
+
+
+@pytest.mark.strict_alias  # also run in strict alias mode by CI
+@pytest.mark.parametrize("backend", ["copy_engine", "kernel"])
+def test_explain_reads_device_indices_where_the_launch_does(backend: str) -> None:
+    """Indices in device memory the host cannot read in place: the copy engine and
+    ``validate_indices="host"`` read them on the host before launching (a device sync on
+    CUDA) and refuse a bad slot; explain_transfer gives the same verdict."""
+    with install_backend(_UnreadableDevice(), "emulated"):
+        gp = pd.DeviceKVPool(LAYOUT, DEV)
+        hp = pd.HostKVPool(LAYOUT.replace(kind="page_first", num_pages=10), DEV)
+        try:
+            seen = set()
+            for name, (dev_slots, host_slots) in _CASES.items():
+                si = pd.device_empty((len(dev_slots),), torch.int64, DEV).copy_(torch.tensor(dev_slots, dtype=torch.int64))
+                di = pd.device_empty((len(host_slots),), torch.int64, DEV).copy_(torch.tensor(host_slots, dtype=torch.int64))
+                # (validate_indices=True on the kernel path would leave errors in the device's error word)
+                for validate in (("host", False) if backend == "kernel" else (True, "host", False)):
+                    kw = dict(src_layout=LAYOUT, dst_layout=hp.layout, backend=backend, validate_indices=validate)
+                    explained = _verdict(lambda: pd.explain_transfer(gp.table, hp.kernel_table, si, di, **kw))
+                    before = _bytes(hp.buffer)
+                    launched = _verdict(lambda: pd.transfer_kv_all_layer(gp.table, hp.kernel_table, si, di, **kw))
+                    assert explained == launched, (name, validate)
+                    if launched is not None:
+                        assert torch.equal(_bytes(hp.buffer), before), (name, validate)
+                    seen.add(None if launched is None else launched[0])
+            assert "IndexValidationError" in seen and None in seen
+        finally:
+            hp.close()

@@ -5,8 +5,10 @@ errors raised before the first layer is queued."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import statistics
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -281,3 +283,99 @@ def test_a_backend_without_the_pipeline_refuses_before_anything_is_written() -> 
             assert torch.equal(pool_bytes(pool), before)
             host.load(pool, idx, idx)  # the plain load still runs on it
             assert not torch.equal(pool_bytes(pool), before)
+
+
+# -- the completion words of streams that are gone ------------------------------------------------
+
+class _Pipeline(DelegatingBackend):
+    """The emulated backend, counting the completion words it allocates; with ``queued``
+    set, a layer-pipeline launch is left "queued": nothing runs, no flag is set, and its
+    event stays not done (a GPU kernel still waiting behind other work)."""
+
+    def __init__(self) -> None:
+        super().__init__(backend_for(pd.Device("emulated", 0)), "counting")
+        self.allocated = 0
+        self.queued = False
+
+    def layer_words(self, device: pd.Device, capacity: int) -> Any:
+        self.allocated += 1
+        return super().layer_words(device, capacity)
+
+    def launch_layers(self, plan: Any, args: Any, words: Any, gen: int) -> int:
+        if self.queued:
+            return 7  # an event that is not done
+        return super().launch_layers(plan, args, words, gen)
+
+    def event_done(self, event: int) -> bool:
+        return event != 7 or not self.queued
+
+
+def test_words_of_streams_no_load_holds_are_reused_not_leaked() -> None:
+    """Loads on many streams one after another, each dropped before the next (a stream per
+    request, destroyed after it): the words of streams no load holds go back for the next
+    streams, so the allocations stop growing instead of one per stream ever used; every
+    load still moves the reference bytes and publishes its layers."""
+    with install_backend(_Pipeline(), "emulated") as backend, \
+            filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=11) as (pool, host):
+        idx = torch.tensor([2, 7, 5])
+        allocated = []
+        for stream in range(1000, 1060):
+            allocated.append(backend.allocated)
+            fill_pool(pool, stream)
+            expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, idx, idx)
+            done = host.load_layers(pool, idx, idx, stream=stream)
+            assert torch.equal(pool_bytes(pool), expected)
+            assert done.stream == stream and all(done.ready(layer) for layer in range(done.num_layers))
+            del done
+            gc.collect()
+        assert allocated[-1] < 20 and allocated[-1] == allocated[20] == backend.allocated
+        kept = [host.load_layers(pool, idx, idx, stream=s) for s in range(1, 31)]  # thirty streams at once
+        assert all(load.ready(layer) for load in kept for layer in range(load.num_layers))
+        assert backend.allocated >= 30
+        del kept
+
+
+def test_a_reused_stream_handle_never_sees_another_loads_progress() -> None:
+    """A load whose kernel is still queued keeps its words to itself: a load on another
+    stream, or a new load on the same stream handle once the first is dropped, never
+    publishes into them (its layers stay not ready), and words go back for reuse only once
+    no load holds them and their last launch is done; a load that takes them over starts
+    past every generation they published, so no flag they hold reads as its layer done."""
+    with install_backend(_Pipeline(), "emulated") as backend, \
+            filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=12) as (pool, host):
+        idx = torch.tensor([1, 4])
+        layers = range(pool.layout.num_layers)
+        warm = host.load_layers(pool, idx, idx, stream=5)
+        assert all(warm.ready(layer) for layer in layers)
+        del warm
+        gc.collect()
+        backend.queued = True
+        pending = host.load_layers(pool, idx, idx, stream=5)  # the same handle: the dropped load's words
+        assert not any(pending.ready(layer) for layer in layers)
+        backend.queued = False
+        other = host.load_layers(pool, idx, idx, stream=6)  # another stream while the first is queued
+        assert all(other.ready(layer) for layer in layers)
+        assert not any(pending.ready(layer) for layer in layers)
+        backend.queued = True
+        del pending, other
+        gc.collect()
+        backend.queued = False
+        again = host.load_layers(pool, idx, idx, stream=5)  # the handle reused; the queued launch not done
+        assert all(again.ready(layer) for layer in layers)
+        backend.queued = True
+        later = host.load_layers(pool, idx, idx, stream=5)  # queued behind it on the same words
+        assert later.generation == again.generation + 1
+        assert not any(later.ready(layer) for layer in layers)
+        backend.queued = False
+        del again, later
+        gc.collect()
+        for stream in range(100, 120):  # streams enough for the early ones' words to be spare
+            host.load_layers(pool, idx, idx, stream=stream)
+        gc.collect()
+        host.load_layers(pool, idx, idx, stream=120)
+        allocated = backend.allocated
+        backend.queued = True
+        reused = host.load_layers(pool, idx, idx, stream=9)  # takes over words whose loads are all gone
+        assert backend.allocated == allocated
+        assert not any(reused.ready(layer) for layer in layers)
+        backend.queued = False

@@ -130,7 +130,7 @@ from typing import Final, Literal, NamedTuple
 import torch
 
 import pointerdomain as pd
-from pointerdomain.arguments import describe
+from pointerdomain.arguments import describe, storage_short
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
 from pointerdomain.devices import Device, as_device
@@ -244,8 +244,19 @@ def _default_mla_block_quota() -> int:
 # -- tensors --------------------------------------------------------------------------------
 
 def tensor_arg(name: str, t: object) -> torch.Tensor:
+    """``t``: a dense tensor whose storage holds every byte it views.
+
+    Raises:
+        InvalidTypeError: not a dense tensor (:func:`pointerdomain.compat._raw.plain_tensor`).
+        ClosedError: its storage was released or shrunk under it (reading or writing it
+            would touch freed memory; torch's own copies would raise an untyped error).
+    """
     _raw.plain_tensor(name, t)  # a tensor with memory behind it (not sparse, not meta)
     assert isinstance(t, torch.Tensor)
+    if storage_short(t):
+        raise ClosedError(
+            f"{name}: {describe(t)}: its storage holds fewer bytes than the tensor views (released or shrunk). Fix: "
+            "pass a tensor whose storage is allocated")
     return t
 
 
@@ -1728,6 +1739,47 @@ def _int_list(name: str, value: object) -> list[int]:
     return list(value)
 
 
+def _ranges_apart(s_t: torch.Tensor, d_t: torch.Tensor, starts_s: list[int], starts_d: list[int],
+                  lens: list[int], row: int) -> None:
+    """Refuse row ranges (each inside its tensor, checked before) whose destination rows
+    meet another range's destination rows, or whose destination bytes are bytes any range
+    reads (``src`` and ``dst`` over one buffer): either would leave bytes that depend on
+    the copy order. Byte spans from the tensors' addresses, so views of one buffer at
+    other rows compare exactly; ranges that meet nothing may share a buffer.
+
+    Raises:
+        OverlapError: naming the two ranges and the rows.
+    """
+    d_spans = sorted((b, b + n, r) for r, (b, n) in enumerate(zip(starts_d, lens)) if n)
+    reach, holder = -1, -1  # the furthest destination end so far, and its range
+    for b, end, r in d_spans:
+        if b < reach:
+            first, second = sorted((holder, r))
+            raise OverlapError(
+                f"range {first} and range {second} write dst rows [{b}, {min(end, reach)}): the copy would write those "
+                "rows twice, in no defined order (a race on a GPU), so which range lands is chance; nothing was "
+                "copied. Fix: give every destination row to one range")
+        if end > reach:
+            reach, holder = end, r
+    d_base, s_base = d_t.data_ptr(), s_t.data_ptr()
+    d_end, s_end = d_base + nbytes_of(d_t), s_base + nbytes_of(s_t)
+    if d_end <= s_base or s_end <= d_base:
+        return  # separate memory: no range reads what another writes
+    s_spans = sorted((s_base + a * row, s_base + (a + n) * row, r) for r, (a, n) in enumerate(zip(starts_s, lens)) if n)
+    for b, end, r in d_spans:
+        lo, hi = d_base + b * row, d_base + end * row
+        for a_lo, a_hi, q in s_spans:
+            if a_lo >= hi:
+                break
+            if a_hi > lo:
+                at = max(lo, a_lo)
+                raise with_address(OverlapError(
+                    f"range {r} writes dst rows [{b}, {end}) that range {q} reads (src rows [{starts_s[q]}, "
+                    f"{starts_s[q] + lens[q]}); shared bytes from {at:#x}): the copy would read bytes it also writes, "
+                    "in no defined order; nothing was copied. Fix: copy between separate buffers or ranges that do "
+                    "not meet"), at)
+
+
 def transfer_embedding_ranges_direct(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -1747,6 +1799,9 @@ def transfer_embedding_ranges_direct(
     Raises:
         InvalidTypeError: not tensors, not lists of ints.
         IndexValidationError: lists of different lengths, a negative value, a range past a tensor.
+        OverlapError: two ranges writing one destination row, or a range's destination rows
+            meeting rows a range reads (``src`` and ``dst`` over one buffer); ranges that
+            meet nothing may move rows inside one buffer.
         LayoutError, NonContiguousError, DomainError, DeviceMismatchError: as
             :func:`transfer_kv_direct`.
     """
@@ -1769,6 +1824,7 @@ def transfer_embedding_ranges_direct(
                 f"range {r}: src [{a}, {a + n}) of {s_rows} rows, dst [{b}, {b + n}) of {d_rows} rows: outside a "
                 "tensor or negative")
     device = launch_device("transfer_embedding_ranges_direct", [("src", s_t), ("dst", d_t)])
+    _ranges_apart(s_t, d_t, starts_s, starts_d, lens, s_row)  # both routes: torch's index_copy_ would not refuse
     s_idx = torch.cat([torch.arange(a, a + n, dtype=torch.int64) for a, n in zip(starts_s, lens)]
                       or [torch.empty(0, dtype=torch.int64)])
     d_idx = torch.cat([torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(starts_d, lens)]

@@ -55,6 +55,20 @@ stream reads it; it cannot be made inside CUDA graph capture (call the op once b
 capturing). It lives as long as its table. As with every launch here, keep the tables
 (and so their buffers) alive until the op's queued work is done.
 
+What the op writes is opaque to the wrapper: by default it checks the tables and nothing
+else. Declared at decoration, it also refuses before the op runs what the engine call
+shapes of :mod:`pointerdomain.compat.sgl_kernel` refuse: ``writes`` (the destination
+table parameters: their entries may not share memory with each other or with any other
+table's entry) and ``slots`` (how the op addresses entries, slot ``s`` being ``item_size``
+bytes at ``entry + s * item_size``: every slot inside every entry it addresses, no
+destination slot given twice; the indices are read on the host)::
+
+    @kernel_op(torch.ops.sgl_kernel.transfer_kv_all_layer.default,
+               writes=("dst_k_layers", "dst_v_layers"),
+               slots={"src_k_layers": ("src_indices", "item_size"), "src_v_layers": ("src_indices", "item_size"),
+                      "dst_k_layers": ("dst_indices", "item_size"), "dst_v_layers": ("dst_indices", "item_size")})
+    def transfer_kv_all_layer(...) -> None: ...
+
 Other arguments go to the op unchanged; the op checks them. Parameters that can be passed
 positionally reach the op positionally, in the stub's order (so the stub lists them in the
 op's order), keyword-only ones by their stub name; defaults of the stub are filled in
@@ -63,12 +77,14 @@ op's order), keyword-only ones by their stub name; defaults of the stub are fill
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
 import threading
 import typing
 import weakref
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, Literal, NamedTuple, ParamSpec, TypeVar, cast
 
 import torch
@@ -78,8 +94,16 @@ from pointerdomain._platform import backend_for
 from pointerdomain.registration.allocation import device_empty
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.errors import DeviceMismatchError, InvalidArgumentError, InvalidTypeError
+from pointerdomain.errors import (
+    DeviceMismatchError,
+    IndexValidationError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    OverlapError,
+    with_address,
+)
 from pointerdomain.registration.tables import PointerTable, require_domain
+from pointerdomain.transfer.overlap import first_shared, interleaved_entries, rows_clash
 
 __all__ = ["KernelOp", "TableTensor", "cached_table_tensor", "kernel_op"]
 
@@ -159,6 +183,141 @@ def cached_table_tensor(op: str, name: str, table: PointerTable[DeviceAlias]) ->
     return tensor
 
 
+#: kernel_op's ``slots``: table parameter -> (index parameter, item-size parameter).
+SlotSpec = Mapping[str, tuple[str, str]]
+
+#: (the op, its tables' ids and interleave marks in parameter order) -> weak references to
+#: tables whose entries passed :func:`_entries_apart`: a call that meets them again pays a look-up.
+_apart_seen: OrderedDict[tuple[object, ...], tuple[weakref.ref[PointerTable[DeviceAlias]], ...]] = OrderedDict()
+_APART_MAX = 256
+#: index tensors up to this many slots are checked as Python lists
+_LIST_MAX = 512
+
+
+def _entries_apart(op: str, tables: Sequence[tuple[str, PointerTable[DeviceAlias]]], writes: frozenset[str]) -> None:
+    """Refuse tables whose destination entries (parameters in ``writes``) share memory with
+    each other or with any other table's entry, as the sibling compat calls do (entries
+    of one table marked interleaved by
+    :func:`~pointerdomain.transfer.overlap.allow_interleaved` clash where their rows meet:
+    :func:`~pointerdomain.transfer.overlap.rows_clash`). Each entry is exactly the bytes its
+    table holds for it. Cached per tables and marks (a mark changed later is a new key).
+
+    Raises:
+        OverlapError: naming the two entries (``param[i]``).
+    """
+    marks = tuple(interleaved_entries(t) for _, t in tables)
+    key = (op, writes, tuple(id(t) for _, t in tables), marks)
+    hit = _apart_seen.get(key)
+    if hit is not None and all(r() is t for r, (_, t) in zip(hit, tables)):
+        return
+    dst: list[tuple[int, int, str, int]] = []
+    src: list[tuple[int, int, str, int]] = []
+    for k, (name, table) in enumerate(tables):
+        side = dst if name in writes else src
+        side.extend((v, v + n, f"{name}[{i}]", k) for i, (v, n) in enumerate(zip(table.raw_values(), table.sizes)))
+    dst.sort()
+    src.sort()
+    active: list[tuple[int, int, str, int]] = []  # destination spans that may reach the next start
+    for b, b_end, y, ky in dst:
+        active = [e for e in active if e[1] > b]
+        for a, a_end, x, kx in active:
+            rows = marks[kx] if kx == ky else None  # the interleave mark holds within its own table
+            if rows_clash(a, a_end, b, b_end, rows):
+                at = first_shared(a, b, rows)
+                raise with_address(OverlapError(
+                    f"{op}: {x} and {y} share memory (from {at:#x}): the op would write those bytes twice, in no "
+                    "defined order (a race on a GPU); nothing was written. Fix: give K and V and every layer their "
+                    "own buffers"), at)
+        active.append((b, b_end, y, ky))
+    starts = [a for a, _, _, _ in src]
+    reach: list[tuple[int, int]] = []  # per source prefix: (the furthest end, its span)
+    for j, (_, a_end, _, _) in enumerate(src):
+        reach.append((a_end, j) if not reach or a_end > reach[-1][0] else reach[-1])
+    for b, b_end, y, _ in dst:
+        k = bisect.bisect_left(starts, b_end)  # sources starting before this entry ends
+        if k and reach[k - 1][0] > b:
+            a, _, x, _ = src[reach[k - 1][1]]
+            at = max(a, b)
+            raise with_address(OverlapError(
+                f"{op}: {y} overlaps {x} (from {at:#x}): the op would write bytes it also reads, in no defined "
+                "order; nothing was written. Fix: copy between separate buffers"), at)
+    with _lock:
+        _apart_seen[key] = tuple(weakref.ref(t) for _, t in tables)
+        if len(_apart_seen) > _APART_MAX:
+            _apart_seen.popitem(last=False)
+
+
+def _index_values(op: str, name: str, value: object, device: Device) -> torch.Tensor:
+    """Index argument ``value`` of parameter ``name`` checked (``int64`` / ``int32``, 1-D,
+    contiguous: the op reads it as a packed array) and read on the host (a device sync for
+    CUDA indices; refused during CUDA graph capture, where the host cannot read them)."""
+    if not isinstance(value, torch.Tensor):
+        raise IndexValidationError(f"{op}: {name}: found {describe(value)}, expected an int64 torch.Tensor of slots")
+    if value.layout is not torch.strided or value.is_meta:
+        raise IndexValidationError(f"{op}: {name}: found a {'meta' if value.is_meta else str(value.layout)} tensor, "
+                                   "expected a dense int64 tensor in memory")
+    if value.dtype not in (torch.int64, torch.int32):
+        raise IndexValidationError(f"{op}: {name}: dtype {value.dtype}, expected torch.int64 (or torch.int32)")
+    if value.dim() != 1:
+        raise IndexValidationError(f"{op}: {name}: shape {tuple(value.shape)}, expected 1-D")
+    if not value.is_contiguous():
+        raise IndexValidationError(
+            f"{op}: {name}: strides {value.stride()}, not contiguous (the op would read it as packed). Fix: .contiguous()")
+    if value.is_cuda:
+        if backend_for(device).is_capturing(device):
+            raise InvalidArgumentError(
+                f"{op}: {name}: the slots the op writes are checked on the host, which cannot read device indices "
+                "during CUDA graph capture. Fix: call the op outside capture (or decorate it without slots)")
+        return value.to("cpu", torch.int64)
+    return value.to(torch.int64)
+
+
+def _check_slots(op: str, tables: dict[str, PointerTable[DeviceAlias]], args: dict[str, object],
+                 slots: Mapping[str, tuple[str, str]], writes: frozenset[str], device: Device) -> None:
+    """Every slot an index parameter gives lies inside every entry of each table it
+    addresses (slot ``s`` of an entry: ``item`` bytes at ``entry + s * item``), and no slot
+    of an index parameter that addresses a destination table is given twice.
+
+    Raises:
+        InvalidArgumentError: an item size that is not an int >= 1.
+        IndexValidationError: a bad index tensor, or a slot outside an entry.
+        OverlapError: a destination slot given twice.
+    """
+    bounds: dict[str, tuple[int, str, int]] = {}  # index parameter -> (slots, the table that bounds them, item)
+    for table_name, (index_name, item_name) in slots.items():
+        item = args[item_name]
+        if type(item) is not int or item < 1:
+            raise InvalidArgumentError(
+                f"{op}: {item_name}: found {describe(item)} ({type(item).__name__}), expected an int >= 1 (the bytes "
+                f"of a slot of {table_name})")
+        count = min(tables[table_name].sizes) // item
+        if index_name not in bounds or count < bounds[index_name][0]:
+            bounds[index_name] = (count, table_name, item)
+    for index_name, (count, table_name, item) in bounds.items():
+        idx = _index_values(op, index_name, args[index_name], device)
+        n = idx.numel()
+        if not n:
+            continue
+        listed = idx.tolist() if n <= _LIST_MAX else None  # small sets: list operations beat tensor ops
+        lo, hi = (min(listed), max(listed)) if listed is not None else (int(v) for v in torch.aminmax(idx))
+        if lo < 0 or hi >= count:
+            sizes = tables[table_name].sizes
+            entry_name = f"{table_name}[{sizes.index(min(sizes))}]"
+            raise IndexValidationError(
+                f"{op}: {index_name}: slot {lo if lo < 0 else hi} outside [0, {count}) (the {item}-byte slots "
+                f"{entry_name} holds): the op would address memory outside the table's entries; nothing was written")
+        written = [t for t, (i, _) in slots.items() if i == index_name and t in writes]
+        if not written or n < 2 or (listed is not None and len(set(listed)) == n):
+            continue
+        ordered = torch.sort(idx).values
+        twice = ordered[1:] == ordered[:-1]
+        if bool(twice.any()):
+            raise OverlapError(
+                f"{op}: {index_name}: slot {int(ordered[1:][twice][0])} is given twice: the op would write it twice "
+                f"through {', '.join(written)}, in no defined order (in parallel on a GPU), so which write lands is "
+                "a race; nothing was written. Fix: give each destination slot once per call")
+
+
 class KernelOp(Generic[P, R]):
     """An op behind a typed stub (made by :func:`kernel_op`); call it with the stub's
     signature.
@@ -188,8 +347,15 @@ class KernelOp(Generic[P, R]):
 
     def __init__(self, op: Callable[..., object], stub: Callable[P, R], params: tuple[_Param, ...],
                  signature: inspect.Signature, var_positional: bool, var_keyword: bool,
-                 table_tensor: TableTensor) -> None:
+                 table_tensor: TableTensor, writes: tuple[str, ...] = (),
+                 slots: dict[str, tuple[str, str]] | None = None) -> None:
         self._op = op
+        self._writes = writes
+        self._write_set = frozenset(writes)
+        self._slots: dict[str, tuple[str, str]] = dict(slots or {})
+        #: the call's writes are checked (``writes`` or ``slots`` given)
+        self._declared = bool(writes or self._slots)
+        self._where = {p.name: p.position for p in params}
         self._table_tensor: TableTensor = table_tensor
         self._tables: tuple[str, ...] = tuple(p.name for p in params if p.table)
         self._signature = signature
@@ -213,9 +379,28 @@ class KernelOp(Generic[P, R]):
             return InvalidTypeError(f"{self._name}: {exc}")
         return InvalidTypeError(f"{self._name}: the arguments do not fit {self._signature}")
 
-    def _tensor(self, name: str, value: object, device: Device | None, first: str) -> tuple[torch.Tensor, Device, str]:
-        """The op's tensor for table argument ``value`` of parameter ``name``, checked;
-        ``device`` / ``first``: the device of the first table so far and its parameter."""
+    def _table(self, name: str, value: object, device: Device | None,
+               first: str) -> tuple[PointerTable[DeviceAlias], Device, str]:
+        """Table argument ``value`` of parameter ``name``, checked; ``device`` / ``first``:
+        the device of the first table so far and its parameter."""
+        if isinstance(value, PointerTable) and value.domain is DeviceAlias:
+            table = cast(PointerTable[DeviceAlias], value)
+        else:
+            table = require_domain(f"{self._name}: {name}", value, DeviceAlias, "a kernel op", _WHY)
+        dev = table.device
+        if device is None:
+            device, first = dev, name
+        elif dev != device:
+            raise DeviceMismatchError(
+                f"{self._name}: {name} is a table for {dev}, but {first} is for {device}: one op launch reads "
+                "every table on one device. Fix: build all its tables for the same device")
+        table.check_live()
+        return table, device, first
+
+    def _checked_tensor(self, name: str, value: object, device: Device | None,
+                        first: str) -> tuple[torch.Tensor, Device, str]:
+        """:meth:`_table` and :meth:`_tensor` in one frame (the call path without declared
+        writes: a frame less per table)."""
         if isinstance(value, PointerTable) and value.domain is DeviceAlias:
             table = cast(PointerTable[DeviceAlias], value)
         else:
@@ -231,6 +416,24 @@ class KernelOp(Generic[P, R]):
         if self._cached:
             return cached_table_tensor(self._name, name, table), device, first
         return table.as_uint64_tensor(), device, first
+
+    def _tensor(self, name: str, table: PointerTable[DeviceAlias]) -> torch.Tensor:
+        """The op's tensor for checked table ``table`` of parameter ``name``."""
+        if self._cached:
+            return cached_table_tensor(self._name, name, table)
+        return table.as_uint64_tensor()
+
+    def _check_writes(self, tables: list[tuple[str, PointerTable[DeviceAlias]]], out: list[object],
+                      keywords: dict[str, object], device: Device) -> None:
+        """The declared writes of a call whose tables passed their checks (``writes``,
+        ``slots``: see :func:`kernel_op`)."""
+        if self._writes:
+            _entries_apart(self._name, tables, self._write_set)
+        if self._slots:
+            where = self._where
+            needed = {n for pair in self._slots.values() for n in pair}
+            args = {n: (out[where[n]] if where[n] >= 0 else keywords[n]) for n in needed}
+            _check_slots(self._name, dict(tables), args, self._slots, self._write_set, device)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         positional = self._positional
@@ -266,10 +469,26 @@ class KernelOp(Generic[P, R]):
             keywords.update(extra)
         device: Device | None = None
         first = ""
+        if self._declared:  # every table checked first, then what the call writes, then the tensors
+            tables: list[tuple[str, PointerTable[DeviceAlias]]] = []
+            for i in self._table_positions:
+                table, device, first = self._table(positional[i].name, out[i], device, first)
+                tables.append((positional[i].name, table))
+            for name in self._table_keywords:
+                table, device, first = self._table(name, keywords[name], device, first)
+                tables.append((name, table))
+            assert device is not None  # at least one table parameter
+            self._check_writes(tables, out, keywords, device)
+            for (name, table), i in zip(tables, (*self._table_positions, *(-1 for _ in self._table_keywords))):
+                if i >= 0:
+                    out[i] = self._tensor(name, table)
+                else:
+                    keywords[name] = self._tensor(name, table)
+            return cast(R, self._op(*out, **keywords))
         for i in self._table_positions:
-            out[i], device, first = self._tensor(positional[i].name, out[i], device, first)
+            out[i], device, first = self._checked_tensor(positional[i].name, out[i], device, first)
         for name in self._table_keywords:
-            keywords[name], device, first = self._tensor(name, keywords[name], device, first)
+            keywords[name], device, first = self._checked_tensor(name, keywords[name], device, first)
         return cast(R, self._op(*out, **keywords))
 
     @property
@@ -287,6 +506,17 @@ class KernelOp(Generic[P, R]):
         """``"cached"`` or ``"copy"`` (module docstring)."""
         return self._table_tensor
 
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The table parameters the op writes through (``writes`` of :func:`kernel_op`)."""
+        return self._writes
+
+    @property
+    def slots(self) -> dict[str, tuple[str, str]]:
+        """Table parameter -> (index parameter, item-size parameter) (``slots`` of
+        :func:`kernel_op`; a copy)."""
+        return dict(self._slots)
+
     def __repr__(self) -> str:
         return f"<kernel_op {self._name}{self._signature} -> {self._op!r}>"
 
@@ -301,11 +531,49 @@ def _hints(stub: Callable[..., object]) -> dict[str, object]:
             "defines") from None
 
 
+def _names_arg(name: str, value: object) -> tuple[str, ...]:
+    """``writes``: None, or a sequence of strings without repeats."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise InvalidTypeError(
+            f"kernel_op: {name}: found {describe(value)}, expected a sequence of table parameter names, e.g. "
+            f"{name}=('dst_k_layers', 'dst_v_layers')")
+    names = tuple(cast(Sequence[object], value))
+    for n in names:
+        if not isinstance(n, str):
+            raise InvalidTypeError(f"kernel_op: {name}: found {describe(n)} ({type(n).__name__}), expected parameter names")
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"kernel_op: {name} {names!r} names a parameter twice")
+    return cast(tuple[str, ...], names)
+
+
+def _slots_arg(value: object) -> dict[str, tuple[str, str]]:
+    """``slots``: None, or a mapping of names to (index, item size) name pairs."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidTypeError(
+            f"kernel_op: slots: found {describe(value)}, expected a mapping of table parameter names to (indices, "
+            "item_size) parameter names, e.g. slots={'dst_k_layers': ('dst_indices', 'item_size')}")
+    out: dict[str, tuple[str, str]] = {}
+    for k, v in cast(Mapping[object, object], value).items():
+        if (not isinstance(k, str) or not isinstance(v, tuple) or len(v) != 2
+                or not all(isinstance(n, str) for n in v)):
+            raise InvalidTypeError(
+                f"kernel_op: slots: found {describe(k)}: {describe(v)}, expected a table parameter name mapped to "
+                "a pair of parameter names (indices, item_size)")
+        out[k] = cast(tuple[str, str], v)
+    return out
+
+
 def kernel_op(
     op: Callable[..., object],
     *,
     tables: Sequence[str] | None = None,
     table_tensor: TableTensor = "cached",
+    writes: Sequence[str] | None = None,
+    slots: SlotSpec | None = None,
 ) -> Callable[[Callable[P, R]], KernelOp[P, R]]:
     """Decorator: the op ``op`` behind the decorated stub's signature, its table
     parameters checked and turned into ``uint64`` tensors (module docstring).
@@ -322,6 +590,27 @@ def kernel_op(
             as a PointerTable object).
         table_tensor: ``"cached"`` (a per-table private copy, made once) or ``"copy"``
             (a fresh copy per call); see the module docstring.
+        writes: the table parameters the op writes through (its destinations). Each
+            call then refuses, before the op runs, a destination entry sharing memory
+            with another destination entry or with any entry of the other tables
+            (``OverlapError``), each entry being the bytes its table holds for it; a
+            table marked by :func:`pointerdomain.transfer.overlap.allow_interleaved`
+            may have entries whose rows interleave. Checked once per combination of
+            tables (a look-up when they are met again).
+        slots: how the op addresses table parameters' entries, for ops that move
+            fixed-size slots (sglang's ``transfer_kv_*`` ops): ``{table: (indices,
+            item_size)}``, slot ``s`` of every entry of ``table`` being the
+            ``item_size`` bytes at ``entry + s * item_size``, where ``indices`` names the
+            index-tensor parameter and ``item_size`` the int parameter. Each call then
+            refuses an item size that is not an int >= 1 (``InvalidArgumentError``), an
+            index tensor that is not ``int64`` / ``int32``, 1-D and contiguous, or a slot
+            outside ``[0, entry bytes // item_size)`` of any entry of a table it
+            addresses (``IndexValidationError``), and a slot given twice in an index
+            tensor that addresses a ``writes`` table (``OverlapError``). The indices are
+            read on the host: a device sync for CUDA indices, refused during CUDA graph
+            capture (``InvalidArgumentError``). Both declared cost about 15 us more a call
+            than none (two 32-slot CPU index tensors, four tables, this project's 2-core CPU
+            machine: docs/log/2026-12-05-declared-writes.md).
 
     Returns:
         A decorator taking the stub and returning a :class:`KernelOp` with the stub's
@@ -329,10 +618,14 @@ def kernel_op(
         return type write ``raise NotImplementedError`` (mypy reports an empty body).
 
     Raises (at decoration):
-        InvalidTypeError: ``op`` or the stub is not callable, ``tables`` is a string or
-            holds a non-string.
+        InvalidTypeError: ``op`` or the stub is not callable, ``tables`` or ``writes`` is a
+            string or holds a non-string, ``slots`` is not a mapping of names to pairs of
+            names.
         InvalidArgumentError: ``tables`` names a parameter the stub does not have, names
-            one twice, is empty, or names ``*args`` / ``**kwargs``; a table parameter's
+            one twice, is empty, or names ``*args`` / ``**kwargs``; ``writes`` or a key of
+            ``slots`` names anything but a table parameter, or ``slots`` names an index or
+            item-size parameter the stub does not have, a table parameter or ``*args`` /
+            ``**kwargs``; a table parameter's
             annotation is not ``PointerTable[DeviceAlias]`` (``PointerTable[HostVA]``, a
             bare tensor, a union, ...) or it has a default; a parameter annotated
             ``PointerTable[...]`` is left out of ``tables``; the annotations do not
@@ -356,6 +649,9 @@ def kernel_op(
             raise InvalidArgumentError("kernel_op: tables is empty; name the parameters that take pointer tables")
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"kernel_op: tables {names!r} names a parameter twice")
+
+    write_names = _names_arg("writes", writes)
+    slot_spec = _slots_arg(slots)
 
     def decorate(stub: Callable[P, R]) -> KernelOp[P, R]:
         if not callable(stub):
@@ -391,6 +687,23 @@ def kernel_op(
             raise InvalidArgumentError(
                 f"{where}: the stub {signature} has no parameter annotated PointerTable[DeviceAlias]; "
                 "there is nothing to check (call the op directly)")
+        for n in write_names:
+            if n not in chosen:
+                raise InvalidArgumentError(
+                    f"{where}: writes names {n!r}, which is not a table parameter of the stub (tables: {chosen!r})")
+        for t, pair in slot_spec.items():
+            if t not in chosen:
+                raise InvalidArgumentError(
+                    f"{where}: slots names {t!r}, which is not a table parameter of the stub (tables: {chosen!r})")
+            for n in pair:
+                if n not in given or given[n].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                    raise InvalidArgumentError(
+                        f"{where}: slots[{t!r}]: {n!r} is not a parameter of the stub {signature} (an index tensor "
+                        "and an item size, each a named parameter)")
+                if n in chosen:
+                    raise InvalidArgumentError(
+                        f"{where}: slots[{t!r}]: {n!r} is a table parameter; name the index tensor and the item "
+                        "size parameters")
         params: list[_Param] = []
         position = 0
         var_positional = var_keyword = False
@@ -405,6 +718,7 @@ def kernel_op(
                 params.append(_Param(n, position, p.default, n in chosen,
                                       p.kind is not inspect.Parameter.POSITIONAL_ONLY))
                 position += 1
-        return KernelOp(op, stub, tuple(params), signature, var_positional, var_keyword, table_tensor)
+        return KernelOp(op, stub, tuple(params), signature, var_positional, var_keyword, table_tensor, write_names,
+                        slot_spec)
 
     return decorate

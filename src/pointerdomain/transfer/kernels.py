@@ -53,6 +53,7 @@ from pointerdomain.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     OverlapError,
+    PointerDomainError,
     UnpinnedMemoryError,
 )
 from pointerdomain.layouts import KVLayout
@@ -830,20 +831,31 @@ def _reason(plan: TransferPlan, options: LaunchOptions, args: LaunchArgs, path: 
 
 
 def _check_values(
-    plan: TransferPlan, s_idx: torch.Tensor, d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
-    host: bool,
+    plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], s_idx: torch.Tensor,
+    d_idx: torch.Tensor, args: LaunchArgs, path: Path, check: IndexCheck,
 ) -> None:
-    """The checks of the index values that :func:`run` makes before launching ``path``,
-    without launching: the slot range and destination slots given twice where the host
-    reads the indices without a device sync (host memory, or a device whose memory the
-    host reads), and the same-memory slot overlap (:func:`overlap.check_slots`)."""
+    """The checks :func:`run` makes before launching ``path``, in its order, without
+    launching: the slot range and destination slots given twice where the launch reads the
+    indices on the host (the copy engine, the staged path, ``validate_indices="host"``, the
+    default check on a device whose memory the host reads; a device sync for CUDA indices,
+    as the launch's), the same-memory slot overlap (:func:`overlap.check_slots`), and the
+    staged path's own refusal and checks (:func:`staged.launch_staged`)."""
     platform = plan.platform
-    if args.n and (host or platform.host_readable) and (
-            path is _COPY_ENGINE or path is _STAGED or check is _CHECK_HOST
-            or (check is _CHECK_DEFERRED and platform.host_readable)):
+    if path is _COPY_ENGINE:
+        _check_range(s_idx, d_idx, plan)
+    elif path is _STAGED:
+        if plan.lowering is not None:  # launch_staged checks the parts' slots: the caller's first
+            _check_range(s_idx, d_idx, plan)
+    elif check is _CHECK_HOST or (check is _CHECK_DEFERRED and platform.host_readable):
         _check_range(s_idx, d_idx, plan)
     if plan.same_memory:
         overlap.check_slots(s_idx, d_idx, platform.is_capturing(plan.device))
+    if args.n == 0 or path is not _STAGED:
+        return
+    verdict = staged.staged_refusal(plan, src, dst, args.layer_begin, args.layer_count)
+    if isinstance(verdict, PointerDomainError):
+        raise verdict
+    plan.check_addressed_range(s_idx.cpu(), d_idx.cpu())
 
 
 def explain_transfer(
@@ -863,9 +875,13 @@ def explain_transfer(
     """The path :func:`transfer_kv_all_layer` (``layer_id`` None) or
     :func:`transfer_kv_per_layer` (``layer_id``) would run with these arguments, and why;
     every check of the call runs, nothing is launched or copied; the index values are
-    checked where the launch checks them before launching (slot range, a destination slot
-    given twice, a slot both read and written in one memory) and the host reads them
-    without a device sync. With ``backend="auto"``
+    checked exactly where and in the order the launch checks them before launching (slot
+    range, a destination slot given twice, a slot both read and written in one memory; the
+    staged path's refusals), so the verdict is the launch's: the same error class and
+    message, or none. Where the launch reads CUDA indices on the host (the copy engine, the
+    staged path, ``validate_indices="host"``) so does this, a device sync; CUDA indices the
+    launch leaves to the kernel (``validate_indices=True``: reported later by
+    :func:`pointerdomain.check_errors`) are not read. With ``backend="auto"``
     the answer can change with the arguments' sizes, the indices' memory, the stream's
     capture state and the staging configuration, so it holds for this call.
 
@@ -885,5 +901,5 @@ def explain_transfer(
     plan, options, args, host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
                                                 layer_begin, layer_count, stream, max_ctas, backend, validate_indices)
     assert path is not None  # chosen
-    _check_values(plan, src_indices, dst_indices, args, path, options.check, host)
+    _check_values(plan, src, dst, src_indices, dst_indices, args, path, options.check)
     return TransferChoice(path.value, _reason(plan, options, args, path, host), host)

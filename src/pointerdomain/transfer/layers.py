@@ -26,6 +26,18 @@ order), so a :class:`LayerLoad` stays valid after later loads. A stream wait is 
 after the kernel that sets its flag (``wait`` is called after ``load_layers``), so even
 streams that share a hardware queue cannot stall the kernel behind the wait.
 
+A stream is known here only by its handle, which outlives nothing: the loads own their
+stream's words. Once no :class:`LayerLoad` of a stream is left, its entry rests among the
+eight streams most recently let go of (their next load finds it); past those, the entry is
+dropped and, once its last launch is done, its words go back to a spare list of the
+backend and device, for the next stream that needs words (so a program that makes a
+stream per request holds words for the streams in use at once and a few more, not for
+every handle it ever used).
+A stream (or a new stream on a reused handle) that takes spare words starts past every
+generation they published: their flags only ever grow, so a stream wait still queued on
+them (or captured into a graph) stays satisfied, and no flag reads as a new load's layer
+done before its kernel sets it. A handle whose loads are still held keeps its entry.
+
 Captured into a CUDA graph (the load stream capturing), the pipeline is one launch per
 layer with an event after each, and a captured :meth:`LayerLoad.wait` is an event wait:
 in a graph the scheduler orders nodes by the graph's edges alone and could put a flag
@@ -44,6 +56,7 @@ one launch each and replayed in order; waits have nothing to wait for.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict, deque
 from typing import Any, Final, cast
 
 import torch
@@ -93,7 +106,7 @@ class LayerLoad:
             load has no flags: no slots, or captured into a graph).
     """
 
-    __slots__ = ("_captured", "_event", "_events", "_keep", "_platform", "_signals", "_words", "device",
+    __slots__ = ("_captured", "_entry", "_event", "_events", "_keep", "_platform", "_signals", "_words", "device",
                  "generation", "num_layers", "stream")
 
     def __init__(
@@ -111,6 +124,15 @@ class LayerLoad:
         self._events = captured  # a captured load's per-layer events (None elsewhere; all None on a synchronous device)
         self._captured = captured is not None
         self._keep = keep
+        self._entry: _StreamWords | None = None  # the stream's words this load holds (set by _queue)
+
+    def __del__(self) -> None:
+        entry = self._entry
+        if entry is not None:
+            try:
+                _dropped.append(entry)  # taken under the lock by the next load (_settle)
+            except Exception:  # interpreter shutdown: the module is gone
+                pass
 
     def __repr__(self) -> str:
         return f"LayerLoad({self.num_layers} layers on {self.device}, stream={self.stream:#x})"
@@ -183,22 +205,74 @@ class LayerLoad:
 
 class _StreamWords:
     """The completion words of one (backend, device, stream) for loads outside capture,
-    and the last generation handed out on them. ``lock`` is held from a load's generation
-    to its launch, so launches on the stream publish increasing values."""
+    the last generation handed out on them, the loads that hold the entry and the event
+    recorded after its last launch. ``lock`` is held from a load's generation to its
+    launch, so launches on the stream publish increasing values."""
 
-    __slots__ = ("gen", "lock", "platform", "retired", "words")
+    __slots__ = ("device", "event", "gen", "key", "loads", "lock", "platform", "words")
 
-    def __init__(self, platform: Backend) -> None:
+    def __init__(self, platform: Backend, key: tuple[int, Device, int], device: Device) -> None:
         self.platform = platform  # the key holds the backend's id: keep it alive
+        self.key = key
+        self.device = device
         self.lock = threading.Lock()
         self.words: LayerWords | None = None
         self.gen = 0
-        self.retired: list[LayerWords] = []  # kernels queued on them may still run: never freed
+        self.loads = 0  # LayerLoads (and loads being queued) that hold this entry; under _streams_lock
+        self.event = 0  # recorded after the last launch (0: none, or synchronous)
 
 
 _streams: dict[tuple[int, Device, int], _StreamWords] = {}
 _streams_lock = threading.Lock()
 _has_signals: dict[type, bool] = {}
+#: entries whose loads were collected since the last look: a load's ``__del__`` only appends
+#: here (it may run inside a locked section, on any thread), _settle takes them under the lock
+_dropped: deque[_StreamWords] = deque()
+#: entries no load holds, still in _streams (the most recent few: a stream's next load, the
+#: common case, finds its entry), oldest first
+_resting: OrderedDict[tuple[int, Device, int], _StreamWords] = OrderedDict()
+_RESTING_MAX: Final = 8
+#: entries no load holds whose last launch may still run (their words are not reused until it is done)
+_idle: list[_StreamWords] = []
+#: words of streams no load holds, with the last generation each published, per (backend id, device)
+_spare: dict[tuple[int, Device], tuple[Backend, list[tuple[LayerWords, int]]]] = {}
+#: words replaced on a live stream (grown, or their generations used up): stream waits queued
+#: on them, or captured into graphs, may still read them, so they are never freed
+_retired: list[LayerWords] = []
+
+
+def _settle() -> None:
+    """Under ``_streams_lock``: the collected loads let go of their entries; an entry no load
+    holds leaves ``_streams``, and its words become spare once its last launch is done."""
+    while _dropped:
+        entry = _dropped.popleft()
+        entry.loads -= 1
+        if entry.loads == 0:
+            _resting[entry.key] = entry
+            if len(_resting) > _RESTING_MAX:  # the stream least recently let go of leaves
+                _key, oldest = _resting.popitem(last=False)
+                if _streams.get(oldest.key) is oldest:
+                    del _streams[oldest.key]
+                if oldest.words is not None:
+                    _idle.append(oldest)
+    if not _idle:
+        return
+    waiting = []
+    for entry in _idle:
+        try:
+            done = entry.event == 0 or entry.platform.event_done(entry.event)
+        except Exception:  # a faulted context: keep the words out of use
+            done = False
+        if not done:
+            waiting.append(entry)
+            continue
+        assert entry.words is not None
+        spare = _spare.get((id(entry.platform), entry.device))
+        if spare is None or spare[0] is not entry.platform:
+            spare = _spare[(id(entry.platform), entry.device)] = (entry.platform, [])
+        spare[1].append((entry.words, entry.gen))
+        entry.words = None
+    _idle[:] = waiting
 
 
 def _signals_of(platform: Backend) -> LayerSignals:
@@ -213,12 +287,32 @@ def _signals_of(platform: Backend) -> LayerSignals:
 
 
 def _stream_words(platform: Backend, device: Device, stream: int) -> _StreamWords:
+    """The entry of (``platform``, ``device``, ``stream``), held for one more load (the
+    caller hands the hold to its :class:`LayerLoad`, or gives it back with ``_dropped``)."""
     key = (id(platform), device, stream)
-    found = _streams.get(key)
-    if found is None:
-        with _streams_lock:
-            found = _streams.setdefault(key, _StreamWords(platform))
+    with _streams_lock:
+        if _dropped or _idle:
+            _settle()
+        found = _streams.get(key)
+        if found is None:
+            found = _streams[key] = _StreamWords(platform, key, device)
+        elif not found.loads:
+            _resting.pop(key, None)
+        found.loads += 1
     return found
+
+
+def _take_words(platform: Backend, signals: LayerSignals, device: Device, capacity: int) -> tuple[LayerWords, int]:
+    """Spare words of at least ``capacity`` layers and the last generation they published,
+    or new (zeroed) words and 0."""
+    with _streams_lock:
+        spare = _spare.get((id(platform), device))
+        if spare is not None and spare[0] is platform:
+            for i, (words, gen) in enumerate(spare[1]):
+                if words.capacity >= capacity and gen < _HALF - 1:
+                    del spare[1][i]
+                    return words, gen
+    return signals.layer_words(device, capacity), 0
 
 
 def load_layers(
@@ -284,39 +378,47 @@ def load_layers(
                 options.check)
             events.append(None if queue is None else queue.record_event())
         return LayerLoad(platform, signals, device, load, num_layers, None, 0, 0, events, keep)
-    entry = _stream_words(platform, device, load)
-    with entry.lock:  # the generation and the launch together: a stream's flags only grow
-        old = entry.words
-        if old is None or old.capacity < num_layers or entry.gen >= _HALF - 1:
-            # new words, zeroed before the launch is ordered (on the current stream, which the
-            # load stream waits for below); the old ones may be in use by queued kernels
-            capacity = max(num_layers, 64)
-            if old is not None:
-                entry.retired.append(old)
-                capacity = max(capacity, 2 * old.capacity)
-            words = entry.words = signals.layer_words(device, capacity)
-            entry.gen = 0
-        else:
-            words = old
-        gen = entry.gen = entry.gen + 1
-        if load != current:  # after the current stream's work so far (and the new words' zeroing)
-            queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
-            if queue is not None:
-                queue.wait_stream(runtime.external_stream(current, device.ordinal))
-        bound = args._replace(stream=load)
-        if path is Path.KERNEL:
-            recorded = [0]
+    entry = _stream_words(platform, device, load)  # held for this load: the LayerLoad lets go of it when collected
+    try:
+        with entry.lock:  # the generation and the launch together: a stream's flags only grow
+            old = entry.words
+            if old is None or old.capacity < num_layers or entry.gen >= _HALF - 1:
+                # spare words (flags at or below entry.gen: nothing reads as done early), or new
+                # ones zeroed before the launch is ordered (on the current stream, which the load
+                # stream waits for below); replaced ones may be in use by queued kernels and waits
+                capacity = max(num_layers, 64)
+                if old is not None:
+                    _retired.append(old)
+                    capacity = max(capacity, 2 * old.capacity)
+                words, entry.gen = _take_words(platform, signals, device, capacity)
+                entry.words = words
+            else:
+                words = old
+            gen = entry.gen = entry.gen + 1
+            if load != current:  # after the current stream's work so far (and the new words' zeroing)
+                queue = runtime.external_stream(load, device.ordinal)  # None: synchronous launches
+                if queue is not None:
+                    queue.wait_stream(runtime.external_stream(current, device.ordinal))
+            bound = args._replace(stream=load)
+            if path is Path.KERNEL:
+                recorded = [0]
 
-            def launch(kernel: Any, launch_args: Any) -> int:
-                recorded[0] = signals.launch_layers(kernel, launch_args, words, gen)
-                return recorded[0]
+                def launch(kernel: Any, launch_args: Any) -> int:
+                    recorded[0] = signals.launch_layers(kernel, launch_args, words, gen)
+                    return recorded[0]
 
-            run(plan, src, dst, src_indices, dst_indices, bound, path, options.check, launch)
-            event = recorded[0]
-        else:  # the copy engine: one copy per layer (descriptors built on the host), each then its flag
-            for layer in range(num_layers):
-                run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
-                    options.check)
-                signals.signal_layer(words, layer, gen, device, load)
-            event = platform.record_event(device, load)
-    return LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
+                run(plan, src, dst, src_indices, dst_indices, bound, path, options.check, launch)
+                event = recorded[0]
+            else:  # the copy engine: one copy per layer (descriptors built on the host), each then its flag
+                for layer in range(num_layers):
+                    run(plan, src, dst, src_indices, dst_indices, one._replace(layer_begin=layer, stream=load), path,
+                        options.check)
+                    signals.signal_layer(words, layer, gen, device, load)
+                event = platform.record_event(device, load)
+            entry.event = event
+        done = LayerLoad(platform, signals, device, load, num_layers, words, gen, event, None, keep + (words,))
+        done._entry = entry  # the load owns its hold on the stream's words
+        return done
+    except BaseException:
+        _dropped.append(entry)  # no load holds it
+        raise

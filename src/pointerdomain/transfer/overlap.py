@@ -40,6 +40,7 @@ parts do.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,6 +63,7 @@ __all__ = [
     "entry_spans",
     "first_shared",
     "interleaved_entries",
+    "on_interleave_change",
     "rows_clash",
     "shared_memory",
 ]
@@ -109,6 +111,14 @@ def _entry_layer(index: int, geo: Geometry) -> int | None:
 
 #: Tables whose entries intersect by design (:func:`allow_interleaved`): table -> (row stride, row bytes).
 _interleaved: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], tuple[int, int]] = weakref.WeakKeyDictionary()
+#: Called with a table whose mark changed: verdicts cached from the old mark are dropped.
+_on_change: list[Callable[[PointerTable[DeviceAlias]], None]] = []
+
+
+def on_interleave_change(callback: Callable[[PointerTable[DeviceAlias]], None]) -> None:
+    """Call ``callback(table)`` whenever :func:`allow_interleaved` changes ``table``'s mark
+    (the transfer plans cache rule 0's verdict per table: :mod:`pointerdomain.transfer.plan`)."""
+    _on_change.append(callback)
 
 
 def allow_interleaved(table: PointerTable[DeviceAlias], rows: tuple[int, int] | None) -> None:
@@ -117,18 +127,25 @@ def allow_interleaved(table: PointerTable[DeviceAlias], rows: tuple[int, int] | 
     bytes from its address (K at offset 0 and V at offset ``row`` of a ``2 * row`` stride,
     or layers of a page_first pool); two intersecting entries still clash where a row of
     one meets a row of the other (:func:`rows_clash`). ``None`` clears the mark (a cached
-    table met again by a call whose rows are packed).
+    table met again by a call whose rows are packed). A changed mark holds from the next
+    launch on: plans built under the old one are dropped (:func:`on_interleave_change`).
 
     Raises:
         InvalidArgumentError: ``stride`` or ``row`` < 1.
     """
+    if rows is not None:
+        stride, row = rows
+        if stride < 1 or row < 1:
+            raise InvalidArgumentError(f"allow_interleaved: stride {stride} and row {row} bytes, expected both >= 1")
+        rows = (stride, row)
+    if _interleaved.get(table) == rows:
+        return  # the common case: a cached table met again with its own mark
     if rows is None:
         _interleaved.pop(table, None)
-        return
-    stride, row = rows
-    if stride < 1 or row < 1:
-        raise InvalidArgumentError(f"allow_interleaved: stride {stride} and row {row} bytes, expected both >= 1")
-    _interleaved[table] = (stride, row)
+    else:
+        _interleaved[table] = rows
+    for callback in _on_change:
+        callback(table)
 
 
 def interleaved_entries(table: PointerTable[DeviceAlias]) -> tuple[int, int] | None:

@@ -39,7 +39,14 @@ from pointerdomain.errors import DeviceMismatchError, IndexValidationError, Inva
 from pointerdomain.transfer.launch_errors import error_word_address, host_word
 from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
 from pointerdomain.registration.memory import RegisteredHostMemory
-from pointerdomain.transfer.overlap import check_distinct_destinations, LayerClash, entry_clashes, entry_spans, shared_memory
+from pointerdomain.transfer.overlap import (
+    LayerClash,
+    check_distinct_destinations,
+    entry_clashes,
+    entry_spans,
+    on_interleave_change,
+    shared_memory,
+)
 from pointerdomain.registration.tables import PointerTable, require_domain
 
 if TYPE_CHECKING:
@@ -396,6 +403,25 @@ def _clear() -> None:
 
 
 on_backend_change(_clear)
+
+
+def _forget_dst(table: PointerTable[DeviceAlias]) -> None:
+    """Drop every cached plan whose destination is ``table``: its interleave mark changed,
+    and rule 0's verdict (:func:`~pointerdomain.transfer.overlap.entry_clashes`, taken when
+    the plan was built) must be taken again at the next launch."""
+    for ids, plan in list(_by_ids.items()):
+        if plan.dst_ref() is table:
+            _by_ids.pop(ids, None)
+    for src_id, plan in list(LAST_BY_SRC.items()):
+        if plan.dst_ref() is table:
+            LAST_BY_SRC.pop(src_id, None)
+    for per_src in list(_plans.values()):
+        for sub, plan in list(per_src.items()):
+            if plan.dst_ref() is table:
+                per_src.pop(sub, None)
+
+
+on_interleave_change(_forget_dst)
 
 
 def plan_for(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTable[DeviceAlias], dst_layout: KVLayout) -> TransferPlan:
