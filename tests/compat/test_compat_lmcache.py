@@ -709,3 +709,58 @@ def test_gpu_refusals_write_nothing() -> None:
             ops.multi_layer_kv_transfer(obj, ptrs, s, "cuda:0", 128, D2H, 1, 16)
     torch.cuda.synchronize()
     assert _unchanged([obj, *caches], before)
+
+
+# -- graph capture ----------------------------------------------------------------------------
+# A call whose slots are read on the host and turned into the cache's indices there would
+# replay the capture's slots: refused during capture. A prepared repeat hands slot_mapping
+# itself to the launch, so its replay reads the slots as they are then (as upstream's
+# kernel, captured, does).
+
+def test_a_call_read_on_the_host_is_refused_during_capture_and_writes_nothing() -> None:
+    from pointerdomain.testing import EmulatedGraph
+
+    fmt = F.NL_X_TWO_NB_NH_BS_HS  # heads are separate runs: never a prepared call
+    caches = [_poison(_dev(_cache_shape(fmt))) for _ in range(L)]
+    mem = _random(_dev((2, L, T, _item(fmt))))
+    before = _snapshot(caches)
+    graph = EmulatedGraph()
+    with graph.capture(DEV), pytest.raises(errors.InvalidArgumentError, match="slot_mapping"):
+        ops.multi_layer_kv_transfer(mem, _ptrs(caches), _slots(T, NB * BS), DEV, NB * BS, H2D, fmt, BS, HS)
+    assert graph.launches == []
+    graph.replay()
+    assert _unchanged(caches, before)
+    graph.reset()
+
+
+def test_a_prepared_call_captured_replays_the_slots_as_they_are_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pointerdomain.compat import _raw
+    from pointerdomain.testing import EmulatedGraph
+
+    # The emulated device counts every device free, and a free drops the prepared calls over
+    # raw addresses (the same numbers may name new memory); the full path's own temporaries
+    # are such frees. CUDA's backend sees none: held still here, as there.
+    monkeypatch.setattr(_raw, "memory_generation", lambda: 0)
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    caches = [_poison(_dev(_cache_shape(fmt))) for _ in range(L)]
+    mem = _random(_dev((2, L, T, _item(fmt))))
+    ptrs = _ptrs(caches)
+    slots = _slots(T, NB * BS)
+    ops.multi_layer_kv_transfer(mem, ptrs, slots, DEV, NB * BS, H2D, fmt, BS, HS)  # prepares the call shape
+    graph = EmulatedGraph()
+    with graph.capture(DEV):
+        ops.multi_layer_kv_transfer(mem, ptrs, slots, DEV, NB * BS, H2D, fmt, BS, HS)
+    assert len(graph.launches) == 1
+    for c in caches:
+        _poison(c)
+    new = torch.tensor([11, 0, 7, 3, 5])
+    slots.copy_(new)
+    graph.replay()
+    got = _snapshot(caches)
+    for c in caches:  # the reference: the same call made now, eagerly
+        _poison(c)
+    ops.multi_layer_kv_transfer(mem, ptrs, new, DEV, NB * BS, H2D, fmt, BS, HS)
+    assert _unchanged(caches, got)
+    poisoned = [_poison(_dev(_cache_shape(fmt))) for _ in range(L)]
+    assert not _unchanged(caches, _snapshot(poisoned))  # the replay wrote something
+    graph.reset()

@@ -313,3 +313,69 @@ def test_capture_is_per_thread_as_stream_capture_is() -> None:
     assert same(pool_bytes(pool), expected) and graph.launches == []
     assert graphs.held_graphs(host) == []
     host.close()
+
+
+# Layouts that split an item into parts (several heads, head groups): the launch reads the
+# parts' indices, computed from the caller's. A CUDA graph captures that computation with
+# the launch; the stand-in must compute them again at each replay from the indices as they
+# are then, or a replay writes where the indices pointed at capture. The reference is the
+# same copy run eagerly (its bytes are checked item by item in test_layouts_head.py).
+_SPLIT = [("page_head", 1), ("page_unified", 2)]
+
+
+def _split_host(kind: str, groups: int) -> pd.HostKVPool:
+    host = pd.HostKVPool(LAYOUT.replace(kind=kind, head_groups=groups), DEV)
+    host.buffer.view(torch.uint8).fill_(0xEE)
+    return host
+
+
+def _eager(pool: pd.DeviceKVPool, kind: str, groups: int, src: list[int], dst: list[int]) -> torch.Tensor:
+    ref = _split_host(kind, groups)
+    if src:
+        ref.backup(pool, torch.tensor(src), torch.tensor(dst), backend="kernel")
+    out = as_bytes(ref.buffer).reshape(-1).clone()
+    ref.close()
+    return out
+
+
+@pytest.mark.strict_alias
+@pytest.mark.parametrize(("kind", "groups"), _SPLIT)
+def test_a_split_item_replay_follows_indices_changed_in_place(kind: str, groups: int) -> None:
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 40)
+    host = _split_host(kind, groups)
+    src, dst = torch.tensor([0, 1]), torch.tensor([3, 4])
+    graph = EmulatedGraph()
+    with graph.capture(DEV):
+        host.backup(pool, src, dst, backend="kernel")
+    assert bool((as_bytes(host.buffer) == 0xEE).all())  # captured, not run
+    src.copy_(torch.tensor([5, 2]))
+    dst.copy_(torch.tensor([9, 6]))
+    graph.replay()
+    assert same(as_bytes(host.buffer).reshape(-1), _eager(pool, kind, groups, [5, 2], [9, 6]))
+    graph.reset()
+    host.close()
+
+
+@pytest.mark.strict_alias
+@pytest.mark.parametrize(("kind", "groups"), _SPLIT)
+@pytest.mark.parametrize("bad", ["out_of_range", "duplicate"])
+def test_a_split_item_replay_of_bad_indices_set_in_place_writes_nothing_and_reports(
+        kind: str, groups: int, bad: str) -> None:
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 41)
+    host = _split_host(kind, groups)
+    src, dst = torch.tensor([0, 1]), torch.tensor([3, 4])
+    graph = EmulatedGraph()
+    with graph.capture(DEV):
+        host.backup(pool, src, dst, backend="kernel")
+    dst.copy_(torch.tensor([3, 10 ** 6]) if bad == "out_of_range" else torch.tensor([7, 7]))
+    graph.replay()
+    with pytest.raises(errors.IndexValidationError if bad == "out_of_range" else errors.OverlapError):
+        pd.check_errors(DEV)
+    if bad == "duplicate":  # the duplicate pass runs before any copy: nothing written
+        assert bool((as_bytes(host.buffer) == 0xEE).all())
+    else:  # the pair in range is copied, the other skipped: nothing else changes
+        assert same(as_bytes(host.buffer).reshape(-1), _eager(pool, kind, groups, [0], [3]))
+    graph.reset()
+    host.close()

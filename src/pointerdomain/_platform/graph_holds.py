@@ -236,6 +236,7 @@ class EmulatedGraph:
         self._device: Device | None = None
         self._reset = False
         self._checks: list[Callable[[], str | None]] = []
+        self._before: dict[int, Callable[[], None]] = {}  # launch index -> its step at replays
         self._site = "unknown"
         self.held = HeldGraph(self.name, self, lambda: not self._reset)
 
@@ -284,6 +285,15 @@ class EmulatedGraph:
         marks = torch.empty((plan.dst_marks_words,), dtype=torch.int32) if plan.oob and args[2] > 1 else None
         self.launches.append((plan, args, marks))
 
+    def before_last_launch(self, step: Callable[[], None]) -> None:
+        """Run ``step`` before the last recorded launch at each replay: the host-side
+        stand-in for the torch ops a CUDA graph captures with a launch (the parts' indices
+        of a layout that splits items, computed from the caller's indices as they are at
+        that replay)."""
+        if not self.launches:
+            raise InvalidArgumentError(f"{self.name} has recorded no launch to run a step before")
+        self._before[len(self.launches) - 1] = step
+
     def add_check(self, check: Callable[[], str | None]) -> None:
         """A check run before each replay: a message when what the graph captured changed."""
         self._checks.append(check)
@@ -307,7 +317,10 @@ class EmulatedGraph:
 
         from pointerdomain import _C
 
-        for plan, args, marks in self.launches:
+        for i, (plan, args, marks) in enumerate(self.launches):
+            step = self._before.get(i)
+            if step is not None:
+                step()
             _C.cpu_transfer(plan, args[0], args[1], args[2], args[3], args[4], torch.get_num_threads(),
                             0 if marks is None else marks.data_ptr())
 
@@ -315,6 +328,7 @@ class EmulatedGraph:
         """Destroy the graph: its holds end, a replay raises GraphInvalidatedError."""
         self._reset = True
         self.launches.clear()
+        self._before.clear()
         self.held.keep.clear()
         self._checks.clear()
 

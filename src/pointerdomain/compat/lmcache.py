@@ -122,6 +122,7 @@ import torch
 
 import pointerdomain as pd
 from pointerdomain.arguments import describe
+from pointerdomain._platform import backend_for
 from pointerdomain._platform.runtimes import names_one_device
 from pointerdomain.compat import _raw
 from pointerdomain.compat._raw import held, table_key, view_key
@@ -279,7 +280,16 @@ def _device_tensor(name: str, t: torch.Tensor) -> Device:
 
 def _host_slots(name: str, t: object, device: Device) -> torch.Tensor:
     """``slot_mapping`` checked and read on the host: a CPU int64 tensor (a CUDA tensor costs
-    one device sync, the price of checking before the launch)."""
+    one device sync, the price of checking before the launch). Refused during graph capture:
+    the launch would read indices computed here from this call's slots, so a replay would
+    write where the slots pointed at capture (only a prepared repeat, which hands
+    ``slot_mapping`` itself to the launch, is captured)."""
+    if backend_for(device).is_capturing(device):
+        raise InvalidArgumentError(
+            f"{name}: read on the host and turned into the cache's indices before the launch, so a graph replay "
+            "would move the tokens to the slots of the capture, not the slots slot_mapping holds then. Fix: make "
+            "the same call once before capturing (a repeat of a prepared call shape passes slot_mapping itself "
+            "to the launch), or call it outside capture")
     slots = _tensor(name, t)
     if slots.dtype != torch.int64:
         raise IndexValidationError(f"{name}: dtype {slots.dtype}, expected torch.int64 (upstream reads int64 slots)")

@@ -74,12 +74,19 @@ _holds: weakref.WeakSet[HeldGraph] = weakref.WeakSet()
 def note_launch(
     platform: object, plan: TransferPlan, src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias],
     device: Device, stream: int, indices: tuple[object, ...] = (),
+    lowered: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> HeldGraph | None:
     """Called by the launch path after a launch that recorded no event: when ``stream`` is
     being captured into a graph, tie the launch's memory to the graph (module docstring).
     ``indices``: the index tensors the launch was given by address (``src_indices``,
     ``dst_indices``), kept with the graph too, each with the storage it has now (a CUDA
     graph's memory pool keeps only those it allocated; the stand-in has no pool).
+    ``lowered``: where the plan splits items (``plan.lowering``), the parts' indices the
+    launch read, computed from ``indices`` by :meth:`TransferPlan.expand`. A CUDA graph
+    captures expand's torch ops with the launch, so a replay computes the parts again from
+    the caller's indices as they are then; the emulated stand-in is told to do the same
+    before the launch at each replay (else a replay would write where the indices pointed
+    at capture).
     Returns the graph's hold, or None (not capturing, or a backend that cannot tell)."""
     hold = getattr(platform, "graph_hold", None)  # GraphHolder (optional); no Protocol check per launch
     if hold is None:
@@ -95,10 +102,27 @@ def note_launch(
         _holds.add(held)
         held.keep.extend(o for o in (plan, src, dst) if all(k is not o for k in held.keep))
         held.keep.extend(captured)  # the storages too: a set_ under the graph leaves the captured one allocated
+        if lowered is not None:
+            held.keep.extend(lowered)
     add_check = getattr(held.key, "add_check", None)  # the emulated stand-in checks before replays
     if add_check is not None:
         add_check(lambda: _why_invalid(plan, src, dst, captured))
+    if lowered is not None:
+        before_last = getattr(held.key, "before_last_launch", None)  # the stand-in's replays
+        if before_last is not None and len(indices) == 2:
+            given = (indices[0], indices[1])
+            before_last(lambda: _lower_again(plan, given, lowered))
     return held
+
+
+def _lower_again(plan: TransferPlan, given: tuple[object, object], lowered: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The parts' indices of a captured launch, recomputed in place from the caller's
+    indices (what a CUDA replay does by replaying expand's captured torch ops)."""
+    s_idx, d_idx = given
+    assert isinstance(s_idx, torch.Tensor) and isinstance(d_idx, torch.Tensor)
+    s_parts, d_parts = plan.expand(s_idx, d_idx)
+    lowered[0].copy_(s_parts)
+    lowered[1].copy_(d_parts)
 
 
 class CapturedIndex:

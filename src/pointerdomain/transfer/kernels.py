@@ -591,7 +591,9 @@ def run(
     if args.n == 0:
         return
     stream = args.stream
+    given = None
     if plan.lowering is not None:  # a layout that splits items: from here on, the parts' slots
+        given = (s_idx, d_idx)
         s_idx, d_idx = plan.expand(s_idx, d_idx, None if stream == _CURRENT_STREAM else stream)
         args = args._replace(src_idx=s_idx.data_ptr(), dst_idx=d_idx.data_ptr(), n=s_idx.numel())
     if stream == _CURRENT_STREAM:  # asked here: after the host copies of the indices were taken
@@ -632,7 +634,10 @@ def run(
         # nothing to wait for: synchronous, or captured into a graph (which then holds the
         # memory); where the backend counts open captures, none open is one attribute test
         if event == 0 and (plan.captures is None or plan.captures.open):
-            graphs.note_launch(platform, plan, src, dst, device, args.stream, (s_idx, d_idx))
+            if given is None:
+                graphs.note_launch(platform, plan, src, dst, device, args.stream, (s_idx, d_idx))
+            else:  # the graph reads the caller's indices through the parts computed from them
+                graphs.note_launch(platform, plan, src, dst, device, args.stream, given, (s_idx, d_idx))
     finally:
         if single is not None:
             single.release(token, event, platform)
