@@ -90,6 +90,15 @@ class Address:
 
         def __init__(self, value: int, *, use_unsafe_from_int: Never) -> None: ...
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # The two domains are final at run time too: a class deriving from HostVA or
+        # DeviceAlias (or from both) would pass every isinstance check of a domain it is not.
+        if cls.__bases__ != (Address,):
+            raise DomainError(
+                f"class {cls.__name__}: derives from {', '.join(b.__name__ for b in cls.__bases__)}; HostVA and "
+                "DeviceAlias are final (an address is in exactly one domain)")
+        super(Address, cls).__init_subclass__(**kwargs)  # (slots=True remade the class: no bare super())
+
     def __post_init__(self) -> None:
         if type(self) is Address:
             raise DomainError("Address is abstract: use HostVA or DeviceAlias")

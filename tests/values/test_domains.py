@@ -39,3 +39,14 @@ def test_addresses_reject_ints_and_leak_no_int() -> None:
 def test_alias_distance_across_devices_raises() -> None:
     with pytest.raises(errors.DeviceMismatchError):
         pd.DeviceAlias(10, DEV) - pd.DeviceAlias(4, pd.Device("emulated", 1))
+
+
+@pytest.mark.parametrize("bases", [(pd.HostVA,), (pd.DeviceAlias,), (pd.HostVA, pd.DeviceAlias), (pd.DeviceAlias, pd.HostVA)],
+                         ids=["host", "alias", "both", "both-reversed"])
+def test_the_domains_are_final_at_run_time(bases: tuple[type, ...]) -> None:
+    """A class deriving from a domain would pass isinstance checks of a domain it is not in
+    (from both: every launch check and every metadata check at once)."""
+    with pytest.raises(errors.DomainError, match="final"):
+        type("Both", bases, {})
+    with pytest.raises(TypeError):  # DomainError is a TypeError too
+        type("Both", bases, {})
