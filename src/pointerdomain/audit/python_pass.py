@@ -239,7 +239,10 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
         nested = [isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for st in body]
         info = [(st, not inner and _has_trigger(segment(st), triggers), *(_names(st) if not inner else (set(), set())))
                 for st, inner in zip(body, nested)]
-        kept = [seed for _, seed, _, _ in info]
+        # A function's own imports stay (kept, not seeds of the data flow): the names they bind
+        # resolve for the kept statements and nested defs (`from cutlass.cute.typing import
+        # AddressSpace` above a nested `make_ptr(..., AddressSpace.gmem)`).
+        kept = [seed or isinstance(st, (ast.Import, ast.ImportFrom)) for st, seed, _, _ in info]
         for i, st in enumerate(body):
             if nested[i] and _has_trigger(segment(st), triggers) and not _device_dsl_kernel(st, dsl):
                 kept[i] = True

@@ -27,3 +27,25 @@ def wrap_typed_keyword(counter, dtype):
 @cute.kernel
 def copy_kernel(src, dst):
     cute.copy(src.data_ptr() + 16, dst)  # negative: a DSL kernel (decorator resolved to cutlass.cute.kernel)
+
+
+class Runner:
+    def launch(self, ws, dtype):
+        # imports local to the method, make_ptr in a nested def: the nested def is sliced on its own
+        # and must still see the enclosing function's imports
+        import cutlass.cute as cute
+        from cutlass.cute.typing import AddressSpace as _AddressSpace
+
+        def to_ptr(tensor, align=16):
+            return cute.runtime.make_ptr(cutlass.Uint8, tensor.data_ptr(), _AddressSpace.gmem, assumed_align=align)  # negative
+
+        return to_ptr(ws)
+
+    def launch_own_space(self, ws, dtype):
+        from mydsl.typing import AddressSpace as _AddressSpace  # not the DSL's space
+        from mydsl.runtime import make_ptr
+
+        def to_ptr(tensor):
+            return make_ptr(dtype, tensor.data_ptr(), _AddressSpace.gmem)  # expect[PD008]
+
+        return to_ptr(ws)
