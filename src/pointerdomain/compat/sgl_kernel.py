@@ -375,6 +375,26 @@ def check_range(name: str, idx: torch.Tensor, slots: int, span: int = 1) -> None
         raise IndexValidationError(f"{name}: {what} outside [0, {slots}); nothing was copied")
 
 
+def distinct(name: str, idx: torch.Tensor, what: str = "slot") -> None:
+    """Host check of CPU indices (no sync): no destination ``what`` given twice, named by the
+    caller's argument and positions. A call shape that lowers its indices (a row as several
+    slots) would otherwise be refused by the launch in terms of its internal slots. CUDA
+    indices are left to the launch's own check.
+
+    Raises:
+        OverlapError: ``name[i]`` and ``name[j]`` hold the same value."""
+    if idx.numel() < 2 or idx.is_cuda:
+        return
+    ordered, order = torch.sort(idx, stable=True)
+    twice = (ordered[1:] == ordered[:-1]).nonzero()
+    if twice.numel():
+        k = int(twice[0])
+        a, b = int(order[k]), int(order[k + 1])
+        raise OverlapError(
+            f"{name}[{a}] and {name}[{b}] both write {what} {int(ordered[k])}: the two writes would race (in no "
+            "defined order on a GPU); nothing was copied. Fix: give each destination once per call")
+
+
 def guard(idx: torch.Tensor, slots: int, span: int = 1) -> torch.Tensor:
     """``idx`` with every slot outside ``[0, slots - span]`` set to -1, before any arithmetic,
     so a wild slot's parts are all negative (skipped and reported), never another slot."""
@@ -958,7 +978,7 @@ def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
             pd.transfer_kv_per_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
                                      layer_id=p.layer, src_layout=p.src.layout, dst_layout=p.dst.layout,
                                      max_ctas=p.ctas, backend="kernel")
-    except (IndexValidationError, ClosedError):  # refused before writing: the full path
+    except (IndexValidationError, ClosedError, OverlapError):  # refused before writing: the full path words it
         return False
     return True
 
