@@ -154,7 +154,7 @@ from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
-from pointerdomain.transfer.overlap import first_shared, rows_clash
+from pointerdomain.transfer.overlap import allow_interleaved, first_shared, interleaved_entries, rows_clash
 
 __all__ = [
     "transfer_embedding_ranges_direct",
@@ -445,17 +445,29 @@ def runs(starts: torch.Tensor, slots: int, length: int, *, aligned_to: int = 0, 
 
 # -- tables ---------------------------------------------------------------------------------
 
-class Side(NamedTuple):
-    """One side of a launch: its table, its slot count (as the caller counts slots) and
-    the layout the kernels address it by."""
-
+class _SideFields(NamedTuple):
     table: PointerTable[DeviceAlias]
     slots: int
     layout: pd.KVLayout
 
 
+class Side(_SideFields):
+    """One side of a launch: its table, its slot count (as the caller counts slots) and
+    the layout the kernels address it by. A table with a buffer registered in several
+    chunks becomes its per-block form here (:func:`pointerdomain.compat._raw.split_chunked`),
+    so every check and launch over the side sees each chunk's own alias."""
+
+    __slots__ = ()
+
+    def __new__(cls, table: PointerTable[DeviceAlias], slots: int, layout: pd.KVLayout) -> Side:
+        split = _raw.split_chunked(table, layout)
+        if split is not table:
+            allow_interleaved(split, interleaved_entries(table))  # each block keeps its entry's rows
+        return super().__new__(cls, split, slots, layout)
+
+
 def buffers_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> PointerTable[DeviceAlias]:
-    return _raw.tensor_table(name, tensors, device)
+    return _raw.tensor_table(name, tensors, device, across_chunks=True)  # launched through Side only
 
 
 def ptr_arg(name: str, t: object, count: int | None = None) -> torch.Tensor:
@@ -485,12 +497,12 @@ def room(name: str, ptrs: torch.Tensor, device: Device) -> int:
     allocation (registration chunk), the least over the entries: what fixes a raw side's
     slot count. The resolution is cached by :func:`_raw.resolved_table` (per table tensor,
     version and reach), so a repeat costs a cache look-up."""
-    return min(_raw.resolved_table(name, ptrs, device).sizes)
+    return min(_raw.resolved_table(name, ptrs, device, across_chunks=True).sizes)
 
 
 def exact(name: str, ptrs: torch.Tensor, device: Device, reach: int) -> PointerTable[DeviceAlias]:
     """Raw table ``ptrs`` resolved with every entry reaching exactly ``reach`` bytes."""
-    return _raw.resolved_table(name, ptrs, device, reach=reach)
+    return _raw.resolved_table(name, ptrs, device, reach=reach, across_chunks=True)  # launched through Side
 
 
 def joined(tables: Sequence[PointerTable[DeviceAlias]], *, interleave: bool = False) -> PointerTable[DeviceAlias]:
@@ -515,6 +527,7 @@ def joined(tables: Sequence[PointerTable[DeviceAlias]], *, interleave: bool = Fa
     table = resolved_kernel_table([t.raw_values()[i] for t, i in order], [t.sizes[i] for t, i in order], device,
                                   tuple(owners.values()), tuple(r for t in tables for r in t.resolved_regions()),
                                   [t.entry_addresses()[i] for t, i in order])
+    _raw.carry_chunked(table, order)
     with _lock:
         _raw.remember(_joins, key, (tuple(weakref.ref(t) for t in tables), table), _CACHE)
     return table
@@ -541,7 +554,8 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
             f"{' / '.join(names)}: an entry has {have} bytes to the end of its allocation, less than one item of "
             f"{unit} bytes. Fix: check item_size and the table's addresses")
     if destination:
-        gap = _raw.entry_gap(" / ".join(names), [_raw.resolved_table(n, t, device) for n, t in zip(names, tables)])
+        gap = _raw.entry_gap(" / ".join(names), [_raw.resolved_table(n, t, device, across_chunks=True)
+                                                 for n, t in zip(names, tables)])
         if gap is not None and gap < unit:
             raise OverlapError(
                 f"{' / '.join(names)}: two entries are {gap} bytes apart, less than one item of {unit} bytes: their "

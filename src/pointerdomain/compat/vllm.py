@@ -461,10 +461,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
             _copy_pageable(_rows(s_view, s_count, block_size_in_bytes), _rows(d_view, d_count, block_size_in_bytes),
                            s_ids, d_ids)
         return
-    src_table = _raw.tensor_table("src", [s_view], device)
-    dst_table = _raw.tensor_table("dst", [d_view], device)
+    src_table = _raw.tensor_table("src", [s_view], device, across_chunks=True)
+    dst_table = _raw.tensor_table("dst", [d_view], device, across_chunks=True)
     s_layout = _block_layout("layer_first", s_count, block_size_in_bytes)
     d_layout = _block_layout("layer_first", d_count, block_size_in_bytes)
+    # a buffer registered in several chunks: one entry per block, each with its chunk's alias
+    src_table, dst_table = _raw.split_chunked(src_table, s_layout), _raw.split_chunked(dst_table, d_layout)
     if s_ids.numel():
         pd.transfer_kv_all_layer(src_table, dst_table, s_ids, d_ids, src_layout=s_layout, dst_layout=d_layout,
                                  backend="copy_engine")
