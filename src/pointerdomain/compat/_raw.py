@@ -99,7 +99,9 @@ __all__ = [
     "met_again",
     "remember_seen",
     "seen_again",
+    "is_split",
     "split_chunked",
+    "unsplit",
     "Seen",
     "plain_tensor",
     "remember",
@@ -396,6 +398,21 @@ def _across_chunks(items: Sequence[torch.Tensor], device: Device) -> PointerTabl
     return table
 
 
+#: each per-block table (:func:`split_chunked`) and the table it was made from
+_unsplit: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], PointerTable[DeviceAlias]] = weakref.WeakKeyDictionary()
+
+
+def is_split(table: PointerTable[DeviceAlias]) -> bool:
+    """True for a per-block table made by :func:`split_chunked`."""
+    return bool(_unsplit) and table in _unsplit
+
+
+def unsplit(table: PointerTable[DeviceAlias]) -> PointerTable[DeviceAlias]:
+    """The table a per-block table was made from (entries as the caller gave them, for
+    checks that compare the caller's buffers), or ``table`` itself."""
+    return _unsplit.get(table, table) if _unsplit else table
+
+
 def _chunk_bases(owner: RegisteredHostMemory, device: Device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each chunk of ``owner``: its host start, end and device alias (int64, in order)."""
     chunks = sorted(owner.chunks, key=lambda c: c.host_va.value)
@@ -469,6 +486,7 @@ def split_chunked(table: PointerTable[DeviceAlias], layout: KVLayout) -> Pointer
                                           table.registrations(), table.resolved_regions(), addresses)
             with _lock:
                 _splits.setdefault(table, {})[layout] = split
+                _unsplit[split] = table
             return split
     first = marks[0]
     raise with_address(RegistrationSpanError(

@@ -567,23 +567,32 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
 
 
 # -- launching ------------------------------------------------------------------------------
-def _addressed(side: Side, names: Sequence[str], layer: int | None) -> list[tuple[int, int, str]]:
+def _addressed(side: Side, names: Sequence[str], layer: int | None, by_host: bool) -> list[tuple[int, int, str]]:
     """``(start, end, name)`` of each entry of ``side`` a launch addresses (all of them,
     or for a one-layer launch over a table with an entry per kv and layer, that layer's),
-    in the alias domain of kernel tables; the entries are the arguments' in order, an
-    equal share each (K layers then V layers). A name with ``{}`` (a pointer table
-    argument: ``"k_ptr_dst[{}]"``) names each entry, ``k`` counted within the argument."""
-    table, lay = side.table, side.layout
+    in the alias domain of kernel tables (``by_host``: as the caller's addresses, for a call
+    over memory registered in several chunks, whose aliases differ per chunk; the entries as
+    the caller gave them, before :func:`pointerdomain.compat._raw.split_chunked`); the entries
+    are the arguments' in order, an equal share each (K layers then V layers). A name with
+    ``{}`` (a pointer table argument: ``"k_ptr_dst[{}]"``) names each entry, ``k`` counted
+    within the argument."""
+    table, lay = _raw.unsplit(side.table), side.layout
     n = len(table)
     per = max(1, n // len(names))
     split = layer is not None and lay.kind == "layer_first" and n == lay.num_kv * lay.num_layers
     out = []
-    for i, (v, size) in enumerate(zip(table.raw_values(), table.sizes)):
+    for i, (v, size) in enumerate(zip(table.entry_addresses() if by_host else table.raw_values(), table.sizes)):
         if split and i % lay.num_layers != layer:
             continue
         arg = min(i // per, len(names) - 1)
         out.append((v, v + size, names[arg].format(i - arg * per)))
     return out
+
+
+def _intersecting(table: PointerTable[DeviceAlias]) -> bool:
+    """True when two entries of ``table`` share bytes (as the caller's addresses)."""
+    spans = sorted(zip(table.entry_addresses(), table.sizes))
+    return any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:]))
 
 
 def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None,
@@ -599,7 +608,18 @@ def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], 
     Raises:
         OverlapError: naming the two arguments (entries: names with ``{}``, :func:`_addressed`).
     """
-    _refuse_overlaps(sorted(_addressed(dst, d_names, layer)), sorted(_addressed(src, s_names, layer)), rows)
+    if rows is not None and _raw.is_split(dst.table) and _intersecting(_raw.unsplit(dst.table)):
+        # per-block entries of interleaved rows coincide with other entries' rows: the launch's
+        # overlap rule could not tell them apart, so the call is refused here, in its own words
+        raise RegistrationSpanError(
+            f"{', '.join(n.replace('[{}]', '') for n in d_names)}: destination rows of several entries interleave "
+            f"({rows[1]} bytes every {rows[0]}) in host memory registered in several chunks; each chunk has its own "
+            "device alias, and these rows cannot be addressed per chunk; nothing was copied. Fix: register the pool "
+            "in one chunk (max_chunk_bytes above its size), or back it up with the pool's buffers "
+            "(transfer_kv_all_layer_lf_pf)")
+    by_host = _raw.is_split(dst.table) or _raw.is_split(src.table)
+    _refuse_overlaps(sorted(_addressed(dst, d_names, layer, by_host)), sorted(_addressed(src, s_names, layer, by_host)),
+                     rows)
 
 
 def apart_tensors(d_names: Sequence[str], d_ts: Sequence[torch.Tensor], s_names: Sequence[str],
