@@ -193,3 +193,22 @@ def test_raw_entry_past_its_registration_still_refused(strict: bool) -> None:
             assert bool((host == POISON).all())
         finally:
             mem.close()
+
+
+def test_chunks_at_one_alias_offset_keep_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # where every chunk's alias is its host VA plus one offset (CUDA's unified addressing), the
+    # first chunk's alias holds for the whole buffer: no per-block table is made
+    from pointerdomain.compat import _raw
+
+    host = _host_pool(2)
+    try:
+        table = _raw.tensor_table("dst", [host.buffer[0]], DEV, across_chunks=True)
+        lay = kvcacheio.layout("page_first", 1, LAYERS, SLOTS, 1, ITEM)
+        assert len(_raw.split_chunked(table, lay)) == SLOTS  # per-chunk aliases differ here: per block
+        _raw.clear_cache()
+        table = _raw.tensor_table("dst", [host.buffer[0]], DEV, across_chunks=True)
+        monkeypatch.setattr(_raw, "alias_of", lambda va, device: pd.DeviceAlias.unsafe_from_int(va.value + 4096,
+                                                                                                   device))
+        assert _raw.split_chunked(table, lay) is table
+    finally:
+        host.close()

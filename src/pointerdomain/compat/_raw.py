@@ -460,6 +460,12 @@ def split_chunked(table: PointerTable[DeviceAlias], layout: KVLayout) -> Pointer
     device = table.device
     marked = {m.entry: m for m in marks}
     bases = {id(m.owner): _chunk_bases(m.owner, device) for m in marks}
+    if all(bool(((aliases - starts) == aliases[0] - starts[0]).all()) for starts, _, aliases in bases.values()):
+        # every chunk at one offset from its host VAs (CUDA's UVA: the alias is the VA): the
+        # first chunk's alias holds for the whole registration, the table as it is
+        with _lock:
+            _splits.setdefault(table, {})[layout] = table
+        return table
     for m_len in (k for k in splits if k > n and k % n == 0):
         per = m_len // n
         if any(size % per for size in table.sizes):
