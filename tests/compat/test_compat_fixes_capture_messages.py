@@ -91,3 +91,21 @@ def test_hicache_one_layer_duplicate_destination_named_as_caller() -> None:
         assert bool((host.view(torch.uint8) == 0xA5).all())
     finally:
         mem.close()
+
+
+def test_direct_pageable_refused_under_capture() -> None:
+    from pointerdomain.compat import sgl_kernel as sk
+
+    d = pd.device_empty((16, 2, 8), torch.bfloat16, DEV)
+    d.copy_(torch.randn(16, 2, 8).to(torch.bfloat16))
+    h = torch.zeros(16, 2, 8, dtype=torch.bfloat16)
+    graph = EmulatedGraph()
+    try:
+        with pytest.raises(errors.InvalidArgumentError, match=r"dst_layers\[0\]: plain pageable host memory"):
+            with graph.capture(DEV):
+                sk.transfer_kv_direct([d], [h], torch.arange(4), torch.arange(4), 4)
+        assert bool((h == 0).all())
+    finally:
+        graph.reset()
+    sk.transfer_kv_direct([d], [h], torch.arange(4), torch.arange(4), 4)
+    assert torch.equal(h[:4], d[:4])

@@ -112,7 +112,9 @@ flat ``view(-1)`` otherwise); a per-head (per-group) run must be a multiple of 8
 (upstream moves whole 8-byte words and would drop the rest); host memory must be registered
 or pinned (except for the ``direct`` ops: a side in plain pageable host memory, which
 upstream's ``copy_`` lets the runtime stage, is copied by torch after the same checks,
-``index_select`` / ``index_copy_`` of exactly the mapped rows); at least one side of every
+``index_select`` / ``index_copy_`` of exactly the mapped rows, and refused with
+``InvalidArgumentError`` while a graph is being captured, as the copy-engine route is: a
+graph would record none of it); at least one side of every
 call must be device memory of one device; destination buffers that overlap each other or a
 source buffer (as the call addresses them) are refused, naming the arguments (:func:`apart`);
 ``copy_all_layer_kv_cache_cpu`` (a CPU-only op) is not provided.
@@ -154,6 +156,7 @@ from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
+from pointerdomain._platform import backend_for
 from pointerdomain.transfer.overlap import allow_interleaved, first_shared, interleaved_entries, rows_clash
 
 __all__ = [
@@ -1505,13 +1508,24 @@ def torch_route(named: Sequence[tuple[str, torch.Tensor]], device: Device) -> bo
     """True when a direct op takes the torch route (some buffer is plain pageable host
     memory); every other buffer is then checked as the table path checks it (a closed
     registration, unregistered memory, another device's memory: typed errors), so the
-    route never writes memory the table path would refuse."""
+    route never writes memory the table path would refuse.
+
+    Raises:
+        InvalidArgumentError: the torch route while the device's stream is capturing a graph
+            (its copy would run once now and not on replay), as the copy-engine route is.
+    """
     flags = [pageable(t, device) for _, t in named]
     if not any(flags):
         return False
     for (name, t), plain in zip(named, flags):
         if not plain:
             buffers_table(name, (t,), device)
+    if backend_for(device).is_capturing(device):
+        name = next(name for (name, _), plain in zip(named, flags) if plain)
+        raise InvalidArgumentError(
+            f"{name}: plain pageable host memory, which cannot be captured in a CUDA graph (the copy would run once "
+            "now and not on replay); nothing was copied. Fix: register or pin the host buffer "
+            "(pointerdomain.register_host_tensor, pin_memory()), or call outside capture")
     return True
 
 
