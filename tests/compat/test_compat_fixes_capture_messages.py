@@ -109,3 +109,27 @@ def test_direct_pageable_refused_under_capture() -> None:
         graph.reset()
     sk.transfer_kv_direct([d], [h], torch.arange(4), torch.arange(4), 4)
     assert torch.equal(h[:4], d[:4])
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_page_unified_duplicate_destination_named_as_caller(mla: bool) -> None:
+    L, PS, G, D = 3, 4, 2, 8
+    shape = (3, L, PS, D) if mla else (3, G, L, 2, PS, 1, D)
+    mem = pd.alloc_registered(torch.Size(shape).numel() * 2, DEV)
+    try:
+        pool = mem.tensor.view(torch.bfloat16).view(shape)
+        out = [pd.device_empty((16, 1 if mla else G, D), torch.bfloat16, DEV) for _ in range(1 if mla else 2)]
+        for t in out:
+            t.view(torch.uint8).fill_(0xA5)
+        with pytest.raises(errors.OverlapError) as info:
+            if mla:
+                hc.transfer_hicache_one_layer_mla_page_unified_lf(out[0], pool, torch.tensor([9, 0, 3]),
+                                                                  torch.tensor([1, 15, 1]), 1)
+            else:
+                hc.transfer_hicache_one_layer_page_unified_lf(out[0], out[1], pool, torch.tensor([9, 0, 3]),
+                                                              torch.tensor([1, 15, 1]), layer_id=1)
+        msg = str(info.value)
+        assert msg.startswith("dst_indices[0] and dst_indices[2] both write slot 1"), msg
+        assert all(bool((t.view(torch.uint8) == 0xA5).all()) for t in out)
+    finally:
+        mem.close()

@@ -893,6 +893,7 @@ def _load_back_page_unified(k_dst: object, v_dst: object | None, src: object, sr
     host_tokens = int(host.shape[0]) * ps
     check_range("src_indices", s_idx, host_tokens)
     check_range("dst_indices", d_idx, tokens)
+    distinct("dst_indices", d_idx)  # the launch sees each slot as one per head group
     depth = layers * (1 if mla else 2)
     src_side = Side(buffers_table("src", (host,), device), host_tokens,
                     layout("layer_first", 1, 1, host_tokens * groups * depth, 1, group))
