@@ -31,8 +31,10 @@ D_IDX = torch.tensor([8, 9, 10, 11], dtype=torch.int64)
 Host = Callable[..., torch.Tensor]
 
 
-@pytest.fixture
-def host() -> Iterator[Host]:
+@pytest.fixture(params=["one chunk", "chunked"])
+def host(request: pytest.FixtureRequest) -> Iterator[Host]:
+    """Registered host tensors; "chunked": registered in chunks of two leading-dimension
+    blocks, each chunk with its own device alias (overlaps are found all the same)."""
     owners: list[pd.RegisteredHostMemory] = []
 
     def make(*shape: int) -> torch.Tensor:
@@ -40,7 +42,11 @@ def host() -> Iterator[Host]:
         for n in shape:
             numel *= n
         size = numel * 2
-        mem = pd.alloc_registered(size, DEV)
+        if request.param == "chunked" and len(shape) > 1 and shape[0] > 2:
+            block = size // shape[0]
+            mem = pd.alloc_registered(size, DEV, granularity=block, max_chunk_bytes=2 * block)
+        else:
+            mem = pd.alloc_registered(size, DEV)
         owners.append(mem)
         return mem.tensor[:size].view(DT).view(shape)
 
@@ -178,6 +184,16 @@ def test_hicache_all_layer_backup_into_page_first_rows(host: Host) -> None:
     dvs = [rand(_dev(T, H, D, dtype=DT, device=DEV)) for _ in range(L)]
     hk_t = table([hk.transpose(0, 1)[i] for i in range(L)], DEV)
     hv_t = table([hv.transpose(0, 1)[i] for i in range(L)], DEV)
+    owner = pd.find_registration(pd.HostVA.unsafe_from_int(hk.data_ptr()))
+    if owner is not None and len(owner.chunks) > 1:
+        # per-chunk entries cannot keep interleaved rows apart: refused, nothing written
+        with pytest.raises(errors.RegistrationSpanError, match=r"k_ptr_dst, v_ptr_dst: destination rows of several "
+                                                               r"entries interleave"):
+            hc.transfer_hicache_all_layer(hk_t, hv_t, S_IDX, table(dks, DEV), table(dvs, DEV), D_IDX,
+                                          kv_cache_src_stride_bytes=ITEM, kv_cache_dst_stride_bytes=L * ITEM,
+                                          element_size=ITEM)
+        assert bool((u8(hk) == POISON).all()) and bool((u8(hv) == POISON).all())
+        return
     hc.transfer_hicache_all_layer(hk_t, hv_t, S_IDX, table(dks, DEV), table(dvs, DEV), D_IDX,
                                   kv_cache_src_stride_bytes=ITEM, kv_cache_dst_stride_bytes=L * ITEM, element_size=ITEM)
     want_k, want_v = u8(hk).clone().fill_(POISON), u8(hv).clone().fill_(POISON)

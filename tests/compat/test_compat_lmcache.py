@@ -764,3 +764,49 @@ def test_a_prepared_call_captured_replays_the_slots_as_they_are_then(monkeypatch
     poisoned = [_poison(_dev(_cache_shape(fmt))) for _ in range(L)]
     assert not _unchanged(caches, _snapshot(poisoned))  # the replay wrote something
     graph.reset()
+
+
+# -- block_size where the format does not address by blocks -----------------------------------
+
+@pytest.mark.parametrize("direction", [D2H, H2D])
+@pytest.mark.parametrize("fmt", [F.NB_NL_TWO_BS_NH_HS, F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_BS_HS])
+def test_block_size_not_dividing_accepted_where_unused(fmt: int, direction: int) -> None:
+    # formats 0 and 1 place slot s at s * E (V after page_buffer_size slots) and MLA format 3 at
+    # s * E: upstream's kernels never read block_size there and it checks no divisibility, so
+    # a block_size that does not divide page_buffer_size moves the same bytes as the true one
+    kv, item = _kv_size(fmt), _item(fmt)
+    caches = [_dev(_cache_shape(fmt)) for _ in range(L)]
+    mem = _dev((kv, L, T, item))
+    slots = _slots(T, NB * BS)
+    src, dst = (caches, [mem]) if direction == D2H else ([mem], caches)
+    for t in src:
+        _random(t)
+    for t in dst:
+        _poison(t)
+    want_mem, want_caches = _u8(mem).clone(), [_u8(c).clone() for c in caches]
+    for layer, cache in enumerate(caches):
+        for k in range(kv):
+            for t, s in enumerate(slots.tolist()):
+                if direction == D2H:
+                    want_mem[k, layer, t].copy_(_slot(fmt, cache, k, s).reshape(-1))
+                else:
+                    target = _slot(fmt, want_caches[layer], k, s)
+                    target.copy_(want_mem[k, layer, t].view(target.shape))
+    assert (NB * BS) % 5
+    ops.multi_layer_kv_transfer(mem, _ptrs(caches), slots, DEV, NB * BS, direction, fmt, 5, HS)
+    assert torch.equal(_u8(mem), want_mem)
+    for cache, want in zip(caches, want_caches):
+        assert torch.equal(_u8(cache), want)
+
+
+@pytest.mark.parametrize("fmt", [F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_NH_BS_HS,
+                                 F.NL_X_NB_NH_BS_TWO_HS])
+def test_block_size_not_dividing_refused_where_blocks_are_addressed(fmt: int) -> None:
+    kv, item = _kv_size(fmt), _item(fmt)
+    caches = [_poison(_dev(_cache_shape(fmt))) for _ in range(L)]
+    mem = _random(_dev((kv, L, T, item)))
+    before = _snapshot(caches)
+    with pytest.raises(errors.InvalidArgumentError, match=r"page_buffer_size: 12 slots is not a whole number of "
+                                                          r"blocks of 5"):
+        ops.multi_layer_kv_transfer(mem, _ptrs(caches), _slots(T, NB * BS), DEV, NB * BS, H2D, fmt, 5, HS)
+    assert _unchanged(caches, before)

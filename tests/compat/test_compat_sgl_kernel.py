@@ -30,9 +30,11 @@ HT = PAGES * PS  # host tokens
 Host = Callable[..., torch.Tensor]
 
 
-@pytest.fixture
-def host() -> Iterator[Host]:
-    """Registered host tensors (each its own registration), closed after the test."""
+@pytest.fixture(params=["one chunk", "chunked"])
+def host(request: pytest.FixtureRequest) -> Iterator[Host]:
+    """Registered host tensors (each its own registration), closed after the test; "chunked":
+    registered in chunks of two leading-dimension blocks (pages, for token rows; a pool above
+    max_chunk_bytes in small), each chunk with its own device alias."""
     owners: list[pd.RegisteredHostMemory] = []
 
     def make(*shape: int, dtype: torch.dtype = DT) -> torch.Tensor:
@@ -40,7 +42,14 @@ def host() -> Iterator[Host]:
         for n in shape:
             numel *= n
         size = numel * torch.empty(0, dtype=dtype).element_size()
-        mem = pd.alloc_registered(size, DEV)
+        if request.param == "chunked" and len(shape) > 1 and shape[0] > 2:
+            block = size // shape[0]
+            if shape[0] % PS == 0 and shape[0] >= 2 * PS:
+                block *= PS  # token rows: cut on pages (the direct ops copy whole pages)
+            mem = pd.alloc_registered(size, DEV, granularity=block, max_chunk_bytes=2 * block)
+            assert len(mem.chunks) > 1
+        else:
+            mem = pd.alloc_registered(size, DEV)
         owners.append(mem)
         return mem.tensor[:size].view(dtype).view(shape)
 

@@ -75,6 +75,7 @@ from pointerdomain.arguments import describe
 from pointerdomain._platform import memory_generation, pointer_info
 from pointerdomain.registration.allocation import memory_device
 from pointerdomain.devices import Device
+from pointerdomain.layouts import KVLayout
 from pointerdomain.domains import DeviceAlias, HostVA
 from pointerdomain.errors import (
     ClosedError,
@@ -98,9 +99,13 @@ __all__ = [
     "met_again",
     "remember_seen",
     "seen_again",
+    "is_split",
+    "split_chunked",
+    "unsplit",
     "Seen",
     "plain_tensor",
     "remember",
+    "carry_chunked",
     "clear_cache",
     "disjoint_buffers",
     "entry_gap",
@@ -269,7 +274,8 @@ def _same(refs: tuple[weakref.ref[torch.Tensor], ...], items: tuple[torch.Tensor
     return True
 
 
-def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> PointerTable[DeviceAlias]:
+def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device, *,
+                 across_chunks: bool = False) -> PointerTable[DeviceAlias]:
     """:func:`pointerdomain.make_kernel_ptr_table` over ``tensors`` for ``device``, cached:
     the same tensor objects (or, failing that, tensors over the same bytes of the same
     storages) give the same table, so a call shape that passes a pool's buffers on every
@@ -280,12 +286,25 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
         tensors: contiguous, non-empty buffers (registered host memory or device memory of
             ``device``), in table order.
         device: the launch device.
+        across_chunks: also take a buffer that spans several chunks of one registration (a
+            pool registered in chunks of ``max_chunk_bytes``); the caller must launch the
+            table only through :func:`split_chunked` (the compat ``Side``), which gives each
+            block its own chunk's alias. False: such a buffer is refused.
 
     Raises:
         InvalidTypeError: an item is not a tensor; and every error of
             :func:`pointerdomain.make_kernel_ptr_table`, its message starting with ``name``.
     """
-    items = tuple(tensors)
+    table = _tensor_table(name, tuple(tensors), device)
+    if _chunked and not across_chunks and table in _chunked:
+        try:  # the plain table's own refusal, in its words
+            make_kernel_ptr_table(list(tensors), device)
+        except PointerDomainError as exc:
+            raise _named(name, exc) from None
+    return table
+
+
+def _tensor_table(name: str, items: tuple[torch.Tensor, ...], device: Device) -> PointerTable[DeviceAlias]:
     for i, t in enumerate(items):
         plain_tensor(f"{name}[{i}]", t)
     # The tensor's base, not the tensor: a call shape that passes pool.buffer[0] makes a new
@@ -308,12 +327,180 @@ def tensor_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> 
     if table is None:
         try:
             table = make_kernel_ptr_table(list(items), device)
+        except RegistrationSpanError as exc:
+            table = _across_chunks(items, device)
+            if table is None:
+                raise _named(name, exc) from None
         except PointerDomainError as exc:
             raise _named(name, exc) from None
     with _lock:
         remember(_by_memory, slow, table)
         remember(_by_identity, fast, _TensorEntry(tuple(weakref.ref(b) for b in bases), table))
     return table
+
+
+# -- buffers registered in several chunks ----------------------------------------------------
+
+class _Multi(NamedTuple):
+    """A table entry over several chunks of one registration: its device alias is that of
+    its first chunk only (each chunk has its own alias base where the aliases differ from
+    the host VAs), so the table is not launched as it is (:func:`split_chunked`)."""
+
+    entry: int
+    host: int  # the host VA of the entry's first byte
+    owner: RegisteredHostMemory
+
+
+#: tables holding entries over several chunks, and those entries
+_chunked: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], tuple[_Multi, ...]] = weakref.WeakKeyDictionary()
+#: the per-block form of such a table, for each layout it was launched with
+_splits: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], dict[KVLayout, PointerTable[DeviceAlias]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _across_chunks(items: Sequence[torch.Tensor], device: Device) -> PointerTable[DeviceAlias] | None:
+    """The table of ``items`` when the only thing :func:`make_kernel_ptr_table` refused is
+    that a buffer spans several chunks of one registration (a pool registered in chunks of
+    ``max_chunk_bytes``, 64 GiB by default): each item contiguous host memory inside one open
+    registration for ``device``'s type, or memory the plain table takes. None otherwise (the
+    caller raises the original error)."""
+    values: list[int] = []
+    addresses: list[int] = []
+    owners: list[RegisteredHostMemory] = []
+    marks: list[_Multi] = []
+    for i, t in enumerate(items):
+        nbytes = t.numel() * t.element_size()
+        owner = None
+        if t.is_cpu and memory_device(t) is None and t.is_contiguous() and nbytes > 0:
+            owner = find_registration(HostVA.unsafe_from_int(t.data_ptr()), nbytes)
+        if owner is not None and len(owner.chunks) > 1 and not owner.closed and owner.device.same_type(device):
+            va = HostVA.unsafe_from_int(t.data_ptr())
+            values.append(alias_of(owner.chunk_of(va, 1).host_va, device).value + (
+                va.value - owner.chunk_of(va, 1).host_va.value))
+            marks.append(_Multi(i, va.value, owner))
+        else:
+            try:
+                one = make_kernel_ptr_table([t], device)
+            except PointerDomainError:
+                return None
+            values.append(one.raw_values()[0])
+            owner = next(iter(one.registrations()), None)
+            if owner is None:
+                return None  # device or runtime-pinned memory beside a chunked buffer: not handled here
+        if all(o is not owner for o in owners):
+            owners.append(owner)
+        addresses.append(t.data_ptr())
+    if not marks:
+        return None
+    table = resolved_kernel_table(values, [t.numel() * t.element_size() for t in items], device, owners, (),
+                                  addresses)
+    _chunked[table] = tuple(marks)
+    return table
+
+
+#: each per-block table (:func:`split_chunked`) and the table it was made from
+_unsplit: weakref.WeakKeyDictionary[PointerTable[DeviceAlias], PointerTable[DeviceAlias]] = weakref.WeakKeyDictionary()
+
+
+def is_split(table: PointerTable[DeviceAlias]) -> bool:
+    """True for a per-block table made by :func:`split_chunked`."""
+    return bool(_unsplit) and table in _unsplit
+
+
+def unsplit(table: PointerTable[DeviceAlias]) -> PointerTable[DeviceAlias]:
+    """The table a per-block table was made from (entries as the caller gave them, for
+    checks that compare the caller's buffers), or ``table`` itself."""
+    return _unsplit.get(table, table) if _unsplit else table
+
+
+def _chunk_bases(owner: RegisteredHostMemory, device: Device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each chunk of ``owner``: its host start, end and device alias (int64, in order)."""
+    chunks = sorted(owner.chunks, key=lambda c: c.host_va.value)
+    return (torch.tensor([c.host_va.value for c in chunks], dtype=torch.int64),
+            torch.tensor([c.host_va.value + c.nbytes for c in chunks], dtype=torch.int64),
+            torch.tensor([_i64(alias_of(c.host_va, device).value) for c in chunks], dtype=torch.int64))
+
+
+def carry_chunked(table: PointerTable[DeviceAlias], sources: Sequence[tuple[PointerTable[DeviceAlias], int]]) -> None:
+    """Mark the entries of ``table`` (made from entry ``k`` of table ``t`` for each ``(t, k)``
+    in ``sources``, in order) that span several chunks, as their sources were."""
+    if not _chunked:
+        return
+    marks = []
+    for i, (src, k) in enumerate(sources):
+        for m in _chunked.get(src, ()):
+            if m.entry == k:
+                marks.append(_Multi(i, m.host, m.owner))
+    if marks:
+        _chunked[table] = tuple(marks)
+
+
+def split_chunked(table: PointerTable[DeviceAlias], layout: KVLayout) -> PointerTable[DeviceAlias]:
+    """``table`` itself, or, when an entry spans several chunks of a registration, the same
+    memory as the finest-needed table ``layout`` allows (one entry per kv, layer or page
+    block: :meth:`pointerdomain.KVLayout.table_splits`) in which every entry lies in one
+    chunk and has that chunk's own device alias. Cached per table and layout.
+
+    Raises:
+        RegistrationSpanError: even a page block of ``layout`` crosses a chunk boundary (the
+            registration was not cut on this layout's page blocks).
+    """
+    if not _chunked:
+        return table
+    marks = _chunked.get(table)
+    if marks is None:
+        return table
+    done = _splits.get(table)
+    if done is not None and layout in done:
+        return done[layout]
+    n = len(table)
+    splits = layout.table_splits()
+    if n not in splits:
+        return table  # the launch refuses the table's length for this layout
+    device = table.device
+    marked = {m.entry: m for m in marks}
+    bases = {id(m.owner): _chunk_bases(m.owner, device) for m in marks}
+    if all(bool(((aliases - starts) == aliases[0] - starts[0]).all()) for starts, _, aliases in bases.values()):
+        # every chunk at one offset from its host VAs (CUDA's UVA: the alias is the VA): the
+        # first chunk's alias holds for the whole registration, the table as it is
+        with _lock:
+            _splits.setdefault(table, {})[layout] = table
+        return table
+    for m_len in (k for k in splits if k > n and k % n == 0):
+        per = m_len // n
+        if any(size % per for size in table.sizes):
+            continue
+        steps = torch.arange(per, dtype=torch.int64)
+        values: list[torch.Tensor] = []
+        for i, (value, size) in enumerate(zip(table.raw_values(), table.sizes)):
+            block = size // per
+            mark = marked.get(i)
+            if mark is None:
+                values.append(_i64(value) + steps * block)
+                continue
+            starts, ends, aliases = bases[id(mark.owner)]
+            host = mark.host + steps * block  # host VAs fit int64 (user space)
+            k = torch.searchsorted(starts, host, right=True) - 1
+            if bool((host + block > ends[k]).any()):
+                break  # a block crosses a chunk boundary: try finer blocks
+            values.append(aliases[k] + (host - starts[k]))
+        else:
+            sizes = [size // per for size in table.sizes for _ in range(per)]
+            addresses = [address + j * (size // per) for address, size in zip(table.entry_addresses(), table.sizes)
+                         for j in range(per)]
+            split = resolved_kernel_table([v & _MASK for v in torch.cat(values).tolist()], sizes, device,
+                                          table.registrations(), table.resolved_regions(), addresses)
+            with _lock:
+                _splits.setdefault(table, {})[layout] = split
+                _unsplit[split] = table
+            return split
+    first = marks[0]
+    raise with_address(RegistrationSpanError(
+        f"entry {first.entry}: the buffer at {first.host:#x} lies in a registration of {len(first.owner.chunks)} "
+        f"chunks, and a page block of this call's layout ({layout.page_block_bytes()} bytes) crosses a chunk "
+        "boundary: each chunk has its own device alias, so no table entry can address it. Fix: register the pool "
+        "with a granularity that is a multiple of the page block (HostKVPool cuts on its own page blocks), or a "
+        "larger max_chunk_bytes"), first.host)
 
 
 # -- prepared-call keys -------------------------------------------------------------------
@@ -468,7 +655,10 @@ def entry_gap(name: str, tables: Sequence[PointerTable[DeviceAlias]]) -> int | N
     Raises:
         OverlapError: two entries at the same address.
     """
-    values = sorted((v, k, i) for k, t in enumerate(tables) for i, v in enumerate(t.raw_values()))
+    # aliases of entries in different chunks are not comparable: such tables by host address
+    across = bool(_chunked) and any(t in _chunked for t in tables)
+    values = sorted((v, k, i) for k, t in enumerate(tables)
+                    for i, v in enumerate(t.entry_addresses() if across else t.raw_values()))
     gap: int | None = None
     for (a, ka, ia), (b, kb, ib) in zip(values, values[1:]):
         if a == b:
@@ -570,7 +760,7 @@ class _RawEntry(NamedTuple):
 
 #: (id(table tensor), device, reach) -> its last resolution (the weak reference rules out a
 #: reused id; a table asked with two reaches keeps both)
-_raw_cache: OrderedDict[tuple[int, Device, object], _RawEntry] = OrderedDict()
+_raw_cache: OrderedDict[tuple[int, Device, object, bool], _RawEntry] = OrderedDict()
 
 
 class _Resolved(NamedTuple):
@@ -580,10 +770,14 @@ class _Resolved(NamedTuple):
     regions: tuple[tuple[int, int, str], ...]  # alias ranges of the foreign / device spans
 
 
-def _resolve(name: str, a: torch.Tensor, want: torch.Tensor | None, device: Device) -> _Resolved:
+def _resolve(name: str, a: torch.Tensor, want: torch.Tensor | None, device: Device,
+             marks: list[_Multi] | None = None) -> _Resolved:
     """Every entry of ``a`` (CPU int64 bit patterns) resolved for ``device``, vectorised:
     one lookup per distinct allocation, not per entry. ``want``: bytes each entry must
-    reach (int64, > 0), or None (report what its allocation holds from it on)."""
+    reach (int64, > 0), or None (report what its allocation holds from it on). ``marks``
+    given: an entry in a registration of several chunks may reach to the registration's
+    end, past its chunk's; each such entry is appended to ``marks`` (its alias is its
+    chunk's: the table must go through :func:`split_chunked`)."""
     n = a.numel()
     flipped = a ^ _i64(_SIGN)  # signed order of the flipped bits = unsigned order of the addresses
     out = torch.empty(n, dtype=torch.int64)
@@ -600,6 +794,15 @@ def _resolve(name: str, a: torch.Tensor, want: torch.Tensor | None, device: Devi
         span = _span(f"{name}[{i}]", addr, device)
         inside = (flipped >= _i64(span.start ^ _SIGN)) & (flipped <= _i64((span.end - 1) ^ _SIGN)) & ~done
         room = _i64(span.end) - a  # bytes from each address to the span's end (exact where inside)
+        if marks is not None and span.owner is not None and len(span.owner.chunks) > 1:
+            owner_end = span.owner.host_va.value + span.owner.nbytes
+            reach = _i64(owner_end) - a
+            beyond = inside & ((room < want) if want is not None else (reach > room))
+            for j in beyond.nonzero().flatten().tolist():
+                at = int(a[j]) & _MASK
+                if want is None or int(want[j]) <= owner_end - at:
+                    marks.append(_Multi(j, at, span.owner))
+            room = torch.where(beyond, reach, room)
         if want is not None:
             over = inside & (room < want)
             if bool(over.any()):
@@ -635,7 +838,8 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def resolved_table(
-    name: str, ptrs: torch.Tensor, device: Device, *, reach: int | Sequence[int] | None = None
+    name: str, ptrs: torch.Tensor, device: Device, *, reach: int | Sequence[int] | None = None,
+    across_chunks: bool = False,
 ) -> PointerTable[DeviceAlias]:
     """A kernel table from an engine's raw address table, every entry resolved and checked.
 
@@ -650,6 +854,9 @@ def resolved_table(
         reach: bytes each entry must cover from its address (one int for all, or one per
             entry); None: each entry's size is what its allocation (or registration chunk)
             holds from its address on, for callers that derive a slot count from it.
+        across_chunks: an entry in memory registered in several chunks may reach past its
+            chunk, to the end of its registration (and with ``reach`` None its size says
+            so); the caller must launch the table only through :func:`split_chunked`.
 
     Returns:
         A ``PointerTable[DeviceAlias]`` of ``len(ptrs)`` entries, sizes = the reach.
@@ -664,7 +871,7 @@ def resolved_table(
         RegistrationSpanError: an entry's reach runs past its allocation or chunk.
     """
     reach_key = reach if reach is None or isinstance(reach, int) else tuple(reach)
-    key = (id(ptrs), device, reach_key)
+    key = (id(ptrs), device, reach_key, across_chunks)
     memory_current()  # device memory under a cached table freed since: the entry is gone
     entry = _raw_cache.get(key)  # the hit path first: a pool's table, unchanged since the last call
     if entry is not None and entry.ref() is ptrs and entry.data_ptr == ptrs.data_ptr() and _open(entry.table):
@@ -678,9 +885,12 @@ def resolved_table(
     version = _version(ptrs)
     values = _read_addresses(ptrs)
     want = None if reaches[0] is None else torch.tensor(reaches, dtype=torch.int64)
-    got = _resolve(name, values, want, device)
+    marks: list[_Multi] | None = [] if across_chunks else None
+    got = _resolve(name, values, want, device, marks)
     table = resolved_kernel_table([v & _MASK for v in got.aliases.tolist()], got.sizes.tolist(), device, got.owners,
                                   got.regions, [v & _MASK for v in values.tolist()])
+    if marks:
+        _chunked[table] = tuple(marks)
     with _lock:
         remember(_raw_cache, key,
                   _RawEntry(weakref.ref(ptrs), -1 if version is None else version, ptrs.data_ptr(), table,

@@ -65,7 +65,9 @@ Shapes (elements; ``E`` = one token's item, ``key_value.size(3)``; ``P`` = ``pag
   4 (TWO_X_NL_X_NBBS_NH_HS, SGLang's separate K/V buffers) is the unilateral op's layout;
   upstream's ``multi_layer_kv_transfer`` throws "Unsupported EngineKVFormat" for 4, 8 and 9,
   and so does this one (:class:`~pointerdomain.errors.InvalidArgumentError`). HND and fused
-  formats need ``head_size`` (HS, elements); every paged format but MLA needs ``block_size``.
+  formats need ``head_size`` (HS, elements); every paged format but MLA needs ``block_size``
+  (> 0; only the formats that address by block, 2, 6, 7 and 10, need ``page_buffer_size`` to be
+  whole blocks of it: 0 and 1 place slot ``s`` at ``s * E`` and never read it, as upstream).
 * ``single_layer_kv_transfer``: ``lmc_key_value_cache`` ``[T', 2, E]`` (token_major),
   ``[2, T', E]`` or, MLA, ``[T', E]``, ``T' >= len(slot_mapping)``; ``vllm_key_value_cache``
   one layer of format 1, 2, 3, 6 or 7 (its switch), as a tensor.
@@ -739,7 +741,10 @@ def multi_layer_kv_transfer(
         InvalidTypeError: a non-tensor, a non-int size, a direction or format that is no integer.
         InvalidArgumentError: an unknown or unsupported format, a direction other than 0/1, a
             negative size, a missing block_size / head_size / page_buffer_size, a page_buffer_size
-            that is not whole blocks, current-shape arguments with the legacy shape.
+            that is not whole blocks in a format addressed by blocks (2, 6, 7, 10; formats 0, 1
+            and 3 never read block_size, and upstream checks no divisibility there, so any
+            block_size > 0 is taken, and MLA's is not read at all), current-shape arguments with
+            the legacy shape.
         LayoutError: a memory object of the wrong shape, ``key_value_ptrs`` not ``[L]``, a head_size
             that does not divide the item.
         NonContiguousError: a strided memory object.

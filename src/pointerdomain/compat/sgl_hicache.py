@@ -91,6 +91,7 @@ from pointerdomain.compat.sgl_kernel import (
     block_quota_of,
     buffers_table,
     check_range,
+    distinct,
     exact,
     guard,
     index_arg,
@@ -332,6 +333,7 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
         raise LayoutError(f"source caches are {src.dtype} but destination caches are {dst.dtype}")
     check_range("indices_src", s_idx, src.rows)
     check_range("indices_dst", d_idx, dst.rows)
+    distinct("indices_dst", d_idx, "row")
     g = math.gcd(src.element, src.stride, dst.stride)
     kv = len(s_ts)
     sides = []
@@ -488,6 +490,7 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     d_table, d_rows, d_sub = _raw_rows(d_names, d_ptrs, device, d_stride, element, g)
     check_range("indices_src", s_idx, s_rows)
     check_range("indices_dst", d_idx, d_rows)
+    distinct("indices_dst", d_idx, "row")
     src = Side(s_table, s_rows, layout("layer_first", kv, layers, s_sub, 1, g))
     dst = Side(d_table, d_rows, layout("layer_first", kv, layers, d_sub, 1, g))
     parts = element // g
@@ -890,6 +893,7 @@ def _load_back_page_unified(k_dst: object, v_dst: object | None, src: object, sr
     host_tokens = int(host.shape[0]) * ps
     check_range("src_indices", s_idx, host_tokens)
     check_range("dst_indices", d_idx, tokens)
+    distinct("dst_indices", d_idx)  # the launch sees each slot as one per head group
     depth = layers * (1 if mla else 2)
     src_side = Side(buffers_table("src", (host,), device), host_tokens,
                     layout("layer_first", 1, 1, host_tokens * groups * depth, 1, group))

@@ -112,7 +112,9 @@ flat ``view(-1)`` otherwise); a per-head (per-group) run must be a multiple of 8
 (upstream moves whole 8-byte words and would drop the rest); host memory must be registered
 or pinned (except for the ``direct`` ops: a side in plain pageable host memory, which
 upstream's ``copy_`` lets the runtime stage, is copied by torch after the same checks,
-``index_select`` / ``index_copy_`` of exactly the mapped rows); at least one side of every
+``index_select`` / ``index_copy_`` of exactly the mapped rows, and refused with
+``InvalidArgumentError`` while a graph is being captured, as the copy-engine route is: a
+graph would record none of it); at least one side of every
 call must be device memory of one device; destination buffers that overlap each other or a
 source buffer (as the call addresses them) are refused, naming the arguments (:func:`apart`);
 ``copy_all_layer_kv_cache_cpu`` (a CPU-only op) is not provided.
@@ -154,7 +156,8 @@ from pointerdomain.transfer.kernels import TransferBackend
 from pointerdomain.registration.memory import find_closed_registration, find_registration
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
-from pointerdomain.transfer.overlap import first_shared, rows_clash
+from pointerdomain._platform import backend_for
+from pointerdomain.transfer.overlap import allow_interleaved, first_shared, interleaved_entries, rows_clash
 
 __all__ = [
     "transfer_embedding_ranges_direct",
@@ -386,6 +389,26 @@ def check_range(name: str, idx: torch.Tensor, slots: int, span: int = 1) -> None
         raise IndexValidationError(f"{name}: {what} outside [0, {slots}); nothing was copied")
 
 
+def distinct(name: str, idx: torch.Tensor, what: str = "slot") -> None:
+    """Host check of CPU indices (no sync): no destination ``what`` given twice, named by the
+    caller's argument and positions. A call shape that lowers its indices (a row as several
+    slots) would otherwise be refused by the launch in terms of its internal slots. CUDA
+    indices are left to the launch's own check.
+
+    Raises:
+        OverlapError: ``name[i]`` and ``name[j]`` hold the same value."""
+    if idx.numel() < 2 or idx.is_cuda:
+        return
+    ordered, order = torch.sort(idx, stable=True)
+    twice = (ordered[1:] == ordered[:-1]).nonzero()
+    if twice.numel():
+        k = int(twice[0])
+        a, b = int(order[k]), int(order[k + 1])
+        raise OverlapError(
+            f"{name}[{a}] and {name}[{b}] both write {what} {int(ordered[k])}: the two writes would race (in no "
+            "defined order on a GPU); nothing was copied. Fix: give each destination once per call")
+
+
 def guard(idx: torch.Tensor, slots: int, span: int = 1) -> torch.Tensor:
     """``idx`` with every slot outside ``[0, slots - span]`` set to -1, before any arithmetic,
     so a wild slot's parts are all negative (skipped and reported), never another slot."""
@@ -436,17 +459,29 @@ def runs(starts: torch.Tensor, slots: int, length: int, *, aligned_to: int = 0, 
 
 # -- tables ---------------------------------------------------------------------------------
 
-class Side(NamedTuple):
-    """One side of a launch: its table, its slot count (as the caller counts slots) and
-    the layout the kernels address it by."""
-
+class _SideFields(NamedTuple):
     table: PointerTable[DeviceAlias]
     slots: int
     layout: pd.KVLayout
 
 
+class Side(_SideFields):
+    """One side of a launch: its table, its slot count (as the caller counts slots) and
+    the layout the kernels address it by. A table with a buffer registered in several
+    chunks becomes its per-block form here (:func:`pointerdomain.compat._raw.split_chunked`),
+    so every check and launch over the side sees each chunk's own alias."""
+
+    __slots__ = ()
+
+    def __new__(cls, table: PointerTable[DeviceAlias], slots: int, layout: pd.KVLayout) -> Side:
+        split = _raw.split_chunked(table, layout)
+        if split is not table:
+            allow_interleaved(split, interleaved_entries(table))  # each block keeps its entry's rows
+        return super().__new__(cls, split, slots, layout)
+
+
 def buffers_table(name: str, tensors: Sequence[torch.Tensor], device: Device) -> PointerTable[DeviceAlias]:
-    return _raw.tensor_table(name, tensors, device)
+    return _raw.tensor_table(name, tensors, device, across_chunks=True)  # launched through Side only
 
 
 def ptr_arg(name: str, t: object, count: int | None = None) -> torch.Tensor:
@@ -476,12 +511,12 @@ def room(name: str, ptrs: torch.Tensor, device: Device) -> int:
     allocation (registration chunk), the least over the entries: what fixes a raw side's
     slot count. The resolution is cached by :func:`_raw.resolved_table` (per table tensor,
     version and reach), so a repeat costs a cache look-up."""
-    return min(_raw.resolved_table(name, ptrs, device).sizes)
+    return min(_raw.resolved_table(name, ptrs, device, across_chunks=True).sizes)
 
 
 def exact(name: str, ptrs: torch.Tensor, device: Device, reach: int) -> PointerTable[DeviceAlias]:
     """Raw table ``ptrs`` resolved with every entry reaching exactly ``reach`` bytes."""
-    return _raw.resolved_table(name, ptrs, device, reach=reach)
+    return _raw.resolved_table(name, ptrs, device, reach=reach, across_chunks=True)  # launched through Side
 
 
 def joined(tables: Sequence[PointerTable[DeviceAlias]], *, interleave: bool = False) -> PointerTable[DeviceAlias]:
@@ -506,6 +541,7 @@ def joined(tables: Sequence[PointerTable[DeviceAlias]], *, interleave: bool = Fa
     table = resolved_kernel_table([t.raw_values()[i] for t, i in order], [t.sizes[i] for t, i in order], device,
                                   tuple(owners.values()), tuple(r for t in tables for r in t.resolved_regions()),
                                   [t.entry_addresses()[i] for t, i in order])
+    _raw.carry_chunked(table, order)
     with _lock:
         _raw.remember(_joins, key, (tuple(weakref.ref(t) for t in tables), table), _CACHE)
     return table
@@ -532,7 +568,8 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
             f"{' / '.join(names)}: an entry has {have} bytes to the end of its allocation, less than one item of "
             f"{unit} bytes. Fix: check item_size and the table's addresses")
     if destination:
-        gap = _raw.entry_gap(" / ".join(names), [_raw.resolved_table(n, t, device) for n, t in zip(names, tables)])
+        gap = _raw.entry_gap(" / ".join(names), [_raw.resolved_table(n, t, device, across_chunks=True)
+                                                 for n, t in zip(names, tables)])
         if gap is not None and gap < unit:
             raise OverlapError(
                 f"{' / '.join(names)}: two entries are {gap} bytes apart, less than one item of {unit} bytes: their "
@@ -544,23 +581,32 @@ def raw_side(names: Sequence[str], tables: Sequence[torch.Tensor], device: Devic
 
 
 # -- launching ------------------------------------------------------------------------------
-def _addressed(side: Side, names: Sequence[str], layer: int | None) -> list[tuple[int, int, str]]:
+def _addressed(side: Side, names: Sequence[str], layer: int | None, by_host: bool) -> list[tuple[int, int, str]]:
     """``(start, end, name)`` of each entry of ``side`` a launch addresses (all of them,
     or for a one-layer launch over a table with an entry per kv and layer, that layer's),
-    in the alias domain of kernel tables; the entries are the arguments' in order, an
-    equal share each (K layers then V layers). A name with ``{}`` (a pointer table
-    argument: ``"k_ptr_dst[{}]"``) names each entry, ``k`` counted within the argument."""
-    table, lay = side.table, side.layout
+    in the alias domain of kernel tables (``by_host``: as the caller's addresses, for a call
+    over memory registered in several chunks, whose aliases differ per chunk; the entries as
+    the caller gave them, before :func:`pointerdomain.compat._raw.split_chunked`); the entries
+    are the arguments' in order, an equal share each (K layers then V layers). A name with
+    ``{}`` (a pointer table argument: ``"k_ptr_dst[{}]"``) names each entry, ``k`` counted
+    within the argument."""
+    table, lay = _raw.unsplit(side.table), side.layout
     n = len(table)
     per = max(1, n // len(names))
     split = layer is not None and lay.kind == "layer_first" and n == lay.num_kv * lay.num_layers
     out = []
-    for i, (v, size) in enumerate(zip(table.raw_values(), table.sizes)):
+    for i, (v, size) in enumerate(zip(table.entry_addresses() if by_host else table.raw_values(), table.sizes)):
         if split and i % lay.num_layers != layer:
             continue
         arg = min(i // per, len(names) - 1)
         out.append((v, v + size, names[arg].format(i - arg * per)))
     return out
+
+
+def _intersecting(table: PointerTable[DeviceAlias]) -> bool:
+    """True when two entries of ``table`` share bytes (as the caller's addresses)."""
+    spans = sorted(zip(table.entry_addresses(), table.sizes))
+    return any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:]))
 
 
 def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], layer: int | None = None,
@@ -576,7 +622,18 @@ def apart(src: Side, s_names: Sequence[str], dst: Side, d_names: Sequence[str], 
     Raises:
         OverlapError: naming the two arguments (entries: names with ``{}``, :func:`_addressed`).
     """
-    _refuse_overlaps(sorted(_addressed(dst, d_names, layer)), sorted(_addressed(src, s_names, layer)), rows)
+    if rows is not None and _raw.is_split(dst.table) and _intersecting(_raw.unsplit(dst.table)):
+        # per-block entries of interleaved rows coincide with other entries' rows: the launch's
+        # overlap rule could not tell them apart, so the call is refused here, in its own words
+        raise RegistrationSpanError(
+            f"{', '.join(n.replace('[{}]', '') for n in d_names)}: destination rows of several entries interleave "
+            f"({rows[1]} bytes every {rows[0]}) in host memory registered in several chunks; each chunk has its own "
+            "device alias, and these rows cannot be addressed per chunk; nothing was copied. Fix: register the pool "
+            "in one chunk (max_chunk_bytes above its size), or back it up with the pool's buffers "
+            "(transfer_kv_all_layer_lf_pf)")
+    by_host = _raw.is_split(dst.table) or _raw.is_split(src.table)
+    _refuse_overlaps(sorted(_addressed(dst, d_names, layer, by_host)), sorted(_addressed(src, s_names, layer, by_host)),
+                     rows)
 
 
 def apart_tensors(d_names: Sequence[str], d_ts: Sequence[torch.Tensor], s_names: Sequence[str],
@@ -969,7 +1026,7 @@ def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
             pd.transfer_kv_per_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
                                      layer_id=p.layer, src_layout=p.src.layout, dst_layout=p.dst.layout,
                                      max_ctas=p.ctas, backend="kernel")
-    except (IndexValidationError, ClosedError):  # refused before writing: the full path
+    except (IndexValidationError, ClosedError, OverlapError):  # refused before writing: the full path words it
         return False
     return True
 
@@ -1462,13 +1519,24 @@ def torch_route(named: Sequence[tuple[str, torch.Tensor]], device: Device) -> bo
     """True when a direct op takes the torch route (some buffer is plain pageable host
     memory); every other buffer is then checked as the table path checks it (a closed
     registration, unregistered memory, another device's memory: typed errors), so the
-    route never writes memory the table path would refuse."""
+    route never writes memory the table path would refuse.
+
+    Raises:
+        InvalidArgumentError: the torch route while the device's stream is capturing a graph
+            (its copy would run once now and not on replay), as the copy-engine route is.
+    """
     flags = [pageable(t, device) for _, t in named]
     if not any(flags):
         return False
     for (name, t), plain in zip(named, flags):
         if not plain:
             buffers_table(name, (t,), device)
+    if backend_for(device).is_capturing(device):
+        name = next(name for (name, _), plain in zip(named, flags) if plain)
+        raise InvalidArgumentError(
+            f"{name}: plain pageable host memory, which cannot be captured in a CUDA graph (the copy would run once "
+            "now and not on replay); nothing was copied. Fix: register or pin the host buffer "
+            "(pointerdomain.register_host_tensor, pin_memory()), or call outside capture")
     return True
 
 

@@ -381,12 +381,14 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
       most 64 MiB, on the device's current stream. As upstream's pageable
       ``cudaMemcpyAsync``, the host side is done with when the call returns (torch's
       blocking copy waits for the transfer); device-side writes may still be queued.
-      Not capturable in a CUDA graph (the pageable copy synchronises).
+      Not capturable in a CUDA graph (the pageable copy synchronises): refused with
+      :class:`~pointerdomain.errors.InvalidArgumentError` while the device's stream is
+      capturing, as the copy-engine route is, before anything is copied.
 
     Raises:
         InvalidTypeError: ``src``, ``dst`` or ``block_mapping`` not a tensor, or
             ``block_size_in_bytes`` not an int.
-        InvalidArgumentError: ``block_size_in_bytes`` <= 0.
+        InvalidArgumentError: ``block_size_in_bytes`` <= 0; called while capturing a graph.
         DomainError: both tensors host memory, or a tensor on a device that is neither.
         DeviceMismatchError: device memory of two devices, or host memory registered for
             another device type.
@@ -447,15 +449,24 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_size_in_bytes: int, 
                 "would depend on the copy order; nothing was copied. Fix: give each dst block once")
     host_view = None if device_side is None else (d_view if device_side == "src" else s_view)
     if host_view is not None and _pageable(host_view, device):
+        if backend_for(device).is_capturing(device):
+            # torch's pageable copy runs at once and a graph records none of it: a replay would not copy
+            raise InvalidArgumentError(
+                f"swap_blocks: {'dst' if device_side == 'src' else 'src'} is plain pageable host "
+                f"memory, which cannot be captured in a CUDA graph (the copy would run once now and not on replay); "
+                "nothing was copied. Fix: register or pin the host buffer (pointerdomain.register_host_tensor, "
+                "pin_memory()), or call outside capture")
         # one side device memory, the other host memory: they cannot share bytes
         if s_ids.numel():
             _copy_pageable(_rows(s_view, s_count, block_size_in_bytes), _rows(d_view, d_count, block_size_in_bytes),
                            s_ids, d_ids)
         return
-    src_table = _raw.tensor_table("src", [s_view], device)
-    dst_table = _raw.tensor_table("dst", [d_view], device)
+    src_table = _raw.tensor_table("src", [s_view], device, across_chunks=True)
+    dst_table = _raw.tensor_table("dst", [d_view], device, across_chunks=True)
     s_layout = _block_layout("layer_first", s_count, block_size_in_bytes)
     d_layout = _block_layout("layer_first", d_count, block_size_in_bytes)
+    # a buffer registered in several chunks: one entry per block, each with its chunk's alias
+    src_table, dst_table = _raw.split_chunked(src_table, s_layout), _raw.split_chunked(dst_table, d_layout)
     if s_ids.numel():
         pd.transfer_kv_all_layer(src_table, dst_table, s_ids, d_ids, src_layout=s_layout, dst_layout=d_layout,
                                  backend="copy_engine")
