@@ -247,12 +247,13 @@ def test_peer_is_checked_before_the_engine(pool: pd.HostKVPool) -> None:
     blocks = pool.get_page_buffer_meta([1])
     for bad, error in ((5, errors.InvalidTypeError), (b"peer:1", errors.InvalidTypeError), (None, errors.InvalidTypeError),
                        ("", errors.InvalidArgumentError), (" peer:1", errors.InvalidArgumentError)):
+        bad_peer: Any = bad  # what an untyped caller passes
         with pytest.raises(error, match="peer"):
-            eng.transfer_sync_read(bad, blocks[0], blocks[1])
+            eng.transfer_sync_read(bad_peer, blocks[0], blocks[1])
         with pytest.raises(error, match="peer"):
-            eng.transfer_sync_write(bad, blocks[0], blocks[1])
+            eng.transfer_sync_write(bad_peer, blocks[0], blocks[1])
         with pytest.raises(error, match="peer"):
-            eng.batch_transfer_sync_read(bad, blocks, blocks)
+            eng.batch_transfer_sync_read(bad_peer, blocks, blocks)
         with pytest.raises(error, match="peer"):
-            eng.batch_transfer_sync_write(bad, blocks, blocks)
+            eng.batch_transfer_sync_write(bad_peer, blocks, blocks)
     assert fake.calls == []

@@ -259,7 +259,7 @@ def test_gpu_chunked_rung_under_a_per_call_cap() -> None:
 def test_faulty_double_keeps_the_pinned_copy_rung_of_its_inner_backend() -> None:
     # a double changes only the calls it fails: over a backend that allocates pinned
     # memory, a refused registration still degrades to pinned_copy
-    from pointerdomain.registration.memory import PinnedAllocator
+    from pointerdomain._platform.base import PinnedAllocator
     from pointerdomain.testing import DelegatingBackend, FaultyBackend
 
     real = backend_for(pd.Device("emulated", 0))
