@@ -219,3 +219,16 @@ def test_vllm_batch_within_one_table_refuses_a_block_read_and_written(
     vllm.run_batch_copy(vllm.block_copy_batch(t, t, [1, 2], [8, 9], block_bytes=off.block_bytes), copy)
     for g, b in zip(gpu, before):
         assert same(g[8], b[1]) and same(g[9], b[2]) and same(g[:8], b[:8])
+
+
+def test_vllm_destination_table_naming_one_tensor_twice_is_refused(
+    offload: tuple[vllm.CpuGpuBlockOffload, list[torch.Tensor], list[torch.Tensor]],
+) -> None:
+    # distinct block ids, but entries 0 and 1 of the destination are one tensor: block 2 of
+    # each is the same memory
+    off, gpu, cpu = offload
+    twice = pd.make_kernel_ptr_table([cpu[0], cpu[0]], DEV)
+    copy, ran = cpu_batch_copy()
+    with pytest.raises(errors.OverlapError, match=r"dst_block_ids\[1\] of entry \d and dst_block_ids\[1\] of entry \d"):
+        vllm.block_copy_batch(off.gpu_table, twice, [4, 5], [3, 2], block_bytes=off.block_bytes)
+    assert ran == [] and all(bool((c.view(torch.uint8) == POISON).all()) for c in cpu)

@@ -206,6 +206,45 @@ def _check_overlap(
         )
 
 
+def _spans_meet(src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias]) -> bool:
+    """Whether a destination entry's whole span meets another destination entry's or any
+    source entry's span (sorted sweep over the tables' entries)."""
+    spans = sorted([(dst[t].value, dst.sizes[t], True) for t in range(len(dst))]
+                   + [(src[t].value, src.sizes[t], False) for t in range(len(src))])
+    end_any = end_dst = -1
+    for start, n, is_dst in spans:
+        if start < (end_any if is_dst else end_dst):
+            return True
+        end_any = max(end_any, start + n)
+        if is_dst:
+            end_dst = max(end_dst, start + n)
+    return False
+
+
+def _check_destinations(
+    src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], d_ids: torch.Tensor, src_ptrs: torch.Tensor,
+    dst_ptrs: torch.Tensor, sizes: torch.Tensor, names: tuple[str, str],
+) -> None:
+    """Refuse a batch whose copies meet (see :func:`_check_overlap`). Where no destination
+    entry's span meets another entry's (the usual GPU / CPU pair), two copies meet only
+    through a destination block id given twice: checked on the ids, not per copy."""
+    n = d_ids.numel()
+    if n == 0:
+        return
+    if _spans_meet(src, dst):
+        _check_overlap(src_ptrs, dst_ptrs, sizes, n, names)
+        return
+    ordered, order = torch.sort(d_ids, stable=True)
+    j = _first(ordered[1:] == ordered[:-1])
+    if j is not None:
+        a, b = int(order[j]), int(order[j + 1])
+        raise OverlapError(
+            f"{_where(a, n, names[1])} and {_where(b, n, names[1])} write the same bytes (block "
+            f"{int(ordered[j])}, in every entry): the copies of a batch run in no defined order, so the result "
+            "would depend on it; nothing was built. Fix: give each destination block once"
+        )
+
+
 def block_copy_batch(
     src: PointerTable[DeviceAlias],
     dst: PointerTable[DeviceAlias],
@@ -213,7 +252,6 @@ def block_copy_batch(
     dst_block_ids: torch.Tensor | Sequence[int],
     *,
     block_bytes: int | Sequence[int],
-    _names: tuple[str, str] = ("src", "dst"),
 ) -> BlockCopyBatch:
     """Per-block source/destination aliases for one batch copy.
 
@@ -241,6 +279,14 @@ def block_copy_batch(
         OverlapError: two copies write the same bytes (a destination block given
             twice), or a copy writes bytes another copy reads; nothing is built.
     """
+    return _block_copy_batch(src, dst, src_block_ids, dst_block_ids, block_bytes, ("src", "dst"))
+
+
+def _block_copy_batch(
+    src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], src_block_ids: torch.Tensor | Sequence[int],
+    dst_block_ids: torch.Tensor | Sequence[int], block_bytes: int | Sequence[int], names: tuple[str, str],
+) -> BlockCopyBatch:
+    """:func:`block_copy_batch`, naming the id arguments ``names`` in overlap errors."""
     s = _kernel_table("src", src)
     d = _kernel_table("dst", dst)
     device = _same_device("block_copy_batch", s.device, d.device)
@@ -254,7 +300,7 @@ def block_copy_batch(
     src_ptrs = _addresses(s, s_ids, sizes_per_entry, "src")
     dst_ptrs = _addresses(d, d_ids, sizes_per_entry, "dst")
     sizes = torch.tensor(sizes_per_entry, dtype=torch.int64).repeat_interleave(s_ids.numel())
-    _check_overlap(src_ptrs, dst_ptrs, sizes, s_ids.numel(), _names)
+    _check_destinations(s, d, d_ids, src_ptrs, dst_ptrs, sizes, names)
     return BlockCopyBatch(src_ptrs, dst_ptrs, sizes, device, (s, d), token=_BATCH_TOKEN)
 
 
@@ -364,8 +410,8 @@ class CpuGpuBlockOffload(ProcessLocal):
         Raises:
             OverlapError: a CPU block given twice. Otherwise as :func:`block_copy_batch`.
         """
-        return block_copy_batch(self.gpu_table, self.cpu_table, gpu_block_ids, cpu_block_ids, block_bytes=self.block_bytes,
-                                _names=("gpu", "cpu"))
+        return _block_copy_batch(self.gpu_table, self.cpu_table, gpu_block_ids, cpu_block_ids, self.block_bytes,
+                                 ("gpu", "cpu"))
 
     def load(self, cpu_block_ids: torch.Tensor | Sequence[int], gpu_block_ids: torch.Tensor | Sequence[int]) -> BlockCopyBatch:
         """CPU -> GPU: the batch copying ``cpu_block_ids[i]`` to ``gpu_block_ids[i]`` in every tensor.
@@ -373,5 +419,5 @@ class CpuGpuBlockOffload(ProcessLocal):
         Raises:
             OverlapError: a GPU block given twice. Otherwise as :func:`block_copy_batch`.
         """
-        return block_copy_batch(self.cpu_table, self.gpu_table, cpu_block_ids, gpu_block_ids, block_bytes=self.block_bytes,
-                                _names=("cpu", "gpu"))
+        return _block_copy_batch(self.cpu_table, self.gpu_table, cpu_block_ids, gpu_block_ids, self.block_bytes,
+                                 ("cpu", "gpu"))
