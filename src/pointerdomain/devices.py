@@ -227,8 +227,8 @@ def as_device(device: Device | str | torch.device) -> Device:
         raise InvalidDeviceError(f"cannot use {describe(text)} as a device; expected 'cuda:N', 'emulated:N' or 'cpu'")
     if not ordinal:
         return Device(kind, runtime_of(kind).bare_ordinal(text))
-    if not ordinal.isdigit():
-        raise InvalidDeviceError(f"bad device ordinal in {describe(text)}")
+    if not (ordinal.isascii() and ordinal.isdigit()):  # str.isdigit takes any script's digits (and "¹")
+        raise InvalidDeviceError(f"bad device ordinal in {describe(text)}: expected ASCII digits 0-9")
     return Device(kind, int(ordinal))
 
 

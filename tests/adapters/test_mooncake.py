@@ -208,3 +208,52 @@ def test_two_process_pull_over_tcp(tmp_path: Path) -> None:
     assert stats["bytes"] == 3 * page_bytes and stats["blocks"] == 3 * 2
     print(f"mooncake two-process pull: {stats['bytes']} bytes in {stats['blocks']} blocks, "
           f"read {stats['read_seconds'] * 1e3:.1f} ms, total {time.perf_counter() - started:.1f} s")
+
+
+def test_overlapping_registration_is_refused_and_records_stay_whole(pool: pd.HostKVPool) -> None:
+    # the engine itself refuses overlapping registrations (ERR_ADDRESS_OVERLAPPED): refused
+    # here first, and never by replacing the record of the range registered at that start
+    fake = FakeEngine()
+    eng = HostTransferEngine(fake, "127.0.0.1")
+    whole = pool.get_contiguous_buf_infos()[0]
+    eng.register_memory(whole)
+    first = pool.get_page_buffer_meta([0])[0]  # starts where the pool starts
+    inner = pool.get_page_buffer_meta([2])[0]
+    for sub in (first, inner, pd.BufferInfo(address=whole.address + 64, nbytes=whole.nbytes, item_bytes=1)):
+        with pytest.raises(errors.AlreadyRegisteredError, match="overlaps"):
+            eng.register_memory(sub)
+    assert [name for name, _ in fake.calls] == ["register_memory"]
+    eng.transfer_sync_write("peer:1", inner, pd.HostVA(0x10000))  # the rest of the pool is still registered
+    # a block's metadata at the registration's start is not the registration: nothing unregistered
+    with pytest.raises(errors.NotRegisteredError, match=f"registration starting there is {whole.nbytes} bytes"):
+        eng.unregister_memory(first)
+    assert [name for name, _ in fake.calls] == ["register_memory", "transfer_sync_write"]
+    eng.unregister_memory(whole)
+    assert fake.calls[-1] == ("unregister_memory", (whole.address.value,))
+    with pytest.raises(errors.NotRegisteredError):
+        eng.unregister_memory(whole.address)  # once only
+    eng.register_memory(first)  # free again: a sub-range registers, and only it counts
+    with pytest.raises(errors.NotRegisteredError):
+        eng.transfer_sync_write("peer:1", inner, pd.HostVA(0x10000))
+    eng.close()
+    assert fake.calls[-1] == ("unregister_memory", (first.address.value,))
+
+
+def test_peer_is_checked_before_the_engine(pool: pd.HostKVPool) -> None:
+    fake = FakeEngine()
+    eng = HostTransferEngine(fake, "127.0.0.1")
+    eng.batch_register_memory(pool.get_contiguous_buf_infos())
+    fake.calls.clear()
+    blocks = pool.get_page_buffer_meta([1])
+    for bad, error in ((5, errors.InvalidTypeError), (b"peer:1", errors.InvalidTypeError), (None, errors.InvalidTypeError),
+                       ("", errors.InvalidArgumentError), (" peer:1", errors.InvalidArgumentError)):
+        bad_peer: Any = bad  # what an untyped caller passes
+        with pytest.raises(error, match="peer"):
+            eng.transfer_sync_read(bad_peer, blocks[0], blocks[1])
+        with pytest.raises(error, match="peer"):
+            eng.transfer_sync_write(bad_peer, blocks[0], blocks[1])
+        with pytest.raises(error, match="peer"):
+            eng.batch_transfer_sync_read(bad_peer, blocks, blocks)
+        with pytest.raises(error, match="peer"):
+            eng.batch_transfer_sync_write(bad_peer, blocks, blocks)
+    assert fake.calls == []

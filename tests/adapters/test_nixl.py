@@ -295,3 +295,30 @@ def test_posix_backend_writes_pages_to_a_file_and_reads_them_back(tmp_path: Path
         device_pool, poison = _poisoned_device_pool()
         host_pool.load(device_pool, page_slots(pages_back, host_layout.page_size), page_slots(dev_back, host_layout.page_size))
     _load_and_compare(device_pool, page_items(src_dev, [1, 5, 9]), dev_back, poison)
+
+
+def test_fake_agent_refuses_local_dram_in_device_memory_or_closed_memory() -> None:
+    # dram_desc builds a peer's descriptors too (addresses of another process), so the memory
+    # behind a DRAM descriptor is checked where it is known to be local: register and the
+    # local side of a transfer, before NIXL is called
+    fake = FakeAgent()
+    agent = HostNixlAgent("fake", agent=fake)
+    device_mem = pd.device_empty((4096,), torch.uint8, DEV)
+    in_device = dram_desc(pd.HostVA(device_mem.data_ptr()), 4096)
+    with pytest.raises(errors.DomainError, match="device memory"):
+        agent.register([in_device])
+    _, host_layout = layouts()
+    p = pd.HostKVPool(host_layout, DEV)
+    infos = p.get_contiguous_buf_infos()
+    blocks = p.get_page_buffer_meta([1])
+    p.close()
+    stale = [dram_desc(i) for i in infos]
+    with pytest.raises(errors.ClosedError, match=r"descs\[0\]"):
+        agent.register(stale)
+    assert fake.calls == []
+    # as a remote descriptor (a peer's address space) the same values pass to NIXL
+    with pd.HostKVPool(host_layout, DEV) as live:
+        agent.register_pool(live)
+        mine = live.get_page_buffer_meta([1])
+        agent.read("peer", mine, blocks)
+        assert "transfer" in fake.names()

@@ -195,6 +195,27 @@ def test_a_group_of_one(group_of_one: None, capsys: pytest.CaptureFixture[str]) 
     assert isinstance(info.value.__cause__, errors.InvalidTypeError)
 
 
+def test_a_closed_registration_fails_the_rank(group_of_one: None) -> None:
+    # a registration closed before it is returned is not registered memory: no success
+    layout = pd.KVLayout(kind="page_first", num_layers=2, num_pages=4, page_size=4, num_heads=2, head_dim=8)
+
+    def closed_memory(p: pd.RegistrationPolicy) -> pd.RegisteredHostMemory:
+        mem = pd.alloc_registered(4096, DEV, policy=p)
+        mem.close()
+        return mem
+
+    def closed_pool(p: pd.RegistrationPolicy) -> pd.HostKVPool:
+        pool = pd.HostKVPool(layout, DEV, policy=p)
+        pool.close()
+        return pool
+
+    for register in (closed_memory, closed_pool):
+        with pytest.raises(GroupRegistrationError, match="ClosedError") as info:
+            register_group(register)
+        assert info.value.ranks == (0,) and isinstance(info.value.__cause__, errors.ClosedError)
+    assert last_outcome() is None or last_outcome().ok is False  # type: ignore[union-attr]
+
+
 def test_the_rung_cap_refuses_only_the_higher_rungs() -> None:
     inner = backend_for(DEV)
     buf = inner.host_alloc(8 * 4096)

@@ -254,3 +254,32 @@ def test_gpu_chunked_rung_under_a_per_call_cap() -> None:
             host.backup(pool, src.cuda(), dst.cuda(), backend="kernel")
             torch.cuda.synchronize()
             assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), expected)
+
+
+def test_faulty_double_keeps_the_pinned_copy_rung_of_its_inner_backend() -> None:
+    # a double changes only the calls it fails: over a backend that allocates pinned
+    # memory, a refused registration still degrades to pinned_copy
+    from pointerdomain.testing import DelegatingBackend, FaultyBackend
+
+    real = backend_for(pd.Device("emulated", 0))
+    assert hasattr(real, "pinned_alloc")  # the ladder's PinnedAllocator protocol, structurally
+    double = FaultyBackend(real, fail={"register": {1: 2}})
+    assert hasattr(double, "pinned_alloc") and hasattr(double, "pinned_release") and isinstance(double, FaultyBackend)
+    layout = pd.KVLayout(kind="page_first", num_layers=2, num_pages=8, page_size=4, num_heads=2, head_dim=8)
+    with install_backend(double, "emulated"):
+        with pytest.warns(ladder.RegistrationDegradedWarning, match="pinned_copy"):
+            host = pd.HostKVPool(layout, DEV, policy=pd.RegistrationPolicy(on_failure="degrade"))
+        with host:
+            assert host.memory.rung is ladder.Rung.PINNED_COPY and double.calls["pinned_alloc"] == 1
+            n = host.buffer.nbytes
+            want = (torch.arange(n) % 251).to(torch.uint8)
+            host.buffer.view(torch.uint8).view(-1).copy_(want)
+            alias = pd.resolve_alias(host.memory.host_va, DEV).value
+            assert ctypes.string_at(alias, n) == bytes(want.tolist())  # the device's view of the bytes
+    # the pinned allocation failing as chosen: recorded, and the ladder goes on (here: ends)
+    refused = FaultyBackend(real, fail={"register": {1: 2}, "pinned_alloc": {1: 2}})
+    with install_backend(refused, "emulated"), pytest.raises(errors.RegistrationError, match="pinned_copy"):
+        pd.HostKVPool(layout, DEV, policy=pd.RegistrationPolicy(on_failure="degrade"))
+    assert refused.calls["pinned_alloc"] == 1
+    plain = FaultyBackend(DelegatingBackend(real, "no pinned allocation"), fail={})
+    assert not hasattr(plain, "pinned_alloc")  # over a backend without it: still without it

@@ -455,3 +455,33 @@ def test_gpu_launch_records_outside_capture_only(checked_mode: bool) -> None:
         torch.cuda.synchronize()
         assert same(pool_bytes(pool), expected)
         del graph
+
+
+def test_fork_child_drops_the_leases_of_threads_it_does_not_have(blocking: BlockingBackend) -> None:
+    # a launch runs in another thread at fork(): that thread does not exist in the child, so
+    # its lease is dropped there (the child can close the pool); the parent keeps it
+    import os
+
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=7) as (pool, host):
+        slots = torch.tensor([0, 5, 9])
+        expected = reference_transfer(pool_bytes(pool), pool.layout, host.buffer, host.layout, slots, slots)
+        thread, failures = _start_backup(pool, host, slots)
+        assert blocking.started.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest past here
+            code = 1
+            try:
+                host.close(timeout=2)
+                code = 0 if host.memory.closed else 2
+            except BaseException:  # reported by the exit code
+                code = 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with pytest.raises(errors.BusyError, match="offload-thread"):  # the parent's lease still holds
+            host.close(timeout=0.1)
+        blocking.go.set()
+        thread.join(10)
+        assert not failures and same(host.buffer.reshape(-1).view(torch.uint8), expected)
+    assert host.memory.closed

@@ -86,3 +86,16 @@ def test_resolver_policy_and_fallback() -> None:
             decide_policy(runtime, False, attr)
     pd.reset_resolver_cache()
     assert pd.fallback_count() == 0 and pd.alias_policy(DEV) is pd.AliasPolicy.EMULATED
+
+
+@pytest.mark.parametrize("granularity,max_chunk", [(8192, 4096), (3 * 4096, 2 * 4096), (4096, 4095)])
+def test_max_chunk_bytes_below_granularity_is_refused(granularity: int, max_chunk: int) -> None:
+    # a chunk is whole granules: a smaller cap could only be exceeded, silently
+    with pytest.raises(errors.InvalidRegistrationError, match="below granularity"):
+        pd.alloc_registered(4 * granularity, DEV, granularity=granularity, max_chunk_bytes=max_chunk)
+    buf = torch.zeros(4 * granularity, dtype=torch.uint8)
+    with pytest.raises(errors.InvalidRegistrationError, match="below granularity"):
+        pd.register_host_tensor(buf, DEV, granularity=granularity, max_chunk_bytes=max_chunk)
+    # exactly one granule: one granule a chunk, every chunk within the cap
+    with pd.alloc_registered(4 * granularity, DEV, granularity=granularity, max_chunk_bytes=granularity) as mem:
+        assert [c.nbytes for c in mem.chunks] == [granularity] * 4

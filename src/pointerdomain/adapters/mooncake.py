@@ -44,8 +44,10 @@ from pointerdomain.errors import (
     DomainError,
     ExtensionUnavailableError,
     InvalidArgumentError,
+    AlreadyRegisteredError,
     InvalidTypeError,
     NotRegisteredError,
+    OverlapError,
     PointerDomainError,
     RuntimeCallError,
 )
@@ -148,6 +150,19 @@ def _device_memory_at(va: HostVA, nbytes: int) -> str | None:
     return None if where is None else str(where)
 
 
+def _check_disjoint(name: str, starts: list[int], lengths: list[int], where: str) -> None:
+    """Refuse a batch whose destination blocks ``[starts[i], +lengths[i])`` share a byte."""
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    for prev, cur in zip(order, order[1:]):
+        if starts[cur] < starts[prev] + lengths[prev]:
+            a, b = sorted((prev, cur))
+            raise OverlapError(
+                f"{name}[{a}] and {name}[{b}]: destination blocks overlap in {where} ({lengths[a]} bytes at "
+                f"{starts[a]:#x}, {lengths[b]} bytes at {starts[b]:#x}); the blocks of a batch move in no defined "
+                "order, so the bytes would depend on it; nothing was moved. Fix: give each destination block once"
+            )
+
+
 class HostTransferEngine(ProcessLocal):
     """Mooncake's ``TransferEngine`` behind a HostVA-only interface.
 
@@ -161,6 +176,11 @@ class HostTransferEngine(ProcessLocal):
     Local buffers must lie inside memory registered through this wrapper
     (Mooncake requires it); remote buffers are the peer's HostVAs, from its
     metadata. Return codes other than 0 raise :class:`RuntimeCallError`.
+    Registrations may not overlap (Mooncake's engine refuses an overlapping one with
+    ``ERR_ADDRESS_OVERLAPPED``): a range meeting one registered through this wrapper raises
+    :class:`AlreadyRegisteredError` before the engine is called, so each registration is
+    known by its start address and :meth:`unregister_memory` only ever hands the engine
+    a start it registered.
     Use as a context manager, or call :meth:`close` to unregister everything.
     Process-local: ``pickle`` and ``copy`` raise :class:`NotPicklableError` (a copy would
     be a second owner of the same registrations).
@@ -171,6 +191,8 @@ class HostTransferEngine(ProcessLocal):
         self.local_hostname = local_hostname
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
+        # ranges whose engine registration is under way: held against overlapping requests
+        self._pending: dict[int, int] = {}
 
     @classmethod
     def create(
@@ -245,6 +267,22 @@ class HostTransferEngine(ProcessLocal):
         range_end(va, nbytes, name)  # a range past 2**64 would wrap in the engine's 64-bit arithmetic
         return va, nbytes
 
+    @staticmethod
+    def _peer(peer: str) -> str:
+        """``peer`` as checked: a non-empty ``str`` (the engine takes a session id string)."""
+        obj = _untyped(peer)  # untyped callers can pass anything
+        if type(obj) is not str:
+            raise InvalidTypeError(
+                f"peer: found {describe(obj)}, expected a str, the peer's session id (host:rpc_port). "
+                "Fix: pass the peer's HostTransferEngine.session_id"
+            )
+        if not obj or obj.strip() != obj:
+            raise InvalidArgumentError(
+                f"peer: found {obj!r}, expected a non-empty session id (host:rpc_port) without surrounding "
+                "whitespace. Fix: pass the peer's HostTransferEngine.session_id"
+            )
+        return obj
+
     def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:
         with self._lock:
             ok = any(start <= va.value and va.value + nbytes <= start + n for start, n in self._registered.items())
@@ -273,6 +311,8 @@ class HostTransferEngine(ProcessLocal):
             InvalidArgumentError: ``nbytes`` missing or not positive, the null HostVA (0), or
                 the range runs past ``2**64`` (a ``ValueError``).
             ClosedError: the memory was closed or released since its metadata was taken.
+            AlreadyRegisteredError: the range overlaps one registered through this wrapper
+                (the engine is not called).
             RuntimeCallError: the engine refused.
         """
         va, n = self._span(region, nbytes, "region")
@@ -282,8 +322,23 @@ class HostTransferEngine(ProcessLocal):
         if where is not None:
             raise DomainError(f"region: {describe(va)} lies in device memory of {where}; only host memory can be registered here")
         check_metadata_live(va, n, "region")
-        self._check("register_memory", self.engine.register_memory(va.value, n))
         with self._lock:
+            for start, held in (*self._registered.items(), *self._pending.items()):
+                if start < va.value + n and va.value < start + held:
+                    raise AlreadyRegisteredError(
+                        f"region: [{describe(va)}, +{n}) overlaps [{describe(HostVA.unsafe_from_int(start))}, +{held}), "
+                        "already registered with this engine (the engine refuses overlapping registrations). "
+                        "Fix: register each range once; memory inside a registered range needs no registration"
+                    )
+            self._pending[va.value] = n
+        try:
+            self._check("register_memory", self.engine.register_memory(va.value, n))
+        except BaseException:
+            with self._lock:
+                self._pending.pop(va.value, None)
+            raise
+        with self._lock:
+            self._pending.pop(va.value, None)
             self._registered[va.value] = n
 
     def batch_register_memory(self, regions: Sequence[BufferInfo]) -> None:
@@ -300,25 +355,46 @@ class HostTransferEngine(ProcessLocal):
             self.register_memory(region)
 
     def unregister_memory(self, region: HostRegion) -> None:
-        """Unregister the registration starting at ``region`` (a HostVA, as cudaHostUnregister takes).
+        """Unregister the registration starting at ``region`` (a HostVA, as cudaHostUnregister takes;
+        a BufferInfo must also have the registration's size).
 
         Raises:
             DomainError: not a HostVA / BufferInfo.
-            NotRegisteredError: nothing registered there through this wrapper.
+            NotRegisteredError: nothing registered there through this wrapper, or a BufferInfo
+                of another size (a block inside the registration); the engine is not called.
             RuntimeCallError: the engine refused.
         """
         va = as_host_va(region, "region")
         with self._lock:
-            if va.value not in self._registered:
+            held = self._registered.get(va.value)
+            if held is None:
                 raise NotRegisteredError(f"region: no registration starts at {describe(va)}")
-        self._check("unregister_memory", self.engine.unregister_memory(va.value))
-        with self._lock:
-            self._registered.pop(va.value, None)
+            if type(region) is BufferInfo and region.nbytes != held:
+                # metadata of a block inside the registration, not of the registration itself
+                raise NotRegisteredError(
+                    f"region: found a {region.nbytes}-byte BufferInfo at {describe(va)}, but the registration "
+                    f"starting there is {held} bytes; nothing was unregistered. Fix: pass the registered range's own "
+                    "metadata (get_contiguous_buf_infos()) or its start HostVA"
+                )
+            # out of the records first (a second unregister finds nothing to hand the engine), but
+            # held against overlapping registrations until the engine has let it go
+            del self._registered[va.value]
+            self._pending[va.value] = held
+        try:
+            self._check("unregister_memory", self.engine.unregister_memory(va.value))
+        except BaseException:
+            with self._lock:
+                self._registered[va.value] = held  # still registered with the engine
+            raise
+        finally:
+            with self._lock:
+                self._pending.pop(va.value, None)
 
     def _one(
         self, call: Literal["transfer_sync_read", "transfer_sync_write"], peer: str, local: HostRegion,
         remote: HostRegion, nbytes: int | None,
     ) -> None:
+        peer = self._peer(peer)
         l_va, l_n = self._span(local, nbytes, "local")
         # a remote BufferInfo carries its own size: compare it, never lend it the local one
         r_size = nbytes if nbytes is not None or type(remote) is BufferInfo else l_n
@@ -349,7 +425,9 @@ class HostTransferEngine(ProcessLocal):
 
         Raises:
             DomainError: an address that is not a HostVA / BufferInfo.
-            InvalidArgumentError: sizes missing or different, or a null HostVA (0) (a ``ValueError``).
+            InvalidTypeError: ``peer`` not a str.
+            InvalidArgumentError: sizes missing or different, a null HostVA (0), or an empty
+                ``peer`` (a ``ValueError``).
             NotRegisteredError: ``local`` outside registered memory.
             ClosedError: ``local``'s memory was closed or released.
             RuntimeCallError: the engine reported a failure.
@@ -368,6 +446,7 @@ class HostTransferEngine(ProcessLocal):
         self, call: Literal["batch_transfer_sync_read", "batch_transfer_sync_write"], peer: str,
         local: Sequence[BufferInfo], remote: Sequence[BufferInfo],
     ) -> int:
+        peer = self._peer(peer)
         if len(local) != len(remote):
             raise InvalidArgumentError(
                 f"remote: found {len(remote)} remote blocks for {len(local)} local blocks, expected one remote "
@@ -389,6 +468,12 @@ class HostTransferEngine(ProcessLocal):
             l_vals.append(l_va.value)
             r_vals.append(r_va.value)
             lengths.append(l_n)
+        # the blocks of a batch move in no defined order (Mooncake runs them in parallel):
+        # two writes into one byte would leave either
+        if call == "batch_transfer_sync_read":
+            _check_disjoint("local", l_vals, lengths, "local memory")
+        else:
+            _check_disjoint("remote", r_vals, lengths, "the peer's memory")
         engine = self.engine
         if lengths and isinstance(engine, BatchTransferEngineLike):
             fn = (engine.batch_transfer_sync_read if call == "batch_transfer_sync_read"
@@ -410,7 +495,9 @@ class HostTransferEngine(ProcessLocal):
 
         Raises:
             DomainError: a block that is not a BufferInfo (e.g. a DeviceAlias).
-            InvalidArgumentError: lists or block sizes that differ (a ``ValueError``).
+            InvalidTypeError: ``peer`` not a str.
+            InvalidArgumentError: lists or block sizes that differ, or an empty ``peer`` (a ``ValueError``).
+            OverlapError: two local blocks (the destinations) share a byte; nothing is moved.
             NotRegisteredError: a local block outside registered memory.
             ClosedError: a local block's memory was closed or released.
             RuntimeCallError: the engine reported a failure.
@@ -418,7 +505,8 @@ class HostTransferEngine(ProcessLocal):
         return self._batch("batch_transfer_sync_read", peer, local, remote)
 
     def batch_transfer_sync_write(self, peer: str, local: Sequence[BufferInfo], remote: Sequence[BufferInfo]) -> int:
-        """Write ``local[i]`` to the peer's ``remote[i]`` for every ``i``. As :meth:`batch_transfer_sync_read`."""
+        """Write ``local[i]`` to the peer's ``remote[i]`` for every ``i``. As :meth:`batch_transfer_sync_read`,
+        the destinations being the remote blocks: two of them sharing a byte raise :class:`OverlapError`."""
         return self._batch("batch_transfer_sync_write", peer, local, remote)
 
     def register_pool(self, pool: HostKVPool) -> None:
@@ -429,6 +517,7 @@ class HostTransferEngine(ProcessLocal):
 
         Raises:
             DomainError: not a HostKVPool; ClosedError: the pool is closed.
+            AlreadyRegisteredError: the pool's memory overlaps a registration of this wrapper.
             RuntimeCallError: the engine refused (regions registered before stay registered).
         """
         if not isinstance(pool, HostKVPool):
@@ -438,10 +527,10 @@ class HostTransferEngine(ProcessLocal):
 
         def deregister() -> None:
             for info in infos:
-                with self._lock:
-                    held = info.address.value in self._registered
+                with self._lock:  # this pool's own range only, not one registered there since
+                    held = self._registered.get(info.address.value) == info.nbytes
                 if held:  # not already let go by close()
-                    self.unregister_memory(info.address)
+                    self.unregister_memory(info)
 
         pool.add_close_hook(deregister)
 

@@ -156,6 +156,23 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
+def _check_local_dram(d: NixlDesc, name: str) -> None:
+    """Refuse a DRAM descriptor of this process that is device memory, or metadata of
+    closed / released memory (the Mooncake adapter's checks at registration)."""
+    va = pd.HostVA.unsafe_from_int(d.addr)
+    try:
+        where = pd.memory_device_at(d.addr, d.nbytes)
+    except errors.ExtensionUnavailableError:
+        where = None
+    # device memory first: it may reuse released host memory whose metadata was handed out
+    if where is not None:
+        raise errors.DomainError(
+            f"{name}: {describe(va)} lies in device memory of {where}; a DRAM descriptor is host memory. "
+            "Fix: pass host-VA metadata of a host pool, or vram_desc(tensor, device) for device memory"
+        )
+    check_metadata_live(va, d.nbytes, name)
+
+
 def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> NixlDesc:
     """A DRAM descriptor (``dev_id`` 0) from host-VA metadata.
 
@@ -169,6 +186,12 @@ def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> N
             int or anything else that is not host-VA metadata.
         InvalidArgumentError: ``nbytes`` missing, not positive, or given with a BufferInfo;
             a HostVA range that runs past ``2**64``; the null HostVA (0).
+
+    A descriptor may describe a peer's memory (its BufferInfo, validated from JSON), whose
+    addresses mean nothing in this process, so the memory behind it is not checked here:
+    :meth:`HostNixlAgent.register` and the local side of :meth:`HostNixlAgent.transfer`
+    refuse a DRAM descriptor in device memory (``DomainError``) or over closed or released
+    memory (``ClosedError``) before NIXL is called.
     """
     value: object = region  # checked at run time too: callers may be untyped
     if type(value) is pd.BufferInfo:
@@ -375,7 +398,7 @@ class HostNixlAgent(ProcessLocal):
             backends: restrict to these back-ends (default: every one that supports the type).
 
         Raises:
-            DomainError: something that is not a NixlDesc.
+            DomainError: something that is not a NixlDesc, or a DRAM descriptor in device memory.
             InvalidArgumentError: no descriptors, or mixed memory types.
             ClosedError: a DRAM descriptor's memory was closed or released since its
                 metadata was taken (a closed pool included).
@@ -395,7 +418,7 @@ class HostNixlAgent(ProcessLocal):
         mem_type = checked[0].mem_type
         if mem_type == "DRAM":
             for i, d in enumerate(checked):
-                check_metadata_live(pd.HostVA.unsafe_from_int(d.addr), d.nbytes, f"descs[{i}]")
+                _check_local_dram(d, f"descs[{i}]")
         handle = self._call("register_memory", [d.reg_tuple() for d in checked], mem_type, list(backends))
         reg = NixlRegistration(_TOKEN, self, checked, handle)
         with self._lock:
@@ -474,7 +497,7 @@ class HostNixlAgent(ProcessLocal):
             timeout_s: seconds to wait for completion.
 
         Raises:
-            DomainError: an entry that is not a NixlDesc.
+            DomainError: an entry that is not a NixlDesc, or a local DRAM descriptor in device memory.
             InvalidArgumentError: unknown ``op``, lists of different lengths, mixed types.
             LayoutError: ``local[i]`` and ``remote[i]`` differ in size.
             NotRegisteredError: a local descriptor outside this agent's open registrations
@@ -499,7 +522,7 @@ class HostNixlAgent(ProcessLocal):
         for i, d in enumerate(loc):
             self._check_local(d)
             if d.mem_type == "DRAM":
-                check_metadata_live(pd.HostVA.unsafe_from_int(d.addr), d.nbytes, f"local[{i}]")
+                _check_local_dram(d, f"local[{i}]")
         local_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in loc], loc[0].mem_type)
         remote_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in rem], rem[0].mem_type)
         handle = self._call("initialize_xfer", op, local_list, remote_list, peer, b"", list(backends))

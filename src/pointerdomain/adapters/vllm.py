@@ -36,7 +36,14 @@ from pointerdomain.arguments import describe
 from pointerdomain import Device, DeviceAlias, PointerTable, index_tensor, require_domain, validate_device
 from pointerdomain.adapters.sglang import make_kernel_ptr_table
 from pointerdomain.process_local import ProcessLocal
-from pointerdomain.errors import DeviceMismatchError, DomainError, IndexValidationError, InvalidTypeError, LayoutError
+from pointerdomain.errors import (
+    DeviceMismatchError,
+    DomainError,
+    IndexValidationError,
+    InvalidTypeError,
+    LayoutError,
+    OverlapError,
+)
 
 __all__ = ["BatchCopyFn", "BlockCopyBatch", "CpuGpuBlockOffload", "block_copy_batch", "run_batch_copy"]
 
@@ -47,6 +54,7 @@ __all__ = ["BatchCopyFn", "BlockCopyBatch", "CpuGpuBlockOffload", "block_copy_ba
 BatchCopyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _INT64_MAX = (1 << 63) - 1
+_FLIP = -(1 << 63)  # xor with this: uint64 bit patterns in int64 keep their unsigned order
 
 
 @final
@@ -154,6 +162,89 @@ def _addresses(table: PointerTable[DeviceAlias], ids: torch.Tensor, block_bytes:
     return torch.cat(parts)
 
 
+def _where(i: int, n: int, side: str) -> str:
+    """Copy ``i`` of an entry-major batch of ``n`` pairs per entry, named by its argument."""
+    return f"{side}_block_ids[{i % n}] of entry {i // n}"
+
+
+def _first(mask: torch.Tensor) -> int | None:
+    hits = mask.nonzero()
+    return int(hits[0]) if hits.numel() else None
+
+
+def _check_overlap(
+    src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, sizes: torch.Tensor, n: int, names: tuple[str, str]
+) -> None:
+    """Refuse a batch where a destination block meets another destination block or any
+    source block (the copies of a batch run in no defined order; sources may share bytes)."""
+    if sizes.numel() == 0:
+        return
+    last = sizes - 1  # inclusive ends: memory may end at 2**64
+    d_lo = dst_ptrs.view(torch.int64) ^ _FLIP
+    d_hi = d_lo + last
+    order = torch.argsort(d_lo)
+    reach, holder = torch.cummax(d_hi[order], dim=0)
+    j = _first(d_lo[order][1:] <= reach[:-1])
+    if j is not None:
+        a, b = sorted((int(order[j + 1]), int(order[int(holder[j])])))
+        raise OverlapError(
+            f"{_where(a, n, names[1])} and {_where(b, n, names[1])} write the same bytes: the copies of a batch run in no "
+            "defined order, so the result would depend on it; nothing was built. Fix: give each destination block once"
+        )
+    s_lo = src_ptrs.view(torch.int64) ^ _FLIP
+    s_order = torch.argsort(s_lo)
+    s_sorted = s_lo[s_order]
+    s_reach, s_holder = torch.cummax((s_lo + last)[s_order], dim=0)
+    k = torch.searchsorted(s_sorted, d_hi, right=True)  # sources starting at or before each destination's end
+    prev = (k - 1).clamp(min=0)
+    i = _first((k > 0) & (s_reach[prev] >= d_lo))
+    if i is not None:
+        other = int(s_order[int(s_holder[int(prev[i])])])
+        raise OverlapError(
+            f"{_where(i, n, names[1])} shares bytes with {_where(other, n, names[0])}: a copy would read bytes the batch "
+            "writes, in no defined order; nothing was built. Fix: copy between blocks that do not share memory"
+        )
+
+
+def _spans_meet(src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias]) -> bool:
+    """Whether a destination entry's whole span meets another destination entry's or any
+    source entry's span (sorted sweep over the tables' entries)."""
+    spans = sorted([(dst[t].value, dst.sizes[t], True) for t in range(len(dst))]
+                   + [(src[t].value, src.sizes[t], False) for t in range(len(src))])
+    end_any = end_dst = -1
+    for start, n, is_dst in spans:
+        if start < (end_any if is_dst else end_dst):
+            return True
+        end_any = max(end_any, start + n)
+        if is_dst:
+            end_dst = max(end_dst, start + n)
+    return False
+
+
+def _check_destinations(
+    src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], d_ids: torch.Tensor, src_ptrs: torch.Tensor,
+    dst_ptrs: torch.Tensor, sizes: torch.Tensor, names: tuple[str, str],
+) -> None:
+    """Refuse a batch whose copies meet (see :func:`_check_overlap`). Where no destination
+    entry's span meets another entry's (the usual GPU / CPU pair), two copies meet only
+    through a destination block id given twice: checked on the ids, not per copy."""
+    n = d_ids.numel()
+    if n == 0:
+        return
+    if _spans_meet(src, dst):
+        _check_overlap(src_ptrs, dst_ptrs, sizes, n, names)
+        return
+    ordered, order = torch.sort(d_ids, stable=True)
+    j = _first(ordered[1:] == ordered[:-1])
+    if j is not None:
+        a, b = int(order[j]), int(order[j + 1])
+        raise OverlapError(
+            f"{_where(a, n, names[1])} and {_where(b, n, names[1])} write the same bytes (block "
+            f"{int(ordered[j])}, in every entry): the copies of a batch run in no defined order, so the result "
+            "would depend on it; nothing was built. Fix: give each destination block once"
+        )
+
+
 def block_copy_batch(
     src: PointerTable[DeviceAlias],
     dst: PointerTable[DeviceAlias],
@@ -185,7 +276,17 @@ def block_copy_batch(
         LayoutError: tables of different lengths, or bad ``block_bytes``.
         IndexValidationError: id lists of different lengths or shapes, or a block
             past an entry's end.
+        OverlapError: two copies write the same bytes (a destination block given
+            twice), or a copy writes bytes another copy reads; nothing is built.
     """
+    return _block_copy_batch(src, dst, src_block_ids, dst_block_ids, block_bytes, ("src", "dst"))
+
+
+def _block_copy_batch(
+    src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], src_block_ids: torch.Tensor | Sequence[int],
+    dst_block_ids: torch.Tensor | Sequence[int], block_bytes: int | Sequence[int], names: tuple[str, str],
+) -> BlockCopyBatch:
+    """:func:`block_copy_batch`, naming the id arguments ``names`` in overlap errors."""
     s = _kernel_table("src", src)
     d = _kernel_table("dst", dst)
     device = _same_device("block_copy_batch", s.device, d.device)
@@ -199,6 +300,7 @@ def block_copy_batch(
     src_ptrs = _addresses(s, s_ids, sizes_per_entry, "src")
     dst_ptrs = _addresses(d, d_ids, sizes_per_entry, "dst")
     sizes = torch.tensor(sizes_per_entry, dtype=torch.int64).repeat_interleave(s_ids.numel())
+    _check_destinations(s, d, d_ids, src_ptrs, dst_ptrs, sizes, names)
     return BlockCopyBatch(src_ptrs, dst_ptrs, sizes, device, (s, d), token=_BATCH_TOKEN)
 
 
@@ -303,9 +405,19 @@ class CpuGpuBlockOffload(ProcessLocal):
         )
 
     def store(self, gpu_block_ids: torch.Tensor | Sequence[int], cpu_block_ids: torch.Tensor | Sequence[int]) -> BlockCopyBatch:
-        """GPU -> CPU: the batch copying ``gpu_block_ids[i]`` to ``cpu_block_ids[i]`` in every tensor."""
-        return block_copy_batch(self.gpu_table, self.cpu_table, gpu_block_ids, cpu_block_ids, block_bytes=self.block_bytes)
+        """GPU -> CPU: the batch copying ``gpu_block_ids[i]`` to ``cpu_block_ids[i]`` in every tensor.
+
+        Raises:
+            OverlapError: a CPU block given twice. Otherwise as :func:`block_copy_batch`.
+        """
+        return _block_copy_batch(self.gpu_table, self.cpu_table, gpu_block_ids, cpu_block_ids, self.block_bytes,
+                                 ("gpu", "cpu"))
 
     def load(self, cpu_block_ids: torch.Tensor | Sequence[int], gpu_block_ids: torch.Tensor | Sequence[int]) -> BlockCopyBatch:
-        """CPU -> GPU: the batch copying ``cpu_block_ids[i]`` to ``gpu_block_ids[i]`` in every tensor."""
-        return block_copy_batch(self.cpu_table, self.gpu_table, cpu_block_ids, gpu_block_ids, block_bytes=self.block_bytes)
+        """CPU -> GPU: the batch copying ``cpu_block_ids[i]`` to ``gpu_block_ids[i]`` in every tensor.
+
+        Raises:
+            OverlapError: a GPU block given twice. Otherwise as :func:`block_copy_batch`.
+        """
+        return _block_copy_batch(self.cpu_table, self.gpu_table, cpu_block_ids, gpu_block_ids, self.block_bytes,
+                                 ("cpu", "gpu"))

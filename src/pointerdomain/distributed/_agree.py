@@ -71,10 +71,10 @@ def _dist() -> Any:
 
 
 def _memory_of(value: object) -> RegisteredHostMemory:
-    if isinstance(value, RegisteredHostMemory):
-        return value
-    memory = getattr(value, "memory", None)
+    memory = value if isinstance(value, RegisteredHostMemory) else getattr(value, "memory", None)
     if isinstance(memory, RegisteredHostMemory):
+        # a closed registration has no rung to agree on: reported as a failure of this rank
+        memory.check_open()
         return memory
     raise InvalidTypeError(
         f"register: returned a {type(value).__name__}, expected a RegisteredHostMemory or an object whose .memory "
@@ -171,9 +171,9 @@ def register_group(
     ``unpinned`` rank goes through the copy engine only); this makes that a decision.
 
     Args:
-        register: ``policy -> registration``: returns a
+        register: ``policy -> registration``: returns an open
             :class:`~pointerdomain.RegisteredHostMemory` or an object whose ``.memory`` is one
-            (:class:`~pointerdomain.HostKVPool`), e.g. ``lambda p: pd.HostKVPool(layout,
+            (:class:`~pointerdomain.HostKVPool`; a closed one fails the rank), e.g. ``lambda p: pd.HostKVPool(layout,
             device, policy=p)``. Called once, or twice on a rank that re-registers (it must
             allocate anew; its first result is closed first).
         policy: passed to ``register``; None: the process default

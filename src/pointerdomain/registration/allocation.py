@@ -46,7 +46,8 @@ def alloc_registered(
         device: the device whose kernels will read it (``"cuda:0"``, ``"emulated:0"``).
         granularity: chunks are cut on multiples of this many bytes from the start;
             pass the KV page size in bytes so no page spans two registrations.
-        max_chunk_bytes: largest single registration call (rounded down to the granularity).
+        max_chunk_bytes: largest single registration call (rounded down to the granularity;
+            at least ``granularity``, since a chunk is whole granules).
         policy: what to do when the driver refuses (:class:`pointerdomain.registration.ladder.RegistrationPolicy`;
             default: :func:`pointerdomain.registration.ladder.default_policy`, which fails).
         numa: ``"local"`` moves the pages to the device's NUMA node before registering
@@ -56,7 +57,8 @@ def alloc_registered(
 
     Raises:
         InvalidRegistrationError: ``nbytes``, ``granularity`` or ``max_chunk_bytes`` not
-            positive, or ``nbytes`` not below 2**64 (a ``ValueError`` too).
+            positive, ``max_chunk_bytes`` below ``granularity``, or ``nbytes`` not below 2**64
+            (a ``ValueError`` too).
         InvalidDeviceError: the device does not exist.
         BudgetExceededError: (an OutOfMemoryError) more than the memory budget allows
             (:mod:`pointerdomain.registration.budget`: memory available, commit limit,

@@ -28,6 +28,9 @@ to a bound for the running leases and then for the recorded events, and only the
 unregisters. When the bound passes it raises :class:`~pointerdomain.errors.BusyError`
 naming the launch still in flight and leaves the memory registered and usable.
 
+In a fork child only the forking thread exists: the leases of the other threads are
+dropped there (``os.register_at_fork``), so the child can close; the parent keeps them.
+
 Device memory (torch tensors, emulated device memory) has no ``close()``: a table
 keeps its tensors alive, and storage released under a table is refused at the next
 launch (``PointerTable.check_live``).
@@ -36,8 +39,10 @@ launch (``PointerTable.check_live``).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
+import weakref
 from typing import Final, Protocol, runtime_checkable
 
 from pointerdomain.arguments import describe
@@ -98,7 +103,7 @@ def _describe(info: LaunchInfo) -> str:
 class LeaseSet:
     """The leases on one registration (see the module docstring). Thread-safe."""
 
-    __slots__ = ("_cond", "_active", "_next", "_closing", "_events", "_graphs", "generation")
+    __slots__ = ("_cond", "_active", "_next", "_closing", "_events", "_graphs", "generation", "__weakref__")
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -110,6 +115,16 @@ class LeaseSet:
         self._graphs: list[GraphHold] = []  # graphs that captured a launch over this memory
         #: changes (to a larger process-wide number) when the memory closes
         self.generation = next_generation()
+        _all_sets.add(self)
+
+    def _after_fork_in_child(self, forking_thread: int) -> None:
+        """In a fork child only the thread that forked exists: leases of the other threads
+        can never be released there, so they are dropped (the parent still holds them), and
+        the condition is made anew (another thread may have held its lock at the fork)."""
+        self._cond = threading.Condition(threading.Lock())
+        for token, info in list(self._active.items()):
+            if info[3] != forking_thread:
+                self._active.pop(token, None)
 
     def hold_graph(self, hold: GraphHold) -> None:
         """Keep the memory open while ``hold`` is alive (a graph captured a launch over it)."""
@@ -217,6 +232,20 @@ class LeaseSet:
     @property
     def closing(self) -> bool:
         return self._closing
+
+
+#: every lease set alive, for the fork hook
+_all_sets: weakref.WeakSet[LeaseSet] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    forking_thread = threading.get_ident()  # the same ident in the child as in the parent
+    for lease_set in list(_all_sets):
+        lease_set._after_fork_in_child(forking_thread)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Leased(Protocol):

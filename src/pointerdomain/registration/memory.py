@@ -670,6 +670,13 @@ def check_granularity(granularity: int, max_chunk_bytes: int) -> None:
         raise InvalidRegistrationError(f"granularity must be a positive int (bytes), got {describe(granularity)}")
     if type(max_chunk_bytes) is not int or max_chunk_bytes <= 0:
         raise InvalidRegistrationError(f"max_chunk_bytes must be a positive int (bytes), got {describe(max_chunk_bytes)}")
+    if max_chunk_bytes < granularity:
+        # a chunk is whole granules: a smaller cap could only be exceeded or split a granule
+        raise InvalidRegistrationError(
+            f"max_chunk_bytes: found {max_chunk_bytes}, below granularity {granularity}, expected at least one "
+            "granule (chunks are cut on the granularity, so no chunk can be smaller). Fix: pass max_chunk_bytes "
+            f">= {granularity}, or a smaller granularity"
+        )
 
 
 def register_host_tensor(
@@ -700,7 +707,8 @@ def register_host_tensor(
     Raises:
         DomainError: ``tensor`` is not in CPU memory (a CUDA tensor, or emulated device memory).
         NonContiguousError: ``tensor`` is strided.
-        InvalidRegistrationError: ``tensor`` is empty (a ``ValueError`` too).
+        InvalidRegistrationError: ``tensor`` is empty, or ``granularity`` / ``max_chunk_bytes``
+            not positive or ``max_chunk_bytes`` below ``granularity`` (a ``ValueError`` too).
         AlreadyRegisteredError: the range overlaps a registration.
         BudgetExceededError: registering would pass a limit of the memory budget
             (:mod:`pointerdomain.registration.budget`; ``MemlockBudgetError`` for
