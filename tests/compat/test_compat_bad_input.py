@@ -102,3 +102,18 @@ def test_device_memory_freed_under_a_cached_table_is_refused(regs: list[pd.Regis
     with pytest.raises(errors.NotRegisteredError, match="no memory this process knows"):
         sk.transfer_kv_all_layer_lf_pf(kt, host[0], vt, host[1], idx, idx, 64, 128, 2)
     assert torch.equal(host, before)
+
+
+def test_pointer_tables_held_in_host_memory_are_named_as_such() -> None:
+    """uint64 tables on the CPU whose entries are device buffers: the tables' place is what
+    is wrong (the kernel reads them on the device), not the memory their entries name."""
+    k = [pd.device_empty((16, 32), torch.uint8, DEV).fill_(7) for _ in range(4)]
+    v = [pd.device_empty((16, 32), torch.uint8, DEV).fill_(9) for _ in range(4)]
+
+    def cpu_table(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    s, d = torch.tensor([0, 1]), torch.tensor([2, 3])
+    with pytest.raises(errors.DomainError, match=r"src_k_layers.*held in host memory.*\.to\("):
+        sk.transfer_kv_all_layer(cpu_table(k[:2]), cpu_table(k[2:]), cpu_table(v[:2]), cpu_table(v[2:]), s, d, 32, 2)
+    assert all(bool((t == 7).all()) for t in k) and all(bool((t == 9).all()) for t in v)

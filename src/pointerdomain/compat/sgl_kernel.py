@@ -355,6 +355,16 @@ def launch_device(what: str, memory: Sequence[tuple[str, object]], indices: Sequ
         if t.is_cuda:
             found.setdefault(as_device(t.device), "the indices")
     if not found:
+        # A uint64/int64 table in host memory may well list device memory: its entries are
+        # not what is wrong, where the table itself lies is (the kernel reads it on the device).
+        tables = [n for n, t in memory if isinstance(t, torch.Tensor) and t.dim() == 1
+                  and t.dtype in (torch.uint64, torch.int64)]
+        if tables:
+            raise DomainError(
+                f"{what}: {', '.join(tables)}: pointer table(s) held in host memory, and nothing else of the call lies "
+                "in device memory; the kernel reads each table on the device, so the table itself must be there, "
+                "whatever memory its entries name. Fix: move the table to the device (e.g. "
+                f"{tables[0]}.to('cuda'), once, outside the hot path)")
         raise DomainError(
             f"{what}: found host memory only ({', '.join(n for n, _ in memory)}), expected device memory on at least "
             "one side: the copy runs on the device that memory belongs to. Fix: pass the device pool's buffers "
