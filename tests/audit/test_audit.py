@@ -185,7 +185,7 @@ def _project(tmp_path: Path, config: str = "") -> Path:
     (tmp_path / "pyproject.toml").write_text("[tool.pointerdomain.audit]\n" + config)
     pkg = tmp_path / "pkg"
     pkg.mkdir(exist_ok=True)
-    (pkg / "pool.py").write_text("import torch\n\ndef table(bufs, dev):\n"
+    (pkg / "pool.py").write_text("import torch\n\ndef table(bufs, dev) -> object:\n"
                                  "    return torch.tensor([b.data_ptr() for b in bufs], device=dev)\n")
     (pkg / "clean.py").write_text("def f(x):\n    return x + 1\n")
     return tmp_path
