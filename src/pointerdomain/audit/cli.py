@@ -3,7 +3,8 @@
 
 Exit status: 0 no new findings; 1 new findings (or, with ``--fix``, findings left
 after fixing); 2 a usage or configuration error (bad option, missing path, invalid
-``[tool.pointerdomain.audit]``, unreadable baseline); 3 no new finding, but files were
+``[tool.pointerdomain.audit]``, unreadable baseline or config, an ``-o`` or
+``--write-baseline`` file that cannot be written), told in one line on stderr; 3 no new finding, but files were
 not audited (size cap, timeout, PD901) and ``--allow-skipped`` / ``allow_skipped`` is off.
 """
 
