@@ -185,7 +185,7 @@ def _project(tmp_path: Path, config: str = "") -> Path:
     (tmp_path / "pyproject.toml").write_text("[tool.pointerdomain.audit]\n" + config)
     pkg = tmp_path / "pkg"
     pkg.mkdir(exist_ok=True)
-    (pkg / "pool.py").write_text("import torch\n\ndef table(bufs, dev):\n"
+    (pkg / "pool.py").write_text("import torch\n\ndef table(bufs, dev) -> object:\n"
                                  "    return torch.tensor([b.data_ptr() for b in bufs], device=dev)\n")
     (pkg / "clean.py").write_text("def f(x):\n    return x + 1\n")
     return tmp_path
@@ -477,3 +477,55 @@ def test_main_cli_without_libcst(capsys: pytest.CaptureFixture[str]) -> None:
     env = dict(os.environ, PYTHONPATH=childenv.pythonpath())
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "pointerdomain[audit]" in proc.stderr, proc.stderr
+
+
+def test_files_that_cannot_be_written_or_read_are_usage_errors(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # a one-line error on stderr and status 2 (not 1, "new findings"), never a traceback
+    _project(tmp_path)
+    missing = tmp_path / "no-such-dir"
+
+    def usage_error(*args: str) -> str:
+        rc, _, err = _cli(tmp_path, *args, capsys=capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, (args, err)
+        return lines[0]
+
+    assert str(missing / "b.json") in usage_error("--write-baseline", str(missing / "b.json"), "pkg")
+    assert str(missing / "out.json") in usage_error("--format", "json", "-o", str(missing / "out.json"), "pkg")
+    assert "-o" in usage_error("-o", str(tmp_path / "pkg"), "pkg")  # a directory
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00{")
+    assert "binary.json" in usage_error("--baseline", "binary.json", "pkg")
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    assert "deep.json" in usage_error("--baseline", "deep.json", "pkg")
+    (tmp_path / "pyproject.toml").write_bytes(b"[tool.pointerdomain.audit]\nignore = [\"\xff\"]\n")
+    assert "pyproject.toml" in usage_error("--config", "pyproject.toml", "pkg")
+    # found on the way up, not named: like invalid TOML, it is not a file with the table
+    rc, _, err = _cli(tmp_path, "pkg", capsys=capsys)
+    assert rc == 1 and "Traceback" not in err
+    assert not missing.exists()
+
+
+def test_a_file_the_fix_cannot_write_is_reported_and_the_run_goes_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from pointerdomain.audit import cli
+    _project(tmp_path)
+    (tmp_path / "pkg" / "pool.py").write_text(
+        "import torch\n\n\ndef table(bufs: list[torch.Tensor]) -> object:\n"
+        "    return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)\n")
+    before = (tmp_path / "pkg" / "pool.py").read_text()
+    # a stand-in mypy for the fix process (no error): the check itself is tested with the real one
+    fake = tmp_path / "fake_mypy"
+    (fake / "mypy").mkdir(parents=True)
+    (fake / "mypy" / "__init__.py").write_text("")
+    (fake / "mypy" / "api.py").write_text("def run(args):\n    return '', '', 0\n")
+    monkeypatch.syspath_prepend(str(fake))
+
+    def refuse(path: Path, data: bytes) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(cli, "_write_atomically", refuse)
+    rc, _, err = _cli(tmp_path, "--fix", "pkg", capsys=capsys)
+    assert "pkg/pool.py: not fixed: cannot write the file: Permission denied" in err, err
+    assert "Traceback" not in err and "0 site(s) rewritten" in err
+    assert rc == 1 and (tmp_path / "pkg" / "pool.py").read_text() == before  # the finding stays

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pointerdomain.audit import AuditConfig, audit_file
-from pointerdomain.audit.autofix import check_fix, fix_source
+from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source
 from pointerdomain.audit.cli import main
 from tests import childenv
 
@@ -73,9 +73,11 @@ def test_consumers_that_need_a_tensor_are_refused() -> None:
     assert "torch.cat" in reasons[8] and "torch.cat" in reasons[9] and "arithmetic" in reasons[11]
     assert "passed to transfer_kv()" in reasons[13]  # a native op of unknown signature
     assert result.fixes == 0 and result.code == _case("consumers.py")
-    # as a uint64 tensor the concatenation keeps working; the int64 table still changes dtype
+    # as a tensor of the original dtype the concatenation and the arithmetic keep working
     tensor_style = fix_source(_case("consumers.py"), "tensor")
-    assert tensor_style.fixes == 3 and [line for line, _ in tensor_style.refused] == [11]
+    assert tensor_style.fixes == 4 and tensor_style.refused == ()
+    assert "offsets = make_kernel_ptr_table([*k_buffer], device).as_uint64_tensor().view(torch.int64)" \
+        in tensor_style.code
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +134,10 @@ def test_a_table_passed_to_a_native_call_is_refused() -> None:
     assert "torch.ops.sgl_kernel.transfer()" in reasons[25]
     # pointerdomain's own API and print take the table: that site alone is rewritten
     assert result.fixes == 1 and 'table = make_kernel_ptr_table([*srcs], "cuda")' in result.code
-    # as a tensor the uint64 tables stay uint64 tensors: only the int64 one is refused
+    # as a tensor each table keeps its dtype (the int64 one through a view of the uint64 copy)
     tensor_style = fix_source(_case("native_calls.py"), "tensor")
-    assert tensor_style.fixes == 3 and [line for line, _ in tensor_style.refused] == [25]
+    assert tensor_style.fixes == 4 and tensor_style.refused == ()
+    assert 'table = make_kernel_ptr_table([*srcs], "cuda").as_uint64_tensor().view(torch.int64)' in tensor_style.code
 
 
 def test_a_name_list_bound_in_the_module_is_never_called() -> None:
@@ -315,9 +318,10 @@ def test_a_copied_table_is_left_alone() -> None:
     assert result.code.count("torch.tensor([x.data_ptr() for x in bufs]") == 3
     # returned as is: still rewritten
     assert result.fixes == 1 and "    tbl = host_ptr_table(bufs)\n    return tbl\n" in result.code
-    # with the tensor style a uint64 copy stays the same tensor: rewritten; the int64 one is not
+    # with the tensor style a copy is a tensor of the same dtype: rewritten, the int64 one through a view
     tensor = fix_source(source, "tensor")
-    assert tensor.fixes == 3 and [line for line, _ in tensor.refused] == [13]
+    assert tensor.fixes == 4 and tensor.refused == ()
+    assert "tbl = host_ptr_table(bufs).as_uint64_tensor().view(torch.int64)\n    t2 = tbl\n" in tensor.code
     assert "tbl = make_kernel_ptr_table(bufs, \"cuda\").as_uint64_tensor()\n    t2 = tbl\n" in tensor.code
 
 
@@ -330,3 +334,82 @@ def test_the_finding_names_the_domain_of_a_device_held_in_a_name() -> None:
     # a parameter defaulting to the CPU, `self.device = "cpu"`: either, named in the fix too
     for line in (10, 23):
         assert "host or device pointer table (the device is chosen at run time)" in found[line]
+
+
+def test_a_table_that_escapes_to_unseen_consumers_is_left_alone() -> None:
+    source = _case("escapes.py")
+    result = fix_source(source)
+    reasons = dict(result.refused)
+    assert sorted(reasons) == [8, 16, 22, 31, 39, 44, 48, 52, 55, 59, 75]
+    assert "returned" in reasons[8] and "returned" in reasons[16]  # no return type, Any
+    assert "pool.ptrs" in reasons[22]  # read on another object in the module
+    assert "getattr" in reasons[31] and "setattr" in reasons[39]
+    assert "pool.ptrs" in reasons[44]  # stored on another object
+    assert "cannot follow" in reasons[48] and "append()" in reasons[52]
+    assert "module" in reasons[55] and "class" in reasons[59]
+    # a declared return type, but a caller in the module uses the value as a tensor
+    assert "typed_but_summed(bufs)" in reasons[75] and ".sum" in reasons[75]
+    # a declared return type is the callers' contract (mypy checks it), and a private read
+    assert result.fixes == 2
+    assert "    return host_ptr_table(bufs)\n" in result.code
+    assert "self.own = host_ptr_table(bufs)\n" in result.code
+    # as a tensor of the same dtype every one of them keeps working
+    tensor = fix_source(source, "tensor")
+    assert tensor.fixes == 13 and tensor.refused == ()
+
+
+_RETURNED = (
+    "import torch\n\n\n"
+    "def build(bufs):\n"
+    "    return torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64)\n\n\n"
+    "def checksum(bufs):\n"
+    "    return int(build(bufs).sum())\n\n\n"
+    "class Pool:\n"
+    "    def __init__(self, bufs):\n"
+    "        self.ptrs = torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64)\n\n"
+    "    def total(self):\n"
+    "        return int(getattr(self, 'ptrs').sum())\n\n\n"
+    "def total(pool):\n"
+    "    return int(pool.ptrs.sum())\n"
+)
+
+
+def _run_both(source: str, style: FixStyle, call: str, bufs: list[torch.Tensor]) -> tuple[object, object]:
+    before: dict[str, object] = {"BUFS": bufs}
+    exec(compile(source, "before.py", "exec"), before)
+    after: dict[str, object] = {"BUFS": bufs}
+    exec(compile(fix_source(source, style).code, "after.py", "exec"), after)
+    expr = call.replace("bufs", "BUFS")
+    return eval(expr, before), eval(expr, after)
+
+
+@pytest.mark.parametrize("style", ["table", "tensor"])
+def test_the_fixed_file_computes_what_the_original_did(style: FixStyle) -> None:
+    # the reproducer: a returned table summed by a caller, a table read by getattr and on another object
+    bufs = [torch.zeros(4), torch.zeros(8, dtype=torch.uint8)]
+    want = sum(b.data_ptr() for b in bufs)
+    for call in ("checksum(bufs)", "Pool(bufs).total()", "total(Pool(bufs))"):
+        before, after = _run_both(_RETURNED, style, call, bufs)
+        assert before == want and after == want, (style, call)
+    assert fix_source(_RETURNED).fixes == 0
+
+
+def test_the_tensor_form_keeps_the_original_dtype() -> None:
+    source = _case("dtypes.py")
+    result = fix_source(source, "tensor")
+    assert "return host_ptr_table([*bufs]).as_uint64_tensor().view(torch.int64)\n" in result.code
+    assert "return host_ptr_table([*bufs]).as_uint64_tensor().view(torch.long)\n" in result.code
+    assert "return host_ptr_table([*bufs]).as_uint64_tensor()\n" in result.code
+    reasons = dict(result.refused)
+    assert sorted(reasons) == [23, 27] and result.fixes == 3
+    assert "dtype" in reasons[23] and "dtype" in reasons[27]
+    bufs = [torch.zeros(4), torch.zeros(8, dtype=torch.uint8)]
+    before: dict[str, object] = {}
+    exec(compile(source, "dtypes.py", "exec"), before)
+    after: dict[str, object] = {}
+    exec(compile(result.code, "dtypes.py", "exec"), after)
+    for fn in ("no_dtype", "shifted", "named_long", "unsigned"):
+        old = before[fn](bufs)  # type: ignore[operator]
+        new = after[fn](bufs)  # type: ignore[operator]
+        assert new.dtype == old.dtype and new.device == old.device and new.tolist() == old.tolist(), fn
+    assert after["shifted"](bufs).tolist() == [b.data_ptr() + 8 for b in bufs]  # type: ignore[operator]

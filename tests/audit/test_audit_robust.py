@@ -65,7 +65,7 @@ def test_cli_reports_a_too_deep_expression(tmp_path: Path, capsys: pytest.Captur
 
 
 FIX_CASES = Path(__file__).with_name("audit_cases") / "fix"
-_TABLE = ("import torch\n\ndef build(bufs, device):\n"
+_TABLE = ("import torch\n\ndef build(bufs, device) -> object:\n"
           "    return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64, device=device)\n")
 _FIXED = "    return make_kernel_ptr_table("
 

@@ -29,14 +29,24 @@ A site is left alone (the finding stays, the reason is in :attr:`FixResult.refus
 * the enclosing function or class mentions a device other than CUDA/HIP (``npu``, ``xpu``, ``musa``,
   ``mlu``, ``hpu``, ``mps``) or the module imports such a back-end (``torch_npu``, ...): the
   pointerdomain builders raise there;
-* a consumer of the value would break with a ``PointerTable`` (``style="table"``):
+* (``style="table"``) a consumer of the value would break with a ``PointerTable``:
   arithmetic, indexing, a method other than ``as_uint64_tensor()``, an element of a list or
   tuple (``torch.cat([t1, t2])``), a copy to another name or attribute (``t2 = tbl``: its
   reads are not followed), or an argument of any call other than pointerdomain's own
   API (and ``isinstance``/``id``/``repr``/``print``/``type``): a native op such as
   ``sgl_kernel.transfer_kv_all_layer``, a Triton launch ``kern[grid](table)`` or an untyped
-  helper may read it as a tensor; with ``style="tensor"`` the same consumers are refused
-  when the original dtype was not ``torch.uint64`` (the rewrite changes it).
+  helper may read it as a tensor;
+* (``style="table"``) the value escapes to consumers the fix cannot see: returned by a
+  function that declares no return type (or ``Any``), or whose calls in the module use it
+  as a tensor; bound to a module or class name; stored on another object (``pool.ptrs =``)
+  or in a container; a ``self.attr`` whose name the module also reads on another object
+  (``pool.ptrs``) or by name (``getattr(obj, "ptrs")``, or ``getattr``/``setattr``/
+  ``vars``/``__dict__`` with a computed name on ``self``). A declared return type is the
+  callers' contract, which the mypy check holds the rewrite to;
+* (``style="tensor"``) the original dtype cannot be kept: the ``uint64`` copy is viewed as
+  ``int64`` when the original was ``int64`` (no dtype, ``torch.int64``, ``torch.long``),
+  and any other dtype (a name, ``int32``) refuses the site. With the dtype kept the value
+  is a tensor of the same dtype, device and values, so no consumer is checked.
 
 The builders are imported by name (``from pointerdomain import ...``) unless a name of the
 module already binds one of them to something else (sglang has its own
@@ -63,8 +73,8 @@ from typing import Literal
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
-from libcst.metadata import (MetadataWrapper, ParentNodeProvider, PositionProvider, QualifiedNameProvider,
-                             ScopeProvider)
+from libcst.metadata import (ClassScope, GlobalScope, MetadataWrapper, ParentNodeProvider, PositionProvider,
+                             QualifiedNameProvider, ScopeProvider)
 
 from pointerdomain.audit.python_pass import device_targets
 
@@ -129,6 +139,10 @@ class _Rewriter(cst.CSTTransformer):
         self._lines: dict[int, int] = {}
         self._starts: dict[int, tuple[int, int]] = {}
         self._attribute_nodes: dict[str, list[cst.CSTNode]] = {}
+        self._other_attribute_nodes: dict[str, list[cst.Attribute]] = {}
+        self._calls_by_name: dict[str, list[cst.Call]] = {}
+        self._by_name_calls: list[cst.Call] = []
+        self._dict_reads: list[cst.Attribute] = []
 
     # -- context ------------------------------------------------------------------------
 
@@ -215,10 +229,11 @@ class _Rewriter(cst.CSTTransformer):
 
     # -- consumers ----------------------------------------------------------------------
 
-    def _uses(self, call: cst.Call) -> list[cst.CSTNode] | None:
+    def _uses(self, call: cst.Call) -> list[cst.CSTNode] | str:
         """The expressions that read the value of ``call``: the call itself when used inline,
-        the reads of the name or ``self.attr`` it is bound to. None: bound to something
-        this pass does not follow (a subscript, a tuple target)."""
+        the reads of the local name or ``self.attr`` it is bound to. A string: why its
+        readers cannot all be seen (a module or class name, another object's attribute, an
+        attribute read by name, a subscript or tuple target)."""
         parent = self.get_metadata(ParentNodeProvider, call, None)
         if isinstance(parent, (cst.Assign, cst.AnnAssign)):
             targets = [t.target for t in parent.targets] if isinstance(parent, cst.Assign) else [parent.target]
@@ -227,15 +242,71 @@ class _Rewriter(cst.CSTTransformer):
                 if isinstance(target, cst.Name):
                     scope = self.get_metadata(ScopeProvider, target, None)
                     if scope is None:
-                        return None
-                    for a in scope.assignments[target.value]:
+                        return "its value is bound to a target the fix cannot follow"
+                    assignments = list(scope.assignments[target.value])
+                    if any(isinstance(a.scope, GlobalScope) for a in assignments):
+                        return f"its value is bound to the module name {target.value}, which other modules may " \
+                            "import and use as a tensor"
+                    if any(isinstance(a.scope, ClassScope) for a in assignments):
+                        return f"its value is the class attribute {target.value}, read through instances and " \
+                            "subclasses the fix does not follow"
+                    for a in assignments:
                         uses.extend(access.node for access in a.references)
                 elif isinstance(target, cst.Attribute):
+                    if not (isinstance(target.value, cst.Name) and target.value.value in ("self", "cls")):
+                        return f"its value is stored on another object ({_code(target)}), whose reads the fix " \
+                            "does not follow"
+                    hidden = self._hidden_attribute_reads(target)
+                    if hidden is not None:
+                        return hidden
                     uses.extend(self._attribute_reads(_code(target)))
                 else:
-                    return None
+                    return "its value is bound to a target the fix cannot follow"
             return uses
         return [call]
+
+    def _hidden_attribute_reads(self, target: cst.Attribute) -> str | None:
+        """Why ``self.<attr>`` may be read where the fix does not follow it in this module:
+        on another object (``pool.ptrs``), by name (``getattr(obj, "ptrs")`` anywhere;
+        ``getattr``/``setattr``/``delattr`` with a computed name, ``vars()`` or ``__dict__``
+        on ``self`` in its class or a subclass in this module); else None."""
+        attr = target.attr.value
+        owner = self._enclosing(target, cst.ClassDef)
+        other = self._other_attribute_nodes.get(attr)
+        if other:
+            return f"its attribute .{attr} is also read on another object ({_code(other[0])}), as a tensor for all " \
+                "the fix knows"
+        for call in self._by_name_calls:
+            names = self._qualnames(call.func)
+            if not names & {"builtins.getattr", "builtins.setattr", "builtins.delattr", "builtins.vars"} \
+                    or not call.args:
+                continue
+            on_self = isinstance(call.args[0].value, cst.Name) and call.args[0].value.value in ("self", "cls") \
+                and self._same_or_subclass(self._enclosing(call, cst.ClassDef), owner)
+            which = _code(call.func)
+            if len(call.args) < 2:  # vars(self)
+                if on_self:
+                    return f"{which}(self) reads the object's attributes by name, and the fix does not follow them"
+                continue
+            name = call.args[1].value
+            if isinstance(name, cst.SimpleString):
+                if name.evaluated_value == attr:
+                    return f"its attribute .{attr} is used by name ({_code(call)}), as a tensor for all the fix knows"
+            elif on_self:
+                return f"{which}() on self with a computed name may reach .{attr}, whose reads the fix does not " \
+                    "follow"
+        if any(self._same_or_subclass(self._enclosing(n, cst.ClassDef), owner) for n in self._dict_reads):
+            return "self.__dict__ reads the object's attributes by name, and the fix does not follow them"
+        return None
+
+    @staticmethod
+    def _same_or_subclass(cls: cst.CSTNode | None, owner: cst.CSTNode | None) -> bool:
+        """Whether ``self`` in ``cls`` may be an instance of ``owner``: the same class, or one
+        naming it among its bases (by name: one level, as written in this module)."""
+        if cls is None or owner is None or cls is owner:
+            return cls is owner
+        assert isinstance(cls, cst.ClassDef) and isinstance(owner, cst.ClassDef)
+        return any(_code(b.value).split(".")[-1] == owner.name.value for b in cls.bases)
 
     def _attribute_reads(self, dotted: str) -> list[cst.CSTNode]:
         return [n for n in self._attribute_nodes.get(dotted, []) if not self._is_store(n)]
@@ -244,26 +315,25 @@ class _Rewriter(cst.CSTTransformer):
         parent = self.get_metadata(ParentNodeProvider, node, None)
         return isinstance(parent, (cst.AssignTarget, cst.AnnAssign)) and getattr(parent, "target", None) is node
 
-    def _breaking_use(self, use: cst.CSTNode, uint64: bool) -> str | None:
-        """Why this read of the table value would break after the rewrite, or None."""
+    def _breaking_use(self, use: cst.CSTNode, depth: int = 0) -> str | None:
+        """Why this read of the table value would break once it is a PointerTable, or None."""
         parent = self.get_metadata(ParentNodeProvider, use, None)
-        tensor_style = self.style == "tensor"
-        if isinstance(parent, (cst.Return, cst.Expr)) or parent is None:
+        if isinstance(parent, cst.Expr) or parent is None:
             return None
+        if isinstance(parent, cst.Return):
+            return self._breaking_return(parent, depth)
         if isinstance(parent, cst.Attribute) and parent.value is use:
             attr = parent.attr.value
-            if attr in _TABLE_METHODS or attr in _TABLE_ATTRS or tensor_style:
+            if attr in _TABLE_METHODS or attr in _TABLE_ATTRS:
                 return None
             return f"its value is used as a tensor (.{attr})"
         if isinstance(parent, (cst.BinaryOperation, cst.AugAssign, cst.UnaryOperation)):
-            return None if tensor_style and uint64 else "arithmetic on its value"
+            return "arithmetic on its value"
         if isinstance(parent, cst.Subscript):
-            return None if tensor_style else "its value is indexed"
+            return "its value is indexed"
         if isinstance(parent, cst.Element):
-            return None if tensor_style and uint64 else "its value is put in a list or tuple (torch.cat of tables)"
+            return "its value is put in a list or tuple (torch.cat of tables)"
         if isinstance(parent, cst.Arg):
-            if tensor_style and uint64:
-                return None  # still a uint64 tensor
             call = self.get_metadata(ParentNodeProvider, parent, None)
             if isinstance(call, cst.Call) and self._takes_a_table(call):
                 return None
@@ -276,9 +346,31 @@ class _Rewriter(cst.CSTTransformer):
         if isinstance(parent, (cst.Assign, cst.AnnAssign)):
             # a copy (`t2 = tbl`, `self.other = self.tbl`): its reads are not followed, and
             # mypy sees no error where an untyped native op receives it
-            return None if tensor_style and uint64 else "its value is copied to another name, whose uses the fix " \
-                "does not follow"
-        return None if tensor_style and uint64 else f"its value is used in a {type(parent).__name__}"
+            return "its value is copied to another name, whose uses the fix does not follow"
+        return f"its value is used in a {type(parent).__name__}"
+
+    def _breaking_return(self, ret: cst.Return, depth: int) -> str | None:
+        """A returned table reaches the function's callers: allowed when the function declares
+        its return type (mypy then checks the rewrite against it; ``Any`` declares nothing)
+        and the calls of it in this module work with a table too."""
+        function = self._enclosing(ret, cst.FunctionDef)
+        if not isinstance(function, cst.FunctionDef):
+            return "its value is returned where the fix cannot see the callers"
+        name = function.name.value
+        if function.returns is None:
+            return f"its value is returned by {name}(), whose callers the fix does not see (the function declares " \
+                "no return type)"
+        annotation = function.returns.annotation
+        if self._qualnames(annotation) & {"typing.Any", "typing_extensions.Any"} or _code(annotation) == "Any":
+            return f"its value is returned by {name}(), declared Any: its callers the fix does not see may use it " \
+                "as a tensor"
+        if depth >= 4:
+            return f"its value is returned through more than {depth} calls, which the fix does not follow"
+        for call in self._calls_by_name.get(name, []):
+            why = self._breaking_use(call, depth + 1)
+            if why is not None:
+                return f"its value is returned by {name}(), and at {_code(call)}: {why}"
+        return None
 
     def _takes_a_table(self, call: cst.Call) -> bool:
         """Whether ``call`` is known to accept a PointerTable argument: pointerdomain's own API
@@ -299,6 +391,32 @@ class _Rewriter(cst.CSTTransformer):
 
         node.visit(_Attrs())
         self._attribute_nodes = dict(index)
+        others: dict[str, list[cst.Attribute]] = collections.defaultdict(list)
+        calls: dict[str, list[cst.Call]] = collections.defaultdict(list)
+        by_name: list[cst.Call] = []
+        dict_reads: list[cst.Attribute] = []
+
+        class _Reads(cst.CSTVisitor):
+            def visit_Attribute(self, n: cst.Attribute) -> None:
+                if n.attr.value == "__dict__":
+                    if isinstance(n.value, cst.Name) and n.value.value in ("self", "cls"):
+                        dict_reads.append(n)
+                elif not (isinstance(n.value, cst.Name) and n.value.value in ("self", "cls")):
+                    others[n.attr.value].append(n)
+
+            def visit_Call(self, n: cst.Call) -> None:
+                if isinstance(n.func, cst.Name):
+                    calls[n.func.value].append(n)
+                    if n.func.value in ("getattr", "setattr", "delattr", "vars"):
+                        by_name.append(n)
+                elif isinstance(n.func, cst.Attribute):
+                    calls[n.func.attr.value].append(n)
+
+        node.visit(_Reads())
+        self._other_attribute_nodes = dict(others)
+        self._calls_by_name = dict(calls)
+        self._by_name_calls = by_name
+        self._dict_reads = dict_reads
 
     def _refuse(self, node: cst.CSTNode, reason: str) -> None:
         self.refused.append((self._line(node), reason))
@@ -328,17 +446,25 @@ class _Rewriter(cst.CSTTransformer):
             self._refuse(original_node, "the code runs on a non-CUDA/HIP device (npu/xpu/musa/...) here, where the "
                          "pointerdomain builders raise")
             return updated_node
-        dtype = kwargs.get("dtype")
-        uint64 = dtype is not None and _code(dtype).endswith("uint64")
-        uses = self._uses(original_node)
-        if uses is None:
-            self._refuse(original_node, "its value is bound to a target the fix cannot follow")
-            return updated_node
-        for use in uses:
-            why = self._breaking_use(use, uint64)
-            if why is not None:
-                self._refuse(original_node, why)
+        view: cst.BaseExpression | None = None
+        if self.style == "tensor":
+            # the value stays a tensor of the same dtype, device and values (a copy): every
+            # consumer keeps working, wherever it is
+            dtype = self._tensor_dtype(original_node, kwargs.get("dtype"))
+            if isinstance(dtype, str):
+                self._refuse(original_node, dtype)
                 return updated_node
+            view = dtype
+        else:
+            uses = self._uses(original_node)
+            if isinstance(uses, str):
+                self._refuse(original_node, uses)
+                return updated_node
+            for use in uses:
+                why = self._breaking_use(use)
+                if why is not None:
+                    self._refuse(original_node, why)
+                    return updated_node
         device = kwargs.get("device")
         if device is not None and _UNKNOWN in self._targets(device):
             self._refuse(original_node, f"the device ({_code(device)}) is known only at run time: it may be the CPU "
@@ -350,7 +476,25 @@ class _Rewriter(cst.CSTTransformer):
                          "cannot split into a device and a host table")
             return updated_node
         self.fixes += 1
-        return self._table_call(tensors, device)
+        fixed = self._table_call(tensors, device)
+        return _with_view(fixed, view) if view is not None else fixed
+
+    def _tensor_dtype(self, call: cst.Call, dtype: cst.BaseExpression | None) -> cst.BaseExpression | None | str:
+        """For ``style="tensor"``: the dtype to view the ``uint64`` copy as (None: it is
+        ``uint64`` already), or why the original dtype cannot be kept. Without a dtype
+        ``torch.tensor`` of Python ints is ``int64``."""
+        if dtype is None:
+            if isinstance(call.func, cst.Attribute):
+                return cst.Attribute(call.func.value, cst.Name("int64"))
+            return f"the original dtype is int64 (none given), and {_code(call.func)}() names no torch module to " \
+                "write it with"
+        names = self._qualnames(dtype)
+        if "torch.uint64" in names:
+            return None
+        if names & {"torch.int64", "torch.long"}:
+            return dtype
+        return f"the original dtype ({_code(dtype)}) is not known to be int64 or uint64, and the tensor form " \
+            "must keep it"
 
     def _targets(self, device: cst.BaseExpression, truthy: bool = False, depth: int = 0) -> frozenset[str]:
         """:func:`device_targets` with simple bindings followed: a name assigned once in its
@@ -517,6 +661,13 @@ class _Rewriter(cst.CSTTransformer):
         if self.style == "tensor":
             call = cst.Call(cst.Attribute(call, cst.Name("as_uint64_tensor")), [])
         return call
+
+
+def _with_view(call: cst.BaseExpression, dtype: cst.BaseExpression) -> cst.BaseExpression:
+    """``call.view(dtype)``, and each branch of a run-time choice of builder alike."""
+    if isinstance(call, cst.IfExp):
+        return call.with_changes(body=_with_view(call.body, dtype), orelse=_with_view(call.orelse, dtype))
+    return cst.Call(cst.Attribute(call, cst.Name("view")), [cst.Arg(dtype.with_changes(lpar=[], rpar=[]))])
 
 
 def _taken_names(module: cst.Module) -> set[str]:

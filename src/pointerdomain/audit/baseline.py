@@ -42,25 +42,36 @@ def fingerprints(findings: Sequence[Finding]) -> list[str]:
 
 
 def write_baseline(path: Path, findings: Sequence[Finding]) -> None:
-    """Write every finding (PD900/PD901 included) to ``path``."""
+    """Write every finding (PD900/PD901 included) to ``path``.
+
+    Raises:
+        ConfigError: ``path`` cannot be written (a missing folder, a directory, no permission).
+    """
     entries = [{"fingerprint": fp, "path": f.path, "code": f.code, "line": f.line, "snippet": f.snippet}
                for f, fp in sorted(zip(findings, fingerprints(findings)), key=lambda x: (x[0].path, x[0].line))]
-    path.write_text(json.dumps({"tool": _TOOL, "version": 1, "findings": entries}, indent=1) + "\n",
-                    encoding="utf-8")
+    try:
+        path.write_text(json.dumps({"tool": _TOOL, "version": 1, "findings": entries}, indent=1) + "\n",
+                        encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"baseline {path}: cannot write: {exc.strerror or exc}") from None
 
 
 def read_baseline(path: Path) -> Counter[str]:
     """The fingerprints recorded in ``path`` (a multiset).
 
     Raises:
-        ConfigError: the file is missing, not JSON, or not a baseline.
+        ConfigError: the file is missing, not UTF-8 JSON, or not a baseline.
     """
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError(f"baseline {path}: cannot read: {exc.strerror}") from None
+        raise ConfigError(f"baseline {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"baseline {path}: not UTF-8: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"baseline {path}: not JSON: {exc}") from None
+    except RecursionError:  # json's decoder recurses once per nested array or object
+        raise ConfigError(f"baseline {path}: not a pointerdomain-audit baseline (nested too deeply)") from None
     if not isinstance(data, dict) or data.get("tool") != _TOOL or data.get("version") != 1 \
             or not isinstance(data.get("findings"), list):
         raise ConfigError(f"baseline {path}: not a pointerdomain-audit baseline (version 1)")

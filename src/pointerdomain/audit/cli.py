@@ -3,7 +3,8 @@
 
 Exit status: 0 no new findings; 1 new findings (or, with ``--fix``, findings left
 after fixing); 2 a usage or configuration error (bad option, missing path, invalid
-``[tool.pointerdomain.audit]``, unreadable baseline); 3 no new finding, but files were
+``[tool.pointerdomain.audit]``, unreadable baseline or config, an ``-o`` or
+``--write-baseline`` file that cannot be written), told in one line on stderr; 3 no new finding, but files were
 not audited (size cap, timeout, PD901) and ``--allow-skipped`` / ``allow_skipped`` is off.
 """
 
@@ -304,11 +305,15 @@ def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool
             skipped += result.skipped
             if result.data is None:
                 continue
-            total += result.fixes
             if diff:
                 sys.stdout.write(result.diff)
             else:
-                _write_atomically(path, result.data)
+                try:
+                    _write_atomically(path, result.data)
+                except OSError as exc:  # the file stays as it was, and so does its finding
+                    print(f"{result.rel}: not fixed: cannot write the file: {exc.strerror or exc}", file=sys.stderr)
+                    continue
+            total += result.fixes
     finally:
         worker.close()
     print(f"pointerdomain audit --fix: {total} site(s) {'would be ' if diff else ''}rewritten"
@@ -347,7 +352,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.write_baseline is not None:
-        write_baseline(args.write_baseline, result.findings)
+        try:
+            write_baseline(args.write_baseline, result.findings)
+        except ConfigError as exc:
+            print(f"error: --write-baseline: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"pointerdomain audit: wrote {len(result.findings)} finding(s) to {args.write_baseline}", file=sys.stderr)
         for skip in result.skipped:  # their findings, if any, are not in the baseline
             print(f"{skip.path}: skipped: {skip.skipped}", file=sys.stderr)
@@ -356,7 +365,11 @@ def run(args: argparse.Namespace) -> int:
                       result.seconds, len(result.skipped), not config.allow_skipped)
     report = render(cast(Format, args.format), result.new, summary, _VERSION, result.per_file)
     if args.output is not None:
-        args.output.write_text(report, encoding="utf-8")
+        try:
+            args.output.write_text(report, encoding="utf-8")
+        except OSError as exc:
+            print(f"error: -o {args.output}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
         print(summary.line(), file=sys.stderr)
     else:
         sys.stdout.write(report)

@@ -11,5 +11,5 @@ def kept_by_trailing_comment(bufs, device):
     return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64, device=device)  # pointerdomain: ignore[PD001] legacy
 
 
-def reported(bufs, device):
+def reported(bufs, device) -> object:
     return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64, device=device)

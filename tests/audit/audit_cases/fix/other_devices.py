@@ -8,7 +8,7 @@ def npu_table(bufs, device):
     return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64, device=device)  # expect[PD001]
 
 
-def cuda_table(bufs, device):
+def cuda_table(bufs, device) -> object:
     # a comment that names "npu" runs nowhere
     return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64, device=device)  # expect[PD001]
 

@@ -2,7 +2,7 @@ import torch
 from pool_utils import *  # noqa: F403
 
 
-def build(bufs, device):
+def build(bufs, device) -> object:
     table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64, device=device)
     return table
 
