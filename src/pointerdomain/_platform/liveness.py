@@ -25,8 +25,9 @@ while it lives); the tensors it reads are the ones the table keeps.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple, cast
 
 import torch
@@ -194,7 +195,7 @@ class JointWatch:
     the watched objects: valid only while the watches' owners live (a launch plan of two
     tables, which reads it only while the call holds both tables)."""
 
-    __slots__ = ("_addresses", "_expected", "_address_ptr", "_expected_ptr", "_count", "_differ")
+    __slots__ = ("_addresses", "_expected", "_address_ptr", "_expected_ptr", "_count", "_differ", "first_changed")
 
     def __init__(self, watches: Sequence[StorageWatch]) -> None:
         from pointerdomain import _C
@@ -205,6 +206,10 @@ class JointWatch:
         self._expected_ptr = int(self._expected.data_ptr())
         self._count = int(self._addresses.numel())
         self._differ = _C.words_differ
+        #: the index of the first watched word that changed, or -1 (intact): the native
+        #: call with its arguments bound, for the launch path (no Python frame of its own)
+        self.first_changed: Callable[[], int] = functools.partial(
+            _C.words_differ, self._address_ptr, self._expected_ptr, self._count)
 
     def intact(self) -> bool:
         """:meth:`StorageWatch.intact` of every watch at once."""

@@ -25,13 +25,14 @@ import bisect
 import ctypes
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
 from pointerdomain._platform.graph_holds import CaptureCount
-from pointerdomain._platform.host_indices import slots_problem
+from pointerdomain._platform.host_indices import native_slots_problem, slots_problem
 from pointerdomain._platform.liveness import JointWatch, joint_watch
 from pointerdomain.devices import Device, DeviceRuntime
 from pointerdomain.domains import DeviceAlias
@@ -87,6 +88,11 @@ class TransferPlan:
             check then).
         dst_clashes: layers whose dst entries share memory (:func:`~pointerdomain.transfer.overlap.entry_clashes`):
             a launch over both is refused; empty for every table whose entries are disjoint.
+        auto_host_kernel: ``backend="auto"`` with indices in host memory takes the kernel
+            (it reads host memory: the emulated device, whose runtime never auto-picks the
+            staged path), fixed with the device's runtime.
+        slots_problem: :func:`~pointerdomain._platform.host_indices.slots_problem`, the
+            native function itself where the device's indices are host memory.
         captures: the backend's count of open graph captures
             (:class:`~pointerdomain._platform.graph_holds.CaptureCount`), or None where it
             cannot count them (a launch that recorded no event then asks for a capture).
@@ -124,6 +130,8 @@ class TransferPlan:
     watch: JointWatch | None = None
     dst_clashes: tuple[LayerClash, ...] = ()
     captures: CaptureCount | None = None
+    auto_host_kernel: bool = False
+    slots_problem: Callable[[int, int, int, int, int], int] = slots_problem
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
@@ -360,7 +368,9 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
                         device.runtime.launch_sets_device, device.runtime.streams, given_src.num_slots,
                         given_dst.num_slots, device.runtime, host_word(device),
                         joint_watch(src.storage_watch(), dst.storage_watch()),
-                        captures=getattr(platform, "graph_captures", None), dst_clashes=clashes)
+                        captures=getattr(platform, "graph_captures", None), dst_clashes=clashes,
+                        auto_host_kernel=device.runtime.host_memory and not platform.staged_auto,
+                        slots_problem=native_slots_problem() if device.runtime.host_memory else slots_problem)
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
