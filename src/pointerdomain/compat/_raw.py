@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pointerdomain.arguments import describe
+from pointerdomain import _platform
 from pointerdomain._platform import memory_generation, pointer_info
 from pointerdomain.registration.allocation import memory_device
 from pointerdomain.devices import Device
@@ -225,7 +226,7 @@ def memory_current() -> bool:
     resolves its tables anew and refuses a freed entry (or an address now an allocation too
     small for it) with a typed error before anything is written. One native call when nothing was released. False when entries were
     dropped (an entry the caller already holds is then not to be used)."""
-    if memory_generation() == _checked_generation:
+    if _platform.generation_count() == _checked_generation:
         return True
     return _recheck()
 
@@ -378,7 +379,7 @@ def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
     without ``.data =``, which no counter sees). A constant amount of work per argument:
     two attribute reads while nothing moved, no hashing of shapes. False, too, when device
     memory a cached resolution names was freed since (:func:`memory_current`)."""
-    if not memory_current():
+    if _platform.generation_count() != _checked_generation and not _recheck():  # memory_current, inlined
         return False
     n = len(tensors)
     if n == 2:
