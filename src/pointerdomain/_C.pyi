@@ -80,6 +80,16 @@ def host_slots_problem(src_idx: int, dst_idx: int, n: int, src_slots: int, dst_s
     0, or 1 / 2: a src / dst slot outside [0, slots), 3: a dst slot twice (int64 host arrays by address).
     """
 
+def index_words_set(offsets: tuple[int, int, int, int, int, int, int, int, int, int], tensor_type: object) -> None:
+    """
+    Word offsets: tensor storage, storage offset, dim, size 0, stride 0, numel, dtype word; storage data, storage size; tensor object in the Python object. tensor_type: the Python type read.
+    """
+
+def index_pair(src: object, dst: object, meta: int) -> tuple[int, int, int, int] | None:
+    """
+    (numel, numel, data pointer, data pointer) of two tensors of exactly the type set that are 1-D, stride 1, with the dtype word meta and a storage holding the view; else None.
+    """
+
 def read_words(address: int, count: int) -> list[int]:
     """count uint64 words from address (of a live object)."""
 

@@ -100,3 +100,18 @@ def test_a_launch_over_many_allocations_after_a_change_writes_nothing(how: str, 
             pd.transfer_kv_all_layer(host.kernel_table, dst, idx, idx, src_layout=host.layout, dst_layout=LAYOUT)
         assert all(torch.equal(b.view(torch.uint8), before) for b, before in zip(buffers, kept))
         assert all(bool((b.view(torch.uint8) == 0xA5).all()) for i, b in enumerate(buffers) if i != changed)
+
+
+def test_the_index_reader_is_found_and_gives_torchs_answers() -> None:
+    reader = liveness.cpu_index_reader()
+    assert reader is not None
+    base = torch.arange(100)
+    for t in (torch.tensor([3]), base[7:30], torch.zeros(0, dtype=torch.int64), base[99:], torch.arange(5000)):
+        assert reader.pair(t, base) == (t.numel(), 100, t.data_ptr(), base.data_ptr())
+    released = torch.arange(4)
+    released.untyped_storage().resize_(0)
+    refused: list[object] = [base[::2], base.view(10, 10), base.to(torch.int32), base.to(torch.uint64),
+                             base.view(torch.float64), released, torch.empty(3, dtype=torch.int64, device="meta"),
+                             torch.nn.Parameter(base.clone(), requires_grad=False), base.tolist(), None, 7]
+    for t in refused:
+        assert reader.pair(t, base) is None and reader.pair(base, t) is None

@@ -32,7 +32,7 @@ from typing import Any, Final, NamedTuple, cast
 
 import torch
 
-__all__ = ["JointWatch", "StorageWatch", "joint_watch", "storage_watch", "word_layout_found"]
+__all__ = ["IndexReader", "JointWatch", "StorageWatch", "cpu_index_reader", "joint_watch", "storage_watch", "word_layout_found"]
 
 #: Words read when looking for the fields (64 / 192 bytes: inside both objects, whose
 #: layouts in the torch builds this package supports are larger).
@@ -220,3 +220,140 @@ def joint_watch(*watches: StorageWatch | None) -> JointWatch | None:
     """One :class:`JointWatch` over ``watches``, or None where one of them is None."""
     present = [w for w in watches if w is not None]
     return JointWatch(present) if len(present) == len(watches) else None
+
+
+# -- index tensors ---------------------------------------------------------------------
+#
+# The launch path tests its two index tensors on every call: 1-D, stride 1, int64, on the
+# CPU where the device's indices are host memory, a storage holding what they view, and
+# their data pointers: about a dozen torch queries (0.05-0.09 us each here). The same facts
+# are words of torch's tensor object (its dims, first size and stride, element count, and
+# the word that holds its dtype and device) and of its storage, read from the Python objects
+# themselves in one native call (:func:`cpu_index_reader`), which reads only objects of type
+# exactly ``torch.Tensor``. Their offsets are found and proven as the liveness words' are;
+# the dtype word is compared whole with the one every 1-D contiguous int64 CPU tensor shows,
+# so a tensor that differs in anything that word holds (another dtype or device, a flag) is
+# not accepted and takes the Python checks, which answer and word the error as before.
+
+_INDEX_TENSOR_WORDS: Final = _TENSOR_WORDS  # (the fields lie inside these words in the builds supported)
+
+
+_IndexOffsets = tuple[int, int, int, int, int, int, int, int, int, int]
+
+
+def _index_offsets(layout: _Layout) -> _IndexOffsets | None:
+    keep: list[object] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        keep.append(t)
+        return t
+
+    def only(probes: Sequence[tuple[torch.Tensor, int]]) -> int | None:
+        return _only_offset([(int(t._cdata), value) for t, value in probes], _INDEX_TENSOR_WORDS)  # noqa: SLF001
+
+    shaped = [probe(torch.empty(shape, dtype=torch.int64)) for shape in ((1029,), (13, 17), (7, 11, 5), (6, 9, 5, 7),
+                                                                          (5, 6, 7, 8, 9))]
+    dim = only([(t, t.dim()) for t in shaped])
+    size0 = only([(t, t.shape[0]) for t in shaped])
+    numel = only([(t, t.numel()) for t in shaped[1:]] + [(shaped[0], 1029)])
+    strided = [probe(torch.empty(3000, dtype=torch.int64)[::3]), *shaped[1:]]
+    stride0 = only([(t, t.stride(0)) for t in strided])
+    # the tensor object inside the Python object (a THPVariable: its header, then the tensor)
+    in_object = _only_offset([(id(t), int(t._cdata)) for t in shaped], 4)  # noqa: SLF001
+    if dim is None or size0 is None or numel is None or stride0 is None or in_object is None:
+        return None
+    return (layout.tensor_storage, layout.tensor_offset, dim, size0, stride0, numel, numel + 8,
+            layout.storage_data, layout.storage_size, in_object)
+
+
+def _meta_word(t: torch.Tensor, offset: int) -> int:
+    from pointerdomain import _C
+
+    return int(_C.read_words(int(t._cdata) + offset, 1)[0])  # noqa: SLF001
+
+
+class IndexReader:
+    """The native test of two CPU index tensors (:func:`cpu_index_reader`) and the dtype word
+    it compares."""
+
+    __slots__ = ("native", "meta")
+
+    def __init__(self, meta: int) -> None:
+        from pointerdomain import _C
+
+        #: ``(src, dst, meta) -> (n, nd, src_ptr, dst_ptr) or None``
+        self.native = _C.index_pair
+        self.meta = meta
+
+    def pair(self, src: object, dst: object) -> tuple[int, int, int, int] | None:
+        """``(src.numel(), dst.numel(), src.data_ptr(), dst.data_ptr())`` where both are
+        ``torch.Tensor`` (the type itself, not a subclass), 1-D, stride 1, ``int64`` CPU
+        tensors whose storages hold what they view; else None."""
+        return self.native(src, dst, self.meta)
+
+
+def _find_index_reader() -> IndexReader | None:
+    from pointerdomain import _C
+
+    layout = _word_layout()
+    if layout is None or not hasattr(_C, "index_pair"):
+        return None
+    offsets = _index_offsets(layout)
+    if offsets is None:
+        return None
+    meta_at = offsets[6]
+    good = [torch.empty(n, dtype=torch.int64) for n in (1, 5, 4096)]
+    good += [torch.arange(40)[7:19], torch.tensor([3, 1, 2]), torch.zeros(0, dtype=torch.int64)]
+    metas = {_meta_word(t, meta_at) for t in good}
+    if len(metas) != 1:
+        return None
+    meta = metas.pop()
+    # the word must tell apart what the launch refuses: other dtypes (one of the same size
+    # among them), another device
+    others = [torch.empty(8, dtype=d) for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
+    others.append(torch.empty(8, dtype=torch.int64, device="meta"))
+    if any(_meta_word(t, meta_at) == meta for t in others):
+        return None
+    _C.index_words_set(offsets, torch.Tensor)
+    reader = IndexReader(meta)
+    return reader if _reader_proven(reader, good) else None
+
+
+def _reader_proven(reader: IndexReader, good: Sequence[torch.Tensor]) -> bool:
+    """The reader gives torch's answers for accepted probes and accepts none it must refuse."""
+    for t in good:
+        if reader.pair(t, t) != (t.numel(), t.numel(), t.data_ptr(), t.data_ptr()):
+            return False
+    base = torch.arange(64)
+    released = torch.arange(16)
+    released.untyped_storage().resize_(0)
+    swapped = torch.arange(16)
+    swapped.data = swapped.view(torch.float64)
+    refused: list[object] = [base[::2], base.view(8, 8), base.view(8, 8)[:, 0], base.to(torch.int32), released, swapped,
+               base.view(1, 64), torch.empty(4, dtype=torch.int64, device="meta")]
+    whole = torch.arange(32)
+    tail = whole[8:]
+    whole.untyped_storage().resize_(64)  # its storage now ends inside the view
+    refused.append(tail)
+    refused += [torch.nn.Parameter(torch.arange(4), requires_grad=False), [1, 2], None, 3]  # not torch.Tensor itself
+    return all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
+
+
+_index_lock = threading.Lock()  # not _lock: the search takes that one (_word_layout)
+_index_searched = False
+_index_reader: IndexReader | None = None
+
+
+def cpu_index_reader() -> IndexReader | None:
+    """The native reader of CPU index tensors, or None where its word offsets were not found
+    and proven in this process (the launch path then asks torch, same answers)."""
+    global _index_searched, _index_reader
+    if not _index_searched:
+        with _index_lock:
+            if not _index_searched:
+                try:
+                    _index_reader = _find_index_reader()
+                except (RuntimeError, NotImplementedError):  # a probe this torch cannot make
+                    _index_reader = None
+                _index_searched = True
+    return _index_reader

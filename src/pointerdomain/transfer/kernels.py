@@ -432,7 +432,16 @@ def bind_call(
     s_idx: object = src_indices  # checked at run time too: callers may be untyped
     d_idx: object = dst_indices
     where = _IDX_BAD
-    if (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
+    pair = plan.index_pair  # host-memory indices: the same tests as below in one native call
+    got = pair(s_idx, d_idx, plan.index_meta) if pair is not None else None  # None: not torch.Tensor itself, or a test fails
+    if got is not None:
+        n, nd, sp, dp = got
+        lookup, ordinal = plan.platform.device_lookup, device.ordinal
+        s_where = lookup(sp, n * 8 or 8)
+        d_where = lookup(dp, nd * 8 or 8)
+        if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
+            where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
+    elif (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
             and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
         n, nd = s_idx.numel(), d_idx.numel()
         # storages that hold what the tensors view (a released one reads freed memory)
@@ -798,7 +807,11 @@ def transfer_kv_per_layer(
         IndexValidationError: ``layer_id`` outside ``[0, num_layers)``; and all of
             :func:`transfer_kv_all_layer`'s errors.
     """
-    layer_begin, layer_count = layer_range(src_layout, layer_id, False)
+    layout: object = src_layout
+    if type(layer_id) is int and isinstance(layout, KVLayout) and 0 <= layer_id < layout.num_layers:
+        layer_begin, layer_count = layer_id, 1  # layer_range's answer, inlined for a layer in range
+    else:
+        layer_begin, layer_count = layer_range(src_layout, layer_id, False)
     plan, options, args, _host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
                                                  layer_begin, layer_count, stream, max_ctas, backend,
                                                  validate_indices)

@@ -33,7 +33,7 @@ import torch
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
 from pointerdomain._platform.graph_holds import CaptureCount
 from pointerdomain._platform.host_indices import native_slots_problem, slots_problem
-from pointerdomain._platform.liveness import JointWatch, joint_watch
+from pointerdomain._platform.liveness import JointWatch, cpu_index_reader, joint_watch
 from pointerdomain.devices import Device, DeviceRuntime
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import DeviceMismatchError, IndexValidationError, InvalidArgumentError, LayoutError
@@ -93,6 +93,10 @@ class TransferPlan:
             staged path), fixed with the device's runtime.
         slots_problem: :func:`~pointerdomain._platform.host_indices.slots_problem`, the
             native function itself where the device's indices are host memory.
+        index_pair, index_meta: where the device's indices are host memory and this process
+            found how torch lays out a tensor (:func:`~pointerdomain._platform.liveness.cpu_index_reader`),
+            the native test of two index tensors and the dtype word it compares; else None
+            (the launch asks torch).
         captures: the backend's count of open graph captures
             (:class:`~pointerdomain._platform.graph_holds.CaptureCount`), or None where it
             cannot count them (a launch that recorded no event then asks for a capture).
@@ -132,6 +136,8 @@ class TransferPlan:
     captures: CaptureCount | None = None
     auto_host_kernel: bool = False
     slots_problem: Callable[[int, int, int, int, int], int] = slots_problem
+    index_pair: Callable[[object, object, int], tuple[int, int, int, int] | None] | None = None
+    index_meta: int = 0
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
@@ -361,6 +367,7 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     # a table resolved from raw addresses keeps no storages: what its entries address instead
     starts, ends = _merged_ranges(dst.storage_spans() if dst.kept_tensors() else entry_spans(dst))
     platform = backend_for(device)
+    reader = cpu_index_reader() if device.runtime.host_memory else None
     return TransferPlan(device, platform, src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
                         kernel_plan(*args),
@@ -370,7 +377,9 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
                         joint_watch(src.storage_watch(), dst.storage_watch()),
                         captures=getattr(platform, "graph_captures", None), dst_clashes=clashes,
                         auto_host_kernel=device.runtime.host_memory and not platform.staged_auto,
-                        slots_problem=native_slots_problem() if device.runtime.host_memory else slots_problem)
+                        slots_problem=native_slots_problem() if device.runtime.host_memory else slots_problem,
+                        index_pair=None if reader is None else reader.native,
+                        index_meta=0 if reader is None else reader.meta)
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
