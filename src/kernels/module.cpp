@@ -227,15 +227,24 @@ NB_MODULE(_C, m) {
         "data, storage size; tensor object in the Python object. tensor_type: the Python type read.");
     m.def(
         "index_pair",
-        [](nb::handle src, nb::handle dst, std::uint64_t meta) -> nb::object {
+        [](nb::handle src, nb::handle dst, std::uint64_t meta, int ordinal) -> nb::object {
             std::int64_t n = 0, nd = 0;
             std::uint64_t sp = 0, dp = 0;
             if (!index_view(src, meta, n, sp) || !index_view(dst, meta, nd, dp)) return nb::none();
-            return nb::make_tuple(n, nd, sp, dp);
+            bool host = true;
+            if (ordinal >= 0) {  // host memory, or emulated device memory of this ordinal
+                const int s_where = pd::emu::device_lookup(sp, n ? 8 * static_cast<std::uint64_t>(n) : 8);
+                const int d_where = pd::emu::device_lookup(dp, nd ? 8 * static_cast<std::uint64_t>(nd) : 8);
+                if ((s_where >= 0 && s_where != ordinal) || (d_where >= 0 && d_where != ordinal)) return nb::none();
+                host = s_where < 0 || d_where < 0;
+            }
+            return nb::make_tuple(n, nd, sp, dp, host);
         },
-        nb::arg("src").none(), nb::arg("dst").none(), nb::arg("meta"),
-        "(numel, numel, data pointer, data pointer) of two tensors of exactly the type set that are 1-D, "
-        "stride 1, with the dtype word meta and a storage holding the view; else None.");
+        nb::arg("src").none(), nb::arg("dst").none(), nb::arg("meta"), nb::arg("ordinal"),
+        "(numel, numel, data pointer, data pointer, host) of two tensors of exactly the type set that are "
+        "1-D, stride 1, with the dtype word meta and a storage holding the view; else None. ordinal >= 0: "
+        "each must be host memory or emulated device memory of that ordinal (else None), host: one is "
+        "host memory; ordinal < 0: not looked up (host True).");
     m.def(
         "read_words",
         [](std::uint64_t address, std::size_t count) {

@@ -85,9 +85,9 @@ def index_words_set(offsets: tuple[int, int, int, int, int, int, int, int, int, 
     Word offsets: tensor storage, storage offset, dim, size 0, stride 0, numel, dtype word; storage data, storage size; tensor object in the Python object. tensor_type: the Python type read.
     """
 
-def index_pair(src: object, dst: object, meta: int) -> tuple[int, int, int, int] | None:
+def index_pair(src: object, dst: object, meta: int, ordinal: int) -> tuple[int, int, int, int, bool] | None:
     """
-    (numel, numel, data pointer, data pointer) of two tensors of exactly the type set that are 1-D, stride 1, with the dtype word meta and a storage holding the view; else None.
+    (numel, numel, data pointer, data pointer, host) of two tensors of exactly the type set that are 1-D, stride 1, with the dtype word meta and a storage holding the view; else None. ordinal >= 0: each must be host memory or emulated device memory of that ordinal (else None), host: one is host memory; ordinal < 0: not looked up (host True).
     """
 
 def read_words(address: int, count: int) -> list[int]:

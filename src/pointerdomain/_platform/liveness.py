@@ -281,7 +281,8 @@ class IndexReader:
     def __init__(self, meta: int) -> None:
         from pointerdomain import _C
 
-        #: ``(src, dst, meta) -> (n, nd, src_ptr, dst_ptr) or None``
+        #: ``(src, dst, meta, ordinal) -> (n, nd, src_ptr, dst_ptr, host) or None``; ``ordinal``
+        #: >= 0: each in host memory or that emulated device's (``host``: one in host memory)
         self.native = _C.index_pair
         self.meta = meta
 
@@ -289,7 +290,8 @@ class IndexReader:
         """``(src.numel(), dst.numel(), src.data_ptr(), dst.data_ptr())`` where both are
         ``torch.Tensor`` (the type itself, not a subclass), 1-D, stride 1, ``int64`` CPU
         tensors whose storages hold what they view; else None."""
-        return self.native(src, dst, self.meta)
+        got = self.native(src, dst, self.meta, -1)
+        return None if got is None else got[:4]
 
 
 def _find_index_reader() -> IndexReader | None:

@@ -433,14 +433,11 @@ def bind_call(
     d_idx: object = dst_indices
     where = _IDX_BAD
     pair = plan.index_pair  # host-memory indices: the same tests as below in one native call
-    got = pair(s_idx, d_idx, plan.index_meta) if pair is not None else None  # None: not torch.Tensor itself, or a test fails
+    # (None: not torch.Tensor itself, a test fails, or memory of another emulated device)
+    got = pair(s_idx, d_idx, plan.index_meta, device.ordinal) if pair is not None else None
     if got is not None:
-        n, nd, sp, dp = got
-        lookup, ordinal = plan.platform.device_lookup, device.ordinal
-        s_where = lookup(sp, n * 8 or 8)
-        d_where = lookup(dp, nd * 8 or 8)
-        if (s_where < 0 or s_where == ordinal) and (d_where < 0 or d_where == ordinal):
-            where = _IDX_HOST if s_where < 0 or d_where < 0 else _IDX_DEVICE
+        n, nd, sp, dp, in_host = got
+        where = _IDX_HOST if in_host else _IDX_DEVICE
     elif (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
             and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
         n, nd = s_idx.numel(), d_idx.numel()
@@ -624,7 +621,7 @@ def run(
     # keeps its tensors alive); with leases, an event after the launch tells close() when
     # the GPU is past it.
     owners = plan.owners
-    single = owners[0].leases if len(owners) == 1 else None  # the common case (one host pool)
+    single = plan.lease  # the one owner's leases: the common case (one host pool)
     if single is not None:  # acquire_all without its list
         token = single.acquire(("transfer", args.n, device, _thread_id()))
         tokens: list[int] | None = None if token == -1 else _NO_TOKENS
