@@ -438,3 +438,21 @@ def test_index_tensors_of_a_subclass_and_views_copy_what_torch_copies() -> None:
         pd.transfer_kv_all_layer(host.kernel_table, pool.table, s, d, src_layout=host.layout, dst_layout=pool.layout)
         assert same(_device_bytes(pool), want)
     host.close()
+
+
+@pytest.mark.parametrize("call", ["transfer_kv_all_layer", "load", "backup"])
+def test_indices_in_another_emulated_devices_memory_refused_after_warm_calls(call: str) -> None:
+    pool = _device_pool("one allocation", 11)
+    host = pd.HostKVPool(HOST, DEV)
+    fill_random(host.buffer, 12)
+    calls = _calls(host, pool)
+    _warm(calls)
+    here = pd.device_empty((2,), torch.int64, DEV).copy_(torch.tensor([3, 4]))  # this device's memory: taken
+    calls[call](torch.tensor([1, 2]), here)
+    other = pd.device_empty((2,), torch.int64, "emulated:1").copy_(torch.tensor([1, 2]))
+    for pair in ((other, torch.tensor([3, 4])), (torch.tensor([3, 4]), other)):
+        before = _snapshot(host, pool)
+        with pytest.raises(errors.IndexValidationError, match="device memory of emulated:1"):
+            calls[call](*pair)
+        assert _unchanged(host, pool, before)
+    host.close()
