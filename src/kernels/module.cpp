@@ -39,6 +39,28 @@ std::uint64_t word_at(std::uint64_t base, std::size_t offset) {
     return word;
 }
 
+// version_words_set's offsets: the version counter (in the tensor object), its version (in
+// the counter object)
+std::size_t version_offsets[2] = {};
+
+// What a tensor (exactly the type set) is now, as five words: its storage object, storage
+// offset, dtype word, the storage's data pointer and the tensor's version.
+bool tensor_words(nb::handle tensor, std::uint64_t *out) {
+    const std::size_t *o = index_offsets;
+    if (!index_type || !version_offsets[0] || Py_TYPE(tensor.ptr()) != index_type) return false;
+    const std::uint64_t impl = word_at(reinterpret_cast<std::uint64_t>(tensor.ptr()), o[9]);
+    if (!impl) return false;
+    const std::uint64_t storage = word_at(impl, o[0]);
+    const std::uint64_t counter = word_at(impl, version_offsets[0]);
+    if (!storage || !counter) return false;  // (no counter: an inference tensor)
+    out[0] = storage;
+    out[1] = word_at(impl, o[1]);
+    out[2] = word_at(impl, o[6]);
+    out[3] = word_at(storage, o[7]);
+    out[4] = word_at(counter, version_offsets[1]) & 0xffffffffu;
+    return true;
+}
+
 // A 1-D int64 view with stride 1 whose storage holds it: its numel and data pointer.
 bool index_view(nb::handle tensor, std::uint64_t meta, std::int64_t &n, std::uint64_t &data) {
     const std::size_t *o = index_offsets;
@@ -225,6 +247,36 @@ NB_MODULE(_C, m) {
         nb::arg("offsets"), nb::arg("tensor_type"),
         "Word offsets: tensor storage, storage offset, dim, size 0, stride 0, numel, dtype word; storage "
         "data, storage size; tensor object in the Python object. tensor_type: the Python type read.");
+    m.def(
+        "version_words_set",
+        [](std::size_t counter, std::size_t version) {
+            version_offsets[0] = counter;
+            version_offsets[1] = version;
+        },
+        nb::arg("counter"), nb::arg("version"),
+        "Word offsets: the version counter in the tensor object, the version in the counter object.");
+    m.def(
+        "tensors_words",
+        [](nb::handle tensors, std::uint64_t out, bool compare) -> bool {
+            // compare: whether every tensor's words equal those at out; else write them there
+            const Py_ssize_t n = PyTuple_Size(tensors.ptr());
+            if (n < 0) {
+                PyErr_Clear();
+                return false;
+            }
+            auto *words = reinterpret_cast<std::uint64_t *>(out);
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                std::uint64_t now[5];
+                if (!tensor_words(nb::handle(PyTuple_GET_ITEM(tensors.ptr(), i)), now)) return false;
+                if (compare ? std::memcmp(now, words + 5 * i, sizeof now) != 0 : false) return false;
+                if (!compare) std::memcpy(words + 5 * i, now, sizeof now);
+            }
+            return true;
+        },
+        nb::arg("tensors"), nb::arg("out"), nb::arg("compare"),
+        "For a tuple of tensors (exactly the type set): five words each (storage object, storage offset, "
+        "dtype word, storage data pointer, version), written to out (5 uint64 each) or, with compare, "
+        "compared with those there. False where a tensor is not read (or, comparing, differs).");
     m.def(
         "index_pair",
         [](nb::handle src, nb::handle dst, std::uint64_t meta, int ordinal) -> nb::object {

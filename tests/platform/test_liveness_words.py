@@ -27,6 +27,11 @@ def how(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     if request.param == "python":
         monkeypatch.setattr(liveness, "_searched", True)
         monkeypatch.setattr(liveness, "_layout", None)
+        # (the index and version words build on that layout: none either, restored after)
+        monkeypatch.setattr(liveness, "_index_searched", True)
+        monkeypatch.setattr(liveness, "_index_reader", None)
+        monkeypatch.setattr(liveness, "_version_searched", True)
+        monkeypatch.setattr(liveness, "_version_found", False)
     yield request.param
 
 
@@ -115,3 +120,35 @@ def test_the_index_reader_is_found_and_gives_torchs_answers() -> None:
                              torch.nn.Parameter(base.clone(), requires_grad=False), base.tolist(), None, 7]
     for t in refused:
         assert reader.pair(t, base) is None and reader.pair(base, t) is None
+
+
+def test_tensors_words_see_every_change_a_repeat_must_not_take() -> None:
+    native = liveness.tensors_words()
+    assert native is not None
+    words = torch.empty(10, dtype=torch.uint64)
+    address = int(words.data_ptr())
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(64, dtype=torch.bfloat16)[8:], torch.zeros(8, dtype=torch.int64)
+
+    def retype(t: torch.Tensor) -> None:
+        t.data = t.view(torch.float16)  # the same bytes, another dtype: no counter moves
+
+    def moved(t: torch.Tensor) -> None:
+        t.data = torch.zeros_like(t)  # other memory, the same dtype: no counter moves
+
+    changes: list[Callable[[torch.Tensor], object]] = [
+        lambda t: t.add_(1), lambda t: t.set_(torch.zeros_like(t).untyped_storage()), retype, moved,
+        lambda t: t.untyped_storage().resize_(0), lambda t: t.resize_(4)]
+    pair = fresh()
+    assert native(pair, address, False) and native(pair, address, True)
+    for change in changes:
+        for side in (0, 1):
+            pair = fresh()
+            assert native(pair, address, False)
+            change(pair[side])
+            assert not native(pair, address, True)
+    with torch.inference_mode():
+        inference = torch.zeros(4)
+    assert not native((inference,), address, False)  # no version counter: torch's queries instead
+    assert not native((torch.nn.Parameter(torch.zeros(4)),), address, False)

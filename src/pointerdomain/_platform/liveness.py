@@ -359,3 +359,93 @@ def cpu_index_reader() -> IndexReader | None:
                     _index_reader = None
                 _index_searched = True
     return _index_reader
+
+
+# -- a prepared call's tensors ---------------------------------------------------------
+#
+# The engines' call shapes (pointerdomain.compat) find a repeated call by its arguments'
+# identity and then ask each argument tensor for its data pointer and version counter (two
+# torch queries each). The same facts are five words per tensor: its storage object,
+# storage offset and dtype word, the storage's data pointer (together: the data pointer)
+# and the version in its counter object, compared in one native call (:func:`tensors_words`).
+
+_version_searched = False
+_version_found = False
+
+
+def _version_offsets(layout: _Layout) -> tuple[int, int] | None:
+    """(the counter in the tensor object, the version in the counter): the counter is the
+    one word a view shares with its base (beside the storage) that another tensor does not."""
+    from pointerdomain import _C
+
+    base = torch.zeros(16)
+    view, other = base[3:], torch.zeros(16)
+    wa, wv, wb = (_C.read_words(int(t._cdata), _TENSOR_WORDS) for t in (base, view, other))  # noqa: SLF001
+    found = [i * 8 for i in range(_TENSOR_WORDS)
+             if wa[i] == wv[i] and wa[i] and wa[i] != wb[i] and i * 8 != layout.tensor_storage]
+    if len(found) != 1:
+        return None
+    counter = found[0]
+    probes = []
+    for bumps in (0, 3, 7, 12):
+        t = torch.zeros(4)
+        for _ in range(bumps):
+            t.add_(0)
+        probes.append(t)
+    hits: set[int] | None = None
+    for t in probes:
+        words = _C.read_words(int(_C.read_words(int(t._cdata) + counter, 1)[0]), 3)  # noqa: SLF001
+        at = {i * 8 for i in (1, 2) if words[i] & 0xFFFFFFFF == t._version}
+        hits = at if hits is None else hits & at
+    return (counter, hits.pop()) if hits is not None and len(hits) == 1 else None
+
+
+def _words_proven(native: Callable[[object, int, bool], bool]) -> bool:
+    """Unchanged tensors compare equal; each change the callers look for compares unequal."""
+    def same_after(change: Callable[[torch.Tensor], object]) -> bool:
+        t = torch.zeros(64, dtype=torch.bfloat16)[8:]
+        out = torch.empty(5, dtype=torch.uint64)
+        if not native((t,), int(out.data_ptr()), False):
+            raise _LayoutMismatch
+        change(t)
+        return bool(native((t,), int(out.data_ptr()), True))
+
+    def retype(t: torch.Tensor) -> None:
+        t.data = t.view(torch.float16)
+
+    try:
+        if not same_after(lambda t: None):
+            return False
+        changes: list[Callable[[torch.Tensor], object]] = [
+            lambda t: t.add_(1), lambda t: t.set_(torch.zeros(56, dtype=torch.bfloat16).untyped_storage()),
+            retype, lambda t: t.untyped_storage().resize_(0)]
+        if any(same_after(change) for change in changes):
+            return False
+    except (_LayoutMismatch, RuntimeError):
+        return False
+    out = torch.empty(5, dtype=torch.uint64)
+    return not native((torch.nn.Parameter(torch.zeros(4)),), int(out.data_ptr()), False)
+
+
+def tensors_words() -> Callable[[object, int, bool], bool] | None:
+    """``_C.tensors_words(tensors, address, compare)``: writes five words per tensor of the
+    tuple ``tensors`` (each exactly ``torch.Tensor``) at ``address`` (5 uint64 each), or with
+    ``compare`` whether they still equal those; False where a tensor cannot be read (a
+    subclass, an inference tensor). None where the offsets were not found and proven in
+    this process (the callers then ask torch)."""
+    global _version_searched, _version_found
+    from pointerdomain import _C
+
+    if not _version_searched:
+        found = cpu_index_reader() is not None  # (before the lock: it takes the same one)
+        with _index_lock:
+            if not _version_searched:
+                layout = _word_layout()
+                offsets = _version_offsets(layout) if layout is not None and found else None
+                if offsets is not None and hasattr(_C, "tensors_words"):
+                    _C.version_words_set(*offsets)
+                    _version_found = _words_proven(_C.tensors_words)
+                    if not _version_found:
+                        _C.version_words_set(0, 0)  # (the native call then reads nothing)
+                _version_searched = True
+    return _C.tensors_words if _version_found else None
