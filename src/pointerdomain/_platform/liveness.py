@@ -378,14 +378,19 @@ def _version_offsets(layout: _Layout) -> tuple[int, int] | None:
     one word a view shares with its base (beside the storage) that another tensor does not."""
     from pointerdomain import _C
 
-    base = torch.zeros(16)
-    view, other = base[3:], torch.zeros(16)
-    wa, wv, wb = (_C.read_words(int(t._cdata), _TENSOR_WORDS) for t in (base, view, other))  # noqa: SLF001
-    found = [i * 8 for i in range(_TENSOR_WORDS)
-             if wa[i] == wv[i] and wa[i] and wa[i] != wb[i] and i * 8 != layout.tensor_storage]
-    if len(found) != 1:
+    found: set[int] | None = None
+    keep: list[torch.Tensor] = []
+    for size, dtype in ((16, torch.float32), (300, torch.int64), (40, torch.uint8), (7, torch.bfloat16)):
+        base = torch.zeros(size, dtype=dtype)
+        view, other = base[3:], torch.zeros(size, dtype=dtype)
+        keep += (base, view, other)  # (alive through the search: no address reused by the next probes)
+        wa, wv, wb = (_C.read_words(int(t._cdata), _TENSOR_WORDS) for t in (base, view, other))  # noqa: SLF001
+        shared = {i * 8 for i in range(_TENSOR_WORDS)
+                  if wa[i] == wv[i] and wa[i] and wa[i] != wb[i] and i * 8 != layout.tensor_storage}
+        found = shared if found is None else found & shared
+    if found is None or len(found) != 1:
         return None
-    counter = found[0]
+    counter = found.pop()
     probes = []
     for bumps in (0, 3, 7, 12):
         t = torch.zeros(4)
