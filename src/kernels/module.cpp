@@ -26,6 +26,60 @@
 namespace nb = nanobind;
 namespace pd = pointerdomain;
 
+namespace {
+// index_words_set's offsets: tensor storage, storage offset, dim, size 0, stride 0, numel,
+// dtype word (in the tensor object); data pointer, size in bytes (in the storage object);
+// the tensor object (in the Python object); and torch.Tensor, the one Python type read
+std::size_t index_offsets[10] = {};
+PyTypeObject *index_type = nullptr;
+
+std::uint64_t word_at(std::uint64_t base, std::size_t offset) {
+    std::uint64_t word;
+    std::memcpy(&word, reinterpret_cast<const void *>(base + offset), sizeof word);
+    return word;
+}
+
+// version_words_set's offsets: the version counter (in the tensor object), its version (in
+// the counter object)
+std::size_t version_offsets[2] = {};
+
+// What a tensor (exactly the type set) is now, as five words: its storage object, storage
+// offset, dtype word, the storage's data pointer and the tensor's version.
+bool tensor_words(nb::handle tensor, std::uint64_t *out) {
+    const std::size_t *o = index_offsets;
+    if (!index_type || !version_offsets[0] || Py_TYPE(tensor.ptr()) != index_type) return false;
+    const std::uint64_t impl = word_at(reinterpret_cast<std::uint64_t>(tensor.ptr()), o[9]);
+    if (!impl) return false;
+    const std::uint64_t storage = word_at(impl, o[0]);
+    const std::uint64_t counter = word_at(impl, version_offsets[0]);
+    if (!storage || !counter) return false;  // (no counter: an inference tensor)
+    out[0] = storage;
+    out[1] = word_at(impl, o[1]);
+    out[2] = word_at(impl, o[6]);
+    out[3] = word_at(storage, o[7]);
+    out[4] = word_at(counter, version_offsets[1]) & 0xffffffffu;
+    return true;
+}
+
+// A 1-D int64 view with stride 1 whose storage holds it: its numel and data pointer.
+bool index_view(nb::handle tensor, std::uint64_t meta, std::int64_t &n, std::uint64_t &data) {
+    const std::size_t *o = index_offsets;
+    if (!index_type || Py_TYPE(tensor.ptr()) != index_type) return false;
+    const std::uint64_t impl = word_at(reinterpret_cast<std::uint64_t>(tensor.ptr()), o[9]);
+    if (!impl || word_at(impl, o[6]) != meta || word_at(impl, o[2]) != 1 || word_at(impl, o[4]) != 1) return false;
+    const auto numel = static_cast<std::int64_t>(word_at(impl, o[5]));
+    const auto offset = static_cast<std::int64_t>(word_at(impl, o[1]));
+    if (numel < 0 || offset < 0 || static_cast<std::int64_t>(word_at(impl, o[3])) != numel) return false;
+    const std::uint64_t storage = word_at(impl, o[0]);
+    if (!storage) return false;
+    const std::uint64_t nbytes = word_at(storage, o[8]);
+    if (static_cast<std::uint64_t>(offset) + static_cast<std::uint64_t>(numel) > nbytes / 8) return false;
+    n = numel;
+    data = word_at(storage, o[7]) + 8 * static_cast<std::uint64_t>(offset);
+    return true;
+}
+}  // namespace
+
 using Geometry = std::array<std::int64_t, 8>;  // e_kv, e_layer, e_page, s_kv, s_layer, s_page, s_tok, num_slots
 using HostBytes = nb::ndarray<nb::pytorch, std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
@@ -179,6 +233,70 @@ NB_MODULE(_C, m) {
         },
         nb::arg("src_idx"), nb::arg("dst_idx"), nb::arg("n"), nb::arg("src_slots"), nb::arg("dst_slots"),
         "0, or 1 / 2: a src / dst slot outside [0, slots), 3: a dst slot twice (int64 host arrays by address).");
+    // The launch path's test of two index tensors (pointerdomain._platform.liveness.IndexReader):
+    // the same facts as torch's queries (1-D, stride 1, int64 on the CPU, a storage holding
+    // the view, the data pointer), read from torch's own objects at word offsets found and
+    // proven at run time. A tensor it does not accept goes to the Python checks.
+    m.def(
+        "index_words_set",
+        [](std::array<std::size_t, 10> offsets, nb::handle tensor_type) {
+            std::memcpy(index_offsets, offsets.data(), sizeof index_offsets);
+            index_type = reinterpret_cast<PyTypeObject *>(tensor_type.ptr());
+            Py_INCREF(tensor_type.ptr());  // kept for the process
+        },
+        nb::arg("offsets"), nb::arg("tensor_type"),
+        "Word offsets: tensor storage, storage offset, dim, size 0, stride 0, numel, dtype word; storage "
+        "data, storage size; tensor object in the Python object. tensor_type: the Python type read.");
+    m.def(
+        "version_words_set",
+        [](std::size_t counter, std::size_t version) {
+            version_offsets[0] = counter;
+            version_offsets[1] = version;
+        },
+        nb::arg("counter"), nb::arg("version"),
+        "Word offsets: the version counter in the tensor object, the version in the counter object.");
+    m.def(
+        "tensors_words",
+        [](nb::handle tensors, std::uint64_t out, bool compare) -> bool {
+            // compare: whether every tensor's words equal those at out; else write them there
+            const Py_ssize_t n = PyTuple_Size(tensors.ptr());
+            if (n < 0) {
+                PyErr_Clear();
+                return false;
+            }
+            auto *words = reinterpret_cast<std::uint64_t *>(out);
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                std::uint64_t now[5];
+                if (!tensor_words(nb::handle(PyTuple_GET_ITEM(tensors.ptr(), i)), now)) return false;
+                if (compare ? std::memcmp(now, words + 5 * i, sizeof now) != 0 : false) return false;
+                if (!compare) std::memcpy(words + 5 * i, now, sizeof now);
+            }
+            return true;
+        },
+        nb::arg("tensors"), nb::arg("out"), nb::arg("compare"),
+        "For a tuple of tensors (exactly the type set): five words each (storage object, storage offset, "
+        "dtype word, storage data pointer, version), written to out (5 uint64 each) or, with compare, "
+        "compared with those there. False where a tensor is not read (or, comparing, differs).");
+    m.def(
+        "index_pair",
+        [](nb::handle src, nb::handle dst, std::uint64_t meta, int ordinal) -> nb::object {
+            std::int64_t n = 0, nd = 0;
+            std::uint64_t sp = 0, dp = 0;
+            if (!index_view(src, meta, n, sp) || !index_view(dst, meta, nd, dp)) return nb::none();
+            bool host = true;
+            if (ordinal >= 0) {  // host memory, or emulated device memory of this ordinal
+                const int s_where = pd::emu::device_lookup(sp, n ? 8 * static_cast<std::uint64_t>(n) : 8);
+                const int d_where = pd::emu::device_lookup(dp, nd ? 8 * static_cast<std::uint64_t>(nd) : 8);
+                if ((s_where >= 0 && s_where != ordinal) || (d_where >= 0 && d_where != ordinal)) return nb::none();
+                host = s_where < 0 || d_where < 0;
+            }
+            return nb::make_tuple(n, nd, sp, dp, host);
+        },
+        nb::arg("src").none(), nb::arg("dst").none(), nb::arg("meta"), nb::arg("ordinal"),
+        "(numel, numel, data pointer, data pointer, host) of two tensors of exactly the type set that are "
+        "1-D, stride 1, with the dtype word meta and a storage holding the view; else None. ordinal >= 0: "
+        "each must be host memory or emulated device memory of that ordinal (else None), host: one is "
+        "host memory; ordinal < 0: not looked up (host True).");
     m.def(
         "read_words",
         [](std::uint64_t address, std::size_t count) {

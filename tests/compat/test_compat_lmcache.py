@@ -740,7 +740,10 @@ def test_a_prepared_call_captured_replays_the_slots_as_they_are_then(monkeypatch
     # The emulated device counts every device free, and a free drops the prepared calls over
     # raw addresses (the same numbers may name new memory); the full path's own temporaries
     # are such frees. CUDA's backend sees none: held still here, as there.
+    from pointerdomain import _platform
+
     monkeypatch.setattr(_raw, "memory_generation", lambda: 0)
+    monkeypatch.setattr(_platform, "generation_count", lambda: 0)
     fmt = F.NL_X_TWO_NB_BS_NH_HS
     caches = [_poison(_dev(_cache_shape(fmt))) for _ in range(L)]
     mem = _random(_dev((2, L, T, _item(fmt))))

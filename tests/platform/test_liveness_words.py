@@ -27,6 +27,11 @@ def how(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     if request.param == "python":
         monkeypatch.setattr(liveness, "_searched", True)
         monkeypatch.setattr(liveness, "_layout", None)
+        # (the index and version words build on that layout: none either, restored after)
+        monkeypatch.setattr(liveness, "_index_searched", True)
+        monkeypatch.setattr(liveness, "_index_reader", None)
+        monkeypatch.setattr(liveness, "_version_searched", True)
+        monkeypatch.setattr(liveness, "_version_found", False)
     yield request.param
 
 
@@ -100,3 +105,50 @@ def test_a_launch_over_many_allocations_after_a_change_writes_nothing(how: str, 
             pd.transfer_kv_all_layer(host.kernel_table, dst, idx, idx, src_layout=host.layout, dst_layout=LAYOUT)
         assert all(torch.equal(b.view(torch.uint8), before) for b, before in zip(buffers, kept))
         assert all(bool((b.view(torch.uint8) == 0xA5).all()) for i, b in enumerate(buffers) if i != changed)
+
+
+def test_the_index_reader_is_found_and_gives_torchs_answers() -> None:
+    reader = liveness.cpu_index_reader()
+    assert reader is not None
+    base = torch.arange(100)
+    for t in (torch.tensor([3]), base[7:30], torch.zeros(0, dtype=torch.int64), base[99:], torch.arange(5000)):
+        assert reader.pair(t, base) == (t.numel(), 100, t.data_ptr(), base.data_ptr())
+    released = torch.arange(4)
+    released.untyped_storage().resize_(0)
+    refused: list[object] = [base[::2], base.view(10, 10), base.to(torch.int32), base.to(torch.uint64),
+                             base.view(torch.float64), released, torch.empty(3, dtype=torch.int64, device="meta"),
+                             torch.nn.Parameter(base.clone(), requires_grad=False), base.tolist(), None, 7]
+    for t in refused:
+        assert reader.pair(t, base) is None and reader.pair(base, t) is None
+
+
+def test_tensors_words_see_every_change_a_repeat_must_not_take() -> None:
+    native = liveness.tensors_words()
+    assert native is not None
+    words = torch.empty(10, dtype=torch.uint64)
+    address = int(words.data_ptr())
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(64, dtype=torch.bfloat16)[8:], torch.zeros(8, dtype=torch.int64)
+
+    def retype(t: torch.Tensor) -> None:
+        t.data = t.view(torch.float16)  # the same bytes, another dtype: no counter moves
+
+    def moved(t: torch.Tensor) -> None:
+        t.data = torch.zeros_like(t)  # other memory, the same dtype: no counter moves
+
+    changes: list[Callable[[torch.Tensor], object]] = [
+        lambda t: t.add_(1), lambda t: t.set_(torch.zeros_like(t).untyped_storage()), retype, moved,
+        lambda t: t.untyped_storage().resize_(0), lambda t: t.resize_(4)]
+    pair = fresh()
+    assert native(pair, address, False) and native(pair, address, True)
+    for change in changes:
+        for side in (0, 1):
+            pair = fresh()
+            assert native(pair, address, False)
+            change(pair[side])
+            assert not native(pair, address, True)
+    with torch.inference_mode():
+        inference = torch.zeros(4)
+    assert not native((inference,), address, False)  # no version counter: torch's queries instead
+    assert not native((torch.nn.Parameter(torch.zeros(4)),), address, False)

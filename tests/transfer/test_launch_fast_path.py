@@ -370,3 +370,89 @@ def test_memory_device_of_cpu_tensors() -> None:
         assert pd.memory_device(on_one) == one and pd.memory_device(on_one[2:], whole_storage=True) == one
         assert pd.memory_device(on_zero) == DEV and pd.memory_device(on_zero[1:]) == DEV
     assert pd.memory_device_at(host.data_ptr(), 32) is None and pd.memory_device_at(on_one.data_ptr(), 32) == one
+
+
+def _to_int32(t: torch.Tensor) -> None:
+    t.data = t.to(torch.int32)
+
+
+def _to_float64(t: torch.Tensor) -> None:  # the same element size: only the dtype tells
+    t.data = t.view(torch.float64)
+
+
+def _strided(t: torch.Tensor) -> None:
+    t.set_(torch.arange(8).untyped_storage(), 0, (2,), (2,))
+
+
+def _two_dims(t: torch.Tensor) -> None:
+    t.set_(t.untyped_storage(), 0, (1, 2), (2, 1))
+
+
+def _past_storage(t: torch.Tensor) -> None:
+    t.set_(torch.arange(8).untyped_storage(), 6, (2,), (1,))
+    t.untyped_storage().resize_(56)  # 7 of the 8 elements: the view's last one is gone
+
+
+INDEX_CHANGES: dict[str, tuple[Callable[[torch.Tensor], None], type[errors.PointerDomainError], str]] = {
+    "int32 (.data =)": (_to_int32, errors.IndexValidationError, "dtype torch.int32"),
+    "float64 (.data =)": (_to_float64, errors.IndexValidationError, "dtype torch.float64"),
+    "stride 2 (set_)": (_strided, errors.IndexValidationError, "not contiguous"),
+    "2-D (set_)": (_two_dims, errors.IndexValidationError, "expected 1-D"),
+    "storage ends inside the view": (_past_storage, errors.IndexValidationError, "fewer than the tensor views"),
+}
+
+
+@pytest.mark.parametrize("change", INDEX_CHANGES)
+@pytest.mark.parametrize("call", ["transfer_kv_all_layer", "load", "backup"])
+def test_index_tensors_changed_in_place_refused_after_warm_calls(call: str, change: str) -> None:
+    """The same tensor objects, warm, then changed under the launch: the native index test
+    (or torch's queries where it does not apply) refuses them with the error a fresh call gets."""
+    mutate, error, message = INDEX_CHANGES[change]
+    pool = _device_pool("one allocation", 7)
+    host = pd.HostKVPool(HOST, DEV)
+    fill_random(host.buffer, 8)
+    calls = _calls(host, pool)
+    for side in ("src", "dst"):
+        s, d = torch.tensor([1, 2]), torch.tensor([3, 4])
+        for _ in range(3):
+            calls[call](s, d)
+        mutate(s if side == "src" else d)
+        before = _snapshot(host, pool)
+        with pytest.raises(error, match=message):
+            calls[call](s, d)
+        assert _unchanged(host, pool, before)
+    host.close()
+
+
+def test_index_tensors_of_a_subclass_and_views_copy_what_torch_copies() -> None:
+    """What the native index test does not take (a tensor subclass) goes to torch's queries;
+    views at an offset and empty index tensors go through it: every one copies the reference."""
+    pool = _device_pool("one allocation", 9)
+    host = pd.HostKVPool(HOST, DEV)
+    fill_random(host.buffer, 10)
+    base = torch.tensor([0, 5, 0, 9, 3, 0])
+    pairs = [(torch.nn.Parameter(torch.tensor([5, 9]), requires_grad=False), torch.tensor([2, 6])),
+             (base[3:5], torch.arange(20)[11:13]), (torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))]
+    for s, d in pairs:
+        want = reference_transfer(host.buffer, host.layout, _device_bytes(pool), LAYOUT, s.detach(), d)
+        pd.transfer_kv_all_layer(host.kernel_table, pool.table, s, d, src_layout=host.layout, dst_layout=pool.layout)
+        assert same(_device_bytes(pool), want)
+    host.close()
+
+
+@pytest.mark.parametrize("call", ["transfer_kv_all_layer", "load", "backup"])
+def test_indices_in_another_emulated_devices_memory_refused_after_warm_calls(call: str) -> None:
+    pool = _device_pool("one allocation", 11)
+    host = pd.HostKVPool(HOST, DEV)
+    fill_random(host.buffer, 12)
+    calls = _calls(host, pool)
+    _warm(calls)
+    here = pd.device_empty((2,), torch.int64, DEV).copy_(torch.tensor([3, 4]))  # this device's memory: taken
+    calls[call](torch.tensor([1, 2]), here)
+    other = pd.device_empty((2,), torch.int64, "emulated:1").copy_(torch.tensor([1, 2]))
+    for pair in ((other, torch.tensor([3, 4])), (torch.tensor([3, 4]), other)):
+        before = _snapshot(host, pool)
+        with pytest.raises(errors.IndexValidationError, match="device memory of emulated:1"):
+            calls[call](*pair)
+        assert _unchanged(host, pool, before)
+    host.close()

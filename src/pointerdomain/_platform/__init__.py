@@ -86,9 +86,11 @@ _generations: tuple[Callable[[], int], ...] = ()
 
 
 def _recount() -> None:
-    """Rebuild :data:`_generations` from :data:`_backends` (the caller holds the lock)."""
-    global _generations
+    """Rebuild :data:`_generations` and :data:`generation_count` from :data:`_backends`
+    (the caller holds the lock)."""
+    global _generations, generation_count
     _generations = tuple(getattr(b, "memory_generation", lambda: 0) for b in _backends.values())
+    generation_count = _generations[0] if len(_generations) == 1 else memory_generation
 
 
 def memory_generation() -> int:
@@ -100,6 +102,12 @@ def memory_generation() -> int:
     for count in _generations:
         total += count()
     return total
+
+
+#: :func:`memory_generation` as one call: the one backend in use's own counter (the
+#: emulated device's is native), else the sum; read as ``_platform.generation_count`` on
+#: every cached compat call (replaced whenever a backend comes or goes)
+generation_count: Callable[[], int] = memory_generation
 
 
 def _import(name: str) -> object:

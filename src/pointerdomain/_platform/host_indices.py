@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["slots_problem"]
+__all__ = ["native_slots_problem", "slots_problem"]
 
 #: ``slots_problem`` results
 OK = 0
@@ -30,6 +30,12 @@ def _load() -> Callable[[int, int, int, int, int], int]:
 
 
 _native: Callable[[int, int, int, int, int], int] | None = None
+
+
+def native_slots_problem() -> Callable[[int, int, int, int, int], int]:
+    """:func:`slots_problem` itself, the native function (for a caller that binds it once:
+    the launch path keeps it on the plan, no Python frame per launch)."""
+    return _native or _load()
 
 
 def slots_problem(src_idx: int, dst_idx: int, n: int, src_slots: int, dst_slots: int) -> int:

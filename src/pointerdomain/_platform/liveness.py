@@ -25,13 +25,14 @@ while it lives); the tensors it reads are the ones the table keeps.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple, cast
 
 import torch
 
-__all__ = ["JointWatch", "StorageWatch", "joint_watch", "storage_watch", "word_layout_found"]
+__all__ = ["IndexReader", "JointWatch", "StorageWatch", "cpu_index_reader", "joint_watch", "storage_watch", "word_layout_found"]
 
 #: Words read when looking for the fields (64 / 192 bytes: inside both objects, whose
 #: layouts in the torch builds this package supports are larger).
@@ -194,7 +195,7 @@ class JointWatch:
     the watched objects: valid only while the watches' owners live (a launch plan of two
     tables, which reads it only while the call holds both tables)."""
 
-    __slots__ = ("_addresses", "_expected", "_address_ptr", "_expected_ptr", "_count", "_differ")
+    __slots__ = ("_addresses", "_expected", "_address_ptr", "_expected_ptr", "_count", "_differ", "first_changed")
 
     def __init__(self, watches: Sequence[StorageWatch]) -> None:
         from pointerdomain import _C
@@ -205,6 +206,10 @@ class JointWatch:
         self._expected_ptr = int(self._expected.data_ptr())
         self._count = int(self._addresses.numel())
         self._differ = _C.words_differ
+        #: the index of the first watched word that changed, or -1 (intact): the native
+        #: call with its arguments bound, for the launch path (no Python frame of its own)
+        self.first_changed: Callable[[], int] = functools.partial(
+            _C.words_differ, self._address_ptr, self._expected_ptr, self._count)
 
     def intact(self) -> bool:
         """:meth:`StorageWatch.intact` of every watch at once."""
@@ -215,3 +220,237 @@ def joint_watch(*watches: StorageWatch | None) -> JointWatch | None:
     """One :class:`JointWatch` over ``watches``, or None where one of them is None."""
     present = [w for w in watches if w is not None]
     return JointWatch(present) if len(present) == len(watches) else None
+
+
+# -- index tensors ---------------------------------------------------------------------
+#
+# The launch path tests its two index tensors on every call: 1-D, stride 1, int64, on the
+# CPU where the device's indices are host memory, a storage holding what they view, and
+# their data pointers: about a dozen torch queries (0.05-0.09 us each here). The same facts
+# are words of torch's tensor object (its dims, first size and stride, element count, and
+# the word that holds its dtype and device) and of its storage, read from the Python objects
+# themselves in one native call (:func:`cpu_index_reader`), which reads only objects of type
+# exactly ``torch.Tensor``. Their offsets are found and proven as the liveness words' are;
+# the dtype word is compared whole with the one every 1-D contiguous int64 CPU tensor shows,
+# so a tensor that differs in anything that word holds (another dtype or device, a flag) is
+# not accepted and takes the Python checks, which answer and word the error as before.
+
+_INDEX_TENSOR_WORDS: Final = _TENSOR_WORDS  # (the fields lie inside these words in the builds supported)
+
+
+_IndexOffsets = tuple[int, int, int, int, int, int, int, int, int, int]
+
+
+def _index_offsets(layout: _Layout) -> _IndexOffsets | None:
+    keep: list[object] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        keep.append(t)
+        return t
+
+    def only(probes: Sequence[tuple[torch.Tensor, int]]) -> int | None:
+        return _only_offset([(int(t._cdata), value) for t, value in probes], _INDEX_TENSOR_WORDS)  # noqa: SLF001
+
+    shaped = [probe(torch.empty(shape, dtype=torch.int64)) for shape in ((1029,), (13, 17), (7, 11, 5), (6, 9, 5, 7),
+                                                                          (5, 6, 7, 8, 9))]
+    dim = only([(t, t.dim()) for t in shaped])
+    size0 = only([(t, t.shape[0]) for t in shaped])
+    numel = only([(t, t.numel()) for t in shaped[1:]] + [(shaped[0], 1029)])
+    strided = [probe(torch.empty(3000, dtype=torch.int64)[::3]), *shaped[1:]]
+    stride0 = only([(t, t.stride(0)) for t in strided])
+    # the tensor object inside the Python object (a THPVariable: its header, then the tensor)
+    in_object = _only_offset([(id(t), int(t._cdata)) for t in shaped], 4)  # noqa: SLF001
+    if dim is None or size0 is None or numel is None or stride0 is None or in_object is None:
+        return None
+    return (layout.tensor_storage, layout.tensor_offset, dim, size0, stride0, numel, numel + 8,
+            layout.storage_data, layout.storage_size, in_object)
+
+
+def _meta_word(t: torch.Tensor, offset: int) -> int:
+    from pointerdomain import _C
+
+    return int(_C.read_words(int(t._cdata) + offset, 1)[0])  # noqa: SLF001
+
+
+class IndexReader:
+    """The native test of two CPU index tensors (:func:`cpu_index_reader`) and the dtype word
+    it compares."""
+
+    __slots__ = ("native", "meta")
+
+    def __init__(self, meta: int) -> None:
+        from pointerdomain import _C
+
+        #: ``(src, dst, meta, ordinal) -> (n, nd, src_ptr, dst_ptr, host) or None``; ``ordinal``
+        #: >= 0: each in host memory or that emulated device's (``host``: one in host memory)
+        self.native = _C.index_pair
+        self.meta = meta
+
+    def pair(self, src: object, dst: object) -> tuple[int, int, int, int] | None:
+        """``(src.numel(), dst.numel(), src.data_ptr(), dst.data_ptr())`` where both are
+        ``torch.Tensor`` (the type itself, not a subclass), 1-D, stride 1, ``int64`` CPU
+        tensors whose storages hold what they view; else None."""
+        got = self.native(src, dst, self.meta, -1)
+        return None if got is None else got[:4]
+
+
+def _find_index_reader() -> IndexReader | None:
+    from pointerdomain import _C
+
+    layout = _word_layout()
+    if layout is None or not hasattr(_C, "index_pair"):
+        return None
+    offsets = _index_offsets(layout)
+    if offsets is None:
+        return None
+    meta_at = offsets[6]
+    good = [torch.empty(n, dtype=torch.int64) for n in (1, 5, 4096)]
+    good += [torch.arange(40)[7:19], torch.tensor([3, 1, 2]), torch.zeros(0, dtype=torch.int64)]
+    metas = {_meta_word(t, meta_at) for t in good}
+    if len(metas) != 1:
+        return None
+    meta = metas.pop()
+    # the word must tell apart what the launch refuses: other dtypes (one of the same size
+    # among them), another device
+    others = [torch.empty(8, dtype=d) for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
+    others.append(torch.empty(8, dtype=torch.int64, device="meta"))
+    if any(_meta_word(t, meta_at) == meta for t in others):
+        return None
+    _C.index_words_set(offsets, torch.Tensor)
+    reader = IndexReader(meta)
+    return reader if _reader_proven(reader, good) else None
+
+
+def _reader_proven(reader: IndexReader, good: Sequence[torch.Tensor]) -> bool:
+    """The reader gives torch's answers for accepted probes and accepts none it must refuse."""
+    for t in good:
+        if reader.pair(t, t) != (t.numel(), t.numel(), t.data_ptr(), t.data_ptr()):
+            return False
+    base = torch.arange(64)
+    released = torch.arange(16)
+    released.untyped_storage().resize_(0)
+    swapped = torch.arange(16)
+    swapped.data = swapped.view(torch.float64)
+    refused: list[object] = [base[::2], base.view(8, 8), base.view(8, 8)[:, 0], base.to(torch.int32), released, swapped,
+               base.view(1, 64), torch.empty(4, dtype=torch.int64, device="meta")]
+    whole = torch.arange(32)
+    tail = whole[8:]
+    whole.untyped_storage().resize_(64)  # its storage now ends inside the view
+    refused.append(tail)
+    refused += [torch.nn.Parameter(torch.arange(4), requires_grad=False), [1, 2], None, 3]  # not torch.Tensor itself
+    return all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
+
+
+_index_lock = threading.Lock()  # not _lock: the search takes that one (_word_layout)
+_index_searched = False
+_index_reader: IndexReader | None = None
+
+
+def cpu_index_reader() -> IndexReader | None:
+    """The native reader of CPU index tensors, or None where its word offsets were not found
+    and proven in this process (the launch path then asks torch, same answers)."""
+    global _index_searched, _index_reader
+    if not _index_searched:
+        with _index_lock:
+            if not _index_searched:
+                try:
+                    _index_reader = _find_index_reader()
+                except (RuntimeError, NotImplementedError):  # a probe this torch cannot make
+                    _index_reader = None
+                _index_searched = True
+    return _index_reader
+
+
+# -- a prepared call's tensors ---------------------------------------------------------
+#
+# The engines' call shapes (pointerdomain.compat) find a repeated call by its arguments'
+# identity and then ask each argument tensor for its data pointer and version counter (two
+# torch queries each). The same facts are five words per tensor: its storage object,
+# storage offset and dtype word, the storage's data pointer (together: the data pointer)
+# and the version in its counter object, compared in one native call (:func:`tensors_words`).
+
+_version_searched = False
+_version_found = False
+
+
+def _version_offsets(layout: _Layout) -> tuple[int, int] | None:
+    """(the counter in the tensor object, the version in the counter): the counter is the
+    one word a view shares with its base (beside the storage) that another tensor does not."""
+    from pointerdomain import _C
+
+    found: set[int] | None = None
+    keep: list[torch.Tensor] = []
+    for size, dtype in ((16, torch.float32), (300, torch.int64), (40, torch.uint8), (7, torch.bfloat16)):
+        base = torch.zeros(size, dtype=dtype)
+        view, other = base[3:], torch.zeros(size, dtype=dtype)
+        keep += (base, view, other)  # (alive through the search: no address reused by the next probes)
+        wa, wv, wb = (_C.read_words(int(t._cdata), _TENSOR_WORDS) for t in (base, view, other))  # noqa: SLF001
+        shared = {i * 8 for i in range(_TENSOR_WORDS)
+                  if wa[i] == wv[i] and wa[i] and wa[i] != wb[i] and i * 8 != layout.tensor_storage}
+        found = shared if found is None else found & shared
+    if found is None or len(found) != 1:
+        return None
+    counter = found.pop()
+    probes = []
+    for bumps in (0, 3, 7, 12):
+        t = torch.zeros(4)
+        for _ in range(bumps):
+            t.add_(0)
+        probes.append(t)
+    hits: set[int] | None = None
+    for t in probes:
+        words = _C.read_words(int(_C.read_words(int(t._cdata) + counter, 1)[0]), 3)  # noqa: SLF001
+        at = {i * 8 for i in (1, 2) if words[i] & 0xFFFFFFFF == t._version}
+        hits = at if hits is None else hits & at
+    return (counter, hits.pop()) if hits is not None and len(hits) == 1 else None
+
+
+def _words_proven(native: Callable[[object, int, bool], bool]) -> bool:
+    """Unchanged tensors compare equal; each change the callers look for compares unequal."""
+    def same_after(change: Callable[[torch.Tensor], object]) -> bool:
+        t = torch.zeros(64, dtype=torch.bfloat16)[8:]
+        out = torch.empty(5, dtype=torch.uint64)
+        if not native((t,), int(out.data_ptr()), False):
+            raise _LayoutMismatch
+        change(t)
+        return bool(native((t,), int(out.data_ptr()), True))
+
+    def retype(t: torch.Tensor) -> None:
+        t.data = t.view(torch.float16)
+
+    try:
+        if not same_after(lambda t: None):
+            return False
+        changes: list[Callable[[torch.Tensor], object]] = [
+            lambda t: t.add_(1), lambda t: t.set_(torch.zeros(56, dtype=torch.bfloat16).untyped_storage()),
+            retype, lambda t: t.untyped_storage().resize_(0)]
+        if any(same_after(change) for change in changes):
+            return False
+    except (_LayoutMismatch, RuntimeError):
+        return False
+    out = torch.empty(5, dtype=torch.uint64)
+    return not native((torch.nn.Parameter(torch.zeros(4)),), int(out.data_ptr()), False)
+
+
+def tensors_words() -> Callable[[object, int, bool], bool] | None:
+    """``_C.tensors_words(tensors, address, compare)``: writes five words per tensor of the
+    tuple ``tensors`` (each exactly ``torch.Tensor``) at ``address`` (5 uint64 each), or with
+    ``compare`` whether they still equal those; False where a tensor cannot be read (a
+    subclass, an inference tensor). None where the offsets were not found and proven in
+    this process (the callers then ask torch)."""
+    global _version_searched, _version_found
+    from pointerdomain import _C
+
+    if not _version_searched:
+        found = cpu_index_reader() is not None  # (before the lock: it takes the same one)
+        with _index_lock:
+            if not _version_searched:
+                layout = _word_layout()
+                offsets = _version_offsets(layout) if layout is not None and found else None
+                if offsets is not None and hasattr(_C, "tensors_words"):
+                    _C.version_words_set(*offsets)
+                    _version_found = _words_proven(_C.tensors_words)
+                    if not _version_found:
+                        _C.version_words_set(0, 0)  # (the native call then reads nothing)
+                _version_searched = True
+    return _C.tensors_words if _version_found else None

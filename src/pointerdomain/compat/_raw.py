@@ -63,15 +63,18 @@ Tensors an engine makes anew per call (``k_buffer[layer_id]``) are not kept by i
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from pointerdomain.arguments import describe
+from pointerdomain import _platform
+from pointerdomain._platform.liveness import tensors_words
 from pointerdomain._platform import memory_generation, pointer_info
 from pointerdomain.registration.allocation import memory_device
 from pointerdomain.devices import Device
@@ -230,7 +233,7 @@ def memory_current() -> bool:
     resolves its tables anew and refuses a freed entry (or an address now an allocation too
     small for it) with a typed error before anything is written. One native call when nothing was released. False when entries were
     dropped (an entry the caller already holds is then not to be used)."""
-    if memory_generation() == _checked_generation:
+    if _platform.generation_count() == _checked_generation:
         return True
     return _recheck()
 
@@ -543,16 +546,48 @@ class Seen:
     and the shape and strides; ``tables`` marks the raw address tables, whose
     contents (their version) count, among buffers, whose contents do not."""
 
-    __slots__ = ("tensors", "ptrs", "versions", "shapes", "strides", "tables", "value")
+    __slots__ = ("tensors", "ptrs", "versions", "shapes", "strides", "tables", "value", "_words", "_spare",
+                 "unchanged")
 
     def __init__(self, tensors: Sequence[torch.Tensor], tables: Sequence[bool], value: object) -> None:
         self.tensors = tuple(tensors)
+        #: True while no tensor moved or was written since it was checked (one native call:
+        #: the words behind each tensor's data pointer and version, :func:`tensors_words`);
+        #: None where they cannot be read (the caller asks torch)
+        self.unchanged: Callable[[], bool] | None = None
+        #: (write, compare) of the spare copy of those words, then of the one in use
+        self._spare: tuple[tuple[Callable[[], bool], Callable[[], bool]], ...] = ()
+        self._words: torch.Tensor | None = None
+        native = tensors_words()
+        if native is not None:  # the words first: a change before the reads below makes them differ
+            n = len(self.tensors)
+            self._words = torch.empty(10 * n, dtype=torch.uint64)  # two copies of 5 words a tensor
+            first = int(self._words.data_ptr())
+            sides = [(functools.partial(native, self.tensors, at, False), functools.partial(native, self.tensors, at, True))
+                     for at in (first + 40 * n, first)]
+            if sides[1][0]():
+                self.unchanged = sides[1][1]
+                self._spare = tuple(sides)
         self.ptrs = tuple(t.data_ptr() for t in tensors)
         self.versions = tuple(int(t._version) for t in tensors)
         self.shapes = tuple(t.shape for t in tensors)
         self.strides = tuple(t.stride() for t in tensors)
         self.tables = tuple(tables)
         self.value = value
+
+    def snap(self) -> bool:
+        """Write the tensors' words now into the spare copy, before the caller checks them
+        with torch's queries (so a change during those checks makes the copy differ)."""
+        return bool(self._spare) and self._spare[0][0]()
+
+    def adopt(self, snapped: bool) -> None:
+        """The tensors passed the checks: :attr:`unchanged` compares with the copy :meth:`snap`
+        wrote (or is None where it wrote none)."""
+        if not self._spare:
+            return
+        spare, used = self._spare
+        self.unchanged = spare[1] if snapped else None
+        self._spare = (used, spare)
 
 
 def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -565,8 +600,12 @@ def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
     without ``.data =``, which no counter sees). A constant amount of work per argument:
     two attribute reads while nothing moved, no hashing of shapes. False, too, when device
     memory a cached resolution names was freed since (:func:`memory_current`)."""
-    if not memory_current():
+    if _platform.generation_count() != _checked_generation and not _recheck():  # memory_current, inlined
         return False
+    unchanged = entry.unchanged  # entry.tensors are these objects (the key's ids, held by the entry)
+    if unchanged is not None and unchanged():
+        return True
+    snapped = entry.snap()  # (before the reads below)
     n = len(tensors)
     if n == 2:
         a, b = tensors
@@ -590,6 +629,7 @@ def seen_again(entry: Seen, tensors: tuple[torch.Tensor, ...]) -> bool:
         if v != was and (table or t.shape != shape or t.stride() != strides):
             return False
     entry.versions = versions  # the buffers are still the same buffers
+    entry.adopt(snapped)
     return True
 
 

@@ -1027,15 +1027,15 @@ def launch_prepared(p: Prepared, s_idx: object, d_idx: object) -> bool:
     """The direct launch of a prepared call; False when the direct call refused it before
     anything was written (indices it does not take, a registration closed since: the full
     path then words the error, widens indices it accepts, or resolves the memory again)."""
+    _held, (src, _, src_layout), (dst, _, dst_layout), layer, ctas, _last = p  # one unpack, no attribute reads
     try:
-        if p.layer is None:
-            pd.transfer_kv_all_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
-                                     src_layout=p.src.layout, dst_layout=p.dst.layout, max_ctas=p.ctas,
-                                     backend="kernel")
+        if layer is None:
+            pd.transfer_kv_all_layer(src, dst, s_idx, d_idx,  # type: ignore[arg-type]
+                                     src_layout=src_layout, dst_layout=dst_layout, max_ctas=ctas, backend="kernel")
         else:
-            pd.transfer_kv_per_layer(p.src.table, p.dst.table, s_idx, d_idx,  # type: ignore[arg-type]
-                                     layer_id=p.layer, src_layout=p.src.layout, dst_layout=p.dst.layout,
-                                     max_ctas=p.ctas, backend="kernel")
+            pd.transfer_kv_per_layer(src, dst, s_idx, d_idx,  # type: ignore[arg-type]
+                                     layer_id=layer, src_layout=src_layout, dst_layout=dst_layout, max_ctas=ctas,
+                                     backend="kernel")
     except (IndexValidationError, ClosedError, OverlapError):  # refused before writing: the full path words it
         return False
     return True

@@ -44,7 +44,6 @@ from pointerdomain.arguments import describe, storage_short
 from pointerdomain.registration import leases
 from pointerdomain.transfer import checked, graphs, launch_errors, overlap, staged
 from pointerdomain._platform import LaunchArgs, memory_device
-from pointerdomain._platform.host_indices import slots_problem
 from pointerdomain.devices import Device, DeviceGuard, tensor_on
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
@@ -291,6 +290,8 @@ _CHECK_DEFERRED, _CHECK_HOST, _CHECK_OFF = IndexCheck.DEFERRED, IndexCheck.HOST,
 _new_args: Final = tuple.__new__  # LaunchArgs from a tuple without NamedTuple's Python-level __new__
 _options_lock = threading.Lock()
 _UNSET = object()  # matches no argument
+_STAGED_MIN_CHUNKS: Final = staged.STAGED_MIN_CHUNKS
+_thread_id: Final = threading.get_ident
 _last: tuple[object, object, object, LaunchOptions] = (_UNSET, _UNSET, _UNSET, LaunchOptions(Path.KERNEL, 0, IndexCheck.OFF))
 _OPTIONS_CACHE_MAX = 256
 
@@ -417,7 +418,7 @@ def bind_call(
     if plan.dst_clashes and layer_count > 1:  # dst entries of two layers share memory (rare): not over both
         overlap.check_layers(plan.dst_clashes, layer_begin, layer_count)
     watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
-    live = watch.intact() if watch is not None else plan.live(src, dst)
+    live = watch.first_changed() < 0 if watch is not None else plan.live(src, dst)
     for owner in plan.owners:
         if owner.closed:
             live = False
@@ -432,7 +433,13 @@ def bind_call(
     s_idx: object = src_indices  # checked at run time too: callers may be untyped
     d_idx: object = dst_indices
     where = _IDX_BAD
-    if (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
+    pair = plan.index_pair  # host-memory indices: the same tests as below in one native call
+    # (None: not torch.Tensor itself, a test fails, or memory of another emulated device)
+    got = pair(s_idx, d_idx, plan.index_meta, device.ordinal) if pair is not None else None
+    if got is not None:
+        n, nd, sp, dp, in_host = got
+        where = _IDX_HOST if in_host else _IDX_DEVICE
+    elif (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
             and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
         n, nd = s_idx.numel(), d_idx.numel()
         # storages that hold what the tensors view (a released one reads freed memory)
@@ -482,7 +489,18 @@ def bind_call(
         stream = _CURRENT_STREAM if plan.streams else 0
     args = _new_args(LaunchArgs, (sp, dp, n, layer_begin, layer_count, device, stream, options.ctas))
     host = where == _IDX_HOST
-    return plan, options, args, host, choose_path(plan, src, dst, options, args, host) if choose else None
+    if not choose:
+        return plan, options, args, host, None
+    # choose_path's answer where it is the kernel without asking anything of the call but
+    # its size (no capture query, no staged test): "kernel" asked for, or "auto" with runs
+    # shorter than either copy-engine threshold and indices the staged path would not take
+    # (host memory the kernel reads itself, or fewer device slots than the staged minimum)
+    path = options.path
+    if plan.unpinned is None and (path is _KERNEL or (
+            path is _AUTO and plan.run_bytes < CE_MIN_RUN_BYTES_SMALL_BUDGET
+            and (plan.auto_host_kernel if host else n < _STAGED_MIN_CHUNKS))):
+        return plan, options, args, host, _KERNEL
+    return plan, options, args, host, choose_path(plan, src, dst, options, args, host)
 
 
 def choose_path(
@@ -583,7 +601,7 @@ def run(
     elif check is _CHECK_HOST or (check is _CHECK_DEFERRED and platform.host_readable):
         # host-readable indices (emulated device): no sync, so check before launching
         # (staged: launch_staged checks its own host copies of the indices)
-        if not (plan.host_memory and args.n and plan.lowering is None) or slots_problem(
+        if not (plan.host_memory and args.n and plan.lowering is None) or plan.slots_problem(
                 args.src_idx, args.dst_idx, args.n, plan.src_slots, plan.dst_slots):
             _check_range(s_idx, d_idx, plan)  # (the addresses in args are these indices': check_call)
     if plan.same_memory:
@@ -606,9 +624,9 @@ def run(
     # keeps its tensors alive); with leases, an event after the launch tells close() when
     # the GPU is past it.
     owners = plan.owners
-    single = owners[0].leases if len(owners) == 1 else None  # the common case (one host pool)
+    single = plan.lease  # the one owner's leases: the common case (one host pool)
     if single is not None:  # acquire_all without its list
-        token = single.acquire(("transfer", args.n, device, threading.get_ident()))
+        token = single.acquire(("transfer", args.n, device, _thread_id()))
         tokens: list[int] | None = None if token == -1 else _NO_TOKENS
     else:
         tokens = leases.acquire_all(owners, ("transfer", args.n, device, threading.get_ident())) if owners else _NO_TOKENS
@@ -792,7 +810,11 @@ def transfer_kv_per_layer(
         IndexValidationError: ``layer_id`` outside ``[0, num_layers)``; and all of
             :func:`transfer_kv_all_layer`'s errors.
     """
-    layer_begin, layer_count = layer_range(src_layout, layer_id, False)
+    layout: object = src_layout
+    if type(layer_id) is int and isinstance(layout, KVLayout) and 0 <= layer_id < layout.num_layers:
+        layer_begin, layer_count = layer_id, 1  # layer_range's answer, inlined for a layer in range
+    else:
+        layer_begin, layer_count = layer_range(src_layout, layer_id, False)
     plan, options, args, _host, path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
                                                  layer_begin, layer_count, stream, max_ctas, backend,
                                                  validate_indices)

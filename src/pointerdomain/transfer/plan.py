@@ -25,19 +25,21 @@ import bisect
 import ctypes
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
 from pointerdomain._platform.graph_holds import CaptureCount
-from pointerdomain._platform.host_indices import slots_problem
-from pointerdomain._platform.liveness import JointWatch, joint_watch
+from pointerdomain._platform.host_indices import native_slots_problem, slots_problem
+from pointerdomain._platform.liveness import JointWatch, cpu_index_reader, joint_watch
 from pointerdomain.devices import Device, DeviceRuntime
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import DeviceMismatchError, IndexValidationError, InvalidArgumentError, LayoutError
 from pointerdomain.transfer.launch_errors import error_word_address, host_word
 from pointerdomain.layouts import Geometry, KVLayout, Lowering, lower_pair
+from pointerdomain.registration.leases import LeaseSet
 from pointerdomain.registration.memory import RegisteredHostMemory
 from pointerdomain.transfer.overlap import (
     LayerClash,
@@ -94,6 +96,18 @@ class TransferPlan:
             check then).
         dst_clashes: layers whose dst entries share memory (:func:`~pointerdomain.transfer.overlap.entry_clashes`):
             a launch over both is refused; empty for every table whose entries are disjoint.
+        auto_host_kernel: ``backend="auto"`` with indices in host memory takes the kernel
+            (it reads host memory: the emulated device, whose runtime never auto-picks the
+            staged path), fixed with the device's runtime.
+        slots_problem: :func:`~pointerdomain._platform.host_indices.slots_problem`, the
+            native function itself where the device's indices are host memory.
+        lease: the one owner's lease set where :attr:`owners` is one registration (the
+            common case: one host pool), else None.
+        index_pair, index_meta: where the device's indices are host memory, the backend looks
+            up its memory with the emulated device's native look-up, and this process found
+            how torch lays out a tensor (:func:`~pointerdomain._platform.liveness.cpu_index_reader`):
+            the native test of two index tensors (and of their memory) and the dtype word it
+            compares; else None (the launch asks torch and the backend).
         captures: the backend's count of open graph captures
             (:class:`~pointerdomain._platform.graph_holds.CaptureCount`), or None where it
             cannot count them (a launch that recorded no event then asks for a capture).
@@ -131,6 +145,11 @@ class TransferPlan:
     watch: JointWatch | None = None
     dst_clashes: tuple[LayerClash, ...] = ()
     captures: CaptureCount | None = None
+    auto_host_kernel: bool = False
+    slots_problem: Callable[[int, int, int, int, int], int] = slots_problem
+    index_pair: Callable[[object, object, int, int], tuple[int, int, int, int, bool] | None] | None = None
+    index_meta: int = 0
+    lease: LeaseSet | None = None
 
     def check_slot_range(self, s_idx: torch.Tensor, d_idx: torch.Tensor) -> None:
         """Raise when a slot of ``s_idx`` / ``d_idx`` (``int64``, 1-D, equal length > 0, both
@@ -360,6 +379,9 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     # a table resolved from raw addresses keeps no storages: what its entries address instead
     starts, ends = _merged_ranges(dst.storage_spans() if dst.kept_tensors() else entry_spans(dst))
     platform = backend_for(device)
+    reader = cpu_index_reader() if device.runtime.host_memory else None
+    if reader is not None and getattr(platform, "device_lookup", None) is not _emulated_lookup():
+        reader = None  # a backend with its own look-up: asked as before
     return TransferPlan(device, platform, src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
                         kernel_plan(*args),
@@ -367,7 +389,18 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
                         device.runtime.launch_sets_device, device.runtime.streams, given_src.num_slots,
                         given_dst.num_slots, device.runtime, host_word(device),
                         joint_watch(src.storage_watch(), dst.storage_watch()),
-                        captures=getattr(platform, "graph_captures", None), dst_clashes=clashes)
+                        captures=getattr(platform, "graph_captures", None), dst_clashes=clashes,
+                        auto_host_kernel=device.runtime.host_memory and not platform.staged_auto,
+                        slots_problem=native_slots_problem() if device.runtime.host_memory else slots_problem,
+                        index_pair=None if reader is None else reader.native,
+                        index_meta=0 if reader is None else reader.meta,
+                        lease=owners[0].leases if len(owners) == 1 else None)
+
+
+def _emulated_lookup() -> object:
+    from pointerdomain import _C
+
+    return getattr(_C, "emu_device_lookup", None)
 
 
 def _merged_ranges(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
