@@ -80,7 +80,7 @@ def host_slots_problem(src_idx: int, dst_idx: int, n: int, src_slots: int, dst_s
     0, or 1 / 2: a src / dst slot outside [0, slots), 3: a dst slot twice (int64 host arrays by address).
     """
 
-def index_words_set(offsets: tuple[int, int, int, int, int, int, int, int, int, int], tensor_type: object) -> None:
+def index_words_set(offsets: Sequence[int], tensor_type: object) -> None:
     """
     Word offsets: tensor storage, storage offset, dim, size 0, stride 0, numel, dtype word; storage data, storage size; tensor object in the Python object. tensor_type: the Python type read.
     """
@@ -95,7 +95,7 @@ def tensors_words(tensors: object, out: int, compare: bool) -> bool:
     For a tuple of tensors (exactly the type set): five words each (storage object, storage offset, dtype word, storage data pointer, version), written to out (5 uint64 each) or, with compare, compared with those there. False where a tensor is not read (or, comparing, differs).
     """
 
-def index_pair(src: object, dst: object, meta: int, ordinal: int) -> tuple[int, int, int, int, bool] | None:
+def index_pair(src: object | None, dst: object | None, meta: int, ordinal: int) -> object:
     """
     (numel, numel, data pointer, data pointer, host) of two tensors of exactly the type set that are 1-D, stride 1, with the dtype word meta and a storage holding the view; else None. ordinal >= 0: each must be host memory or emulated device memory of that ordinal (else None), host: one is host memory; ordinal < 0: not looked up (host True).
     """

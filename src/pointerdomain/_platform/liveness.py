@@ -283,7 +283,9 @@ class IndexReader:
 
         #: ``(src, dst, meta, ordinal) -> (n, nd, src_ptr, dst_ptr, host) or None``; ``ordinal``
         #: >= 0: each in host memory or that emulated device's (``host``: one in host memory)
-        self.native = _C.index_pair
+        # the binding is typed `object` in the generated stub: its result's shape is documented here
+        self.native = cast("Callable[[object, object, int, int], tuple[int, int, int, int, bool] | None]",
+                           _C.index_pair)
         self.meta = meta
 
     def pair(self, src: object, dst: object) -> tuple[int, int, int, int] | None:
