@@ -354,3 +354,60 @@ def test_close_after_storage_released_under_registration(how: str, strict: bool)
                           capture_output=True, text=True, timeout=120, cwd=childenv.ROOT)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert f"ok {how}" in proc.stdout
+
+
+@pytest.mark.strict_alias
+@pytest.mark.parametrize("how", ["release", "grow"])
+def test_a_registration_whose_tensor_released_its_storage_resolves_nothing(how: str) -> None:
+    """New memory mapped at a registered address after the registered tensor released or
+    moved its storage is not that registration's: its alias reaches the old pages, so a table
+    or an engine call shape over the new memory would copy where no one reads. Refused
+    (ClosedError), nothing written; close() leaves the new memory alone."""
+    import ctypes
+
+    from pointerdomain.compat import vllm as ops
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    x = torch.zeros(1 << 20, dtype=torch.uint8)  # above glibc's mmap threshold: freed by munmap
+    page = x.data_ptr() & ~4095
+    reg = pd.register_host_tensor(x, DEV)
+    if how == "release":
+        x.untyped_storage().resize_(0)
+    else:
+        x.resize_(4 << 20)
+    assert reg.backing_released()
+    MAP_PRIVATE_ANON, MAP_FIXED_NOREPLACE = 0x22, 0x100000
+    got = libc.mmap(page, 1 << 20, 3, MAP_PRIVATE_ANON | MAP_FIXED_NOREPLACE, -1, 0)
+    if got != page:
+        reg.close()
+        pytest.skip("the released range was taken by another mapping")
+    try:
+        ctypes.memset(page, 0x33, 1 << 20)
+        new = torch.frombuffer((ctypes.c_uint8 * (1 << 20)).from_address(page), dtype=torch.uint8)
+        inside = new[reg.host_va.value - page + 4096:][:4096]  # inside the registered range
+        with pytest.raises(errors.ClosedError, match="released or moved"):
+            pd.make_kernel_ptr_table([inside], DEV)
+        gpu = pd.device_empty((4, 1024), torch.uint8, DEV).fill_(0x55)
+        with pytest.raises(errors.ClosedError, match="released or moved"):
+            ops.swap_blocks(gpu, inside.view(4, 1024), 1024, torch.tensor([[0, 1]]))
+        reg.close()
+        assert bool((new == 0x33).all())
+    finally:
+        del new, inside
+        libc.munmap(page, 1 << 20)
+
+
+def test_a_registration_whose_tensor_swapped_its_storage_keeps_resolving() -> None:
+    """set_ gives the caller's tensor other storage; the registration keeps the old one
+    (its own view holds it), so the registered range is still that memory."""
+    x = torch.zeros(1 << 16, dtype=torch.uint8)
+    reg = pd.register_host_tensor(x, DEV)
+    x.set_(torch.zeros(16, dtype=torch.uint8))
+    assert not reg.backing_released()
+    table = pd.make_kernel_ptr_table([reg.tensor[:4096]], DEV)
+    assert len(table) == 1
+    del table
+    reg.close()

@@ -179,6 +179,8 @@ def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | Non
     """The open registration containing ``[va, va + nbytes)``, or None.
 
     Raises:
+        ClosedError: the registration's tensor released or moved its storage while
+            registered (:meth:`RegisteredHostMemory.check_backing`).
         DomainError: ``va`` is not a HostVA (registrations are found by host address).
         InvalidArgumentError: ``nbytes`` is not a non-negative int.
     """
@@ -192,6 +194,7 @@ def find_registration(va: HostVA, nbytes: int = 1) -> RegisteredHostMemory | Non
     with _registry._lock:
         owner = _registry.overlapping(va.value, max(nbytes, 1))
     if owner is not None and owner.contains(va, nbytes):
+        owner.check_backing()  # a registration whose tensor released its memory finds nothing
         return owner
     return None
 
@@ -578,6 +581,27 @@ class RegisteredHostMemory(ProcessLocal):
                 f"registered memory at {self.host_va!r} (+{self.nbytes} bytes) was closed (unregistered): found a "
                 "closed registration, expected an open one. Fix: keep it open while tables use it, or register "
                 "the memory again and rebuild the tables over it"
+            )
+
+    def backing_released(self) -> bool:
+        """True when the storage of the tensor this registration was made over no longer
+        holds the registered range: released (``untyped_storage().resize_(0)``) or moved
+        (``resize_`` past its size) while registered. Another allocation may then sit at
+        that address, and an alias of this registration would not reach its bytes."""
+        storage = self.tensor.untyped_storage()
+        base = int(storage.data_ptr())
+        start = self.host_va.value
+        return not (base <= start and start + self.nbytes <= base + int(storage.nbytes()))
+
+    def check_backing(self) -> None:
+        """Raises:
+        ClosedError: :meth:`backing_released`."""
+        if self.backing_released():
+            raise ClosedError(
+                f"registered memory at {self.host_va!r} (+{self.nbytes} bytes): the storage of the tensor it was "
+                "registered over was released or moved (untyped_storage().resize_(0), resize_) while registered, so "
+                "its address may now name other memory its alias does not reach. Fix: close this registration "
+                "(and keep a registered tensor's storage for as long as it is registered)"
             )
 
     def contains(self, va: HostVA, nbytes: int) -> bool:
