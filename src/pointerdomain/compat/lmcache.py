@@ -284,14 +284,15 @@ def _host_slots(name: str, t: object, device: Device) -> torch.Tensor:
     """``slot_mapping`` checked and read on the host: a CPU int64 tensor (a CUDA tensor costs
     one device sync, the price of checking before the launch). Refused during graph capture:
     the launch would read indices computed here from this call's slots, so a replay would
-    write where the slots pointed at capture (only a prepared repeat, which hands
-    ``slot_mapping`` itself to the launch, is captured)."""
+    write where the slots pointed at capture; and a launch reading ``slot_mapping`` itself
+    would take its padding (-1, which upstream skips) for slots out of range. LMCache moves
+    KV between its memory objects and the paged cache outside the model's graphs."""
     if backend_for(device).is_capturing(device):
         raise InvalidArgumentError(
-            f"{name}: read on the host and turned into the cache's indices before the launch, so a graph replay "
-            "would move the tokens to the slots of the capture, not the slots slot_mapping holds then. Fix: make "
-            "the same call once before capturing (a repeat of a prepared call shape passes slot_mapping itself "
-            "to the launch), or call it outside capture")
+            f"{name}: the LMCache call shapes are not capturable: the slots are read on the host and turned into "
+            "the cache's indices before the launch, so a graph replay would move the tokens to the slots of the "
+            "capture, not the slots slot_mapping holds then (and padding slots, -1, are dropped there). Fix: call "
+            "it outside graph capture, as LMCache's connector does")
     slots = _tensor(name, t)
     if slots.dtype != torch.int64:
         raise IndexValidationError(f"{name}: dtype {slots.dtype}, expected torch.int64 (upstream reads int64 slots)")
@@ -626,7 +627,9 @@ def _token_runs(ready: _Ready, n: int) -> torch.Tensor:
 
 def _launch_ready(ready: _Ready, slot_mapping: torch.Tensor) -> bool:
     """A prepared call's direct launch; False when it was refused before anything was written
-    (the caller then takes the full path)."""
+    (the caller then takes the full path), or during graph capture (the full path refuses it)."""
+    if backend_for(ready.device).is_capturing(ready.device):
+        return False
     try:
         total = slot_mapping.shape[0]
         if ready.moved is None:
