@@ -996,3 +996,62 @@ def test_lowered_indices_of_a_wild_slot_are_all_negative() -> None:
     assert torch.equal(run[0], torch.arange(16, 20)) and bool((run[1:] < 0).all())
     paged = sk.runs(torch.tensor([9, 20]), 20, PS, aligned_to=PS, scale=L * PS, offset=PS).view(-1, PS)
     assert torch.equal(paged[0], torch.arange(2 * L * PS + PS, 2 * L * PS + 2 * PS)) and bool((paged[1] < 0).all())
+
+
+# -- graph capture of call shapes that derive their indices ------------------------------------
+# A row as several slots (per head, per head group, strided rows): the launch reads indices
+# computed from the caller's. A CUDA graph captures those torch ops with the launch; the
+# emulated stand-in must run them again at each replay, or a replay writes where the
+# caller's indices pointed at capture. Reference: the same call made eagerly.
+
+def _derived_case(name: str) -> tuple[Callable[..., None], pd.RegisteredHostMemory]:
+    tokens, heads, head_dim, ps = 8, 2, 8, 2
+    item = heads * head_dim
+    mem = pd.alloc_registered(2 * tokens * item * 2, DEV)
+    k = rand(pd.device_empty((tokens, item), dtype=torch.uint8, device=DEV))
+    v = rand(pd.device_empty((tokens, item), dtype=torch.uint8, device=DEV))
+    if name == "lf_ph":
+        hk, hv = mem.tensor[:tokens * item], mem.tensor[tokens * item:2 * tokens * item]
+        kt, vt = _table([k], DEV), _table([v], DEV)
+
+        def call(s: torch.Tensor, d: torch.Tensor, kv: tuple[torch.Tensor, ...] = (k, v)) -> None:
+            sk.transfer_kv_all_layer_lf_ph(kt, hk, vt, hv, s, d, item, item, 1, ps, heads)  # kv: held
+    else:  # strided host rows: 16 bytes of every 24
+        hk = mem.tensor[:tokens * 24].view(tokens, 24)
+        hv = mem.tensor[tokens * 24:2 * tokens * 24].view(tokens, 24)
+
+        def call(s: torch.Tensor, d: torch.Tensor) -> None:
+            hc.transfer_hicache_one_layer(hk[:, :item], hv[:, :item], d, k, v, s)  # device -> host rows
+    return call, mem
+
+
+@pytest.mark.strict_alias
+@pytest.mark.parametrize("name", ["lf_ph", "hicache_strided"])
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_a_captured_derived_call_replays_the_indices_as_they_are_then(name: str, where: str) -> None:
+    from pointerdomain.testing import EmulatedGraph
+
+    call, mem = _derived_case(name)
+    host = mem.tensor
+
+    def idx(values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values)
+        return t if where == "cpu" else pd.device_empty((len(values),), dtype=torch.int64, device=DEV).copy_(t)
+
+    s, d = idx([0, 1]), idx([3, 4])
+    call(s, d)  # eager once
+    graph = EmulatedGraph()
+    with graph.capture(DEV):
+        call(s, d)
+    s.copy_(torch.tensor([2, 5]))
+    d.copy_(torch.tensor([6, 1]))
+    host.fill_(POISON)
+    graph.replay()
+    pd.check_errors(DEV)
+    got = host.clone()
+    host.fill_(POISON)
+    call(torch.tensor([2, 5]), torch.tensor([6, 1]))
+    assert torch.equal(got, host)
+    assert not bool((got == POISON).all())
+    graph.reset()
+    mem.close()

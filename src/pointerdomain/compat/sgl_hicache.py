@@ -98,6 +98,7 @@ from pointerdomain.compat.sgl_kernel import (
     index_pair,
     joined,
     launch,
+    launch_derived,
     launch_device,
     launch_prepared,
     layout,
@@ -346,8 +347,9 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     interleave = (dst.stride, dst.element) if dst.stride > dst.element else None
     allow_interleaved(sides[1].table, interleave)
     apart(sides[0], s_names, sides[1], d_names, rows=interleave)
-    launch(sides[0], sides[1], row_parts(s_idx, src.rows, parts, src.stride // g),
-           row_parts(d_idx, dst.rows, parts, dst.stride // g), layer=None, ctas=ctas)
+    launch_derived(sides[0], sides[1], lambda: (row_parts(s_idx, src.rows, parts, src.stride // g),
+                                                row_parts(d_idx, dst.rows, parts, dst.stride // g)),
+                   layer=None, ctas=ctas)
     if parts == 1 and src.stride == dst.stride == g:  # packed rows: the indices are the slots
         entry = Prepared(held(k_src, v_src, k_dst, v_dst), sides[0], sides[1], None, ctas, [()])  # type: ignore[arg-type]
         remember_call(key, entry)
@@ -496,8 +498,8 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     parts = element // g
     apart(src, [n + "[{}]" for n in s_names], dst, [n + "[{}]" for n in d_names],  # errors name the layer entries
           rows=(d_stride, element) if d_stride > element else None)
-    launch(src, dst, row_parts(s_idx, s_rows, parts, s_stride // g), row_parts(d_idx, d_rows, parts, d_stride // g),
-           layer=None, ctas=ctas)
+    launch_derived(src, dst, lambda: (row_parts(s_idx, s_rows, parts, s_stride // g),
+                                      row_parts(d_idx, d_rows, parts, d_stride // g)), layer=None, ctas=ctas)
     if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots
         entry = Prepared(held(k_dst, v_dst, k_src, v_src), src, dst, None, ctas, [()])  # type: ignore[arg-type]
         remember_call(key, entry)
@@ -647,8 +649,8 @@ def _staged_lf_pf(k_src: object, v_src: object | None, src_indices: object, dst_
     dst_side = Side(buffers_table(", ".join(d_names), d_ts, device), d_rows,
                     layout("page_first", kv, layers, d_rows, 1, element))
     apart(src, p_names, dst_side, d_names)
-    launch(src, dst_side, runs(s_starts, s_rows, ps), _on(runs(d_starts, d_rows, ps), device), layer=None,
-           ctas=_quota(block_quota), backend="auto")
+    launch_derived(src, dst_side, lambda: (runs(s_starts, s_rows, ps), _on(runs(d_starts, d_rows, ps), device)),
+                   layer=None, ctas=_quota(block_quota), backend="auto")
 
 
 def _raw_side_items(names: Sequence[str], ptrs: Sequence[torch.Tensor], device: Device,
@@ -897,16 +899,16 @@ def _load_back_page_unified(k_dst: object, v_dst: object | None, src: object, sr
     depth = layers * (1 if mla else 2)
     src_side = Side(buffers_table("src", (host,), device), host_tokens,
                     layout("layer_first", 1, 1, host_tokens * groups * depth, 1, group))
-    d_parts = row_parts(d_idx, tokens, groups)
     _raw.disjoint_buffers(names, d_ts)  # one launch each: V's would overwrite K's bytes
     work = []
     for kv, (n, t) in enumerate(zip(names, d_ts)):
         side = Side(buffers_table(n, (t,), device), tokens, layout("layer_first", 1, 1, tokens * groups, 1, group))
         apart(src_side, ("src",), side, (n,))
-        inner = layer_id if mla else 2 * layer_id + kv
-        work.append((side, page_parts(s_idx, host_tokens, ps, groups, outer=depth, inner=inner)))
-    for side, s_parts in work:
-        launch(src_side, side, s_parts, d_parts, layer=None, ctas=ctas)
+        work.append((side, layer_id if mla else 2 * layer_id + kv))
+    for side, inner in work:
+        launch_derived(src_side, side, lambda inner=inner: (  # type: ignore[misc]
+            page_parts(s_idx, host_tokens, ps, groups, outer=depth, inner=inner), row_parts(d_idx, tokens, groups)),
+            layer=None, ctas=ctas)
 
 
 def transfer_hicache_one_layer_page_unified_lf(

@@ -126,7 +126,7 @@ import functools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
 
 import torch
@@ -157,6 +157,7 @@ from pointerdomain.registration.memory import find_closed_registration, find_reg
 from pointerdomain.registration.resolve import alias_of
 from pointerdomain.registration.tables import PointerTable, resolved_kernel_table
 from pointerdomain._platform import backend_for
+from pointerdomain.transfer.graphs import recompute_before_last
 from pointerdomain.transfer.overlap import allow_interleaved, first_shared, interleaved_entries, rows_clash
 
 __all__ = [
@@ -699,6 +700,17 @@ def launch(src: Side, dst: Side, s_idx: torch.Tensor, d_idx: torch.Tensor, *, la
     else:
         pd.transfer_kv_per_layer(src.table, dst.table, s_idx, d_idx, layer_id=layer, src_layout=src.layout,
                                  dst_layout=dst.layout, max_ctas=ctas, backend=backend)
+
+
+def launch_derived(src: Side, dst: Side, derive: Callable[[], tuple[torch.Tensor, torch.Tensor]], *,
+                   layer: int | None, ctas: int, backend: TransferBackend = "kernel") -> None:
+    """:func:`launch` of indices ``derive`` computes from the caller's (a row as several
+    slots, page runs). Under graph capture a replay must follow the caller's indices as
+    they are then: a CUDA graph captures ``derive``'s torch ops with the launch, and the
+    emulated stand-in is told to run ``derive`` again before the launch at each replay."""
+    s_parts, d_parts = derive()
+    launch(src, dst, s_parts, d_parts, layer=layer, ctas=ctas, backend=backend)
+    recompute_before_last(src.table.device, (s_parts, d_parts), derive)
 
 
 def _layer_id(value: object, num_layers: int) -> int:
@@ -1318,8 +1330,8 @@ def transfer_kv_per_layer_ph_lf(
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names, layer)
-    launch(src, dst, page_parts(s_idx, s_slots, ps, heads), row_parts(d_idx, d_slots, heads), layer=layer,
-           ctas=ctas)
+    launch_derived(src, dst, lambda: (page_parts(s_idx, s_slots, ps, heads), row_parts(d_idx, d_slots, heads)),
+                   layer=layer, ctas=ctas)
 
 
 def transfer_kv_all_layer_lf_ph(
@@ -1368,8 +1380,8 @@ def transfer_kv_all_layer_lf_ph(
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names)
-    launch(src, dst, row_parts(s_idx, s_slots, heads), page_parts(d_idx, d_slots, ps, heads), layer=None,
-           ctas=ctas)
+    launch_derived(src, dst, lambda: (row_parts(s_idx, s_slots, heads), page_parts(d_idx, d_slots, ps, heads)),
+                   layer=None, ctas=ctas)
 
 
 def transfer_kv_per_layer_pfdhg_lf(
@@ -1427,8 +1439,8 @@ def transfer_kv_per_layer_pfdhg_lf(
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names)
-    launch(src, dst, page_parts(s_idx, s_slots, ps, groups, outer=layers, inner=layer),
-           row_parts(d_idx, d_slots, groups), layer=None, ctas=ctas)
+    launch_derived(src, dst, lambda: (page_parts(s_idx, s_slots, ps, groups, outer=layers, inner=layer),
+                                      row_parts(d_idx, d_slots, groups)), layer=None, ctas=ctas)
 
 
 def transfer_kv_all_layer_lf_pfdhg(
@@ -1491,8 +1503,8 @@ def transfer_kv_all_layer_lf_pfdhg(
     check_range("src_indices", s_idx, s_slots)
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names)
-    launch(src, dst, row_parts(s_idx, s_slots, groups), page_parts(d_idx, d_slots, ps, groups), layer=None,
-           ctas=ctas)
+    launch_derived(src, dst, lambda: (row_parts(s_idx, s_slots, groups), page_parts(d_idx, d_slots, ps, groups)),
+                   layer=None, ctas=ctas)
 
 
 # -- direct (copy engine) ---------------------------------------------------------------------

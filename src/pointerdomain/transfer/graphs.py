@@ -51,10 +51,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pointerdomain._platform import backend_for
 from pointerdomain._platform.graph_holds import HeldGraph
 from pointerdomain.errors import BusyError
 
@@ -64,7 +66,8 @@ if TYPE_CHECKING:
     from pointerdomain.registration.tables import PointerTable
     from pointerdomain.transfer.plan import TransferPlan
 
-__all__ = ["CapturedIndex", "Versioned", "generations", "graphs_holding", "held_graphs", "note_launch", "refuse_while_held", "still_valid"]
+__all__ = ["CapturedIndex", "Versioned", "generations", "graphs_holding", "held_graphs", "note_launch", "recompute_before_last",
+           "refuse_while_held", "still_valid"]
 
 _lock = threading.Lock()
 #: the holds of graphs that captured launches (each keeps what its launches use)
@@ -113,6 +116,36 @@ def note_launch(
             given = (indices[0], indices[1])
             before_last(lambda: _lower_again(plan, given, lowered))
     return held
+
+
+def recompute_before_last(device: Device, derived: tuple[torch.Tensor, ...],
+                          derive: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+    """After a launch that read index tensors ``derived``, computed by ``derive`` (torch ops
+    on the caller's indices: a row as several slots, page runs): where ``device``'s current
+    stream is being captured into a graph that replays host-side steps (the emulated
+    stand-in), ``derive`` runs again before that launch at each replay and its result is
+    copied into ``derived``. A CUDA graph captures ``derive``'s torch ops with the launch
+    itself, so its replay follows the caller's indices as they are then; so does the
+    stand-in's. A no-op when nothing is being captured."""
+    platform = backend_for(device)
+    hold = getattr(platform, "graph_hold", None)
+    if hold is None:
+        return
+    held = hold(device, platform.current_stream(device))
+    if held is None:
+        return
+    before_last = getattr(held.key, "before_last_launch", None)
+    if before_last is None:
+        return
+    with _lock:
+        held.keep.extend(derived)
+
+    def again() -> None:
+        for into, fresh in zip(derived, derive()):
+            if into is not fresh:
+                into.copy_(fresh)
+
+    before_last(again)
 
 
 def _lower_again(plan: TransferPlan, given: tuple[object, object], lowered: tuple[torch.Tensor, torch.Tensor]) -> None:
