@@ -1,4 +1,4 @@
-"""Batches of the Mooncake and vLLM adapters whose destinations meet: the blocks of a
+"""Batches of the Mooncake, NIXL and vLLM adapters whose destinations meet: the blocks of a
 batch move in no defined order (Mooncake runs them in parallel, cudaMemcpyBatchAsync
 concurrently), so two blocks landing on one byte would leave either. Refused with
 OverlapError before the engine / copy function is called, the poisoned destination
@@ -19,6 +19,7 @@ import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain.adapters import vllm
 from pointerdomain.adapters.mooncake import HostTransferEngine
+from pointerdomain.adapters.nixl import HostNixlAgent, dram_desc
 from tests.reference import fill_random, same
 
 DEV = "emulated:0"
@@ -232,3 +233,121 @@ def test_vllm_destination_table_naming_one_tensor_twice_is_refused(
     with pytest.raises(errors.OverlapError, match=r"dst_block_ids\[1\] of entry \d and dst_block_ids\[1\] of entry \d"):
         vllm.block_copy_batch(off.gpu_table, twice, [4, 5], [3, 2], block_bytes=off.block_bytes)
     assert ran == [] and all(bool((c.view(torch.uint8) == POISON).all()) for c in cpu)
+
+
+# --------------------------------------------------------------------------- NIXL
+
+
+class MemmoveNixlAgent:
+    """A NIXL agent in one process (the peer's memory is this process's): a READ copies
+    each remote descriptor to its local one, a WRITE the other way. Records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem_type: str, backends: list[str], /) -> Any:
+        self.calls.append("register_memory")
+        return len(self.calls)
+
+    def deregister_memory(self, handle: Any, /) -> None:
+        self.calls.append("deregister_memory")
+
+    def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem_type: str, /) -> Any:
+        self.calls.append("get_xfer_descs")
+        return list(descs)
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, peer: str, notif: bytes, backends: list[str], /) -> Any:
+        self.calls.append("initialize_xfer")
+        return op, local, remote
+
+    def transfer(self, handle: Any, /) -> str:
+        self.calls.append("transfer")
+        op, local, remote = handle
+        for (a, n, _), (b, _, _) in zip(local, remote):
+            if op == "READ":
+                ctypes.memmove(a, b, n)
+            else:
+                ctypes.memmove(b, a, n)
+        return "DONE"
+
+    def check_xfer_state(self, handle: Any, /) -> str:
+        return "DONE"
+
+    def release_xfer_handle(self, handle: Any, /) -> None:
+        self.calls.append("release_xfer_handle")
+
+    def remove_remote_agent(self, agent: str, /) -> None:
+        pass
+
+
+def test_nixl_read_into_one_local_block_twice_is_refused(two_pools: tuple[pd.HostKVPool, pd.HostKVPool]) -> None:
+    src, dst = two_pools
+    fake = MemmoveNixlAgent()
+    agent = HostNixlAgent("me", agent=fake)
+    agent.register_pool(dst)
+    before = dst.buffer.clone()
+    page = dst.get_page_buffer_meta([1])  # its K block and its V block
+    remote = src.get_page_buffer_meta([2, 3])
+    fake.calls.clear()
+    for local in (page + page, page + [halves(b) for b in page]):
+        with pytest.raises(errors.OverlapError, match=r"local\[0\] and local\[2\]"):
+            agent.read("peer", local, remote)
+    assert fake.calls == []
+    assert same(dst.buffer, before)  # nothing written
+
+    # distinct destinations: every block lands where it was sent
+    agent.read("peer", dst.get_page_buffer_meta([5, 1]), remote)
+    for d, s in ((5, 2), (1, 3)):
+        assert same(dst.buffer[:, d * 4:(d + 1) * 4], src.buffer[:, s * 4:(s + 1) * 4])
+    untouched = [p for p in range(8) if p not in (1, 5)]
+    assert bool((dst.buffer[:, [q for p in untouched for q in range(p * 4, p * 4 + 4)]].view(torch.uint8) == POISON).all())
+    agent.close()
+
+
+def test_nixl_write_to_one_remote_block_twice_is_refused(two_pools: tuple[pd.HostKVPool, pd.HostKVPool]) -> None:
+    src, dst = two_pools  # src is local here; dst stands for the peer's memory
+    fake = MemmoveNixlAgent()
+    agent = HostNixlAgent("me", agent=fake)
+    agent.register_pool(src)
+    fake.calls.clear()
+    before = dst.buffer.clone()
+    remote = dst.get_page_buffer_meta([4])
+    for rem in (remote + remote, remote + [halves(b) for b in remote]):
+        with pytest.raises(errors.OverlapError, match=r"remote\[0\] and remote\[2\]"):
+            agent.write("peer", src.get_page_buffer_meta([0, 6]), rem)
+    assert fake.calls == [] and same(dst.buffer, before)
+    # a local block written to two remote blocks is fine: sources may repeat
+    agent.write("peer", src.get_page_buffer_meta([0, 0]), dst.get_page_buffer_meta([4, 7]))
+    for d in (4, 7):
+        assert same(dst.buffer[:, d * 4:(d + 1) * 4], src.buffer[:, 0:4])
+    # reading one remote block into two local blocks is fine too
+    with pd.HostKVPool(LAYOUT, DEV) as local_two:
+        local_two.buffer.view(torch.uint8).fill_(POISON)
+        agent.register_pool(local_two)
+        agent.read("peer", local_two.get_page_buffer_meta([0, 1]), remote + remote)
+        assert same(local_two.buffer[:, 0:4], dst.buffer[:, 16:20]) and same(local_two.buffer[:, 4:8], dst.buffer[:, 16:20])
+        assert bool((local_two.buffer[:, 8:].view(torch.uint8) == POISON).all())
+    agent.close()
+
+
+def test_nixl_overlapping_registrations_are_refused(two_pools: tuple[pd.HostKVPool, pd.HostKVPool]) -> None:
+    a, b = two_pools
+    fake = MemmoveNixlAgent()
+    agent = HostNixlAgent("me", agent=fake)
+    reg = agent.register_pool(a)
+    fake.calls.clear()
+    with pytest.raises(errors.AlreadyRegisteredError, match="already registered"):
+        agent.register_pool(a)
+    inner = a.get_page_buffer_meta([3])[0]
+    with pytest.raises(errors.AlreadyRegisteredError, match="already registered"):
+        agent.register([dram_desc(inner)])  # a range inside a registered one
+    block = b.get_page_buffer_meta([2])[0]
+    with pytest.raises(errors.AlreadyRegisteredError, match=r"descs\[0\] and descs\[1\] overlap"):
+        agent.register([dram_desc(block), dram_desc(halves(block))])  # overlapping within one call
+    assert fake.calls == [] and agent.registrations() == [reg]
+    # memory next to a registration, and the same pool once its registration ended, register
+    reg_b = agent.register_pool(b)
+    reg.close()
+    again = agent.register_pool(a)
+    assert fake.calls.count("register_memory") == 2 and agent.registrations() == [reg_b, again]
+    agent.close()

@@ -424,3 +424,73 @@ def test_embedding_ranges_disjoint_destinations_still_copy(host: Host, route: st
     want[10:14] = whole[0:4]
     sk.transfer_embedding_ranges_direct(whole, whole, [0], [10], [4])
     assert same(whole, want)
+
+
+# -- raw destination entries in one larger registration ------------------------------------------
+
+def _arena(nbytes: int) -> tuple[torch.Tensor, pd.RegisteredHostMemory]:
+    """``nbytes`` poisoned bytes of registered host memory and its registration."""
+    mem = pd.alloc_registered(nbytes, DEV)
+    x = mem.tensor.view(torch.uint8)[:nbytes]
+    x.fill_(POISON)
+    return x, mem
+
+
+@pytest.mark.parametrize("slack", [0, 64, 3 * 16 + 5])
+def test_hicache_all_layer_backup_into_layers_of_a_larger_registration(slack: int) -> None:
+    """Per-layer K and V buffers carved one after another from one registration with spare
+    bytes after the last: each entry holds its rows up to the next entry (not to the end of
+    the registration), so the layers do not meet; exact bytes, the rest untouched."""
+    layers, rows, el = 2, 8, 16
+    x, mem = _arena(2 * layers * rows * el + slack)
+    base = x.data_ptr()
+    srcs = [rand(_dev(rows, el, dtype=torch.uint8, device=DEV)) for _ in range(2 * layers)]
+    s_idx, d_idx = torch.tensor([1, 6, 2]), torch.tensor([5, 0, 7])
+    hc.transfer_hicache_all_layer(_ptrs([base + l * rows * el for l in range(layers)]),
+                                  _ptrs([base + (layers + l) * rows * el for l in range(layers)]), d_idx,
+                                  _ptrs([s.data_ptr() for s in srcs[:layers]]),
+                                  _ptrs([s.data_ptr() for s in srcs[layers:]]), s_idx,
+                                  kv_cache_src_stride_bytes=el, kv_cache_dst_stride_bytes=el)
+    want = x.clone().fill_(POISON)
+    blocks = want[:2 * layers * rows * el].view(2 * layers, rows, el)
+    for i, s in enumerate(srcs):
+        blocks[i, d_idx] = s[s_idx]
+    assert torch.equal(x, want)
+    # a row past a layer's last is the next layer's first: still refused, nothing written (no
+    # slack: past the last layer's allocation, so out of range)
+    x.fill_(POISON)
+    refused = (pytest.raises(errors.IndexValidationError, match=r"indices_dst: slot 8 outside \[0, 8\)") if slack < el
+               else pytest.raises(errors.OverlapError, match=r"k_ptr_dst\[0\] and k_ptr_dst\[1\] share memory"))
+    with refused:
+        hc.transfer_hicache_all_layer(_ptrs([base + l * rows * el for l in range(layers)]),
+                                      _ptrs([base + (layers + l) * rows * el for l in range(layers)]),
+                                      torch.tensor([rows]), _ptrs([s.data_ptr() for s in srcs[:layers]]),
+                                      _ptrs([s.data_ptr() for s in srcs[layers:]]), torch.tensor([0]),
+                                      kv_cache_src_stride_bytes=el, kv_cache_dst_stride_bytes=el)
+    assert untouched(x)
+    mem.close()
+
+
+def test_hicache_all_layer_mla_layers_rows_apart_in_a_larger_registration() -> None:
+    """Layer 1 starts three rows after layer 0 in a registration that runs on: rows 0..2 of
+    layer 0 are its own (exact bytes); row 3 is layer 1's row 0 (refused); entries less than
+    a row apart, or at one address, share every row (refused)."""
+    rows, el = 3, 32
+    x, mem = _arena(8 * rows * el)
+    base = x.data_ptr()
+    src = [rand(_dev(8, el, dtype=torch.uint8, device=DEV)) for _ in range(2)]
+    src_t = _ptrs([s.data_ptr() for s in src])
+    hc.transfer_hicache_all_layer_mla(_ptrs([base, base + rows * el]), torch.tensor([2, 0]), src_t,
+                                      torch.tensor([4, 7]), cache_src_stride_bytes=el, cache_dst_stride_bytes=el)
+    want = x.clone().fill_(POISON).view(-1, el)
+    want[[2, 0]] = src[0][[4, 7]]
+    want[[rows + 2, rows]] = src[1][[4, 7]]
+    assert torch.equal(x.view(-1, el), want)
+    for shift, d_idx in ((rows * el, [rows, 0]), (el // 2, [0]), (0, [0])):
+        x.fill_(POISON)
+        with pytest.raises(errors.OverlapError, match=r"ptr_dst\[0\] and ptr_dst\[1\] share memory"):
+            hc.transfer_hicache_all_layer_mla(_ptrs([base, base + shift]), torch.tensor(d_idx), src_t,
+                                              torch.tensor([4, 7][:len(d_idx)]), cache_src_stride_bytes=el,
+                                              cache_dst_stride_bytes=el)
+        assert untouched(x)
+    mem.close()

@@ -27,8 +27,9 @@ device), and it is not device memory either. So descriptors are built only here:
 :class:`HostNixlAgent` wraps a ``nixl_agent``: registrations are tied to their owner
 (``register_pool(pool)`` deregisters when the pool is closed, or collected), and a
 transfer's local descriptors must lie inside a live registration of that agent
-(:class:`~pointerdomain.errors.NotRegisteredError` / ``ClosedError`` otherwise), all
-before NIXL is called.
+(:class:`~pointerdomain.errors.NotRegisteredError` / ``ClosedError`` otherwise), its
+destinations may not share a byte (``OverlapError``) and a registration may not overlap
+an open one (``AlreadyRegisteredError``), all before NIXL is called.
 
 This module does not import NIXL; :class:`HostNixlAgent` does, lazily
 (``pip install nixl-cu13==1.5.1`` then ``pip install --no-deps nixl==1.5.1`` with
@@ -136,6 +137,11 @@ class NixlDesc:
         """``(addr, nbytes, dev_id, meta)``, what ``nixl_agent.register_memory`` takes."""
         return (self.addr, self.nbytes, self.dev_id, self.meta)
 
+    def overlaps(self, other: NixlDesc) -> bool:
+        """Whether the two share a byte (same memory type and ``dev_id``)."""
+        return (other.mem_type == self.mem_type and other.dev_id == self.dev_id
+                and self.addr < other.addr + other.nbytes and other.addr < self.addr + self.nbytes)
+
     def contains(self, other: NixlDesc) -> bool:
         return (other.mem_type == self.mem_type and other.dev_id == self.dev_id
                 and self.addr <= other.addr and other.addr + other.nbytes <= self.addr + self.nbytes)
@@ -171,6 +177,20 @@ def _check_local_dram(d: NixlDesc, name: str) -> None:
             "Fix: pass host-VA metadata of a host pool, or vram_desc(tensor, device) for device memory"
         )
     check_metadata_live(va, d.nbytes, name)
+
+
+def _check_disjoint(name: str, descs: tuple[NixlDesc, ...], where: str) -> None:
+    """Refuse destination descriptors that share a byte: NIXL moves the descriptors of one
+    request in no defined order, so the bytes left would depend on it."""
+    order = sorted(range(len(descs)), key=lambda i: (descs[i].dev_id, descs[i].addr))
+    for prev, cur in zip(order, order[1:]):
+        if descs[prev].overlaps(descs[cur]):
+            a, b = sorted((prev, cur))
+            raise errors.OverlapError(
+                f"{name}[{a}] and {name}[{b}]: destination blocks overlap in {where} ({describe(descs[a])}, "
+                f"{describe(descs[b])}); NIXL moves the blocks of a transfer in no defined order, so the bytes "
+                "would depend on it; nothing was moved. Fix: give each destination block once"
+            )
 
 
 def dram_desc(region: pd.BufferInfo | pd.HostVA, nbytes: int | None = None) -> NixlDesc:
@@ -384,6 +404,8 @@ class HostNixlAgent(ProcessLocal):
         self.agent: NixlAgentLike = agent
         self._lock = threading.Lock()
         self._registrations: list[NixlRegistration] = []
+        # descriptors being registered (NIXL not yet returned): a concurrent overlapping one is refused too
+        self._pending: list[tuple[NixlDesc, ...]] = []
         self._remotes: list[str] = []
 
     # -- registration -------------------------------------------------------------
@@ -402,6 +424,8 @@ class HostNixlAgent(ProcessLocal):
             InvalidArgumentError: no descriptors, or mixed memory types.
             ClosedError: a DRAM descriptor's memory was closed or released since its
                 metadata was taken (a closed pool included).
+            AlreadyRegisteredError: a descriptor overlaps another of ``descs`` or an open
+                registration of this agent (same type and ``dev_id``); NIXL is not called.
             RuntimeCallError: NIXL refused the registration.
         """
         checked = tuple(descs)
@@ -419,10 +443,32 @@ class HostNixlAgent(ProcessLocal):
         if mem_type == "DRAM":
             for i, d in enumerate(checked):
                 _check_local_dram(d, f"descs[{i}]")
-        handle = self._call("register_memory", [d.reg_tuple() for d in checked], mem_type, list(backends))
-        reg = NixlRegistration(_TOKEN, self, checked, handle)
+        for i, d in enumerate(checked):
+            for j in range(i):
+                if checked[j].overlaps(d):
+                    raise errors.AlreadyRegisteredError(
+                        f"descs[{j}] and descs[{i}] overlap ({describe(checked[j])}, {describe(d)}): one range "
+                        "would be registered twice. Fix: register each range once"
+                    )
         with self._lock:
-            self._registrations.append(reg)
+            held = [r.descs for r in self._registrations] + self._pending
+            for i, d in enumerate(checked):
+                for other in (o for descs in held for o in descs):
+                    if other.overlaps(d):
+                        raise errors.AlreadyRegisteredError(
+                            f"descs[{i}]: {describe(d)} overlaps {describe(other)}, already registered with agent "
+                            f"{self.name!r}. Fix: register each range once; memory inside a registered range needs "
+                            "no registration"
+                        )
+            self._pending.append(checked)
+        try:
+            handle = self._call("register_memory", [d.reg_tuple() for d in checked], mem_type, list(backends))
+            reg = NixlRegistration(_TOKEN, self, checked, handle)
+            with self._lock:
+                self._registrations.append(reg)
+        finally:
+            with self._lock:
+                self._pending.remove(checked)
         if owner is not None:
             reg._finalizer = weakref.finalize(owner, _close_registration, weakref.ref(reg))
             hook: Callable[[Callable[[], None]], None] | None = getattr(owner, "add_close_hook", None)
@@ -500,6 +546,8 @@ class HostNixlAgent(ProcessLocal):
             DomainError: an entry that is not a NixlDesc, or a local DRAM descriptor in device memory.
             InvalidArgumentError: unknown ``op``, lists of different lengths, mixed types.
             LayoutError: ``local[i]`` and ``remote[i]`` differ in size.
+            OverlapError: two destination descriptors (``local`` on a READ, ``remote`` on a
+                WRITE) share a byte; reading one source into several destinations is fine.
             NotRegisteredError: a local descriptor outside this agent's open registrations
                 (a closed pool's registration is gone).
             ClosedError: a local DRAM descriptor's memory was released since its metadata was taken.
@@ -519,6 +567,10 @@ class HostNixlAgent(ProcessLocal):
         for i, (a, b) in enumerate(zip(loc, rem)):
             if a.nbytes != b.nbytes:
                 raise errors.LayoutError(f"block {i}: local {a.nbytes} bytes, remote {b.nbytes} bytes")
+        if op == "READ":
+            _check_disjoint("local", loc, "local memory")
+        else:
+            _check_disjoint("remote", rem, "the peer's memory")
         for i, d in enumerate(loc):
             self._check_local(d)
             if d.mem_type == "DRAM":

@@ -710,6 +710,27 @@ def entry_gap(name: str, tables: Sequence[PointerTable[DeviceAlias]]) -> int | N
     return gap
 
 
+def row_cap(tables: Sequence[PointerTable[DeviceAlias]], stride: int, row: int) -> int | None:
+    """The most rows (``row`` bytes every ``stride`` bytes from each entry's address) every
+    entry of ``tables`` (one side's raw tables, K and V together) holds before one of its
+    rows meets a row of a later entry, or None where no two entries' rows ever meet (one
+    entry, or rows that interleave by design: :func:`~pointerdomain.transfer.overlap.rows_clash`).
+    A raw address says where a buffer starts, not where it ends, so a destination side's
+    rows are held to this as well as to its allocation. 0: two entries' first rows meet."""
+    across = bool(_chunked) and any(t in _chunked for t in tables)
+    values = sorted(v for t in tables for v in (t.entry_addresses() if across else t.raw_values()))
+    if len(values) < 2:
+        return None
+    v = torch.tensor([x - values[0] for x in values], dtype=torch.int64)
+    d = v[None, :] - v[:, None]  # d[i, j]: how far entry j starts after entry i
+    off = d % stride
+    meet = (d >= 0) & ((off < row) | (off > stride - row))
+    meet.fill_diagonal_(False)
+    if not bool(meet.any()):
+        return None
+    return max(0, (int(d[meet].min()) - row) // stride + 1)
+
+
 # -- raw addresses ---------------------------------------------------------------------
 
 class _Span(NamedTuple):

@@ -423,15 +423,18 @@ def transfer_hicache_one_layer_mla(
 # -- raw per-layer tables ---------------------------------------------------------------------
 
 def _raw_rows(names: Sequence[str], ptrs: Sequence[torch.Tensor], device: Device, stride: int, element: int,
-              g: int) -> tuple[PointerTable[DeviceAlias], int, int]:
+              g: int, cap: int | None = None) -> tuple[PointerTable[DeviceAlias], int, int]:
     """A raw side of rows ``element`` bytes, ``stride`` apart from each entry: its table
-    (entries reaching exactly their last whole row), its row count and sub-item count."""
+    (entries reaching exactly their last whole row), its row count (at most ``cap``) and
+    sub-item count."""
     have = min(room(n, t, device) for n, t in zip(names, ptrs))
     if have < element:
         raise RegistrationSpanError(
             f"{' / '.join(names)}: an entry has {have} bytes to the end of its allocation, less than one row of "
             f"{element} bytes. Fix: check element_size and the tables' addresses")
     rows = (have - element) // stride + 1
+    if cap is not None:
+        rows = min(rows, cap)
     reach = (rows - 1) * stride + element
     table = joined([exact(n, t, device, reach) for n, t in zip(names, ptrs)])
     # rows of other entries (layers of a page_first pool) may lie between these rows
@@ -489,9 +492,20 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     g = math.gcd(element, s_stride, d_stride)
     kv = len(s_ptrs)
     s_table, s_rows, s_sub = _raw_rows(s_names, s_ptrs, device, s_stride, element, g)
-    d_table, d_rows, d_sub = _raw_rows(d_names, d_ptrs, device, d_stride, element, g)
+    # each destination entry's rows end before the next entry's rows begin (its allocation may
+    # run on past it: layers carved from one larger registration)
+    cap = _raw.row_cap([_raw.resolved_table(n, t, device, across_chunks=True) for n, t in zip(d_names, d_ptrs)],
+                       d_stride, element)
+    d_table, d_rows, d_sub = _raw_rows(d_names, d_ptrs, device, d_stride, element, g, cap or None)
     check_range("indices_src", s_idx, s_rows)
-    check_range("indices_dst", d_idx, d_rows)
+    try:
+        check_range("indices_dst", d_idx, d_rows)
+    except IndexValidationError:
+        if not cap or d_rows < cap:
+            raise
+        # a row past the cap: the entries' rows meet there; apart() names the overlap
+        d_table, d_rows, d_sub = _raw_rows(d_names, d_ptrs, device, d_stride, element, g)
+        check_range("indices_dst", d_idx, d_rows)
     distinct("indices_dst", d_idx, "row")
     src = Side(s_table, s_rows, layout("layer_first", kv, layers, s_sub, 1, g))
     dst = Side(d_table, d_rows, layout("layer_first", kv, layers, d_sub, 1, g))
