@@ -305,6 +305,18 @@ def test_parse_error_is_reported(tmp_path: Path) -> None:
     assert finding.code == "PD901"
 
 
+@pytest.mark.parametrize("text", ["def f(:\n    pass\n", "x = (1,\n", "def f():\nreturn 1\n", "a = 1\0\n"])
+def test_parse_error_without_trigger_words_is_reported(tmp_path: Path, text: str) -> None:
+    """No rule can match the file, but a file Python cannot parse is still not audited."""
+    f = tmp_path / "bad.py"
+    f.write_text(text)
+    (finding,), _ = audit_file(f, AuditConfig(root=tmp_path))
+    assert finding.code == "PD901" and "cannot parse" in finding.message
+    (tmp_path / "good.py").write_text("def f(x):\n    return x\n")
+    run = audit_paths([tmp_path], AuditConfig(root=tmp_path), jobs=1, progress="none")
+    assert [(r.path, "cannot parse" in (r.skipped or "")) for r in run.skipped] == [("bad.py", True)]
+
+
 # -- the worker pool, progress, imports ------------------------------------------------
 
 

@@ -467,6 +467,44 @@ def test_declared_writes_refuse_an_item_size_past_the_entries(host: tuple[pd.Reg
     assert op.calls == [] and bool((buf == POISON).all())
 
 
+def test_declared_slots_refuse_released_index_storage(host: tuple[pd.RegisteredHostMemory, torch.Tensor]) -> None:
+    """An index tensor whose storage was released (or shrunk under the view) is refused
+    by name instead of reaching torch's untyped error or the op."""
+    _, buf = host
+    hk, hv = tables([buf[0, i] for i in range(LAYERS)]), tables([buf[1, i] for i in range(LAYERS)])
+    op = Recorder()
+    released = torch.tensor([0])
+    released.untyped_storage().resize_(0)
+    shrunk = torch.tensor([0, 1, 2, 3])[2:]
+    shrunk.untyped_storage().resize_(3 * 8)  # the view's last slot lies past the storage's end
+    for idx in (released, shrunk):
+        with pytest.raises(errors.IndexValidationError, match="dst_indices: .*storage"):
+            checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, torch.tensor([1, 2])[:idx.numel()],
+                        idx, ITEM, LAYERS)
+        with pytest.raises(errors.IndexValidationError, match="src_indices: .*storage"):
+            checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, idx,
+                        torch.tensor([1, 2])[:idx.numel()], ITEM, LAYERS)
+    assert op.calls == [] and bool((buf == POISON).all())
+
+
+@pytest.mark.parametrize(("src", "dst"), [([0, 1, 2], [1]), ([0], [1, 2]), ([], [3])])
+def test_declared_slots_refuse_index_tensors_of_different_lengths(
+        host: tuple[pd.RegisteredHostMemory, torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """The op reads the index tensors as pairs: a shorter one would be read past its end."""
+    _, buf = host
+    hk, hv = tables([buf[0, i] for i in range(LAYERS)]), tables([buf[1, i] for i in range(LAYERS)])
+    op = Recorder()
+    s, d = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+    match = rf"src_indices has {len(src)} slots and dst_indices {len(dst)}"
+    with pytest.raises(errors.IndexValidationError, match=match):
+        checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, s, d, ITEM, LAYERS)
+    s2, d2 = pd.device_empty(s.shape, torch.int64, DEV), pd.device_empty(d.shape, torch.int64, DEV)
+    s2.copy_(s), d2.copy_(d)
+    with pytest.raises(errors.IndexValidationError, match=match):
+        checked(op)(tables(device_layers(1)), hk, tables(device_layers(10)), hv, s2, d2, ITEM, LAYERS)
+    assert op.calls == [] and bool((buf == POISON).all())
+
+
 @pytest.mark.parametrize("shape", ["k_is_v", "v_one_slot_after_k", "two_layers_one_buffer", "dst_is_src"])
 def test_declared_writes_refuse_destination_entries_that_share_memory(
         host: tuple[pd.RegisteredHostMemory, torch.Tensor], shape: str) -> None:

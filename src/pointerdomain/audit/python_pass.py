@@ -1813,9 +1813,19 @@ def audit_python_source(path: str, source: str, rules: PythonRules) -> list[Find
     not applied here (see :mod:`pointerdomain.audit.suppressions`). A file that does not
     parse gives one PD901 finding."""
     triggers = rules.triggers
-    if not _has_trigger(source, triggers):
-        return []
     lines = source.splitlines()
+    if not _has_trigger(source, triggers):
+        # no rule can match, but a file that does not parse is still not audited: Python's
+        # own parser says so for a fraction of libcst's cost
+        try:
+            ast.parse(source)
+        except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte (Python 3.11)
+            line = getattr(exc, "lineno", None) or 1
+            column = getattr(exc, "offset", None) or 1
+            message = getattr(exc, "msg", None) or str(exc)
+            return [Finding(path, line, column, "PD901", f"Python cannot parse this file: {message}",
+                            RULES["PD901"].fix, lines[line - 1].strip() if 0 < line <= len(lines) else "")]
+        return []
     sliced = slice_source(source, triggers)
     try:
         module = cst.parse_module(sliced)

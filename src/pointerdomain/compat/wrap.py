@@ -263,6 +263,12 @@ def _index_values(op: str, name: str, value: object, device: Device) -> torch.Te
     if not value.is_contiguous():
         raise IndexValidationError(
             f"{op}: {name}: strides {value.stride()}, not contiguous (the op would read it as packed). Fix: .contiguous()")
+    held = value.untyped_storage().nbytes()
+    needed = (value.storage_offset() + value.numel()) * value.element_size()
+    if value.numel() and held < needed:  # released or shrunk storage: neither torch nor the op may read it
+        raise IndexValidationError(
+            f"{op}: {name}: its storage holds {held} bytes, the view needs {needed} (the storage was released or "
+            "resized): the op would read indices from memory the tensor no longer owns; nothing was written")
     if value.is_cuda:
         if backend_for(device).is_capturing(device):
             raise InvalidArgumentError(
@@ -280,7 +286,8 @@ def _check_slots(op: str, tables: dict[str, PointerTable[DeviceAlias]], args: di
 
     Raises:
         InvalidArgumentError: an item size that is not an int >= 1.
-        IndexValidationError: a bad index tensor, or a slot outside an entry.
+        IndexValidationError: a bad index tensor (its storage released included), index
+            tensors of different lengths, or a slot outside an entry.
         OverlapError: a destination slot given twice.
     """
     bounds: dict[str, tuple[int, str, int]] = {}  # index parameter -> (slots, the table that bounds them, item)
@@ -293,8 +300,18 @@ def _check_slots(op: str, tables: dict[str, PointerTable[DeviceAlias]], args: di
         count = min(tables[table_name].sizes) // item
         if index_name not in bounds or count < bounds[index_name][0]:
             bounds[index_name] = (count, table_name, item)
+    read = {name: _index_values(op, name, args[name], device) for name in bounds}
+    lengths = {name: idx.numel() for name, idx in read.items()}
+    first = next(iter(lengths), "")
+    other = next((k for k, n in lengths.items() if n != lengths[first]), None)
+    if other is not None:  # the op walks slot i of each index tensor together
+        a, b, na, nb = first, other, lengths[first], lengths[other]
+        raise IndexValidationError(
+            f"{op}: {a} has {na} slots and {b} {nb}: the op reads the index tensors as pairs (slot i of each), "
+            "so a shorter one would be read past its end; nothing was written. Fix: pass index tensors of equal "
+            "length")
     for index_name, (count, table_name, item) in bounds.items():
-        idx = _index_values(op, index_name, args[index_name], device)
+        idx = read[index_name]
         n = idx.numel()
         if not n:
             continue
@@ -603,8 +620,11 @@ def kernel_op(
             ``item_size`` bytes at ``entry + s * item_size``, where ``indices`` names the
             index-tensor parameter and ``item_size`` the int parameter. Each call then
             refuses an item size that is not an int >= 1 (``InvalidArgumentError``), an
-            index tensor that is not ``int64`` / ``int32``, 1-D and contiguous, or a slot
-            outside ``[0, entry bytes // item_size)`` of any entry of a table it
+            index tensor that is not ``int64`` / ``int32``, 1-D and contiguous or whose
+            storage no longer holds it (released or resized), index tensors of different
+            lengths (the op reads them as pairs: slot ``i`` of each index tensor named in
+            ``slots`` together, as sglang's ops walk ``src_indices`` and ``dst_indices``),
+            or a slot outside ``[0, entry bytes // item_size)`` of any entry of a table it
             addresses (``IndexValidationError``), and a slot given twice in an index
             tensor that addresses a ``writes`` table (``OverlapError``). The indices are
             read on the host: a device sync for CUDA indices, refused during CUDA graph
