@@ -30,3 +30,7 @@ def calls(kernel: PointerTable[DeviceAlias], host: PointerTable[HostVA], raw: to
     copy_items(kernel, kernel, idx, stream=0)  # type: ignore[call-arg]
     copy_items(kernel, kernel)  # type: ignore[call-arg]
     copy_items.tables = ("src",)  # type: ignore[misc]
+
+
+kernel_op(raw_op, writes=3)  # type: ignore[arg-type]
+kernel_op(raw_op, slots=["dst", "indices"])  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from typing_extensions import assert_type
 
 from pointerdomain import DeviceAlias, PointerTable, alloc_registered, device_empty, make_kernel_ptr_table
 from pointerdomain.compat.wrap import KernelOp, kernel_op
-from pointerdomain.errors import DomainError
+from pointerdomain.errors import DomainError, IndexValidationError
 
 
 def ints(t: torch.Tensor) -> list[int]:
@@ -51,3 +51,22 @@ with alloc_registered(2 * 4 * 16, DEVICE) as mem:
     raw: Any = dst.as_uint64_tensor()  # what a caller without types could pass
     with raises(DomainError, match="dst"):
         copy_items(src, raw, torch.tensor([0]))
+
+
+# Declared destinations and slot addressing: checked on every call before the op runs.
+@kernel_op(raw_op, tables=("src", "dst"), writes=("dst",), slots={"src": ("indices", "item_size"),
+                                                                   "dst": ("indices", "item_size")})
+def copy_declared(src: PointerTable[DeviceAlias], dst: PointerTable[DeviceAlias], indices: torch.Tensor,
+                  item_size: int = 16) -> int:
+    raise NotImplementedError  # never run: the op runs
+
+
+with alloc_registered(2 * 4 * 16, DEVICE) as mem:
+    host = mem.tensor.view(2, 4, 16)
+    host.fill_(0)
+    src, dst = make_kernel_ptr_table(device, DEVICE), make_kernel_ptr_table(list(host.unbind(0)), DEVICE)
+    assert_type(copy_declared(src, dst, torch.tensor([2])), int)
+    assert bool((host[0, 2] == 1).all()) and bool((host[0, 0] == 0).all())
+    with raises(IndexValidationError, match="indices"):
+        copy_declared(src, dst, torch.tensor([4]))  # past the entries' 4 slots of 16 bytes
+    assert bool((host[:, 0] == 0).all())

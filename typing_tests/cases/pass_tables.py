@@ -20,6 +20,7 @@ from pointerdomain import (
     device_empty,
     host_ptr_table,
     make_kernel_ptr_table,
+    register_host_tensor,
     resolve_alias,
 )
 
@@ -83,3 +84,13 @@ with alloc_registered(1 << 16, DEVICE) as memory:
     assert_type(kernel.storages_intact(), bool)
     assert_type(kernel.storage_spans(), tuple[tuple[int, int], ...])
     assert kernel.storages_intact() and all(end > start for start, end in kernel.storage_spans())
+
+
+# A registered tensor that released its storage resolves nothing (ClosedError at run time).
+_released = torch.zeros(1 << 16, dtype=torch.uint8)
+_reg = register_host_tensor(_released, DEVICE)
+assert_type(_reg.backing_released(), bool)
+assert not _reg.backing_released()
+_released.untyped_storage().resize_(0)
+assert _reg.backing_released()
+_reg.close()
