@@ -416,20 +416,8 @@ class KernelOp(Generic[P, R]):
 
     def _checked_tensor(self, name: str, value: object, device: Device | None,
                         first: str) -> tuple[torch.Tensor, Device, str]:
-        """:meth:`_table` and :meth:`_tensor` in one frame (the call path without declared
-        writes: a frame less per table)."""
-        if isinstance(value, PointerTable) and value.domain is DeviceAlias:
-            table = cast(PointerTable[DeviceAlias], value)
-        else:
-            table = require_domain(f"{self._name}: {name}", value, DeviceAlias, "a kernel op", _WHY)
-        dev = table.device
-        if device is None:
-            device, first = dev, name
-        elif dev != device:
-            raise DeviceMismatchError(
-                f"{self._name}: {name} is a table for {dev}, but {first} is for {device}: one op launch reads "
-                "every table on one device. Fix: build all its tables for the same device")
-        table.check_live()
+        """:meth:`_table`, then the table's ``uint64`` tensor (cached or copied, as the op asks)."""
+        table, device, first = self._table(name, value, device, first)
         if self._cached:
             return cached_table_tensor(self._name, name, table), device, first
         return table.as_uint64_tensor(), device, first
