@@ -267,7 +267,7 @@ NB_MODULE(_C, m) {
             auto *words = reinterpret_cast<std::uint64_t *>(out);
             for (Py_ssize_t i = 0; i < n; ++i) {
                 std::uint64_t now[5];
-                if (!tensor_words(nb::handle(PyTuple_GET_ITEM(tensors.ptr(), i)), now)) return false;
+                if (!tensor_words(nb::handle(PyTuple_GetItem(tensors.ptr(), i)), now)) return false;
                 if (compare ? std::memcmp(now, words + 5 * i, sizeof now) != 0 : false) return false;
                 if (!compare) std::memcpy(words + 5 * i, now, sizeof now);
             }
