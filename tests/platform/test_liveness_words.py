@@ -12,7 +12,7 @@ import torch
 import pointerdomain as pd
 from pointerdomain import errors
 from pointerdomain._platform import liveness
-from tests.reference import DEV
+from tests.reference import DEV, as_bytes, filled_pools, pool_bytes, reference_transfer
 
 LAYOUT = pd.KVLayout(kind="layer_first", num_layers=4, num_pages=4, page_size=4, num_heads=2, head_dim=16)
 
@@ -159,3 +159,58 @@ def test_tensors_words_see_every_change_a_repeat_must_not_take() -> None:
         inference = torch.zeros(4)
     assert not native((inference,), address, False)  # no version counter: torch's queries instead
     assert not native((torch.nn.Parameter(torch.zeros(4)),), address, False)
+
+
+def test_a_device_index_reader_takes_that_devices_tensors_only() -> None:
+    # torch's meta device stands in for a GPU here: its tensors have the words a GPU's have
+    # (the dtype word holds the device type and index), and no memory
+    meta = torch.device("meta")
+    reader = liveness.device_index_reader(meta, [])
+    if reader is None:  # built on the CPU reader's offsets, where those were proven (see above)
+        pytest.skip("the index reader's word offsets were not proven in this process")
+    assert reader is liveness.device_index_reader(meta, [])
+    assert reader.meta != liveness.cpu_index_reader().meta  # type: ignore[union-attr]
+    base = torch.empty(100, dtype=torch.int64, device=meta)
+    for t in (torch.empty(1, dtype=torch.int64, device=meta), base[7:30], torch.empty(0, dtype=torch.int64, device=meta)):
+        assert reader.native(t, base, reader.meta, -1) == (t.numel(), 100, t.data_ptr(), base.data_ptr(), True)
+    refused: list[object] = [torch.arange(100), base[::2], base.view(10, 10), base.to(torch.int32), base.view(torch.float64),
+                             torch.nn.Parameter(base.clone(), requires_grad=False), None, 7]
+    for t in refused:
+        assert reader.native(t, base, reader.meta, -1) is None and reader.native(base, t, reader.meta, -1) is None
+
+
+@pytest.mark.gpu
+def test_gpu_device_indices_read_natively_refuse_what_torch_refuses() -> None:
+    dev = pd.Device("cuda", 0)
+    reader = liveness.device_index_reader(torch.device("cuda", 0),
+                                          [torch.device("cuda", i) for i in range(1, torch.cuda.device_count())])
+    # where proven (not in every process, as the CPU reader above), the launch takes CUDA
+    # indices in one native call: both ways, the same answers
+    print("device index reader:", reader is not None)
+    dev_layout = pd.KVLayout(kind="layer_first", num_layers=4, num_pages=16, page_size=16, num_heads=8, head_dim=128)
+    host_layout = pd.KVLayout(kind="page_first", num_layers=4, num_pages=32, page_size=16, num_heads=8, head_dim=128)
+    with filled_pools(dev_layout, host_layout, dev, seed=4) as (pool, host):
+        host_slots = torch.tensor([5, 0, 31, 7], device="cuda")
+        dev_slots = torch.tensor([3, 9, 1, 15], device="cuda")
+        want = reference_transfer(host.buffer.cpu(), host_layout, pool_bytes(pool), dev_layout, host_slots.cpu(),
+                                  dev_slots.cpu())
+        host.load(pool, host_slots, dev_slots)  # through the native reader
+        torch.cuda.synchronize()
+        assert torch.equal(pool_bytes(pool), want)
+        saved = [as_bytes(b).clone() for b in pool.buffers]
+        wide = torch.arange(8, device="cuda")
+        bad: list[tuple[object, type[Exception]]] = [
+            (wide[::2], errors.IndexValidationError),                       # strided
+            (wide.view(2, 4), errors.IndexValidationError),                 # 2-D
+            (wide[:4].to(torch.int32), errors.IndexValidationError),        # int32
+        ]
+        released = torch.arange(4, device="cuda")
+        released.untyped_storage().resize_(0)
+        bad.append((released, errors.PointerDomainError))
+        for idx, err in bad:
+            with pytest.raises(err):
+                host.load(pool, host_slots, idx)  # type: ignore[arg-type]
+            with pytest.raises(err):
+                host.load(pool, idx, dev_slots)  # type: ignore[arg-type]
+        torch.cuda.synchronize()
+        assert all(torch.equal(as_bytes(b), s) for b, s in zip(pool.buffers, saved))  # nothing written

@@ -32,7 +32,7 @@ from typing import Any, Final, NamedTuple, cast
 
 import torch
 
-__all__ = ["IndexReader", "JointWatch", "StorageWatch", "cpu_index_reader", "joint_watch", "storage_watch", "word_layout_found"]
+__all__ = ["IndexReader", "JointWatch", "StorageWatch", "cpu_index_reader", "device_index_reader", "joint_watch", "storage_watch", "word_layout_found"]
 
 #: Words read when looking for the fields (64 / 192 bytes: inside both objects, whose
 #: layouts in the torch builds this package supports are larger).
@@ -320,7 +320,11 @@ def _find_index_reader() -> IndexReader | None:
         return None
     _C.index_words_set(offsets, torch.Tensor)
     reader = IndexReader(meta)
-    return reader if _reader_proven(reader, good) else None
+    if not _reader_proven(reader, good):
+        return None
+    global _index_offsets_found
+    _index_offsets_found = offsets
+    return reader
 
 
 def _reader_proven(reader: IndexReader, good: Sequence[torch.Tensor]) -> bool:
@@ -343,6 +347,7 @@ def _reader_proven(reader: IndexReader, good: Sequence[torch.Tensor]) -> bool:
     return all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
 
 
+_index_offsets_found: _IndexOffsets | None = None  # those of the proven CPU reader
 _index_lock = threading.Lock()  # not _lock: the search takes that one (_word_layout)
 _index_searched = False
 _index_reader: IndexReader | None = None
@@ -361,6 +366,61 @@ def cpu_index_reader() -> IndexReader | None:
                     _index_reader = None
                 _index_searched = True
     return _index_reader
+
+
+# Index tensors in device memory (a GPU's): the same words, with the dtype word of a 1-D
+# contiguous int64 tensor on that device, which holds the device's index (proven below:
+# it differs from the word of every other device of the type, so a tensor on another GPU
+# is not accepted). Found once per device, after the CPU reader (its offsets).
+
+_device_readers: dict[torch.device, IndexReader | None] = {}
+
+
+def _find_device_reader(device: torch.device, others: Sequence[torch.device]) -> IndexReader | None:
+    cpu = _index_reader
+    offsets = _index_offsets_found
+    if cpu is None or offsets is None:
+        return None
+    meta_at = offsets[6]
+    good = [torch.empty(n, dtype=torch.int64, device=device) for n in (1, 5, 4096)]
+    good += [torch.arange(40, device=device)[7:19], torch.tensor([3, 1, 2], device=device),
+             torch.zeros(0, dtype=torch.int64, device=device)]
+    metas = {_meta_word(t, meta_at) for t in good}
+    if len(metas) != 1:
+        return None
+    meta = metas.pop()
+    refused: list[object] = [torch.empty(8, dtype=d, device=device)
+                             for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
+    refused += [torch.arange(8), *(torch.arange(8, device=o) for o in others)]  # the CPU's, every other device's
+    if meta == cpu.meta or any(_meta_word(cast(torch.Tensor, t), meta_at) == meta for t in refused):
+        return None
+    reader = IndexReader(meta)
+    for t in good:
+        if reader.pair(t, t) != (t.numel(), t.numel(), t.data_ptr(), t.data_ptr()):
+            return None
+    base = torch.arange(64, device=device)
+    released = torch.arange(16, device=device)
+    released.untyped_storage().resize_(0)
+    refused += [base[::2], base.view(8, 8), base.view(8, 8)[:, 0], released, base.view(1, 64)]
+    refused += [torch.nn.Parameter(torch.arange(4, device=device), requires_grad=False), None]
+    ok = all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
+    return reader if ok else None
+
+
+def device_index_reader(device: torch.device, others: Sequence[torch.device]) -> IndexReader | None:
+    """The native reader of index tensors on ``device`` (a GPU's torch device; ``others``:
+    every other device of its type this process sees), or None where it was not proven
+    here (the launch then asks torch, same answers). Call :meth:`IndexReader.native` with
+    ordinal -1: no emulated look-up; its ``host`` answer means nothing for these."""
+    if device not in _device_readers:
+        cpu_index_reader()  # (before the lock: it takes the same one)
+        with _index_lock:
+            if device not in _device_readers:
+                try:
+                    _device_readers[device] = _find_device_reader(device, others)
+                except (RuntimeError, NotImplementedError):  # a probe this torch or device cannot make
+                    _device_readers[device] = None
+    return _device_readers[device]
 
 
 # -- a prepared call's tensors ---------------------------------------------------------

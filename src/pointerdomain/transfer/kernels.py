@@ -433,12 +433,13 @@ def bind_call(
     s_idx: object = src_indices  # checked at run time too: callers may be untyped
     d_idx: object = dst_indices
     where = _IDX_BAD
-    pair = plan.index_pair  # host-memory indices: the same tests as below in one native call
-    # (None: not torch.Tensor itself, a test fails, or memory of another emulated device)
-    got = pair(s_idx, d_idx, plan.index_meta, device.ordinal) if pair is not None else None
+    pair = plan.index_pair  # the same tests as below in one native call (None: not torch.Tensor
+    # itself, a test fails, or memory of another device); the emulated device's are looked up
+    host_memory = plan.host_memory
+    got = pair(s_idx, d_idx, plan.index_meta, device.ordinal if host_memory else -1) if pair is not None else None
     if got is not None:
         n, nd, sp, dp, in_host = got
-        where = _IDX_HOST if in_host else _IDX_DEVICE
+        where = _IDX_HOST if in_host and host_memory else _IDX_DEVICE
     elif (isinstance(s_idx, _Tensor) and isinstance(d_idx, _Tensor) and s_idx.dtype is _INT64
             and d_idx.dtype is _INT64 and s_idx.stride() == _UNIT and d_idx.stride() == _UNIT):
         n, nd = s_idx.numel(), d_idx.numel()

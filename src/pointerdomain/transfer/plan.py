@@ -33,7 +33,7 @@ import torch
 from pointerdomain._platform import Backend, backend_for, kernel_plan, on_backend_change
 from pointerdomain._platform.graph_holds import CaptureCount
 from pointerdomain._platform.host_indices import native_slots_problem, slots_problem
-from pointerdomain._platform.liveness import JointWatch, cpu_index_reader, joint_watch
+from pointerdomain._platform.liveness import JointWatch, cpu_index_reader, device_index_reader, joint_watch
 from pointerdomain.devices import Device, DeviceRuntime
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import DeviceMismatchError, IndexValidationError, InvalidArgumentError, LayoutError
@@ -103,11 +103,13 @@ class TransferPlan:
             native function itself where the device's indices are host memory.
         lease: the one owner's lease set where :attr:`owners` is one registration (the
             common case: one host pool), else None.
-        index_pair, index_meta: where the device's indices are host memory, the backend looks
-            up its memory with the emulated device's native look-up, and this process found
-            how torch lays out a tensor (:func:`~pointerdomain._platform.liveness.cpu_index_reader`):
-            the native test of two index tensors (and of their memory) and the dtype word it
-            compares; else None (the launch asks torch and the backend).
+        index_pair, index_meta: where this process found how torch lays out a tensor, the
+            native test of two index tensors and the dtype word it compares: for a device
+            whose indices are host memory, CPU tensors (:func:`~pointerdomain._platform.liveness.cpu_index_reader`;
+            only where the backend looks up its memory with the emulated device's native
+            look-up), else tensors in the device's own memory
+            (:func:`~pointerdomain._platform.liveness.device_index_reader`, called with
+            ordinal -1); else None (the launch asks torch and the backend).
         captures: the backend's count of open graph captures
             (:class:`~pointerdomain._platform.graph_holds.CaptureCount`), or None where it
             cannot count them (a launch that recorded no event then asks for a capture).
@@ -379,9 +381,14 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
     # a table resolved from raw addresses keeps no storages: what its entries address instead
     starts, ends = _merged_ranges(dst.storage_spans() if dst.kept_tensors() else entry_spans(dst))
     platform = backend_for(device)
-    reader = cpu_index_reader() if device.runtime.host_memory else None
-    if reader is not None and getattr(platform, "device_lookup", None) is not _emulated_lookup():
-        reader = None  # a backend with its own look-up: asked as before
+    runtime = device.runtime
+    if runtime.host_memory:
+        reader = cpu_index_reader()
+        if reader is not None and getattr(platform, "device_lookup", None) is not _emulated_lookup():
+            reader = None  # a backend with its own look-up: asked as before
+    else:  # indices in the device's own memory: the tensor words hold the device
+        reader = device_index_reader(device.torch_device, [runtime.torch_device(i) for i in range(runtime.count())
+                                                           if i != device.ordinal])
     return TransferPlan(device, platform, src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
                         kernel_plan(*args),
