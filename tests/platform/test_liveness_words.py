@@ -214,3 +214,33 @@ def test_gpu_device_indices_read_natively_refuse_what_torch_refuses() -> None:
                 host.load(pool, idx, dev_slots)  # type: ignore[arg-type]
         torch.cuda.synchronize()
         assert all(torch.equal(as_bytes(b), s) for b, s in zip(pool.buffers, saved))  # nothing written
+
+
+@pytest.mark.gpu
+def test_gpu_a_first_plan_inside_a_capture_leaves_the_capture_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the device reader is not searched inside a capture (its probes would allocate there):
+    # the captured launch asks torch, replays move the right bytes, and a later plan outside
+    # capture finds the reader
+    monkeypatch.setattr(liveness, "_device_readers", {})
+    dev = pd.Device("cuda", 0)
+    dev_layout = pd.KVLayout(kind="layer_first", num_layers=2, num_pages=8, page_size=16, num_heads=8, head_dim=128)
+    host_layout = pd.KVLayout(kind="page_first", num_layers=2, num_pages=16, page_size=16, num_heads=8, head_dim=128)
+    with filled_pools(dev_layout, host_layout, dev, seed=6) as (pool, host):
+        host_slots = torch.tensor([17, 2, 200, 64], device="cuda")
+        dev_slots = torch.tensor([1, 100, 33, 0], device="cuda")
+        want = reference_transfer(host.buffer.cpu(), host_layout, pool_bytes(pool), dev_layout, host_slots.cpu(),
+                                  dev_slots.cpu())
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            host.load(pool, host_slots, dev_slots)
+        assert liveness._device_readers == {}  # noqa: SLF001 -- not searched while capturing
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(pool_bytes(pool), want)
+        del graph  # (a graph holds the pools it captured)
+        other = pd.DeviceKVPool(dev_layout, dev)  # a new table pair: a new plan, outside capture
+        host.load(other, host_slots, dev_slots)
+        torch.cuda.synchronize()
+        assert torch.device("cuda", 0) in liveness._device_readers  # noqa: SLF001

@@ -382,27 +382,28 @@ def _find_device_reader(device: torch.device, others: Sequence[torch.device]) ->
     if cpu is None or offsets is None:
         return None
     meta_at = offsets[6]
-    good = [torch.empty(n, dtype=torch.int64, device=device) for n in (1, 5, 4096)]
-    good += [torch.arange(40, device=device)[7:19], torch.tensor([3, 1, 2], device=device),
-             torch.zeros(0, dtype=torch.int64, device=device)]
+    # allocations and views only: nothing queued on the device's stream (it may be capturing)
+    good = [torch.empty(n, dtype=torch.int64, device=device) for n in (1, 5, 4096, 0)]
+    good.append(torch.empty(40, dtype=torch.int64, device=device)[7:19])
     metas = {_meta_word(t, meta_at) for t in good}
     if len(metas) != 1:
         return None
     meta = metas.pop()
     refused: list[object] = [torch.empty(8, dtype=d, device=device)
                              for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
-    refused += [torch.arange(8), *(torch.arange(8, device=o) for o in others)]  # the CPU's, every other device's
+    refused += [torch.empty(8, dtype=torch.int64), *(torch.empty(8, dtype=torch.int64, device=o) for o in others)]
+    # (the CPU's, every other device's of the type)
     if meta == cpu.meta or any(_meta_word(cast(torch.Tensor, t), meta_at) == meta for t in refused):
         return None
     reader = IndexReader(meta)
     for t in good:
         if reader.pair(t, t) != (t.numel(), t.numel(), t.data_ptr(), t.data_ptr()):
             return None
-    base = torch.arange(64, device=device)
-    released = torch.arange(16, device=device)
+    base = torch.empty(64, dtype=torch.int64, device=device)
+    released = torch.empty(16, dtype=torch.int64, device=device)
     released.untyped_storage().resize_(0)
     refused += [base[::2], base.view(8, 8), base.view(8, 8)[:, 0], released, base.view(1, 64)]
-    refused += [torch.nn.Parameter(torch.arange(4, device=device), requires_grad=False), None]
+    refused += [torch.nn.Parameter(torch.empty(4, dtype=torch.int64, device=device), requires_grad=False), None]
     ok = all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
     return reader if ok else None
 
@@ -411,7 +412,9 @@ def device_index_reader(device: torch.device, others: Sequence[torch.device]) ->
     """The native reader of index tensors on ``device`` (a GPU's torch device; ``others``:
     every other device of its type this process sees), or None where it was not proven
     here (the launch then asks torch, same answers). Call :meth:`IndexReader.native` with
-    ordinal -1: no emulated look-up; its ``host`` answer means nothing for these."""
+    ordinal -1: no emulated look-up; its ``host`` answer means nothing for these. The first
+    call allocates a few small tensors on the devices and queues nothing on any stream;
+    call it outside graph capture (an allocation there comes from the graph's pool)."""
     if device not in _device_readers:
         cpu_index_reader()  # (before the lock: it takes the same one)
         with _index_lock:

@@ -386,9 +386,12 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
         reader = cpu_index_reader()
         if reader is not None and getattr(platform, "device_lookup", None) is not _emulated_lookup():
             reader = None  # a backend with its own look-up: asked as before
-    else:  # indices in the device's own memory: the tensor words hold the device
+    elif not platform.is_capturing(device):  # indices in the device's memory: the tensor words hold the device
+        # (found once per device with a few allocations: never inside a capture, whose plans ask torch)
         reader = device_index_reader(device.torch_device, [runtime.torch_device(i) for i in range(runtime.count())
                                                            if i != device.ordinal])
+    else:
+        reader = None
     return TransferPlan(device, platform, src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
                         src.raw_values(), dst.raw_values(), vec, run, kernel, weakref.ref(dst), weakref.ref(src),
                         kernel_plan(*args),
