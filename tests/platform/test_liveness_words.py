@@ -161,14 +161,17 @@ def test_tensors_words_see_every_change_a_repeat_must_not_take() -> None:
     assert not native((torch.nn.Parameter(torch.zeros(4)),), address, False)
 
 
-def test_a_device_index_reader_takes_that_devices_tensors_only() -> None:
-    # torch's meta device stands in for a GPU here: its tensors have the words a GPU's have
-    # (the dtype word holds the device type and index), and no memory
-    meta = torch.device("meta")
-    reader = liveness.device_index_reader(meta, [])
+def test_a_device_index_reader_takes_that_devices_tensors_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's meta device stands in for a GPU here: its tensors have the words a GPU's have,
+    # and no memory; its index is always -1, so the index byte's proof (tested below) is
+    # set aside for it
+    monkeypatch.setattr(liveness, "_device_readers", {})
+    monkeypatch.setattr(liveness, "_index_byte_proven", lambda *args: True)
+    meta = torch.device("meta", 0)
+    reader = liveness.device_index_reader(meta)
     if reader is None:  # built on the CPU reader's offsets, where those were proven (see above)
         pytest.skip("the index reader's word offsets were not proven in this process")
-    assert reader is liveness.device_index_reader(meta, [])
+    assert reader is liveness.device_index_reader(meta)
     assert reader.meta != liveness.cpu_index_reader().meta  # type: ignore[union-attr]
     base = torch.empty(100, dtype=torch.int64, device=meta)
     for t in (torch.empty(1, dtype=torch.int64, device=meta), base[7:30], torch.empty(0, dtype=torch.int64, device=meta)):
@@ -179,11 +182,39 @@ def test_a_device_index_reader_takes_that_devices_tensors_only() -> None:
         assert reader.native(t, base, reader.meta, -1) is None and reader.native(base, t, reader.meta, -1) is None
 
 
+def test_the_index_byte_proof_accepts_only_a_type_and_index_pair() -> None:
+    if liveness.cpu_index_reader() is None:
+        pytest.skip("the index reader's word offsets were not proven in this process")
+    at = liveness._index_offsets_found[6]  # type: ignore[index]  # noqa: SLF001
+    cpu = liveness._meta_word(torch.empty(1, dtype=torch.int64), at)  # noqa: SLF001
+    meta = liveness._meta_word(torch.empty(1, dtype=torch.int64, device="meta"), at)  # noqa: SLF001
+    c, m = cpu.to_bytes(8, "little"), meta.to_bytes(8, "little")
+    t = next(i for i in range(8) if c[i] != m[i])
+    x = next(i for i in range(8) if c[i] == 0xFF)
+
+    def word(type_byte: int, index_byte: int, other: tuple[int, int] | None = None) -> int:
+        b = bytearray(c)
+        b[t], b[x] = type_byte, index_byte
+        if other is not None:
+            b[other[0]] = other[1]
+        return int.from_bytes(bytes(b), "little")
+
+    proven = liveness._index_byte_proven  # noqa: SLF001
+    assert proven(cpu, meta, word(1, 0), 0) and proven(cpu, meta, word(1, 3), 3)
+    assert not proven(cpu, meta, word(1, 0), 1)  # the index byte is not this device's ordinal
+    assert not proven(cpu, meta, word(1, 1), 0)
+    assert not proven(cpu, meta, word(c[t], 0), 0)  # the type byte the CPU's
+    assert not proven(cpu, meta, word(m[t], 0), 0)  # or the meta device's
+    spare = next(i for i in range(8) if i not in (t, x))
+    assert not proven(cpu, meta, word(1, 0, (spare, c[spare] ^ 0x10)), 0)  # another byte differs
+    assert not proven(cpu, cpu, word(1, 0), 0)  # no type byte found
+    assert not proven(cpu, meta, word(1, 0xFF), 0xFF)
+
+
 @pytest.mark.gpu
 def test_gpu_device_indices_read_natively_refuse_what_torch_refuses() -> None:
     dev = pd.Device("cuda", 0)
-    reader = liveness.device_index_reader(torch.device("cuda", 0),
-                                          [torch.device("cuda", i) for i in range(1, torch.cuda.device_count())])
+    reader = liveness.device_index_reader(torch.device("cuda", 0))
     # where proven (not in every process, as the CPU reader above), the launch takes CUDA
     # indices in one native call: both ways, the same answers
     print("device index reader:", reader is not None)

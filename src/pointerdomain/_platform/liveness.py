@@ -369,17 +369,33 @@ def cpu_index_reader() -> IndexReader | None:
 
 
 # Index tensors in device memory (a GPU's): the same words, with the dtype word of a 1-D
-# contiguous int64 tensor on that device, which holds the device's index (proven below:
-# it differs from the word of every other device of the type, so a tensor on another GPU
-# is not accepted). Found once per device, after the CPU reader (its offsets).
+# contiguous int64 tensor on that device, which holds the device's type and index. Proven
+# below without touching any other device (a probe there would make a context on every GPU
+# of the host): the word differs from the CPU's in two bytes only, the device type's (where
+# torch's meta device differs from the CPU too) and the index's (0xff, index -1, for the
+# CPU and the meta device; the device's ordinal here), so a tensor on another GPU, whose
+# index byte differs, is not accepted. Found once per device, after the CPU reader.
 
 _device_readers: dict[torch.device, IndexReader | None] = {}
 
 
-def _find_device_reader(device: torch.device, others: Sequence[torch.device]) -> IndexReader | None:
+def _index_byte_proven(cpu: int, meta_device: int, here: int, ordinal: int) -> bool:
+    """The dtype words of a CPU tensor, a meta-device tensor and one on the device
+    ``ordinal`` differ as a (type, index) pair in them does, and nowhere else."""
+    c, m, h = (w.to_bytes(8, "little") for w in (cpu, meta_device, here))
+    type_bytes = [i for i in range(8) if c[i] != m[i]]
+    index_bytes = [i for i in range(8) if c[i] == m[i] == 0xFF]
+    if len(type_bytes) != 1 or len(index_bytes) != 1 or not 0 <= ordinal < 0xFF:
+        return False
+    t, x = type_bytes[0], index_bytes[0]
+    return (abs(t - x) == 1 and h[x] == ordinal and h[t] not in (c[t], m[t])
+            and all(h[i] == c[i] for i in range(8) if i not in (t, x)))
+
+
+def _find_device_reader(device: torch.device) -> IndexReader | None:
     cpu = _index_reader
     offsets = _index_offsets_found
-    if cpu is None or offsets is None:
+    if cpu is None or offsets is None or device.index is None:
         return None
     meta_at = offsets[6]
     # allocations and views only: nothing queued on the device's stream (it may be capturing)
@@ -389,11 +405,13 @@ def _find_device_reader(device: torch.device, others: Sequence[torch.device]) ->
     if len(metas) != 1:
         return None
     meta = metas.pop()
+    if not _index_byte_proven(cpu.meta, _meta_word(torch.empty(1, dtype=torch.int64, device="meta"), meta_at), meta,
+                              device.index):
+        return None
     refused: list[object] = [torch.empty(8, dtype=d, device=device)
                              for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
-    refused += [torch.empty(8, dtype=torch.int64), *(torch.empty(8, dtype=torch.int64, device=o) for o in others)]
-    # (the CPU's, every other device's of the type)
-    if meta == cpu.meta or any(_meta_word(cast(torch.Tensor, t), meta_at) == meta for t in refused):
+    refused.append(torch.empty(8, dtype=torch.int64))  # the CPU's
+    if any(_meta_word(cast(torch.Tensor, t), meta_at) == meta for t in refused):
         return None
     reader = IndexReader(meta)
     for t in good:
@@ -408,19 +426,19 @@ def _find_device_reader(device: torch.device, others: Sequence[torch.device]) ->
     return reader if ok else None
 
 
-def device_index_reader(device: torch.device, others: Sequence[torch.device]) -> IndexReader | None:
-    """The native reader of index tensors on ``device`` (a GPU's torch device; ``others``:
-    every other device of its type this process sees), or None where it was not proven
-    here (the launch then asks torch, same answers). Call :meth:`IndexReader.native` with
-    ordinal -1: no emulated look-up; its ``host`` answer means nothing for these. The first
-    call allocates a few small tensors on the devices and queues nothing on any stream;
-    call it outside graph capture (an allocation there comes from the graph's pool)."""
+def device_index_reader(device: torch.device) -> IndexReader | None:
+    """The native reader of index tensors on ``device`` (a GPU's torch device, with its
+    index), or None where it was not proven here (the launch then asks torch, same
+    answers). Call :meth:`IndexReader.native` with ordinal -1: no emulated look-up; its
+    ``host`` answer means nothing for these. The first call allocates a few small tensors
+    on ``device`` only and queues nothing on any stream; call it outside graph capture (an
+    allocation there comes from the graph's pool)."""
     if device not in _device_readers:
         cpu_index_reader()  # (before the lock: it takes the same one)
         with _index_lock:
             if device not in _device_readers:
                 try:
-                    _device_readers[device] = _find_device_reader(device, others)
+                    _device_readers[device] = _find_device_reader(device)
                 except (RuntimeError, NotImplementedError):  # a probe this torch or device cannot make
                     _device_readers[device] = None
     return _device_readers[device]

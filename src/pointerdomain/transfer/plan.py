@@ -388,8 +388,7 @@ def _build(src: PointerTable[DeviceAlias], src_layout: KVLayout, dst: PointerTab
             reader = None  # a backend with its own look-up: asked as before
     elif not platform.is_capturing(device):  # indices in the device's memory: the tensor words hold the device
         # (found once per device with a few allocations: never inside a capture, whose plans ask torch)
-        reader = device_index_reader(device.torch_device, [runtime.torch_device(i) for i in range(runtime.count())
-                                                           if i != device.ordinal])
+        reader = device_index_reader(device.torch_device)
     else:
         reader = None
     return TransferPlan(device, platform, src_layout, dst_layout, given_src, given_dst, src_geo, dst_geo,
