@@ -4,6 +4,7 @@ sees, and a launch over a table of many allocations is refused before anything i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -183,9 +184,10 @@ def test_a_device_index_reader_takes_that_devices_tensors_only(monkeypatch: pyte
 
 
 def test_the_index_byte_proof_accepts_only_a_type_and_index_pair() -> None:
-    if liveness.cpu_index_reader() is None:
+    cpu_reader = liveness.cpu_index_reader()
+    if cpu_reader is None:
         pytest.skip("the index reader's word offsets were not proven in this process")
-    at = liveness._index_offsets_found[6]  # type: ignore[index]  # noqa: SLF001
+    at = cpu_reader.meta_at
     cpu = liveness._meta_word(torch.empty(1, dtype=torch.int64), at)  # noqa: SLF001
     meta = liveness._meta_word(torch.empty(1, dtype=torch.int64, device="meta"), at)  # noqa: SLF001
     c, m = cpu.to_bytes(8, "little"), meta.to_bytes(8, "little")
@@ -211,20 +213,31 @@ def test_the_index_byte_proof_accepts_only_a_type_and_index_pair() -> None:
     assert not proven(cpu, meta, word(1, 0xFF), 0xFF)
 
 
+@contextlib.contextmanager
+def _gpu_pools(layers: int, dev_pages: int, host_pages: int, seed: int, host_slots: list[int],
+               dev_slots: list[int]) -> Iterator[tuple[pd.DeviceKVPool, pd.HostKVPool, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor]]:
+    """Filled pools on cuda:0, the slots as CUDA tensors, and the device pool's bytes a load
+    of those slots must leave (:func:`tests.reference.reference_transfer`)."""
+    dev = pd.Device("cuda", 0)
+    dev_layout = pd.KVLayout(kind="layer_first", num_layers=layers, num_pages=dev_pages, page_size=16, num_heads=8,
+                             head_dim=128)
+    host_layout = pd.KVLayout(kind="page_first", num_layers=layers, num_pages=host_pages, page_size=16, num_heads=8,
+                              head_dim=128)
+    with filled_pools(dev_layout, host_layout, dev, seed=seed) as (pool, host):
+        h, d = torch.tensor(host_slots, device="cuda"), torch.tensor(dev_slots, device="cuda")
+        want = reference_transfer(host.buffer.cpu(), host_layout, pool_bytes(pool), dev_layout, h.cpu(), d.cpu())
+        yield pool, host, h, d, want
+
+
 @pytest.mark.gpu
 def test_gpu_device_indices_read_natively_refuse_what_torch_refuses() -> None:
-    dev = pd.Device("cuda", 0)
     reader = liveness.device_index_reader(torch.device("cuda", 0))
     # where proven (not in every process, as the CPU reader above), the launch takes CUDA
     # indices in one native call: both ways, the same answers
     print("device index reader:", reader is not None)
-    dev_layout = pd.KVLayout(kind="layer_first", num_layers=4, num_pages=16, page_size=16, num_heads=8, head_dim=128)
-    host_layout = pd.KVLayout(kind="page_first", num_layers=4, num_pages=32, page_size=16, num_heads=8, head_dim=128)
-    with filled_pools(dev_layout, host_layout, dev, seed=4) as (pool, host):
-        host_slots = torch.tensor([5, 0, 31, 7], device="cuda")
-        dev_slots = torch.tensor([3, 9, 1, 15], device="cuda")
-        want = reference_transfer(host.buffer.cpu(), host_layout, pool_bytes(pool), dev_layout, host_slots.cpu(),
-                                  dev_slots.cpu())
+    with _gpu_pools(4, 16, 32, 4, [5, 0, 31, 7], [3, 9, 1, 15]) as (
+            pool, host, host_slots, dev_slots, want):
         host.load(pool, host_slots, dev_slots)  # through the native reader
         torch.cuda.synchronize()
         assert torch.equal(pool_bytes(pool), want)
@@ -253,14 +266,8 @@ def test_gpu_a_first_plan_inside_a_capture_leaves_the_capture_alone(monkeypatch:
     # the captured launch asks torch, replays move the right bytes, and a later plan outside
     # capture finds the reader
     monkeypatch.setattr(liveness, "_device_readers", {})
-    dev = pd.Device("cuda", 0)
-    dev_layout = pd.KVLayout(kind="layer_first", num_layers=2, num_pages=8, page_size=16, num_heads=8, head_dim=128)
-    host_layout = pd.KVLayout(kind="page_first", num_layers=2, num_pages=16, page_size=16, num_heads=8, head_dim=128)
-    with filled_pools(dev_layout, host_layout, dev, seed=6) as (pool, host):
-        host_slots = torch.tensor([17, 2, 200, 64], device="cuda")
-        dev_slots = torch.tensor([1, 100, 33, 0], device="cuda")
-        want = reference_transfer(host.buffer.cpu(), host_layout, pool_bytes(pool), dev_layout, host_slots.cpu(),
-                                  dev_slots.cpu())
+    with _gpu_pools(2, 8, 16, 6, [17, 2, 200, 64], [1, 100, 33, 0]) as (
+            pool, host, host_slots, dev_slots, want):
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         torch.cuda.synchronize()
@@ -271,7 +278,7 @@ def test_gpu_a_first_plan_inside_a_capture_leaves_the_capture_alone(monkeypatch:
         torch.cuda.synchronize()
         assert torch.equal(pool_bytes(pool), want)
         del graph  # (a graph holds the pools it captured)
-        other = pd.DeviceKVPool(dev_layout, dev)  # a new table pair: a new plan, outside capture
+        other = pd.DeviceKVPool(pool.layout, pool.device)  # a new table pair: a new plan, outside capture
         host.load(other, host_slots, dev_slots)
         torch.cuda.synchronize()
         assert torch.device("cuda", 0) in liveness._device_readers  # noqa: SLF001

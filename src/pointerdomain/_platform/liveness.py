@@ -273,12 +273,13 @@ def _meta_word(t: torch.Tensor, offset: int) -> int:
 
 
 class IndexReader:
-    """The native test of two CPU index tensors (:func:`cpu_index_reader`) and the dtype word
-    it compares."""
+    """The native test of two index tensors (:func:`cpu_index_reader`,
+    :func:`device_index_reader`), the dtype word it compares and that word's byte offset in
+    torch's tensor object."""
 
-    __slots__ = ("native", "meta")
+    __slots__ = ("native", "meta", "meta_at")
 
-    def __init__(self, meta: int) -> None:
+    def __init__(self, meta: int, meta_at: int) -> None:
         from pointerdomain import _C
 
         #: ``(src, dst, meta, ordinal) -> (n, nd, src_ptr, dst_ptr, host) or None``; ``ordinal``
@@ -287,6 +288,7 @@ class IndexReader:
         self.native = cast("Callable[[object, object, int, int], tuple[int, int, int, int, bool] | None]",
                            _C.index_pair)
         self.meta = meta
+        self.meta_at = meta_at
 
     def pair(self, src: object, dst: object) -> tuple[int, int, int, int] | None:
         """``(src.numel(), dst.numel(), src.data_ptr(), dst.data_ptr())`` where both are
@@ -305,49 +307,52 @@ def _find_index_reader() -> IndexReader | None:
     offsets = _index_offsets(layout)
     if offsets is None:
         return None
-    meta_at = offsets[6]
-    good = [torch.empty(n, dtype=torch.int64) for n in (1, 5, 4096)]
-    good += [torch.arange(40)[7:19], torch.tensor([3, 1, 2]), torch.zeros(0, dtype=torch.int64)]
+    _C.index_words_set(offsets, torch.Tensor)
+    return _proven_reader(torch.device("cpu"), offsets[6])
+
+
+def _proven_reader(device: torch.device, meta_at: int) -> IndexReader | None:
+    """A reader of 1-D ``int64`` index tensors on ``device`` (the offsets set), where every
+    such probe there shows one dtype word, other dtypes and the other place (the CPU, or
+    torch's meta device for the CPU) show another, and the reader gives torch's answers for
+    the probes and accepts none it must refuse. Allocations and views only, but for one
+    storage resized (a copy of 64 bytes on a GPU's current stream)."""
+    def ints(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int64, device=device)
+
+    good = [ints(n) for n in (1, 5, 4096, 0)]
+    good.append(ints(40)[7:19])
     metas = {_meta_word(t, meta_at) for t in good}
     if len(metas) != 1:
         return None
     meta = metas.pop()
     # the word must tell apart what the launch refuses: other dtypes (one of the same size
-    # among them), another device
-    others = [torch.empty(8, dtype=d) for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
-    others.append(torch.empty(8, dtype=torch.int64, device="meta"))
+    # among them), another place
+    elsewhere = torch.device("meta") if device.type == "cpu" else torch.device("cpu")
+    others = [torch.empty(8, dtype=d, device=device) for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
+    others.append(torch.empty(8, dtype=torch.int64, device=elsewhere))
     if any(_meta_word(t, meta_at) == meta for t in others):
         return None
-    _C.index_words_set(offsets, torch.Tensor)
-    reader = IndexReader(meta)
-    if not _reader_proven(reader, good):
-        return None
-    global _index_offsets_found
-    _index_offsets_found = offsets
-    return reader
-
-
-def _reader_proven(reader: IndexReader, good: Sequence[torch.Tensor]) -> bool:
-    """The reader gives torch's answers for accepted probes and accepts none it must refuse."""
+    reader = IndexReader(meta, meta_at)
     for t in good:
         if reader.pair(t, t) != (t.numel(), t.numel(), t.data_ptr(), t.data_ptr()):
-            return False
-    base = torch.arange(64)
-    released = torch.arange(16)
+            return None
+    base = ints(64)
+    released = ints(16)
     released.untyped_storage().resize_(0)
-    swapped = torch.arange(16)
+    swapped = ints(16)
     swapped.data = swapped.view(torch.float64)
-    refused: list[object] = [base[::2], base.view(8, 8), base.view(8, 8)[:, 0], base.to(torch.int32), released, swapped,
-               base.view(1, 64), torch.empty(4, dtype=torch.int64, device="meta")]
-    whole = torch.arange(32)
+    refused: list[object] = [base[::2], base.view(8, 8), base.view(8, 8)[:, 0], *others, released, swapped,
+                             base.view(1, 64)]
+    whole = ints(32)
     tail = whole[8:]
     whole.untyped_storage().resize_(64)  # its storage now ends inside the view
     refused.append(tail)
-    refused += [torch.nn.Parameter(torch.arange(4), requires_grad=False), [1, 2], None, 3]  # not torch.Tensor itself
-    return all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
+    refused += [torch.nn.Parameter(ints(4), requires_grad=False), [1, 2], None, 3]  # not torch.Tensor itself
+    ok = all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
+    return reader if ok else None
 
 
-_index_offsets_found: _IndexOffsets | None = None  # those of the proven CPU reader
 _index_lock = threading.Lock()  # not _lock: the search takes that one (_word_layout)
 _index_searched = False
 _index_reader: IndexReader | None = None
@@ -394,36 +399,13 @@ def _index_byte_proven(cpu: int, meta_device: int, here: int, ordinal: int) -> b
 
 def _find_device_reader(device: torch.device) -> IndexReader | None:
     cpu = _index_reader
-    offsets = _index_offsets_found
-    if cpu is None or offsets is None or device.index is None:
+    if cpu is None or device.index is None:
         return None
-    meta_at = offsets[6]
-    # allocations and views only: nothing queued on the device's stream (it may be capturing)
-    good = [torch.empty(n, dtype=torch.int64, device=device) for n in (1, 5, 4096, 0)]
-    good.append(torch.empty(40, dtype=torch.int64, device=device)[7:19])
-    metas = {_meta_word(t, meta_at) for t in good}
-    if len(metas) != 1:
+    reader = _proven_reader(device, cpu.meta_at)
+    meta_device = _meta_word(torch.empty(1, dtype=torch.int64, device="meta"), cpu.meta_at)
+    if reader is None or not _index_byte_proven(cpu.meta, meta_device, reader.meta, device.index):
         return None
-    meta = metas.pop()
-    if not _index_byte_proven(cpu.meta, _meta_word(torch.empty(1, dtype=torch.int64, device="meta"), meta_at), meta,
-                              device.index):
-        return None
-    refused: list[object] = [torch.empty(8, dtype=d, device=device)
-                             for d in (torch.int32, torch.float64, torch.uint64, torch.int16)]
-    refused.append(torch.empty(8, dtype=torch.int64))  # the CPU's
-    if any(_meta_word(cast(torch.Tensor, t), meta_at) == meta for t in refused):
-        return None
-    reader = IndexReader(meta)
-    for t in good:
-        if reader.pair(t, t) != (t.numel(), t.numel(), t.data_ptr(), t.data_ptr()):
-            return None
-    base = torch.empty(64, dtype=torch.int64, device=device)
-    released = torch.empty(16, dtype=torch.int64, device=device)
-    released.untyped_storage().resize_(0)
-    refused += [base[::2], base.view(8, 8), base.view(8, 8)[:, 0], released, base.view(1, 64)]
-    refused += [torch.nn.Parameter(torch.empty(4, dtype=torch.int64, device=device), requires_grad=False), None]
-    ok = all(reader.pair(t, base) is None and reader.pair(base, t) is None for t in refused)
-    return reader if ok else None
+    return reader
 
 
 def device_index_reader(device: torch.device) -> IndexReader | None:
@@ -431,8 +413,8 @@ def device_index_reader(device: torch.device) -> IndexReader | None:
     index), or None where it was not proven here (the launch then asks torch, same
     answers). Call :meth:`IndexReader.native` with ordinal -1: no emulated look-up; its
     ``host`` answer means nothing for these. The first call allocates a few small tensors
-    on ``device`` only and queues nothing on any stream; call it outside graph capture (an
-    allocation there comes from the graph's pool)."""
+    on ``device`` only (and resizes one, a 64-byte copy on its current stream); call it
+    outside graph capture."""
     if device not in _device_readers:
         cpu_index_reader()  # (before the lock: it takes the same one)
         with _index_lock:
