@@ -7,6 +7,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include <atomic>
@@ -57,6 +59,34 @@ void after_fork_child() {
 }
 const int fork_handlers = pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 
+// The highest start of a free range of `total` bytes lying inside [floor, top), or 0 if none:
+// the process's mappings are read from /proc/self/maps (sorted by address). The slot right
+// below the last reservation is often taken (the kernel fills holes top-down with torch's and
+// the allocator's mappings), and the kernel's own choice would then go up into a hole: this
+// keeps the aliases descending while the host VAs ascend, as on MI355X, wherever room is left.
+std::uint64_t highest_gap_below(std::uint64_t top, std::uint64_t total, std::uint64_t floor) {
+    FILE *maps = std::fopen("/proc/self/maps", "re");
+    if (maps == nullptr) return 0;
+    char *line = nullptr;
+    size_t cap = 0;
+    std::uint64_t best = 0, prev_hi = floor;
+    auto consider = [&](std::uint64_t gap_lo, std::uint64_t gap_hi) {
+        if (gap_hi > top) gap_hi = top;
+        if (gap_hi > gap_lo && gap_hi - gap_lo >= total) best = gap_hi - total;
+    };
+    while (getline(&line, &cap, maps) > 0) {
+        unsigned long long lo = 0, hi = 0;
+        if (std::sscanf(line, "%llx-%llx", &lo, &hi) != 2) continue;
+        if (lo >= top) break;  // every later gap starts above top
+        if (lo > prev_hi) consider(prev_hi, lo);
+        if (hi > prev_hi) prev_hi = hi;
+    }
+    if (prev_hi < top) consider(prev_hi, top);
+    std::free(line);
+    std::fclose(maps);
+    return best;
+}
+
 std::uint64_t round_up(std::uint64_t n) {
     const auto p = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
     return (n + p - 1) & ~(p - 1);
@@ -92,13 +122,22 @@ std::uint64_t reserve_guarded(std::uint64_t len, std::uint64_t *reserve_base, st
     const std::uint64_t before = (1 + rng() % kMaxGapPages) * p, after = (1 + rng() % kMaxGapPages) * p;
     const std::uint64_t total = before + round_up(len) + after;
     const std::uint64_t last = last_reserve.load(std::memory_order_relaxed);
+    constexpr std::uint64_t kFloor = std::uint64_t{1} << 32;  // never near the low heap and the program
+    auto place_at = [&](std::uint64_t at) -> void * {
+        void *m = mmap(reinterpret_cast<void *>(at), total, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+        if (m != MAP_FAILED && reinterpret_cast<std::uint64_t>(m) != at) {
+            munmap(m, total);  // a kernel without MAP_FIXED_NOREPLACE took the address as a hint only
+            m = MAP_FAILED;
+        }
+        return m;
+    };
     void *r = MAP_FAILED;
-    if (last > total + (std::uint64_t{1} << 32)) {
-        r = mmap(reinterpret_cast<void *>(last - total), total, PROT_NONE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
-        if (r != MAP_FAILED && reinterpret_cast<std::uint64_t>(r) != last - total) {
-            munmap(r, total);  // a kernel without MAP_FIXED_NOREPLACE took the address as a hint only
-            r = MAP_FAILED;
+    if (last > total + kFloor) {
+        r = place_at(last - total);
+        if (r == MAP_FAILED) {
+            const std::uint64_t gap = highest_gap_below(last, total, kFloor);
+            if (gap != 0) r = place_at(gap);  // another thread may take it first: then the kernel chooses
         }
     }
     if (r == MAP_FAILED) r = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);

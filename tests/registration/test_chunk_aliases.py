@@ -71,6 +71,29 @@ def test_adjacent_chunks_get_aliases_apart_with_guard_pages_between(strict: bool
             assert torch.equal(_read(alias, n), mem.tensor[off : off + n])
 
 
+def test_aliases_keep_descending_in_a_fragmented_address_space() -> None:
+    # Holes of every size left above and below the last reservation (a serving process's
+    # allocator churn): the kernel's own choice would fill a hole higher up, so each alias
+    # is placed in the highest free range below the previous one instead.
+    import mmap
+    import random
+
+    rng = random.Random(7)
+    page = 4096
+    held = [mmap.mmap(-1, rng.randint(4, 600) * page) for _ in range(600)]
+    for m in held[1::2]:
+        m.close()
+    try:
+        for _ in range(10):
+            with pd.alloc_registered(16 * page, DEV, max_chunk_bytes=2 * page) as mem:
+                aliases = [alias for _, alias, _ in _aliases(mem)]
+                downward = sum(b < a for a, b in zip(aliases, aliases[1:]))
+                assert downward >= len(aliases) - 2  # a thread of the process may take a free range first
+    finally:
+        for m in held[::2]:
+            m.close()
+
+
 def _read(addr: int, n: int) -> torch.Tensor:
     """``n`` bytes at ``addr`` of this process (a copy)."""
     import ctypes
