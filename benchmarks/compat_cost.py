@@ -19,7 +19,9 @@ and on the emulated device it carries the emulated copy's noise. ``own``: the sa
 interleaved, with the public launch both end in replaced by a no-op, compat minus direct:
 the compat layer's own host cost over the public call it makes once its tables are cached
 (the goal: <= 1 us on the H200's host, swap_blocks_batch aside: it compares its arrays).
-``--max-own-us`` turns that into a check (CI: a generous bound on the emulated device).
+``--max-own-us`` turns that into a check (CI: a generous bound on the emulated device); a
+row over its bound measures its own cost twice more and keeps the lowest, so one noisy run
+on a busy machine does not fail it, while a real cost stays over.
 
 Shapes: 32 layers, 16 tokens a call, bf16; MHA 8 x 128 (2 KiB items), MLA one 576-element
 latent (1152-byte items); LMCache in vLLM's flash-attention format (1) with 16-token blocks;
@@ -458,6 +460,23 @@ def over_bound(rows: list[dict[str, Any]], bound_us: float) -> list[str]:
     return bad
 
 
+def measure_own_again(rows: list[dict[str, Any]], bound_us: float, dev: pd.Device, tries: int = 2) -> None:
+    """Rows over their bound measure their own cost again, up to ``tries`` times, keeping
+    the lowest (a busy machine's noise lands on single runs; a real cost stays over):
+    ``own_us`` updated in place, ``own_tries`` the runs made."""
+    for _ in range(tries):
+        again = {line.split(": the compat layer")[0] for line in over_bound(rows, bound_us)}
+        if not again:
+            return
+        built = cases(dev)
+        for r in rows:
+            if r["entry"] in again:
+                own_c, own_d = own_us(built[r["entry"]], r["calls"])
+                r["own_tries"] = r.get("own_tries", 1) + 1
+                if own_c - own_d < r["own_us"]:
+                    r.update(compat_noop_us=own_c, direct_noop_us=own_d, own_us=own_c - own_d)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compat_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=5000, help="timed calls per row and side (default %(default)s)")
@@ -478,11 +497,14 @@ def main(argv: list[str] | None = None) -> int:
         print("compat_cost: no CUDA device (pass --emulated for the CPU smoke run)")
         return 0
     rows = measure(args.calls, dev, args.only, args.row_seconds)
+    if args.max_own_us is not None:
+        measure_own_again(rows, args.max_own_us, dev)
     print(f"{'entry point (' + str(dev) + ', median us)':52s} {'direct':>9s} {'compat':>9s} {'over':>8s} "
           f"{'own':>6s} {'calls':>6s}")
     for r in rows:
         print(f"{r['entry']:52s} {r['direct_us']:9.2f} {r['compat_us']:9.2f} {r['over_direct_us']:+8.2f} "
-              f"{r['own_us']:6.2f} {r['calls']:6d}")
+              f"{r['own_us']:6.2f} {r['calls']:6d}" + (f"  (own: best of {r['own_tries']} runs)" if "own_tries" in r
+                                                       else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

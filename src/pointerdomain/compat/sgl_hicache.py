@@ -127,6 +127,7 @@ from pointerdomain.errors import (
 )
 from pointerdomain.transfer.overlap import allow_interleaved
 from pointerdomain.registration.tables import PointerTable
+from pointerdomain._platform import backend_for
 
 __all__ = [
     "DEFAULT_BLOCK_QUOTA",
@@ -349,7 +350,7 @@ def _one_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     apart(sides[0], s_names, sides[1], d_names, rows=interleave)
     launch_derived(sides[0], sides[1], lambda: (row_parts(s_idx, src.rows, parts, src.stride // g),
                                                 row_parts(d_idx, dst.rows, parts, dst.stride // g)),
-                   layer=None, ctas=ctas)
+                   given=(s_idx, d_idx), layer=None, ctas=ctas)
     if parts == 1 and src.stride == dst.stride == g:  # packed rows: the indices are the slots
         entry = Prepared(held(k_src, v_src, k_dst, v_dst), sides[0], sides[1], None, ctas, [()])  # type: ignore[arg-type]
         remember_call(key, entry)
@@ -513,7 +514,8 @@ def _all_layer(k_dst: object, v_dst: object | None, indices_dst: object, k_src: 
     apart(src, [n + "[{}]" for n in s_names], dst, [n + "[{}]" for n in d_names],  # errors name the layer entries
           rows=(d_stride, element) if d_stride > element else None)
     launch_derived(src, dst, lambda: (row_parts(s_idx, s_rows, parts, s_stride // g),
-                                      row_parts(d_idx, d_rows, parts, d_stride // g)), layer=None, ctas=ctas)
+                                      row_parts(d_idx, d_rows, parts, d_stride // g)),
+                   given=(s_idx, d_idx), layer=None, ctas=ctas)
     if parts == 1 and s_stride == d_stride == g:  # packed rows: the indices are the slots
         entry = Prepared(held(k_dst, v_dst, k_src, v_src), src, dst, None, ctas, [()])  # type: ignore[arg-type]
         remember_call(key, entry)
@@ -664,7 +666,7 @@ def _staged_lf_pf(k_src: object, v_src: object | None, src_indices: object, dst_
                     layout("page_first", kv, layers, d_rows, 1, element))
     apart(src, p_names, dst_side, d_names)
     launch_derived(src, dst_side, lambda: (runs(s_starts, s_rows, ps), _on(runs(d_starts, d_rows, ps), device)),
-                   layer=None, ctas=_quota(block_quota), backend="auto")
+                   given=(s_idx, d_idx), layer=None, ctas=_quota(block_quota), backend="auto")
 
 
 def _raw_side_items(names: Sequence[str], ptrs: Sequence[torch.Tensor], device: Device,
@@ -812,6 +814,12 @@ def _write_back_page_unified(k_src: object, v_src: object | None, src_pages: obj
     dst_side = Side(buffers_table("dst", (host,), device), d_count,
                     layout("page_first_direct", 1, depth, d_count * groups * ps, ps, group))
     apart(src, p_names, dst_side, ("dst",))
+    if backend_for(device).is_capturing(device):
+        # dst_pages are read on the host (as upstream): a replay would not follow them
+        raise InvalidArgumentError(
+            "transfer_hicache_all_layer_staged_lf_page_unified: called while the device's stream captures a graph; "
+            "dst_pages are read on the host (as upstream), so a replay would write the pages of this call, not "
+            "those of the replay's; nothing was copied. Fix: call it outside graph capture")
     launch(src, dst_side, _group_pages(s_pages, s_count, ps, groups, host=False),
            _on(_group_pages(d_pages, d_count, ps, groups, host=True), device), layer=None,
            ctas=DEFAULT_BLOCK_QUOTA, backend="auto")
@@ -845,7 +853,9 @@ def transfer_hicache_all_layer_staged_lf_page_unified(
             contiguous, registered or pinned; a group's token row a multiple of 16 bytes.
 
     Raises:
-        As :func:`transfer_hicache_all_layer_staged_lf_pf`.
+        InvalidArgumentError: called while the device's stream captures a graph
+            (``dst_pages`` are read on the host, as upstream: a replay would not follow them).
+        And as :func:`transfer_hicache_all_layer_staged_lf_pf`.
     """
     _write_back_page_unified(k_ptr_src, v_ptr_src, src_pages, dst_pages, staging, dst, ("k_ptr_src", "v_ptr_src"))
 
@@ -922,7 +932,7 @@ def _load_back_page_unified(k_dst: object, v_dst: object | None, src: object, sr
     for side, inner in work:
         launch_derived(src_side, side, lambda inner=inner: (  # type: ignore[misc]
             page_parts(s_idx, host_tokens, ps, groups, outer=depth, inner=inner), row_parts(d_idx, tokens, groups)),
-            layer=None, ctas=ctas)
+            given=(s_idx, d_idx), layer=None, ctas=ctas)
 
 
 def transfer_hicache_one_layer_page_unified_lf(

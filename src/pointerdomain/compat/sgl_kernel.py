@@ -326,7 +326,27 @@ def index_arg(name: str, t: object, *, int32_ok: bool = False) -> torch.Tensor:
     if not t.is_contiguous():
         raise IndexValidationError(
             f"{name}: strides {t.stride()}, not contiguous (the kernel would read it as packed). Fix: .contiguous()")
-    return t.to(torch.int64) if t.dtype != torch.int64 else t
+    if t.dtype == torch.int64:
+        return t
+    wide = t.to(torch.int64)
+    setattr(wide, _WIDENED_FROM, t)  # a launch under graph capture widens it again at each replay
+    return wide
+
+
+#: on an int64 copy :func:`index_arg` made of an int32 index tensor: the caller's tensor
+_WIDENED_FROM: Final = "_pointerdomain_widened_from"
+
+
+def widen_again(device: Device, idx: Sequence[torch.Tensor]) -> None:
+    """After a launch that read ``idx`` (or indices derived from them): each int64 copy
+    :func:`index_arg` made of a caller's ``int32`` tensor is widened again from that tensor
+    before the launch at each replay of a graph being captured (a CUDA graph captures the
+    widening's torch op; the emulated stand-in runs this step first, before any derivation
+    from the copy). A no-op for ``int64`` indices or outside capture."""
+    pairs = [(w, getattr(w, _WIDENED_FROM)) for w in idx if hasattr(w, _WIDENED_FROM)]
+    if pairs:
+        recompute_before_last(device, tuple(w for w, _ in pairs),
+                              lambda: tuple(o.to(torch.int64) for _, o in pairs))
 
 
 def index_pair(src: object, dst: object, *, int32_ok: bool = False,
@@ -700,17 +720,21 @@ def launch(src: Side, dst: Side, s_idx: torch.Tensor, d_idx: torch.Tensor, *, la
     else:
         pd.transfer_kv_per_layer(src.table, dst.table, s_idx, d_idx, layer_id=layer, src_layout=src.layout,
                                  dst_layout=dst.layout, max_ctas=ctas, backend=backend)
+    widen_again(src.table.device, (s_idx, d_idx))
 
 
 def launch_derived(src: Side, dst: Side, derive: Callable[[], tuple[torch.Tensor, torch.Tensor]], *,
-                   layer: int | None, ctas: int, backend: TransferBackend = "kernel") -> None:
+                   given: Sequence[torch.Tensor], layer: int | None, ctas: int,
+                   backend: TransferBackend = "kernel") -> None:
     """:func:`launch` of indices ``derive`` computes from the caller's (a row as several
-    slots, page runs). Under graph capture a replay must follow the caller's indices as
-    they are then: a CUDA graph captures ``derive``'s torch ops with the launch, and the
-    emulated stand-in is told to run ``derive`` again before the launch at each replay."""
+    slots, page runs), ``given`` the index tensors it reads. Under graph capture a replay
+    must follow the caller's indices as they are then: a CUDA graph captures ``derive``'s
+    torch ops with the launch, and the emulated stand-in is told to run ``derive`` again
+    before the launch at each replay (after widening ``int32`` ones again: :func:`widen_again`)."""
     s_parts, d_parts = derive()
     launch(src, dst, s_parts, d_parts, layer=layer, ctas=ctas, backend=backend)
     recompute_before_last(src.table.device, (s_parts, d_parts), derive)
+    widen_again(src.table.device, given)  # told last: runs first at a replay
 
 
 def _layer_id(value: object, num_layers: int) -> int:
@@ -1331,7 +1355,7 @@ def transfer_kv_per_layer_ph_lf(
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names, layer)
     launch_derived(src, dst, lambda: (page_parts(s_idx, s_slots, ps, heads), row_parts(d_idx, d_slots, heads)),
-                   layer=layer, ctas=ctas)
+                   given=(s_idx, d_idx), layer=layer, ctas=ctas)
 
 
 def transfer_kv_all_layer_lf_ph(
@@ -1381,7 +1405,7 @@ def transfer_kv_all_layer_lf_ph(
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names)
     launch_derived(src, dst, lambda: (row_parts(s_idx, s_slots, heads), page_parts(d_idx, d_slots, ps, heads)),
-                   layer=None, ctas=ctas)
+                   given=(s_idx, d_idx), layer=None, ctas=ctas)
 
 
 def transfer_kv_per_layer_pfdhg_lf(
@@ -1440,7 +1464,8 @@ def transfer_kv_per_layer_pfdhg_lf(
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names)
     launch_derived(src, dst, lambda: (page_parts(s_idx, s_slots, ps, groups, outer=layers, inner=layer),
-                                      row_parts(d_idx, d_slots, groups)), layer=None, ctas=ctas)
+                                      row_parts(d_idx, d_slots, groups)),
+                   given=(s_idx, d_idx), layer=None, ctas=ctas)
 
 
 def transfer_kv_all_layer_lf_pfdhg(
@@ -1504,7 +1529,7 @@ def transfer_kv_all_layer_lf_pfdhg(
     check_range("dst_indices", d_idx, d_slots)
     apart(src, s_names, dst, d_names)
     launch_derived(src, dst, lambda: (row_parts(s_idx, s_slots, groups), page_parts(d_idx, d_slots, ps, groups)),
-                   layer=None, ctas=ctas)
+                   given=(s_idx, d_idx), layer=None, ctas=ctas)
 
 
 # -- direct (copy engine) ---------------------------------------------------------------------
@@ -1647,6 +1672,7 @@ def transfer_kv_direct(
         s_host, d_host = s_idx.cpu(), d_idx.cpu()
         check_range("src_indices", s_host, s_rows)
         check_range("dst_indices", d_host, d_rows)
+        distinct("dst_indices", d_host)  # index_copy_ would let the last write win
         for a, b in zip(src, dst):
             copy_rows(a, b, (s_rows, d_rows), s_host, d_host)
         return
@@ -1726,6 +1752,9 @@ def _direct_pf(page_ts: tuple[torch.Tensor, ...], page_name: str, layer_ts: tupl
     flat = host.pages * host.layers * page_size
     if slow:
         d_runs = runs(layer_starts, rows, page_size)
+        # index_copy_ would let the last write win: the rows written, by their place in the indices
+        distinct("dst_indices", d_runs if not to_pages else runs(page_starts, host_slots, page_size,
+                                                                    aligned_to=page_size), "row")
         for j in range(n_layers):
             h_runs = runs(page_starts, host_slots, page_size, aligned_to=page_size, scale=host.layers * page_size,
                           offset=(start + j) * page_size)
