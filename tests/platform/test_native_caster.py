@@ -173,6 +173,32 @@ def test_bad_arguments_raise_typed_errors_before_the_body(toy: ModuleType) -> No
     assert torch.equal(dst, untouched)
 
 
+def test_unpinned_memory_is_refused_by_the_caster(toy: ModuleType) -> None:
+    """Memory on the registration ladder's unpinned rung: its table holds host VAs, which
+    the caster refuses (UnpinnedMemoryError) before the body reads them."""
+    import warnings
+
+    from pointerdomain.testing import NOT_SUPPORTED, DriverFaults, backend_for, install_backend
+
+    policy = pd.RegistrationPolicy(on_failure="degrade", allow_unpinned=True, allow_pinned_copy=False)
+    dst = pd.device_empty((4096,), torch.uint8, DEV)
+    dst.fill_(0x5A)
+    untouched = dst.clone()
+    dst_table = pd.make_kernel_ptr_table([dst], DEV)
+    faults = DriverFaults(backend_for(pd.validate_device(DEV)), refuse_all=NOT_SUPPORTED)  # type: ignore[arg-type]
+    with install_backend(faults, "emulated"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the ladder's degraded-registration warning
+            mem = pd.alloc_registered(4096, DEV, policy=policy)
+        with mem:
+            table = pd.make_kernel_ptr_table([mem.tensor], DEV)
+            with pytest.raises(errors.UnpinnedMemoryError, match="not pinned"):
+                toy.copy_items(table, dst_table, DEV, 64, [0], [0])
+            with pytest.raises(errors.UnpinnedMemoryError):
+                toy.checksum(table, DEV, 16)
+    assert torch.equal(dst, untouched)
+
+
 def test_table_reference_is_held_for_the_call_only(toy: ModuleType) -> None:
     """The table (holding its buffers) is the only owner left; the call reads the right
     bytes through it, and the caster's reference is dropped when the call returns."""

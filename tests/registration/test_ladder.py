@@ -122,6 +122,49 @@ def test_unpinned_only_when_allowed_and_kernels_refuse_it() -> None:
     assert issubclass(errors.UnpinnedMemoryError, ValueError)
 
 
+def test_unpinned_memory_reaches_no_kernel_outside_the_library_either() -> None:
+    """Tables over unpinned memory hold host VAs: the boundaries that hand a table to a
+    custom kernel (pointer tensor, Triton argument, kernel_op) and resolve_alias refuse
+    it, as the library's own kernel launch does; a copy-engine transfer still moves it."""
+    from pointerdomain.compat.wrap import kernel_op
+    from pointerdomain.transfer.kernel_args import kernel_table_tensor
+    from pointerdomain.transfer.triton import kernel_table_arg
+
+    policy = pd.RegistrationPolicy(on_failure="degrade", allow_unpinned=True, allow_pinned_copy=False)
+    good = pd.alloc_registered(PAGE, DEV)
+    with good, install_backend(faults(refuse_all=NOT_SUPPORTED), "emulated"):
+        with pytest.warns(ladder.RegistrationDegradedWarning, match="'unpinned'"):
+            mem = pd.alloc_registered(8 * PAGE, DEV, policy=policy)
+        with mem:
+            assert not mem.kernel_readable
+            table = pd.make_kernel_ptr_table([mem.tensor], DEV)
+            calls: list[object] = []
+
+            @kernel_op(calls.append)
+            def op(ptrs: pd.PointerTable[pd.DeviceAlias]) -> None: ...
+
+            for boundary in (lambda: kernel_table_tensor(table, DEV), lambda: kernel_table_arg(table, DEV),
+                             lambda: op(table), lambda: pd.resolve_alias(mem.host_va + 64, DEV)):
+                with pytest.raises(errors.UnpinnedMemoryError, match="not pinned"):
+                    boundary()
+            assert calls == []
+            # a registered table beside it is still handed over, with its aliases
+            ok = pd.make_kernel_ptr_table([good.tensor], DEV)
+            assert kernel_table_tensor(ok, DEV).tolist() == [pd.resolve_alias(good.host_va, DEV).value]
+            with pytest.raises(errors.UnpinnedMemoryError):  # one unpinned entry is enough
+                kernel_table_tensor(pd.make_kernel_ptr_table([good.tensor, mem.tensor], DEV), DEV)
+            # the copy engine reads it through its host VA
+            device = pd.device_empty((8 * PAGE,), torch.uint8, DEV)
+            fill_random(device, 5)
+            layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=8 * PAGE // 256,
+                                 page_size=1, num_heads=1, head_dim=256, dtype="uint8")
+            idx = torch.tensor([0, 5, 9])
+            pd.transfer_kv_all_layer(pd.make_kernel_ptr_table([device], DEV), table, idx, idx, src_layout=layout,
+                                     dst_layout=layout, backend="copy_engine")
+            for i in idx.tolist():
+                assert torch.equal(mem.tensor[i * 256:(i + 1) * 256], device[i * 256:(i + 1) * 256])
+
+
 def test_unpinned_is_never_taken_unless_allowed() -> None:
     with install_backend(faults(refuse_all=NOT_SUPPORTED, refuse_pinned_alloc=2), "emulated"):
         with pytest.raises(errors.RegistrationError, match="ladder exhausted"):

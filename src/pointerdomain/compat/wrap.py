@@ -412,6 +412,7 @@ class KernelOp(Generic[P, R]):
                 f"{self._name}: {name} is a table for {dev}, but {first} is for {device}: one op launch reads "
                 "every table on one device. Fix: build all its tables for the same device")
         table.check_live()
+        table.check_kernel_readable()  # the op's kernel reads the entries: no host VAs of unpinned memory
         return table, device, first
 
     def _checked_tensor(self, name: str, value: object, device: Device | None,

@@ -30,7 +30,7 @@ from pointerdomain._platform.cuda_hint import BUILD_HINT
 from pointerdomain._platform.status import check
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.errors import AliasOpMissingError, DomainError, NotRegisteredError
+from pointerdomain.errors import AliasOpMissingError, DomainError, NotRegisteredError, UnpinnedMemoryError
 from pointerdomain.errors import with_address
 from pointerdomain.registration.kinds import device_reads_va
 from pointerdomain.registration.memory import find_closed_registration, find_registration
@@ -156,6 +156,9 @@ def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlia
         DomainError: ``va`` is not a HostVA (e.g. already an alias).
         NotRegisteredError: ``va`` is not inside registered host memory.
         ClosedError: its registration was closed.
+        UnpinnedMemoryError: ``va`` lies in memory on the registration ladder's ``unpinned``
+            rung: nothing was registered, so it has no device alias (only the library's
+            copy engine path reads it, through its host VA).
         AliasOpMissingError: no way to get a valid alias on this device.
         RuntimeCallError: the runtime call failed.
     """
@@ -165,6 +168,11 @@ def resolve_alias(va: HostVA, device: Device | str | torch.device) -> DeviceAlia
     owner = find_registration(va)
     if owner is None:
         return alias
+    if not owner.kernel_readable:
+        raise with_address(UnpinnedMemoryError(
+            f"{describe(va)} lies in host memory that is not pinned (registration ladder rung 'unpinned'): it has no "
+            "device alias, and a kernel given its host VA would fault. Fix: register the memory pinned, or move it "
+            "with backend='copy_engine'"), va.value)
     chunk = owner.chunk_of(va, 1)
     lo = alias.value - (va.value - chunk.host_va.value)  # the chunk's alias range: one registration call
     return alias.bounded(lo, lo + chunk.nbytes)

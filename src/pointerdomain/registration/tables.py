@@ -34,6 +34,7 @@ from pointerdomain.errors import (
     NonContiguousError,
     NotRegisteredError,
     RegistrationSpanError,
+    UnpinnedMemoryError,
 )
 from pointerdomain._platform.liveness import StorageWatch, storage_watch
 from pointerdomain.registration.allocation import device_empty, memory_device
@@ -104,7 +105,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
 
     __slots__ = ("_domain", "_device", "_values", "_sizes", "_tensor", "_keepalive", "_owners", "_alignment",
                  "_layout", "_storages", "_storage_state", "_storage_ptrs", "_tensor_ptrs", "_resolved", "_watch", "_addresses",
-                 "__weakref__")
+                 "_unpinned", "__weakref__")
 
     def __init__(
         self,
@@ -125,6 +126,8 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         self._sizes = sizes
         self._keepalive = keepalive
         self._owners = owners
+        #: the first registration kernels cannot read (the ``unpinned`` rung, fixed at registration), or None
+        self._unpinned = next((o for o in owners if not o.kernel_readable), None)
         self._alignment = math.gcd(*values)
         self._layout = layout
         #: (lo, hi, kind) alias-space ranges a raw table's entries were resolved into
@@ -300,6 +303,23 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
             owner.check_open()
         if not self.storages_intact():
             self._storage_error()
+
+    def check_kernel_readable(self) -> None:
+        """For a table handed to a kernel outside the library's launches (a custom op's
+        pointer tensor, a Triton argument, a C++ extension's caster): every registration it
+        points into can be read by a kernel. A table over memory on the registration
+        ladder's ``unpinned`` rung holds host VAs that only the copy engine may read (the
+        library's own launches then take ``backend="copy_engine"``; docs/reliability.md).
+
+        Raises:
+            UnpinnedMemoryError: a registration on the ``unpinned`` rung."""
+        owner = self._unpinned
+        if owner is not None:
+            raise UnpinnedMemoryError(
+                f"{self!r} points into host memory at {owner.host_va!r} (+{owner.nbytes} bytes) that is not pinned "
+                f"(registration ladder rung 'unpinned': {'; '.join(owner.ladder_record) or 'allowed by the policy'}): "
+                "its entries are host VAs, which a kernel cannot read. Fix: register the memory pinned, or move it "
+                "with the library's copy engine (backend='copy_engine')")
 
     def _storage_error(self) -> None:
         for s, nbytes, ptr in zip(self._storages, self._storage_state, self._storage_ptrs):

@@ -43,6 +43,8 @@ def check_kernel_table(table: pd.PointerTable[pd.DeviceAlias], device: pd.Device
             ``PointerTable``.
         DeviceMismatchError: a table of another device.
         ClosedError: a registration the table points into was closed.
+        UnpinnedMemoryError: a registration the table points into is on the ``unpinned``
+            rung (its entries are host VAs no kernel can read).
         InvalidDeviceError: ``device`` is not a device, or does not exist.
     """
     dev = pd.validate_device(device)  # a device that does not exist is named as such, not as a mismatch
@@ -64,6 +66,7 @@ def check_kernel_table(table: pd.PointerTable[pd.DeviceAlias], device: pd.Device
     if value.device != dev:
         raise errors.DeviceMismatchError(f"a kernel table of {value.device} was given for a launch on {dev}")
     value.check_live()
+    value.check_kernel_readable()
     return dev
 
 

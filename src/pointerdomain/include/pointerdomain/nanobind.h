@@ -115,7 +115,8 @@ struct KernelTableAccess {
                         repr_of(src) + " reached a kernel table parameter: kernels read device aliases only "
                                     "(PointerTable[DeviceAlias] from make_kernel_ptr_table); host VAs are for CPU code "
                                     "and transfer engines");
-        src.attr("check_live")();  // ClosedError propagates as is
+        src.attr("check_live")();             // ClosedError propagates as is
+        src.attr("check_kernel_readable")();  // UnpinnedMemoryError: host VAs of unpinned memory
         KernelTable view;
         view.device_ = device_from_python(src.attr("device"));
         view.size_ = nb::len(src);
