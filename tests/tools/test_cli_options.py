@@ -55,6 +55,8 @@ def test_version_and_demo_help() -> None:
     (("--attention", "mla", "--heads", "8"), "--heads must be 1"),
     (("--layers", "100000"), "GiB"),
     (("--no-such-flag",), "unrecognized arguments"),
+    (("--seed", str(2**64)), "--seed"),
+    (("--seed", str(-2**63 - 1)), "--seed"),
 ])
 def test_demo_usage_errors_exit_2_and_name_the_flag(args: tuple[str, ...], needle: str) -> None:
     out = _cli("demo", *args)

@@ -53,6 +53,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """A seed torch's generators take (``manual_seed``): an int in [-2**63, 2**64)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**64), got {describe(text)}") from None
+    if not -(1 << 63) <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**63, 2**64) (a torch generator's seed), got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``demo`` subcommand's flags (every one with a help line; defaults shown by ``--help``)."""
     p.add_argument("--device", default=None, help="cuda:N or emulated:N; default: the current GPU when one is present "
@@ -68,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pages", type=_positive, default=16, help="pages moved each way (at most the smaller pool)")
     p.add_argument("--host-layout", choices=list(get_args(LayoutKind)), default="page_first",
                    help="layout of the host pool (the device pool is layer_first)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random bytes and page choice")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random bytes and page choice, in [-2**63, 2**64)")
     p.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                    help="progress bars on stderr (auto: when stderr is a terminal)")
     p.add_argument("--json", action="store_true", help="print the result and the memory estimate as one JSON object")
