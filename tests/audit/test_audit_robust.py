@@ -265,3 +265,15 @@ def test_an_analysis_failure_is_a_skipped_file(tmp_path: Path, capsys: pytest.Ca
     assert [(r.path, r.skipped) for r in result.skipped] == [
         ("a.py", "the audit failed on this file: ValueError: an odd node")]
     assert [f.code for f in result.findings] == ["PD901"]
+
+
+@pytest.mark.parametrize("args", [("--file-timeout", "inf"), ("--file-timeout", "nan"), ("--file-timeout", "0"),
+                                  ("--file-timeout", "1e12"), ("--max-file-kb", "0"), ("--jobs", "-1")])
+def test_limits_outside_what_runs_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...]) -> None:
+    (tmp_path / "a.py").write_text("x = 1\n")
+    monkeypatch.chdir(tmp_path)
+    rc = main(["--progress", "none", *args, "."])
+    out, err = capsys.readouterr()
+    assert rc == 2, (args, out, err)
+    assert "Traceback" not in out + err

@@ -66,7 +66,7 @@ class AuditConfig(ValidatedModel, frozen=True):
     jobs: int = pydantic.Field(default=0, ge=0)
     cpp: bool = True
     max_file_kb: int = pydantic.Field(default=1024, gt=0)
-    file_timeout: float = pydantic.Field(default=60.0, gt=0)
+    file_timeout: float = pydantic.Field(default=60.0, gt=0, le=1e9, allow_inf_nan=False)  # a timer the kernel takes
     allow_skipped: bool = False
     root: Path = pydantic.Field(default_factory=Path.cwd, exclude=True)
     source: Path | None = pydantic.Field(default=None, exclude=True)
