@@ -37,7 +37,7 @@ from pointerdomain import BufferInfo, DeviceAlias, HostVA, PointerTable, memory_
 from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.engine_teardown import quarantine_engine_range
-from pointerdomain.registration.metadata import check_metadata_live
+from pointerdomain.registration.metadata import EngineHold, check_engine_hold, check_metadata_live, engine_hold
 from pointerdomain.transfer.pools import HostKVPool
 from pointerdomain.errors import (
     QuarantinedError,
@@ -191,6 +191,9 @@ class HostTransferEngine(ProcessLocal):
         self.local_hostname = local_hostname
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
+        # per registered start: the registration of this process that held the range then
+        # (registration.metadata.engine_hold), so a transfer into newer memory there is refused
+        self._holds: dict[int, EngineHold | None] = {}
         # ranges whose engine registration is under way: held against overlapping requests
         self._pending: dict[int, int] = {}
 
@@ -285,12 +288,14 @@ class HostTransferEngine(ProcessLocal):
 
     def _check_registered(self, va: HostVA, nbytes: int, name: str) -> None:
         with self._lock:
-            ok = any(start <= va.value and va.value + nbytes <= start + n for start, n in self._registered.items())
-        if not ok:
+            start = next((s for s, n in self._registered.items() if s <= va.value and va.value + nbytes <= s + n), None)
+            hold = None if start is None else self._holds.get(start)
+        if start is None:
             raise NotRegisteredError(
                 f"{name}: [{describe(va)}, +{nbytes}) is not inside memory registered with this engine; "
                 "register_memory() the pool first (get_contiguous_buf_infos())"
             )
+        check_engine_hold(hold, va, nbytes, name)  # the memory registered then, not a newer one at its addresses
 
     @staticmethod
     def _check(call: str, rc: int) -> None:
@@ -331,6 +336,7 @@ class HostTransferEngine(ProcessLocal):
                         "Fix: register each range once; memory inside a registered range needs no registration"
                     )
             self._pending[va.value] = n
+        hold = engine_hold(va, n)
         try:
             self._check("register_memory", self.engine.register_memory(va.value, n))
         except BaseException:
@@ -340,6 +346,7 @@ class HostTransferEngine(ProcessLocal):
         with self._lock:
             self._pending.pop(va.value, None)
             self._registered[va.value] = n
+            self._holds[va.value] = hold
 
     def batch_register_memory(self, regions: Sequence[BufferInfo]) -> None:
         """Register each region (e.g. ``HostKVPool.get_contiguous_buf_infos()``).
@@ -386,6 +393,10 @@ class HostTransferEngine(ProcessLocal):
             with self._lock:
                 self._registered[va.value] = held  # still registered with the engine
             raise
+        else:
+            with self._lock:
+                if va.value not in self._registered:
+                    self._holds.pop(va.value, None)
         finally:
             with self._lock:
                 self._pending.pop(va.value, None)
@@ -429,7 +440,9 @@ class HostTransferEngine(ProcessLocal):
             InvalidArgumentError: sizes missing or different, a null HostVA (0), or an empty
                 ``peer`` (a ``ValueError``).
             NotRegisteredError: ``local`` outside registered memory.
-            ClosedError: ``local``'s memory was closed or released.
+            ClosedError: ``local``'s memory was closed or released, or closed and replaced by
+                newer memory registered at its addresses (the engine's registration still
+                pins the old pages: unregister a range before closing its memory).
             RuntimeCallError: the engine reported a failure.
         """
         self._one("transfer_sync_read", peer, local, remote, nbytes)
@@ -499,7 +512,8 @@ class HostTransferEngine(ProcessLocal):
             InvalidArgumentError: lists or block sizes that differ, or an empty ``peer`` (a ``ValueError``).
             OverlapError: two local blocks (the destinations) share a byte; nothing is moved.
             NotRegisteredError: a local block outside registered memory.
-            ClosedError: a local block's memory was closed or released.
+            ClosedError: a local block's memory was closed or released, or replaced by newer
+                memory registered at its addresses (as :meth:`transfer_sync_read`).
             RuntimeCallError: the engine reported a failure.
         """
         return self._batch("batch_transfer_sync_read", peer, local, remote)
@@ -545,6 +559,7 @@ class HostTransferEngine(ProcessLocal):
         with self._lock:
             starts = dict(self._registered)
             self._registered.clear()
+            self._holds.clear()
         failed: list[QuarantinedError] = []
         for start, n in starts.items():
             rc = int(self.engine.unregister_memory(start))

@@ -56,7 +56,7 @@ from pointerdomain.arguments import check_span, describe
 from pointerdomain.domains import range_end
 from pointerdomain.process_local import ProcessLocal
 from pointerdomain.registration.engine_teardown import quarantine_engine_range
-from pointerdomain.registration.metadata import check_metadata_live
+from pointerdomain.registration.metadata import EngineHold, check_engine_hold, check_metadata_live, engine_hold
 
 __all__ = [
     "HostNixlAgent",
@@ -342,6 +342,11 @@ class NixlRegistration(ProcessLocal):
         self._lock = threading.Lock()
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        # per DRAM descriptor: the registration of this process that held it when NIXL
+        # registered it (registration.metadata.engine_hold); a transfer into newer memory
+        # at its addresses is refused
+        self._holds: tuple[EngineHold | None, ...] = tuple(
+            engine_hold(pd.HostVA.unsafe_from_int(d.addr), d.nbytes) if d.mem_type == "DRAM" else None for d in descs)
 
     @property
     def mem_type(self) -> MemType:
@@ -516,10 +521,13 @@ class HostNixlAgent(ProcessLocal):
         return peer
 
     # -- transfers ------------------------------------------------------------------
-    def _check_local(self, desc: NixlDesc) -> None:
+    def _check_local(self, desc: NixlDesc, name: str = "local") -> None:
         for reg in self.registrations():
-            if any(r.contains(desc) for r in reg.descs):
-                return
+            for r, hold in zip(reg.descs, reg._holds):
+                if r.contains(desc):
+                    if desc.mem_type == "DRAM":  # the memory NIXL registered, not a newer one at its addresses
+                        check_engine_hold(hold, pd.HostVA.unsafe_from_int(desc.addr), desc.nbytes, name)
+                    return
         raise errors.NotRegisteredError(
             f"local {describe(desc)} is not inside memory registered with agent {self.name!r}: register the pool "
             "(register_pool) or the region first"
@@ -550,7 +558,9 @@ class HostNixlAgent(ProcessLocal):
                 WRITE) share a byte; reading one source into several destinations is fine.
             NotRegisteredError: a local descriptor outside this agent's open registrations
                 (a closed pool's registration is gone).
-            ClosedError: a local DRAM descriptor's memory was released since its metadata was taken.
+            ClosedError: a local DRAM descriptor's memory was released since its metadata was
+                taken, or closed and replaced by newer memory registered at its addresses
+                (NIXL's registration still pins the old pages).
             RuntimeCallError: NIXL refused the request, reported ERR, or timed out.
         """
         if op not in ("READ", "WRITE"):
@@ -572,7 +582,7 @@ class HostNixlAgent(ProcessLocal):
         else:
             _check_disjoint("remote", rem, "the peer's memory")
         for i, d in enumerate(loc):
-            self._check_local(d)
+            self._check_local(d, f"local[{i}]")
             if d.mem_type == "DRAM":
                 _check_local_dram(d, f"local[{i}]")
         local_list = self._call("get_xfer_descs", [d.xfer_tuple() for d in loc], loc[0].mem_type)

@@ -30,11 +30,17 @@ from pointerdomain.errors import (
     MetadataValidationError,
 )
 from pointerdomain.layouts import KVLayout
-from pointerdomain.registration.memory import find_closed_registration, find_registration, last_serial
+from pointerdomain.registration.memory import (
+    RegisteredHostMemory,
+    find_closed_registration,
+    find_registration,
+    last_serial,
+)
 from pointerdomain.registration.tables import PointerTable, require_domain
 from pointerdomain.validated import ValidatedModel
 
-__all__ = ["BufferInfo", "BufferInfoChanges", "buffer_infos", "check_metadata_live", "metadata_table", "page_buffer_meta"]
+__all__ = ["BufferInfo", "BufferInfoChanges", "EngineHold", "buffer_infos", "check_engine_hold", "check_metadata_live",
+           "engine_hold", "metadata_table", "page_buffer_meta"]
 
 
 def _metadata_error(exc: pydantic.ValidationError) -> MetadataValidationError:
@@ -263,6 +269,54 @@ def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> N
             "(resize_, share_memory_, set_) after it was handed out: an engine given it would read or write freed "
             "memory. Fix: take the metadata again from live memory"
         )
+
+
+#: What an adapter keeps of a range it registered with a transfer engine
+#: (:func:`engine_hold`): the registration of this process that held the range then and the
+#: storage behind it, both weakly (the adapter's record must not keep memory alive).
+EngineHold = tuple["weakref.ref[RegisteredHostMemory]", "weakref.ref[torch.UntypedStorage]"]
+
+
+def engine_hold(address: HostVA, nbytes: int) -> EngineHold | None:
+    """Taken when an adapter registers ``[address, address + nbytes)`` with a transfer
+    engine: the registration of this process holding the range and its storage, or None
+    where no registration of this process holds it whole (a foreign buffer: the other
+    checks own it). :func:`check_engine_hold` compares it at each transfer."""
+    owner = find_registration(address, nbytes)
+    if owner is None:
+        return None
+    return weakref.ref(owner), weakref.ref(owner.tensor.untyped_storage())
+
+
+def check_engine_hold(hold: EngineHold | None, address: HostVA, nbytes: int, name: str = "local") -> None:
+    """Refuse a transfer through an engine registration whose memory was replaced: the
+    engine registered a range held by one registration of this process, and the range
+    (``[address, address + nbytes)``, inside it) is now held by another registration over
+    other memory (the first was closed, its memory freed, and new memory registered at the
+    same addresses). The engine's own registration (an RDMA memory region, NIXL's) still
+    pins the old pages: bytes it moves would land in freed memory, not in the new buffer.
+    The same memory registered again (its storage still alive and holding the range) is
+    the memory the engine registered, and passes.
+
+    Raises:
+        ClosedError: the memory at the range is another registration's now."""
+    if hold is None:
+        return
+    now = find_registration(address, nbytes)
+    if now is None or now is hold[0]():
+        return  # the same registration, or none of this process's (check_metadata_live names a closed one)
+    storage = hold[1]()
+    if storage is not None:
+        lo = storage.data_ptr()
+        if lo <= address.value and address.value + nbytes <= lo + storage.nbytes():
+            return  # the storage the engine registered is alive and still there: the same pages
+    raise ClosedError(
+        f"{name}: [{describe(address)}, +{nbytes}) lies in a range registered with the engine over memory that was "
+        f"closed and freed since; the addresses now belong to another registration ({now.host_va!r}, +{now.nbytes} "
+        "bytes), which the engine's registration does not reach (it pins the old pages). Fix: unregister the old "
+        "range from the engine before closing its memory (register_pool does it on close), then register the new "
+        "memory"
+    )
 
 
 def buffer_infos(table: PointerTable[HostVA], item_bytes: int) -> list[BufferInfo]:
