@@ -190,3 +190,77 @@ def test_strict_mode_memory_is_private_in_a_child(size: int) -> None:
             assert torch.equal(mem.tensor, expected)
 
     _isolated(case)
+
+
+def _in_child(body: Callable[[], int]) -> int:
+    """Fork; the child runs ``body`` and leaves with its result; returns the child's exit code."""
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no exceptions past here
+        code = 99
+        try:
+            code = body()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("kind", ["alloc_registered", "register_host_tensor"])
+def test_a_child_does_no_device_work_over_the_parents_registrations(kind: str) -> None:
+    """A fork child's device runtime holds none of the parent's registrations (CUDA does
+    not survive fork), and the child's copy of library-owned memory is private per
+    mapping: a launch, a new table or an alias over memory registered before the fork is
+    refused there (ClosedError) before anything is copied; memory the child registers
+    itself works; the parent's registrations are untouched."""
+    layout = pd.KVLayout(kind="layer_first", attention="mla", num_layers=1, num_pages=64, page_size=1, num_heads=1,
+                         head_dim=256, dtype="uint8")
+
+    def case() -> None:
+        n = 64 * 256
+        if kind == "alloc_registered":
+            mem = pd.alloc_registered(n, DEV)
+            host = mem.tensor
+        else:
+            host = torch.zeros(n, dtype=torch.uint8)
+            mem = pd.register_host_tensor(host, DEV)
+        device = pd.device_empty((n,), torch.uint8, DEV)
+        device.copy_(torch.arange(n).to(torch.uint8))
+        host.fill_(1)
+        h_table, d_table = pd.make_kernel_ptr_table([host], DEV), pd.make_kernel_ptr_table([device], DEV)
+        idx = torch.tensor([3])
+
+        def child() -> int:
+            for backend in ("kernel", "copy_engine", "staged"):
+                try:
+                    pd.transfer_kv_all_layer(d_table, h_table, idx, idx, src_layout=layout, dst_layout=layout,
+                                             backend=backend)  # type: ignore[arg-type]
+                    return 2
+                except pd.errors.ClosedError as exc:
+                    if "forked" not in str(exc):
+                        return 3
+            if not bool((host == 1).all()):
+                return 4  # refused before anything was copied
+            for build in (lambda: pd.make_kernel_ptr_table([host], DEV), lambda: pd.resolve_alias(mem.host_va, DEV)):
+                try:
+                    build()
+                    return 5
+                except pd.errors.ClosedError:
+                    pass
+            # memory registered here moves its bytes
+            with pd.alloc_registered(n, DEV) as own:
+                pd.transfer_kv_all_layer(d_table, pd.make_kernel_ptr_table([own.tensor], DEV), idx, idx,
+                                         src_layout=layout, dst_layout=layout)
+                if not torch.equal(own.tensor[3 * 256:4 * 256], device[3 * 256:4 * 256]):
+                    return 6
+            mem.close()  # the child may close what it inherited
+            return 0
+
+        assert _in_child(child) == 0
+        # the parent's registration still works
+        pd.transfer_kv_all_layer(d_table, h_table, idx, idx, src_layout=layout, dst_layout=layout)
+        assert torch.equal(host[3 * 256:4 * 256], device[3 * 256:4 * 256])
+        mem.close()
+
+    _isolated(case)

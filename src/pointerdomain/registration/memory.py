@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
 import resource
 import threading
 import weakref
@@ -168,6 +169,22 @@ def _next_serial() -> int:
     with _serial_lock:
         _serial += 1
         return _serial
+
+
+# The process a registration was made in: a fork child's device runtime holds none of the
+# parent's registrations (CUDA does not survive fork; ROCm marks pinned memory
+# MADV_DONTFORK), so device work there over memory registered before the fork is refused
+# (RegisteredHostMemory.check_this_process). Kept here, not asked of the kernel per launch.
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def last_serial() -> int:
@@ -345,6 +362,9 @@ class RegisteredHostMemory(ProcessLocal):
         #: Order of creation in this process (metadata taken before a registration of the
         #: same addresses describes memory that was there before it).
         self.serial = _next_serial()
+        #: The process this registration was made in (a fork child inherits the object, not
+        #: the registration: :meth:`check_this_process`).
+        self.pid = _pid
         # devices an alias was asked for (alias_of), own first: a portable registration
         # serves every device of its type; explain() looks aliases up on these
         self._alias_devices: dict[Device, None] = {device: None}
@@ -581,6 +601,29 @@ class RegisteredHostMemory(ProcessLocal):
                 f"registered memory at {self.host_va!r} (+{self.nbytes} bytes) was closed (unregistered): found a "
                 "closed registration, expected an open one. Fix: keep it open while tables use it, or register "
                 "the memory again and rebuild the tables over it"
+            )
+
+    @property
+    def inherited(self) -> bool:
+        """True in a fork child for a registration made before the fork (in the parent)."""
+        return self.pid != _pid
+
+    def check_this_process(self) -> None:
+        """Device work (an alias, a launch) is refused over a registration inherited
+        through ``fork()``: the child's runtime holds none of the parent's registrations
+        (CUDA does not survive fork; ROCm's pinned memory is not mapped in a child), and
+        the child's copy of the bytes is its own (docs/design.md). Its host memory stays
+        readable by the CPU, and ``close()`` works.
+
+        Raises:
+            ClosedError: this registration was made in another process (this one's fork parent)."""
+        if self.pid != _pid:
+            raise ClosedError(
+                f"registered memory at {self.host_va!r} (+{self.nbytes} bytes) was registered in process {self.pid}, "
+                f"before this process ({_pid}) forked from it: a fork child's device runtime holds none of the "
+                "parent's registrations (CUDA does not survive fork), and the child's copy of the bytes no longer "
+                "reaches the parent's aliases. Fix: register memory in this process (alloc_registered / "
+                "register_host_tensor) and build tables over it"
             )
 
     def backing_released(self) -> bool:

@@ -184,6 +184,7 @@ def alias_of(va: HostVA, dev: Device) -> DeviceAlias:
     owner = find_registration(va)
     if owner is not None:
         owner.check_open()
+        owner.check_this_process()  # a fork child's runtime holds none of the parent's registrations
     elif (closed := find_closed_registration(va)) is not None:
         closed.check_open()  # raises ClosedError
     elif policy is AliasPolicy.EMULATED or not backend_for(dev).pointer_is_host(va.value):

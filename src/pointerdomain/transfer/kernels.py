@@ -420,12 +420,14 @@ def bind_call(
     watch = plan.watch  # plan.live, inlined: both tables' liveness words in one native call
     live = watch.first_changed() < 0 if watch is not None else plan.live(src, dst)
     for owner in plan.owners:
-        if owner.closed:
+        if owner.closed or owner.inherited:
             live = False
     if not live:
         for name, table in (("src", src), ("dst", dst)):
             try:
                 table.check_live()
+                for owner in table.registrations():
+                    owner.check_this_process()
             except ClosedError as exc:
                 raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     device = plan.device

@@ -211,7 +211,7 @@ class TransferPlan:
         then runs each table's ``check_live`` for the error). The plan keeps no storage
         itself: dst's memory must not outlive dst through src's cached plan."""
         for owner in self.owners:
-            if owner.closed:
+            if owner.closed or owner.inherited:
                 return False
         watch = self.watch  # reads words of objects src and dst hold: both are this call's
         if watch is not None:
