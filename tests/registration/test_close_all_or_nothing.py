@@ -66,3 +66,67 @@ def test_closed_pool_hands_out_no_metadata() -> None:
         pool.get_page_buffer_meta([0])
     with pytest.raises(errors.ClosedError):
         pd.buffer_infos(pool.host_table, 64)
+
+
+def test_a_second_close_waits_for_the_first_and_the_runtime_goes_last() -> None:
+    """Two threads close one pool: the second waits for the first's hooks (an engine's
+    deregistration) and unregister; the runtime registration is never undone while a hook
+    runs, and a hook that fails quarantines memory that is still registered."""
+    import threading
+    import time
+
+    from pointerdomain.testing import backend_for
+
+    emulated = backend_for(pd.validate_device(DEV))
+    base = emulated.pinned_bytes()
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    registered_in_hook: list[bool] = []
+    in_hook = threading.Event()
+
+    def engine_deregistration() -> None:
+        in_hook.set()
+        time.sleep(0.3)
+        registered_in_hook.append(emulated.pinned_bytes() > base)
+        raise RuntimeError("the engine kept the memory")
+
+    pool.add_close_hook(engine_deregistration)
+    first: list[BaseException] = []
+
+    def closer() -> None:
+        try:
+            pool.close()
+        except BaseException as exc:  # checked below
+            first.append(exc)
+
+    thread = threading.Thread(target=closer)
+    thread.start()
+    assert in_hook.wait(10)
+    pool.close()  # the second closer
+    assert not thread.is_alive()  # it returned only once the first close was done
+    thread.join()
+    assert registered_in_hook == [True]
+    assert len(first) == 1 and isinstance(first[0], errors.QuarantinedError)
+    held = teardown.find_quarantine(pool.memory.host_va.value, pool.memory.nbytes)
+    assert held is not None and held.pinned == pool.memory.nbytes
+    assert emulated.pinned_bytes() - base == pool.memory.nbytes  # still registered, as the quarantine says
+
+
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_closing_the_pools_memory_runs_the_pools_hooks_first(how: str) -> None:
+    """``pool.memory.close()`` (or ``with pool.memory:``) closes the pool: its hooks run
+    before the runtime's unregister, once."""
+    from pointerdomain.testing import backend_for
+
+    emulated = backend_for(pd.validate_device(DEV))
+    base = emulated.pinned_bytes()
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    seen: list[bool] = []
+    pool.add_close_hook(lambda: seen.append(emulated.pinned_bytes() > base))
+    if how == "close":
+        pool.memory.close()
+    else:
+        with pool.memory:
+            pass
+    assert seen == [True] and pool.memory.closed and emulated.pinned_bytes() == base
+    pool.close()
+    assert seen == [True]

@@ -370,6 +370,8 @@ class RegisteredHostMemory(ProcessLocal):
         self._alias_devices: dict[Device, None] = {device: None}
         self._lock = threading.Lock()
         self._closed = False
+        #: the owner's close (set_owner_close), called by close() first
+        self._owner_close: weakref.WeakMethod[Callable[..., None]] | None = None
         self.leases = LeaseSet()
         backend = backend_for(device)
         policy = resolve_policy(policy)
@@ -683,12 +685,27 @@ class RegisteredHostMemory(ProcessLocal):
             InvalidTypeError: ``timeout`` is not an int or float; InvalidArgumentError:
                 negative or NaN (both before anything is closed).
         """
+        owner_close = self._owner_close() if self._owner_close is not None else None
+        if owner_close is not None and not self._closed:
+            owner_close(timeout=timeout)  # its hooks first (an engine's deregistration), then _close_now
+            return
+        self._close_now(timeout)
+
+    def _close_now(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """:meth:`close` itself, for the object that owns this memory (:meth:`set_owner_close`)."""
         with self._lock:
             if self._closed:
                 return
             self.leases.drain(f"registered memory at {self.host_va!r} (+{self.nbytes} bytes)", timeout)
             self._closed = True
         self._finalizer()
+
+    def set_owner_close(self, close: Callable[..., None]) -> None:
+        """Make :meth:`close` of this memory call ``close(timeout=...)`` instead, a bound
+        method of the object that owns it (a host pool, whose close hooks, e.g. an engine's
+        deregistration, must run before the runtime's unregister); that method ends with
+        :meth:`_close_now`. Held weakly: once the owner is gone, close() is this memory's own."""
+        self._owner_close = weakref.WeakMethod(close)
 
     def quarantine(self, stage: teardown.Stage, reason: str) -> teardown.Quarantine:
         """Close this registration without undoing it, for good: a teardown step before

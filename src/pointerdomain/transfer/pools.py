@@ -165,6 +165,10 @@ class HostKVPool(ProcessLocal):
         self._entries = entries
         self._tables_lock = threading.Lock()
         self._tables: dict[Device, PointerTable[DeviceAlias]] = {self.device: self.kernel_table}
+        # one close at a time: a second caller waits for the first's hooks and unregister
+        # (the teardown order holds), then finds the pool closed
+        self._close_lock = threading.RLock()
+        self.memory.set_owner_close(self.close)  # pool.memory.close() runs the pool's hooks too
 
     def __repr__(self) -> str:
         lay = self.layout
@@ -340,6 +344,10 @@ class HostKVPool(ProcessLocal):
             InvalidTypeError: ``timeout`` is not an int or float; InvalidArgumentError:
                 negative or NaN (both before anything is closed).
         """
+        with self._close_lock:
+            self._close_locked(timeout)
+
+    def _close_locked(self, timeout: float) -> None:
         if self.memory.closed:
             return
         self.memory.leases.drain(f"host KV pool {self.layout.kind} at {self.memory.host_va!r}", timeout)
@@ -353,10 +361,10 @@ class HostKVPool(ProcessLocal):
                 except Exception as exc:  # re-raised below, once the pool is closed
                     failures.append(exc)
         except BaseException:
-            self.memory.close(timeout=timeout)
+            self.memory._close_now(timeout)  # noqa: SLF001 (the pool owns its memory)
             raise
         if not failures:
-            self.memory.close(timeout=timeout)  # engines first, then the runtime (registration.teardown)
+            self.memory._close_now(timeout)  # noqa: SLF001 -- engines first, then the runtime (registration.teardown)
             return
         # an engine may still reach the memory: it stays registered and mapped (quarantined)
         first = failures[0]
