@@ -167,7 +167,8 @@ def test_whatis_cli_demo_pid_and_bad_address() -> None:
     finally:
         child.kill()
         child.wait()
-    for bad in (("whatis", "zz"), ("whatis",), ("whatis", str(2**64)), ("whatis", "--demo", "--pid", "1")):
+    for bad in (("whatis", "zz"), ("whatis",), ("whatis", str(2**64)), ("whatis", "--demo", "--pid", "1"),
+                ("whatis", "0x10", "--device", "nonsense"), ("whatis", "0x10", "--device", "emulated:9")):
         out = _cli(*bad)
         assert out.returncode == 2, (bad, out.stdout, out.stderr)
         assert "Traceback" not in out.stderr

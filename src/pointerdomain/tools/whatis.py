@@ -68,14 +68,18 @@ def run(args: argparse.Namespace) -> int:
     """``pointerdomain whatis``: 0 (an address nothing knows is an answer, not a failure).
 
     Raises:
-        UsageError (exit 2): a bad ADDRESS, no ADDRESS, ``--demo`` with ``--pid``, or a
-            ``--pid`` that names no process (see :func:`check_pid`).
+        UsageError (exit 2): a bad ADDRESS, no ADDRESS, ``--demo`` with ``--pid``,
+            ``--device`` without ``--demo``, or a ``--pid`` that names no process (see
+            :func:`check_pid`).
     """
     addresses = [parse_address(a) for a in args.addresses]
     if not addresses and not args.demo:
         raise UsageError("give an ADDRESS (hex or decimal), or --demo")
     if args.demo and args.pid is not None:
         raise UsageError("--demo explains addresses of this process: drop --pid")
+    if args.device is not None and not args.demo:
+        # an address is explained on every device that knows it: the flag would be ignored
+        raise UsageError(f"--device {args.device}: names the device of the --demo pool; give --demo, or drop --device")
     if args.pid is not None:
         check_pid(args.pid)
     found: list[Explanation] = []
