@@ -382,3 +382,24 @@ def test_a_reused_stream_handle_never_sees_another_loads_progress() -> None:
         assert backend.allocated == allocated
         assert not any(reused.ready(layer) for layer in layers)
         backend.queued = False
+
+
+def test_a_failing_kernel_launch_of_the_pipeline_is_the_testing_backends_launch_fault() -> None:
+    """FaultyBackend's ``launch`` fault reaches the layer pipeline's kernel launch too: the
+    load raises the typed error with nothing written, and the next load moves the bytes."""
+    from pointerdomain.testing import FaultyBackend
+
+    with filled_pools(model_layout(), model_layout("page_first"), DEV, chunk_blocks=None, seed=21) as (pool, host):
+        idx = torch.tensor([1, 6, 3])
+        before = pool_bytes(pool).clone()
+        faulty = FaultyBackend(backend_for(pd.validate_device(DEV)), fail={"launch": {1: 2}})
+        with install_backend(faulty, "emulated"):
+            with pytest.raises(errors.RuntimeCallError, match="transfer kernel launch"):
+                host.load_layers(pool, idx, idx, backend="kernel")
+            assert faulty.calls["launch"] == 1
+            assert torch.equal(pool_bytes(pool), before)
+            expected = reference_transfer(host.buffer, host.layout, pool_bytes(pool), pool.layout, idx, idx)
+            done = host.load_layers(pool, idx, idx, backend="kernel")
+            assert faulty.calls["launch"] == 2
+            assert all(done.ready(layer) for layer in range(done.num_layers))
+            assert torch.equal(pool_bytes(pool), expected)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, LaunchArgs, PinnedAllocator, StagingArgs
+from pointerdomain._platform.base import Backend, LaunchArgs, LayerWords, PinnedAllocator, StagingArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain._platform.status import check, check_staged
 
@@ -32,7 +32,8 @@ class FaultyBackend(DelegatingBackend):
             ``"staged"``, ``"pinned_alloc"``)
             -> {call number (1-based) -> status to fail with}. A failing ``register`` /
             ``unregister`` / ``pinned_alloc`` returns the status without calling ``inner``; a
-            failing ``launch`` / ``copy_runs`` / ``staged`` raises the typed error for it.
+            failing ``launch`` / ``copy_runs`` / ``staged`` raises the typed error for it
+            (``launch`` counts the layer pipeline's kernel launches too).
 
     The double allocates pinned memory (the ladder's ``pinned_copy`` rung,
     :class:`~pointerdomain._platform.base.PinnedAllocator`) exactly when ``inner`` does, so
@@ -70,6 +71,11 @@ class FaultyBackend(DelegatingBackend):
     def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
         check(self, "transfer kernel launch", self._fault("launch"))
         self.inner.launch(plan, args)
+
+    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        # the layer pipeline's kernel launch is a launch too: the same fault, counted alike
+        check(self, "transfer kernel launch", self._fault("launch"))
+        return super().launch_layers(plan, args, words, gen)
 
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         check(self, "copy runs", self._fault("copy_runs"))
