@@ -32,7 +32,9 @@ class Explanation:
             alias, the device the alias is for (a portable registration has one per device).
         other_domain_address: the same byte in the other domain (the alias of a host VA,
             the host VA of an alias); equal to ``address`` where the device's alias is the VA.
-        state: ``"open"`` or ``"closed"`` (unregistered, owner still alive).
+        state: ``"open"``, ``"closed"`` (unregistered, owner still alive) or
+            ``"quarantined"`` (closed for launches, but still registered and mapped: a
+            teardown step failed, ``registration.teardown``).
         chunk: ``(k, n)``: the address is in registration call k (1-based) of n.
         rung: how the registration was made (registration ladder rung).
         memory_kind: the kind of host memory (:class:`pointerdomain.registration.kinds.MemoryKind`
@@ -59,7 +61,7 @@ class Explanation:
     offset: int | None = None
     device: str | None = None
     other_domain_address: int | None = None
-    state: Literal["open", "closed"] | None = None
+    state: Literal["open", "closed", "quarantined"] | None = None
     chunk: tuple[int, int] | None = None
     rung: str | None = None
     memory_kind: str | None = None

@@ -130,3 +130,25 @@ def test_closing_the_pools_memory_runs_the_pools_hooks_first(how: str) -> None:
     assert seen == [True] and pool.memory.closed and emulated.pinned_bytes() == base
     pool.close()
     assert seen == [True]
+
+
+def test_explain_names_a_quarantined_pool_by_its_host_va_and_its_alias() -> None:
+    """A quarantined pool stays registered and mapped: explain() says so by either
+    address (the host VA, or the alias a GPU fault report carries), with the alias."""
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    alias = int(pool.kernel_table.as_uint64_tensor()[0])
+
+    def failing() -> None:
+        raise RuntimeError("the engine kept the memory")
+
+    pool.add_close_hook(failing)
+    with pytest.raises(errors.QuarantinedError):
+        pool.close()
+    by_va = pd.explain(pool.memory.host_va + 100)
+    assert (by_va.domain, by_va.state, by_va.other_domain_address) == ("host_va", "quarantined", alias + 100)
+    assert any(n.startswith("QUARANTINED") for n in by_va.notes)
+    assert not any("has no alias" in n for n in by_va.notes)
+    by_alias = pd.explain(alias + 100)
+    assert (by_alias.domain, by_alias.state) == ("device_alias", "quarantined")
+    assert by_alias.other_domain_address == pool.memory.host_va.value + 100
+    assert any(n.startswith("QUARANTINED") for n in by_alias.notes)

@@ -734,7 +734,7 @@ class RegisteredHostMemory(ProcessLocal):
             pinned = self.nbytes if self.rung in (Rung.SINGLE, Rung.CHUNKED) else 0
             _registry.pinned_bytes -= pinned  # the quarantine's now
         return teardown.quarantine(self.host_va, self.nbytes, str(self.device), repr(self), stage, reason,
-                                   (self.tensor, self._registered, self._pin), pinned)
+                                   (self.tensor, self._registered, self._pin), pinned, memory=self)
 
     def __enter__(self) -> RegisteredHostMemory:
         return self

@@ -69,6 +69,8 @@ class Quarantine:
     pinned: int = 0
     #: what keeps the memory mapped (the tensor, the registered mapping): never released
     keep: object = field(default=None, repr=False, compare=False)
+    #: the registration object, where one was quarantined (``explain`` finds its aliases)
+    memory: object = field(default=None, repr=False, compare=False)
 
     def overlaps(self, va: int, nbytes: int) -> bool:
         return self.host_va.value < va + max(nbytes, 1) and va < self.host_va.value + self.nbytes
@@ -85,10 +87,11 @@ _records: list[Quarantine] = []
 
 
 def quarantine(host_va: HostVA, nbytes: int, device: str, owner: str, stage: Stage, reason: str,
-               keep: object, pinned: int = 0) -> Quarantine:
+               keep: object, pinned: int = 0, memory: object = None) -> Quarantine:
     """Record ``[host_va, host_va + nbytes)`` as quarantined (``pinned`` bytes of it still
-    pinned) and keep ``keep`` (what maps it) alive for the rest of the process."""
-    record = Quarantine(host_va, nbytes, device, owner, stage, reason, time.time(), pinned, keep)
+    pinned) and keep ``keep`` (what maps it) and ``memory`` (its registration object, if
+    any) alive for the rest of the process."""
+    record = Quarantine(host_va, nbytes, device, owner, stage, reason, time.time(), pinned, keep, memory)
     with _lock:
         _records.append(record)
     return record

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pointerdomain.arguments import describe
 from pointerdomain.devices import Device
 from pointerdomain.domains import DeviceAlias, HostVA
-from pointerdomain.registration.teardown import find_quarantine
+from pointerdomain.registration.teardown import find_quarantine, quarantined
 from pointerdomain.explained import Domain, Explanation
 from pointerdomain.registration.kinds import chunk_alias, device_reads_va
 from pointerdomain.registration.memory import (
@@ -225,6 +225,9 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
             notes.append(f"shared segment {seg.key} ({seg.path}), bytes [{seg.offset}, +{seg.nbytes}) of it: "
                          "other processes may register their own mappings of it (counted once by the budget)")
         held = find_quarantine(value)
+        owner_found = found.get("owner_obj")
+        if held is None and isinstance(owner_found, RegisteredHostMemory) and _quarantined_memory(owner_found):
+            held = find_quarantine(owner_found.host_va.value, owner_found.nbytes)  # found by its alias
         if held is not None:
             notes.append(f"QUARANTINED: [{held.host_va!r}, +{held.nbytes}) of {held.owner}: its {held.stage} teardown "
                          f"step failed ({held.reason}); it stays mapped and is never registered again")
@@ -258,7 +261,13 @@ def explain(address: int | HostVA | DeviceAlias, *, pid: int | None = None) -> E
                        numa_node=numa, notes=tuple(notes), **fields)  # type: ignore[arg-type]
 
 
-def _describe(owner: RegisteredHostMemory, state: Literal["open", "closed"]) -> dict[str, object]:
+def _quarantined_memory(owner: RegisteredHostMemory) -> bool:
+    """Whether ``owner`` was quarantined: closed for launches, still registered and mapped."""
+    held = find_quarantine(owner.host_va.value, owner.nbytes)
+    return held is not None and held.memory is owner
+
+
+def _describe(owner: RegisteredHostMemory, state: Literal["open", "closed", "quarantined"]) -> dict[str, object]:
     vmm_owner = owner.owner if owner.kind.value == "vmm_host" else None
     return {"kind": "registration", "owner": repr(owner), "device": str(owner.device), "state": state,
             "rung": registration_rung(owner), "memory_kind": owner.kind.value, "memory_owner": vmm_owner,
@@ -271,13 +280,15 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
     for owner, state in ((find_registration(va), "open"), (find_closed_registration(va), "closed")):
         if owner is None:
             continue
+        if state == "closed" and _quarantined_memory(owner):
+            state = "quarantined"  # still registered: its aliases still reach it
         out = _describe(owner, state)  # type: ignore[arg-type]
         out |= {"domain": "host_va", "base": owner.host_va.value, "nbytes": owner.nbytes,
                 "offset": value - owner.host_va.value}
         for k, chunk in enumerate(owner.chunks):
             if chunk.contains(va, 1):
                 out["chunk"] = (k + 1, len(owner.chunks))
-                alias = _alias_range(owner, k) if state == "open" else None
+                alias = _alias_range(owner, k) if state != "closed" else None
                 if alias is not None:
                     out["other_domain_address"] = alias[0] + (value - chunk.host_va.value)
                     # a portable registration serving other devices too (kernel_table_for, resolve_alias)
@@ -298,12 +309,14 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
         if state == "closed":
             notes.append("the registration was closed: the memory is ordinary host memory now and has no alias")
         return out
-    for owner in open_registrations():
+    quarantined_owners = [q.memory for q in quarantined() if isinstance(q.memory, RegisteredHostMemory)]
+    for owner in (*open_registrations(), *quarantined_owners):
+        state = "quarantined" if owner.closed else "open"
         for dev in owner.alias_devices:  # its own device first, then the others aliases were asked for
             for k, chunk in enumerate(owner.chunks):
                 alias = _alias_range(owner, k, dev)
                 if alias is not None and alias[0] <= value < alias[0] + alias[1]:
-                    out = _describe(owner, "open")
+                    out = _describe(owner, state)  # type: ignore[arg-type]
                     out |= {"domain": "device_alias", "base": alias[0], "nbytes": alias[1],
                             "offset": value - alias[0], "chunk": (k + 1, len(owner.chunks)),
                             "other_domain_address": chunk.host_va.value + (value - alias[0]),
@@ -318,7 +331,7 @@ def _find(value: int, notes: list[str]) -> dict[str, object]:
             if chunk.register_va is not None and chunk.register_va <= value < chunk.register_va + chunk.nbytes:
                 off = value - chunk.register_va
                 alias = _alias_range(owner, k)
-                out = _describe(owner, "open")
+                out = _describe(owner, state)  # type: ignore[arg-type]
                 out |= {"domain": "host_va", "kind": "registration (strict mode's registered mapping)",
                         "base": chunk.register_va, "nbytes": chunk.nbytes, "offset": off,
                         "chunk": (k + 1, len(owner.chunks)),
