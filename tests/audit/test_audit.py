@@ -395,26 +395,24 @@ def test_autofix_mypy(tmp_path: Path) -> None:
     pytest.importorskip("mypy")  # the GPU machine has none
     tensor_style = fix_source(FIX_SNIPPET, "tensor")
     table_style = fix_source(TABLE_CONSUMER, "table")
-    assert tensor_style.fixes == table_style.fixes == 2
-    assert "make_kernel_ptr_table(bufs, device).as_uint64_tensor()" in tensor_style.code
-    assert "host_ptr_table(bufs).as_uint64_tensor()" in tensor_style.code
+    # the tensor form is not a drop-in (strided, empty, wrong-memory tensors raise): refused
+    assert tensor_style.fixes == 0 and tensor_style.code == FIX_SNIPPET and len(tensor_style.refused) == 2
+    assert table_style.fixes == 2
     assert "return make_kernel_ptr_table(bufs, device)\n" in table_style.code
     assert "return host_ptr_table(bufs)\n" in table_style.code
     assert "from pointerdomain import host_ptr_table, make_kernel_ptr_table" in table_style.code
-    files = {"fixed_tensor.py": tensor_style.code, "fixed_table.py": table_style.code,
-             "unfixed_table.py": TABLE_CONSUMER}
+    files = {"fixed_table.py": table_style.code, "unfixed_table.py": TABLE_CONSUMER}
     for name, code in files.items():
         (tmp_path / name).write_text(code)
     os.environ.setdefault("MYPYPATH", str(ROOT / "src"))
     cache = Path(os.environ.get("MYPY_CACHE_DIR", Path(__file__).with_name(".mypy_cache")))
-    rc, out = _mypy([tmp_path / "fixed_tensor.py", tmp_path / "fixed_table.py", tmp_path / "unfixed_table.py"],
-                    cache)
+    rc, out = _mypy([tmp_path / "fixed_table.py", tmp_path / "unfixed_table.py"], cache)
     errors = [line for line in out.splitlines() if ": error:" in line]
     # the fixed files are clean; the unfixed one fails where a Tensor is returned as a table
     assert not [e for e in errors if "fixed_t" in e and "unfixed" not in e], out
     assert len([e for e in errors if "unfixed_table.py" in e]) == 2, out
     # the fixed code has no PD001 left
-    for name in ("fixed_tensor.py", "fixed_table.py"):
+    for name in ("fixed_table.py",):
         assert not [f for f in audit_file(tmp_path / name, AuditConfig(root=tmp_path))[0] if f.code == "PD001"]
 
 
@@ -443,6 +441,7 @@ def test_autofix_leaves_unsafe_forms(tmp_path: Path) -> None:
     assert fix_source(src).fixes == 0
 
 
+@pytest.mark.slow  # runs --fix, whose check runs mypy: 25-50 s on a busy 2-core machine
 def test_cli_fix_writes_and_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("mypy")  # --fix checks each rewrite with mypy and refuses all without it
     _project(tmp_path)

@@ -79,6 +79,7 @@ def _fix_cli(root: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tupl
     return rc, out, err
 
 
+@pytest.mark.slow  # runs --fix, whose check runs mypy: 25-50 s on a busy 2-core machine
 def test_fix_reports_an_undecodable_file_and_goes_on(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # a.py is fixed first, then b.py cannot be decoded, then c.py is fixed
@@ -96,6 +97,7 @@ def test_fix_reports_an_undecodable_file_and_goes_on(tmp_path: Path, capsys: pyt
     assert (tmp_path / "b.py").read_bytes() == latin1
 
 
+@pytest.mark.slow  # runs --fix, whose check runs mypy: 25-50 s on a busy 2-core machine
 def test_fix_reports_a_too_deep_expression_and_goes_on(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "a.py").write_text(_long_sum(400))
@@ -106,6 +108,7 @@ def test_fix_reports_a_too_deep_expression_and_goes_on(tmp_path: Path, capsys: p
     assert _FIXED in (tmp_path / "b.py").read_text() and "1 site(s) rewritten" in err
 
 
+@pytest.mark.slow  # runs --fix, whose check runs mypy: 25-50 s on a busy 2-core machine
 def test_fix_rewrites_only_reported_findings(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     case = (FIX_CASES / "filtered.py").read_text()
@@ -141,6 +144,7 @@ def test_fix_rewrites_only_reported_findings(tmp_path: Path, capsys: pytest.Capt
     assert fixed.count("torch.tensor([b.data_ptr()") == 2 and fixed.count(_FIXED) == 1
 
 
+@pytest.mark.slow  # runs --fix, whose check runs mypy: 25-50 s on a busy 2-core machine
 def test_fix_leaves_a_file_above_max_file_kb(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     big = _TABLE + "# padding\n" * 300  # about 3 KiB

@@ -14,18 +14,22 @@ device chosen at run time gives one builder per case under the same condition
 (``device=device if device else "cpu"`` -> ``make_kernel_ptr_table(X, device) if device else
 host_ptr_table(X)``; ``device or "cpu"`` the same when ``device`` is a name or attribute).
 A device name is followed to its binding when it is a name assigned once or ``self.attr``
-assigned once in ``__init__`` (``dev = "cpu"`` gives ``host_ptr_table``); a parameter with a
-CPU default, or a name bound to the CPU and to something else, refuses the site.
+assigned once in ``__init__`` (``dev = "cpu"`` gives ``host_ptr_table``). A device table is
+written only for a device known not to be the CPU: a CUDA/HIP device written out, a name
+bound to one, a parameter (the caller's device); a parameter with a CPU default, a name
+bound to the CPU and to something else, a loop variable, another object's attribute
+(``args.device``) or a call refuses the site.
 ``X`` is passed as is only when it is known to be a list/tuple of tensors (a list display
 or comprehension, ``list(...)``, or a name annotated ``list[...]``/``Sequence[...]``/
-``tuple[...]``); otherwise it becomes ``[*X]`` (not ``list(X)``: a local ``list`` may
-shadow the builtin): the same items the comprehension iterated, so a 2-D tensor gives its
-rows (``unbind(0)``) and a dict its keys.
+``tuple[...]``); otherwise it becomes ``[*X]``, parenthesized where ``*`` needs it (not
+``list(X)``: a local ``list`` may shadow the builtin): the same items the comprehension
+iterated, so a 2-D tensor gives its rows (``unbind(0)``) and a dict its keys.
 
 A site is left alone (the finding stays, the reason is in :attr:`FixResult.refused`) when:
 
 * the comprehension has a filter or arithmetic, or the call has other keyword arguments
-  (``pin_memory=``) or a ``.to(device)`` chain;
+  (``pin_memory=``) or a ``.to(device)`` / ``.cuda()`` chain;
+* the rewritten call alone would not parse (the file's other sites are still fixed);
 * the enclosing function or class mentions a device other than CUDA/HIP (``npu``, ``xpu``, ``musa``,
   ``mlu``, ``hpu``, ``mps``) or the module imports such a back-end (``torch_npu``, ...): the
   pointerdomain builders raise there;
@@ -33,7 +37,8 @@ A site is left alone (the finding stays, the reason is in :attr:`FixResult.refus
   arithmetic, indexing, a method other than ``as_uint64_tensor()``, an element of a list or
   tuple (``torch.cat([t1, t2])``), a copy to another name or attribute (``t2 = tbl``: its
   reads are not followed), or an argument of any call other than pointerdomain's own
-  API (and ``isinstance``/``id``/``repr``/``print``/``type``): a native op such as
+  API (and ``id``/``repr``/``print``; not ``isinstance``/``type``, which answer otherwise
+  for a table): a native op such as
   ``sgl_kernel.transfer_kv_all_layer``, a Triton launch ``kern[grid](table)`` or an untyped
   helper may read it as a tensor;
 * (``style="table"``) the value escapes to consumers the fix cannot see: returned by a
@@ -41,12 +46,14 @@ A site is left alone (the finding stays, the reason is in :attr:`FixResult.refus
   as a tensor; bound to a module or class name; stored on another object (``pool.ptrs =``)
   or in a container; a ``self.attr`` whose name the module also reads on another object
   (``pool.ptrs``) or by name (``getattr(obj, "ptrs")``, or ``getattr``/``setattr``/
-  ``vars``/``__dict__`` with a computed name on ``self``). A declared return type is the
+  ``vars``/``__dict__`` with a computed name on ``self``, ``operator.attrgetter``); a local
+  declared ``nonlocal``/``global``, or in a function calling ``locals()``/``vars()``/
+  ``globals()``/``eval``/``exec``. A declared return type is the
   callers' contract, which the mypy check holds the rewrite to;
-* (``style="tensor"``) the original dtype cannot be kept: the ``uint64`` copy is viewed as
-  ``int64`` when the original was ``int64`` (no dtype, ``torch.int64``, ``torch.long``),
-  and any other dtype (a name, ``int32``) refuses the site. With the dtype kept the value
-  is a tensor of the same dtype, device and values, so no consumer is checked.
+* (``style="tensor"``) always, for now: the builders refuse strided views, empty tensors,
+  device memory in a host table and unregistered host memory in a device table, which
+  ``torch.tensor`` of ``data_ptr()`` values took, and the fix cannot prove the tensors
+  hold none of them. A dtype other than ``int64``/``uint64`` is named as the reason first.
 
 The builders are imported by name (``from pointerdomain import ...``) unless a name of the
 module already binds one of them to something else (sglang has its own
@@ -61,6 +68,7 @@ file before and after; the CLI writes a file only when that check passes.
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import re
@@ -95,8 +103,20 @@ _TABLE_ATTRS = frozenset({"device", "domain", "layout"})
 # calls that accept a PointerTable argument besides pointerdomain's own API
 # a device that may be the CPU, decided outside what the fix sees
 _UNKNOWN = "unknown"
-_ANY_OBJECT_BUILTINS = frozenset({"builtins.isinstance", "builtins.id", "builtins.repr", "builtins.print",
-                                  "builtins.type"})
+# (not isinstance/type/issubclass: their answer changes with the value's type)
+_ANY_OBJECT_BUILTINS = frozenset({"builtins.id", "builtins.repr", "builtins.print"})
+# calls that read a function's local names by name
+_NAMESPACE_READS = frozenset({"builtins.locals", "builtins.vars", "builtins.globals", "builtins.eval", "builtins.exec"})
+# a tensor moved or copied after it is built: `torch.tensor(...).to(device)`, `.cuda()`
+_DEVICE_CHAIN_METHODS = frozenset({"to", "cuda", "cpu", "pin_memory", "type", "contiguous", "clone", "share_memory_"})
+# a CUDA/HIP device written out: "cuda", "cuda:0", f"cuda:{i}", torch.device("cuda", i)
+_CUDA_STRING = re.compile(r"^[rRuU]?(['\"])(?:cuda|hip)(?::\d+)?\1$")
+_CUDA_FSTRING = re.compile(r"^[fF](['\"])(?:cuda|hip):\{[^{}]*\}\1$")
+
+
+# expressions that stand after `*` without parentheses
+_ATOMS = (cst.Name, cst.Attribute, cst.Call, cst.Subscript, cst.List, cst.Tuple, cst.Set, cst.Dict, cst.ListComp,
+          cst.SetComp, cst.DictComp, cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +238,11 @@ class _Rewriter(cst.CSTTransformer):
                 return it.with_changes(lpar=[], rpar=[]) if isinstance(it, (cst.Name, cst.Attribute)) else it
             # a dict view, a generator, an attribute of unknown type, a 2-D tensor: the items
             # the comprehension iterated (a tensor's rows), as a list
-            # as `[*X]`, which no local name `list` can shadow
-            return cst.List([cst.StarredElement(it.with_changes(lpar=[], rpar=[]))])
+            # as `[*X]`, which no local name `list` can shadow; `*` binds tighter than
+            # `if`/`or`/`not`/comparisons/lambda/`:=`, and a generator needs its own parentheses
+            if isinstance(it, _ATOMS):
+                return cst.List([cst.StarredElement(it.with_changes(lpar=[], rpar=[]))])
+            return cst.List([cst.StarredElement(it.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()]))])
         if isinstance(data, cst.List) and data.elements:
             receivers = [_data_ptr_receiver(e.value) for e in data.elements]
             if any(r is None or isinstance(e, cst.StarredElement) for r, e in zip(receivers, data.elements)):
@@ -250,6 +273,9 @@ class _Rewriter(cst.CSTTransformer):
                     if any(isinstance(a.scope, ClassScope) for a in assignments):
                         return f"its value is the class attribute {target.value}, read through instances and " \
                             "subclasses the fix does not follow"
+                    hidden = self._hidden_name_reads(target)
+                    if hidden is not None:
+                        return hidden
                     for a in assignments:
                         uses.extend(access.node for access in a.references)
                 elif isinstance(target, cst.Attribute):
@@ -264,6 +290,32 @@ class _Rewriter(cst.CSTTransformer):
                     return "its value is bound to a target the fix cannot follow"
             return uses
         return [call]
+
+    def _hidden_name_reads(self, target: cst.Name) -> str | None:
+        """Why the local name ``target`` may be read where its scope's references do not
+        show it: declared ``nonlocal``/``global`` (read by the enclosing function or the
+        module), or read by name (``locals()``, ``vars()``, ``globals()``, ``eval``/``exec``
+        in its function); else None."""
+        function = self._enclosing(target, cst.FunctionDef)
+        if not isinstance(function, cst.FunctionDef):
+            return None
+        declared = _declared_names(function)
+        if target.value in declared:
+            return f"{target.value} is declared {declared[target.value]}: its value is read in another scope, whose " \
+                "uses the fix does not follow"
+        for name in ("locals", "vars", "globals", "eval", "exec"):
+            for call in self._calls_by_name.get(name, []):
+                if not isinstance(call.func, cst.Name) or (name == "vars" and call.args):
+                    continue
+                if not self._qualnames(call.func) & _NAMESPACE_READS:
+                    continue
+                inner = self._enclosing(call, cst.FunctionDef)
+                while inner is not None and inner is not function:
+                    inner = self._enclosing(inner, cst.FunctionDef)
+                if inner is function:
+                    return f"{name}() in {function.name.value}() reads its names by name, and the fix does not " \
+                        "follow them"
+        return None
 
     def _hidden_attribute_reads(self, target: cst.Attribute) -> str | None:
         """Why ``self.<attr>`` may be read where the fix does not follow it in this module:
@@ -295,6 +347,13 @@ class _Rewriter(cst.CSTTransformer):
             elif on_self:
                 return f"{which}() on self with a computed name may reach .{attr}, whose reads the fix does not " \
                     "follow"
+        for call in self._calls_by_name.get("attrgetter", []):
+            for arg in call.args:
+                name = arg.value
+                if not isinstance(name, cst.SimpleString) or not isinstance(name.evaluated_value, str):
+                    return f"{_code(call)} reads attributes by a computed name, which may be .{attr}"
+                if attr in name.evaluated_value.split("."):
+                    return f"its attribute .{attr} is used by name ({_code(call)}), as a tensor for all the fix knows"
         if any(self._same_or_subclass(self._enclosing(n, cst.ClassDef), owner) for n in self._dict_reads):
             return "self.__dict__ reads the object's attributes by name, and the fix does not follow them"
         return None
@@ -446,6 +505,13 @@ class _Rewriter(cst.CSTTransformer):
             self._refuse(original_node, "the code runs on a non-CUDA/HIP device (npu/xpu/musa/...) here, where the "
                          "pointerdomain builders raise")
             return updated_node
+        chain = self.get_metadata(ParentNodeProvider, original_node, None)
+        if isinstance(chain, cst.Attribute) and chain.value is original_node \
+                and chain.attr.value in _DEVICE_CHAIN_METHODS \
+                and isinstance(self.get_metadata(ParentNodeProvider, chain, None), cst.Call):
+            self._refuse(original_node, f"the table is moved or copied after it is built (.{chain.attr.value}()): a "
+                         "chain the fix leaves as it is")
+            return updated_node
         view: cst.BaseExpression | None = None
         if self.style == "tensor":
             # the value stays a tensor of the same dtype, device and values (a copy): every
@@ -455,6 +521,11 @@ class _Rewriter(cst.CSTTransformer):
                 self._refuse(original_node, dtype)
                 return updated_node
             view = dtype
+            self._refuse(original_node, "the tensor form is not a drop-in here: the pointerdomain builders refuse "
+                         "strided views, empty tensors, device memory in a host table and unregistered host memory in "
+                         "a device table (whose entries become device aliases), where the original built a tensor of "
+                         f"whatever data_ptr() gave; the fix cannot prove that {_code(tensors)} holds none of them")
+            return updated_node
         else:
             uses = self._uses(original_node)
             if isinstance(uses, str):
@@ -466,18 +537,27 @@ class _Rewriter(cst.CSTTransformer):
                     self._refuse(original_node, why)
                     return updated_node
         device = kwargs.get("device")
-        if device is not None and _UNKNOWN in self._targets(device):
-            self._refuse(original_node, f"the device ({_code(device)}) is known only at run time: it may be the CPU "
-                         "(a parameter with a CPU default, or a name or attribute bound to the CPU and to something "
-                         "else), where a device table raises")
-            return updated_node
         if device is not None and len(self._targets(device)) > 1 and not self._splittable(device):
             self._refuse(original_node, f"the device ({_code(device)}) is chosen at run time in a form the fix "
                          "cannot split into a device and a host table")
             return updated_node
-        self.fixes += 1
+        if device is not None and _UNKNOWN in self._targets(device):
+            self._refuse(original_node, f"the device ({_code(device)}) is not known to be a CUDA/HIP device: it may "
+                         "be the CPU (a loop variable, another object's attribute, a call, a parameter with a CPU "
+                         "default, or a name or attribute bound to the CPU and to something else), where a device "
+                         "table raises")
+            return updated_node
         fixed = self._table_call(tensors, device)
-        return _with_view(fixed, view) if view is not None else fixed
+        if view is not None:
+            fixed = _with_view(fixed, view)
+        try:  # each rewrite alone, so one that does not parse leaves the file's other fixes
+            ast.parse(f"(\n{_code(fixed)}\n)", mode="eval")
+        except (SyntaxError, ValueError) as exc:
+            why = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+            self._refuse(original_node, f"the rewrite would not parse ({_code(fixed)}: {why})")
+            return updated_node
+        self.fixes += 1
+        return fixed
 
     def _tensor_dtype(self, call: cst.Call, dtype: cst.BaseExpression | None) -> cst.BaseExpression | None | str:
         """For ``style="tensor"``: the dtype to view the ``uint64`` copy as (None: it is
@@ -497,12 +577,15 @@ class _Rewriter(cst.CSTTransformer):
             "must keep it"
 
     def _targets(self, device: cst.BaseExpression, truthy: bool = False, depth: int = 0) -> frozenset[str]:
-        """:func:`device_targets` with simple bindings followed: a name assigned once in its
-        scope, ``self.attr`` assigned once in its class's ``__init__``, a parameter's default.
-        ``_UNKNOWN`` among them: the device may be the CPU but is not known here (a parameter
-        with a CPU default, a name bound to the CPU and to something else). ``truthy``: the
-        value is read only where it tested true (``D if D else ...``, ``D or ...``), so a
-        ``None`` binding does not reach it."""
+        """Where ``device`` places the table, with simple bindings followed: a name assigned
+        in its scope, ``self.attr`` assigned in its class, a parameter's default.
+        ``{"host"}``: the CPU; ``{"device"}``: a CUDA/HIP device written out (``"cuda"``,
+        ``"cuda:0"``, ``f"cuda:{i}"``, ``torch.device("cuda", i)``, an index), or a parameter
+        the caller fills in; ``_UNKNOWN`` among them: nothing proves it is not the CPU (a
+        parameter with a CPU default, a name bound to the CPU and to something else, a loop
+        variable, an attribute of another object such as ``args.device``, a call).
+        ``truthy``: the value is read only where it tested true (``D if D else ...``,
+        ``D or ...``), so a ``None`` binding does not reach it."""
         if depth > 8:
             return frozenset({_UNKNOWN})
         if isinstance(device, cst.IfExp):
@@ -517,10 +600,10 @@ class _Rewriter(cst.CSTTransformer):
                 and device.value.value in ("self", "cls"):
             bound = self._attribute_bindings(device)
         else:
-            return device_targets(device)
-        if bound is None:
-            return frozenset({"device"})  # bound where this pass does not look: the caller's device, as before
-        values, single = bound
+            return self._written_targets(device)
+        values, single, caller, unfollowed = bound
+        if unfollowed or (not values and not caller):
+            return frozenset({_UNKNOWN})  # bound where this pass does not look (a loop, an import, elsewhere)
         found: set[str] = set()
         for value, from_default in values:
             if truthy and _code(value) == "None":
@@ -528,31 +611,54 @@ class _Rewriter(cst.CSTTransformer):
             targets = self._targets(value, False, depth + 1)
             if from_default and "host" in targets:
                 return frozenset({_UNKNOWN})  # the CPU unless the caller says otherwise
+            if from_default and _UNKNOWN in targets:
+                targets = frozenset({"device"})  # a default the caller overrides: the caller's device
             found |= targets
-        if not found:
-            return frozenset({"device"})
+        if caller or not found:
+            found.add("device")  # a parameter: the caller's device, as before
         if "host" in found and (not single or len(found) > 1):
             return frozenset({_UNKNOWN})
         return frozenset(found)
 
-    def _name_bindings(self, name: cst.Name) -> tuple[list[tuple[cst.BaseExpression, bool]], bool] | None:
+    def _written_targets(self, device: cst.BaseExpression) -> frozenset[str]:
+        """``{"host"}`` for the CPU written out, ``{"device"}`` for a CUDA/HIP device written
+        out, else ``_UNKNOWN``."""
+        if device_targets(device) == {"host"}:
+            return frozenset({"host"})
+        if isinstance(device, cst.Integer):
+            return frozenset({"device"})  # an index: torch's CUDA device of that index
+        if isinstance(device, cst.SimpleString) and _CUDA_STRING.match(_code(device)):
+            return frozenset({"device"})
+        if isinstance(device, cst.FormattedString) and _CUDA_FSTRING.match(_code(device)):
+            return frozenset({"device"})
+        if isinstance(device, cst.Call) and device.args and not device.args[0].keyword \
+                and self._qualnames(device.func) & {"torch.device"} \
+                and isinstance(device.args[0].value, (cst.SimpleString, cst.FormattedString)) \
+                and self._written_targets(device.args[0].value) == {"device"}:
+            return frozenset({"device"})
+        if isinstance(device, cst.Call) and not device.args \
+                and self._qualnames(device.func) & {"torch.cuda.current_device"}:
+            return frozenset({"device"})
+        return frozenset({_UNKNOWN})
+
+    def _name_bindings(self, name: cst.Name) -> tuple[list[tuple[cst.BaseExpression, bool]], bool, bool, bool]:
         """The values bound to ``name`` where it is read, each with whether it is a
-        parameter's default, and whether it is bound once by a plain assignment; None when
-        nothing binds it that this pass follows (a parameter without a default, an import,
-        a loop variable)."""
+        parameter's default; whether it is bound once by a plain assignment; whether it is a
+        parameter (the caller may pass any device); whether something binds it that this
+        pass does not follow (a loop variable, an import, a ``with`` target, an unpacking)."""
         scope = self.get_metadata(ScopeProvider, name, None)
         if scope is None:
-            return None
+            return [], False, False, True
         values: list[tuple[cst.BaseExpression, bool]] = []
         plain = 0
         others = 0
+        caller = False
         for a in scope[name.value]:
             node = getattr(a, "node", None)
             if isinstance(node, cst.Param):
+                caller = True
                 if node.default is not None:
                     values.append((node.default, True))
-                else:
-                    others += 1
                 continue
             parent = self.get_metadata(ParentNodeProvider, node, None) if node is not None else None
             if isinstance(parent, cst.AnnAssign) and parent.value is not None:
@@ -565,19 +671,23 @@ class _Rewriter(cst.CSTTransformer):
                     plain += 1
                 else:
                     others += 1
+            elif isinstance(parent, cst.AnnAssign):
+                continue  # `dev: str` declares, binds nothing
             else:
                 others += 1
-        if not values:
-            return None
-        return values, plain == 1 and others == 0 and len(values) == 1
+        return values, plain == 1 and others == 0 and len(values) == 1 and not caller, caller, others > 0
 
-    def _attribute_bindings(self, attr: cst.Attribute) -> tuple[list[tuple[cst.BaseExpression, bool]], bool] | None:
-        """The values assigned to ``self.attr`` in the enclosing class, and whether that is
-        one plain assignment in ``__init__``; None when the class assigns none."""
+    def _attribute_bindings(
+            self, attr: cst.Attribute) -> tuple[list[tuple[cst.BaseExpression, bool]], bool, bool, bool]:
+        """As :meth:`_name_bindings` for ``self.attr`` in the enclosing class: the values it
+        is assigned, whether that is one plain assignment in ``__init__``, never a caller's,
+        and whether a store is one this pass does not follow (``+=``, an unpacking). No
+        store in the class: set elsewhere, which this pass does not follow."""
         owner = self._classes[-1] if self._classes else None
         values: list[tuple[cst.BaseExpression, bool]] = []
         in_init = 0
         stores = 0
+        unfollowed = False
         for node in self._attribute_nodes.get(_code(attr), []):
             if owner is None or self._enclosing(node, cst.ClassDef) is not owner:
                 continue
@@ -588,7 +698,7 @@ class _Rewriter(cst.CSTTransformer):
             elif isinstance(parent, cst.AnnAssign) and parent.target is node:
                 value = parent.value
             elif isinstance(parent, (cst.AugAssign, cst.Element, cst.StarredElement)):
-                stores += 1  # `self.d += ...`, `self.a, self.d = ...`: a value this pass does not follow
+                unfollowed = True  # `self.d += ...`, `self.a, self.d = ...`: a value this pass does not follow
                 continue
             else:
                 continue  # a read
@@ -599,9 +709,7 @@ class _Rewriter(cst.CSTTransformer):
             function = self._enclosing(node, cst.FunctionDef)
             if isinstance(function, cst.FunctionDef) and function.name.value == "__init__":
                 in_init += 1
-        if not values:
-            return None
-        return values, stores == 1 and in_init == 1
+        return values, stores == 1 and in_init == 1 and not unfollowed, False, unfollowed or not values
 
     def _enclosing(self, node: cst.CSTNode, kind: type[cst.CSTNode]) -> cst.CSTNode | None:
         current = self.get_metadata(ParentNodeProvider, node, None)
@@ -661,6 +769,31 @@ class _Rewriter(cst.CSTTransformer):
         if self.style == "tensor":
             call = cst.Call(cst.Attribute(call, cst.Name("as_uint64_tensor")), [])
         return call
+
+
+def _declared_names(function: cst.FunctionDef) -> dict[str, str]:
+    """The names ``function`` itself declares ``nonlocal`` or ``global`` (not its nested
+    functions and classes), each with the keyword."""
+    found: dict[str, str] = {}
+
+    class _Declared(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node is function
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+            return False
+
+        def visit_Lambda(self, node: cst.Lambda) -> bool:
+            return False
+
+        def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
+            found.update((n.name.value, "nonlocal") for n in node.names)
+
+        def visit_Global(self, node: cst.Global) -> None:
+            found.update((n.name.value, "global") for n in node.names)
+
+    function.visit(_Declared())
+    return found
 
 
 def _with_view(call: cst.BaseExpression, dtype: cst.BaseExpression) -> cst.BaseExpression:

@@ -32,7 +32,7 @@ import libcst as cst
 from pointerdomain.audit.autofix import FixStyle, check_fix, fix_source, warm_mypy
 from pointerdomain.audit.baseline import read_baseline, split_baselined, write_baseline
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
-from pointerdomain.audit.engine import Progress, audit_paths, discover, timed_audit_file
+from pointerdomain.audit.engine import NOT_REGULAR, Progress, audit_paths, discover, timed_audit_file
 from pointerdomain.audit.output import FORMATS, Format, Summary, render
 from pointerdomain.audit.rules import RULES
 
@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--check-untyped-defs reports no new error), then report")
     parser.add_argument("--diff", action="store_true", help="with --fix: print the checked rewrite as a diff, write nothing (a dry run)")
     parser.add_argument("--fix-style", choices=["table", "tensor"], default="table",
-                        help="table: a typed PointerTable (default); tensor: ...as_uint64_tensor(), a drop-in tensor")
+                        help="table: a typed PointerTable (default); tensor: ...as_uint64_tensor(), written only where "
+                        "it is a proven drop-in (the fix proves it nowhere yet: each site is listed with the reason)")
     parser.add_argument("--jobs", "-j", type=int, default=0, help="worker processes (default: config, else CPUs)")
     parser.add_argument("--progress", choices=["auto", "bar", "lines", "none"], default="auto",
                         help="progress on stderr (auto: a bar on a terminal, else a line per 500 files)")
@@ -286,6 +287,16 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
+def _read_regular(path: Path) -> bytes | None:
+    """The bytes of ``path``, or None when it is not a regular file (a FIFO, socket or
+    device: opened without blocking and never read)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return f.read()
+
+
 def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool, known: Counter[str] | None) -> int:
     total = skipped = 0
     worker = _FixProcess(config, style, known)
@@ -294,11 +305,16 @@ def _fix(paths: Sequence[Path], config: AuditConfig, style: FixStyle, diff: bool
             if path.suffix != ".py":
                 continue
             try:
-                if b"data_ptr" not in path.read_bytes():
-                    continue  # no PD001 site: not worth a round trip to the fix process
+                data = _read_regular(path)
             except OSError as exc:
                 print(f"{config.relative(path)}: not fixed: cannot read the file: {exc}", file=sys.stderr)
                 continue
+            if data is None:  # a FIFO would block the read for ever: skipped, as the audit skips it
+                print(f"{config.relative(path)}: not fixed: skipped ({NOT_REGULAR})", file=sys.stderr)
+                skipped += 1
+                continue
+            if b"data_ptr" not in data:
+                continue  # no PD001 site: not worth a round trip to the fix process
             result = worker.fix(path, config.file_timeout)
             for line in result.messages:
                 print(line, file=sys.stderr)

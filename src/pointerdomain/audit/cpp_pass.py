@@ -24,7 +24,7 @@ import bisect
 import re
 from collections.abc import Iterator
 
-from pointerdomain.audit.rules import RULES, Finding
+from pointerdomain.audit.rules import RULES, Finding, source_lines
 from pointerdomain.audit.suppressions import MARKER, Suppression, parse_comment
 
 __all__ = ["CPP_SUFFIXES", "audit_cpp_source", "cpp_statement_spans", "cpp_suppressions", "strip_comments_and_strings"]
@@ -80,10 +80,14 @@ def strip_comments_and_strings(text: str) -> tuple[str, list[tuple[int, str]]]:
         nxt = text[i + 1] if i + 1 < n else ""
         if c == "/" and nxt == "/":
             j = text.find("\n", i)
+            # a backslash ending the line splices the next one into the comment (translation phase 2)
+            while j > 0 and text[i:j].rstrip("\r").endswith("\\"):
+                j = text.find("\n", j + 1)
             j = n if j < 0 else j
             comments.append((i, text[i:j]))
             for k in range(i, j):
-                out[k] = " "
+                if out[k] != "\n":
+                    out[k] = " "
             i = j
         elif c == "/" and nxt == "*":
             j = text.find("*/", i + 2)
@@ -208,6 +212,25 @@ def _in_blocks(blocks: list[tuple[int, int]], offset: int) -> bool:
     return any(start < offset < end for start, end in blocks)
 
 
+# where an integer address is only compared for identity, hashed or printed, never used as memory
+_IDENTITY_AFTER = re.compile(r"\s*\)*\s*(?:==|!=)")
+_IDENTITY_BEFORE = re.compile(r"(?:==|!=)\s*\(*\s*$")
+_HASHED_BEFORE = re.compile(r"\bhash\s*<[^<>;]*>\s*(?:\{\s*\}|\(\s*\))\s*\(\s*(?:\(\s*[\w:\s]+\)\s*)?$")
+_FORMAT_SINK = re.compile(r"\b(?:\w*printf|(?:std::)?(?:cout|cerr|clog)|\w*(?:stream|ss|os)\s*<<|(?:std::|fmt::)"
+                          r"(?:format|print|to_string)|std::to_string|TORCH_WARN\w*|D?V?LOG\w*)\s*[(<]")
+
+
+def _not_an_address_use(code: str, start: int, end: int) -> bool:
+    """A cast of ``data_ptr()`` at ``code[start:end]`` that only compares two addresses for
+    identity (``==``, ``!=``), hashes one (``std::hash<uintptr_t>{}(...)``) or prints one
+    (``printf``, an iostream ``<<``, ``fmt::format``, a log macro)."""
+    before = code[max(0, start - 120): start]
+    if _IDENTITY_AFTER.match(code, end) or _IDENTITY_BEFORE.search(before) or _HASHED_BEFORE.search(before):
+        return True
+    stmt_start = max(code.rfind(ch, 0, start) for ch in ";{}") + 1
+    return _FORMAT_SINK.search(code, stmt_start, start) is not None
+
+
 def _sites(code: str) -> Iterator[tuple[int, str, str]]:
     """(offset, code, message) for each site in comment-free ``code``."""
     device_blocks: list[tuple[int, int]] | None = None
@@ -234,6 +257,8 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
                 before.endswith("|") and not before.endswith("||")) or (
                 bound is not None and (re.search(rf"\b{bound.group(1)}\s*(?:%|&(?!&))", code) is not None
                                        or _RANGE_NAME.match(bound.group(1)) is not None))
+            if _INT_TYPE_ONLY.match(target) and _not_an_address_use(code, m.start(), m.end() + len(arg) + 1):
+                continue
             if target.replace(" ", "").endswith("**") or (_INT_TYPE_ONLY.match(target) and not alignment):
                 kind = "a pointer table" if target.replace(" ", "").endswith("**") else "an integer"
                 yield m.start(), "PD102", f"reinterpret_cast<{target}> of data_ptr() reads it as {kind}"
@@ -257,6 +282,9 @@ def _sites(code: str) -> Iterator[tuple[int, str, str]]:
                     yield m.start(), "PD104", f"integer {table}[...] cast to {target} in host code: a table read " \
                         "on the CPU must hold host VAs"
     for m in _C_CAST_INT.finditer(code):
+        end = code.find(")", m.end()) + 1
+        if end > 0 and _not_an_address_use(code, m.start(), end + (code[end:end + 1] == ")")):
+            continue
         yield m.start(), "PD102", "C-style integer cast of data_ptr()"
     for m in _INT_DECL.finditer(code):
         t, name = m.group("t"), m.group("name")
@@ -271,7 +299,7 @@ def audit_cpp_source(path: str, text: str, enabled: frozenset[str]) -> list[Find
         return []
     code, _ = strip_comments_and_strings(text)
     lines = _Lines(code)
-    src_lines = text.splitlines()
+    src_lines = source_lines(text)
     seen: set[tuple[int, str]] = set()
     out = []
     for offset, rule_code, message in _sites(code):

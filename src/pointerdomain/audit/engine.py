@@ -16,6 +16,7 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -27,12 +28,14 @@ from pointerdomain.audit.baseline import read_baseline, split_baselined
 from pointerdomain.audit.config import AuditConfig, ConfigError
 from pointerdomain.audit.cpp_pass import CPP_SUFFIXES, audit_cpp_source, cpp_statement_spans, cpp_suppressions
 from pointerdomain.audit.python_pass import PythonRules, audit_python_source
-from pointerdomain.audit.rules import RULES, Finding
+from pointerdomain.audit.rules import RULES, Finding, source_lines
 from pointerdomain.audit.suppressions import apply_suppressions, python_comments, python_statement_spans
 
-__all__ = ["AuditRun", "FileResult", "Progress", "audit_file", "audit_paths", "discover"]
+__all__ = ["NOT_REGULAR", "AuditRun", "FileResult", "Progress", "audit_file", "audit_paths", "discover"]
 
 Progress = Literal["auto", "bar", "lines", "none"]
+#: Why a FIFO, socket or device named like a source file is not read (a read may never end).
+NOT_REGULAR = "not a regular file (a FIFO, socket or device): not read"
 _SERIAL_BELOW = 48
 _LINE_EVERY = 500
 
@@ -83,6 +86,18 @@ def discover(paths: Sequence[Path], config: AuditConfig) -> list[Path]:
     Raises:
         ConfigError: a path does not exist.
     """
+    return _discover(paths, config)[0]
+
+
+def _discover(paths: Sequence[Path], config: AuditConfig) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """:func:`discover`, and the directories it could not list, each with why: the files
+    in them were not audited."""
+    unlisted: list[tuple[Path, str]] = []
+
+    def on_error(exc: OSError) -> None:
+        where = Path(exc.filename) if exc.filename is not None else Path(".")
+        unlisted.append((where, f"cannot list the directory: {exc.strerror or exc}"))
+
     suffixes = (".py", ".pyi") + (CPP_SUFFIXES if config.cpp else ())
     out: set[Path] = set()
     for p in paths:
@@ -91,7 +106,7 @@ def discover(paths: Sequence[Path], config: AuditConfig) -> list[Path]:
         if p.is_file():
             out.add(p)
             continue
-        for dirpath, dirnames, filenames in os.walk(p):
+        for dirpath, dirnames, filenames in os.walk(p, onerror=on_error):
             d = Path(dirpath)
             dirnames[:] = sorted(n for n in dirnames if not config.is_excluded(d / n))
             out.update(d / n for n in filenames if n.endswith(suffixes) and not config.is_excluded(d / n))
@@ -100,7 +115,7 @@ def discover(paths: Sequence[Path], config: AuditConfig) -> list[Path]:
     by_target: dict[str, Path] = {}
     for path in sorted(out, key=lambda q: (q.is_symlink(), str(q))):
         by_target.setdefault(os.path.realpath(path), path)
-    return sorted(by_target.values())
+    return sorted(by_target.values()), sorted(unlisted)
 
 
 def audit_file(path: Path, config: AuditConfig, rules: PythonRules | None = None) -> tuple[list[Finding], int]:
@@ -125,10 +140,11 @@ def _audit(path: Path, config: AuditConfig, rules: PythonRules | None) -> tuple[
     if rules is None or rules.enabled != enabled:
         rules = PythonRules(enabled, frozenset(config.kernel_ops))
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a BOM is no character of the source (Python reads it so too)
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         return _not_audited(rel, f"cannot read the file: {exc}")
-    lines = text.splitlines()
+    lines = source_lines(text)
     unaudited: str | None = None
     if path.suffix in (".py", ".pyi") or not path.suffix.endswith(CPP_SUFFIXES):
         try:
@@ -171,9 +187,13 @@ def timed_audit_file(path: Path, config: AuditConfig, rules: PythonRules | None 
     rel = config.relative(path)
     t0 = time.perf_counter()
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        size = st.st_size
     except OSError:
+        st = None
         size = 0  # audit_file reports the unreadable file
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        return FileResult(rel, (), 0, 0.0, NOT_REGULAR)
     if size > config.max_file_kb * 1024:
         return FileResult(rel, (), 0, 0.0, f"{size / 1024:.0f} KiB, above max_file_kb = {config.max_file_kb}")
     armed = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
@@ -273,11 +293,12 @@ def audit_paths(paths: Sequence[Path], config: AuditConfig, *, jobs: int | None 
     """
     t0 = time.perf_counter()
     known = read_baseline(baseline) if baseline is not None else None
-    files = discover(paths, config)
+    files, unlisted = _discover(paths, config)
     n_jobs = jobs if jobs else (config.jobs or os.cpu_count() or 1)
     findings: list[Finding] = []
     suppressed = 0
-    per_file: list[FileResult] = []
+    # a directory that cannot be listed: its files were not audited, which fails the gate
+    per_file: list[FileResult] = [FileResult(config.relative(d), (), 0, 0.0, why) for d, why in unlisted]
     for r in _progress(_results(files, config, n_jobs), len(files), progress):
         findings.extend(r.findings)
         suppressed += r.suppressed

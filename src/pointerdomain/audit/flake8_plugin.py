@@ -17,6 +17,7 @@ from typing import Any
 
 from pointerdomain.audit.config import AuditConfig, ConfigError, find_config, load_config
 from pointerdomain.audit.python_pass import PythonRules, audit_python_source
+from pointerdomain.audit.rules import source_lines
 from pointerdomain.audit.suppressions import apply_suppressions, python_comments, python_statement_spans
 
 __all__ = ["Plugin"]
@@ -51,6 +52,6 @@ class Plugin:
         findings = audit_python_source(self.filename, source, PythonRules(enabled, frozenset(config.kernel_ops)))
         sups = python_comments(source)
         spans = python_statement_spans(source) if sups else []
-        kept, _ = apply_suppressions(self.filename, findings, sups, source.splitlines(), "#", spans)
+        kept, _ = apply_suppressions(self.filename, findings, sups, source_lines(source), "#", spans)
         for f in kept:
             yield f.line, f.col - 1, f"{f.code} {f.message} (fix: {f.fix})", type(self)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import urllib.parse
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -72,6 +74,18 @@ def _json(findings: Sequence[Finding], summary: Summary, version: str, per_file:
                        "skipped": skipped, "files": files, "summary": dataclasses.asdict(summary)}, indent=1) + "\n"
 
 
+def _artifact(path: str) -> dict[str, str]:
+    """A SARIF ``artifactLocation`` for a reported path: a percent-encoded relative URI
+    reference against ``%SRCROOT%`` for a path under the root, else (an absolute path, or
+    one that leaves the root) an absolute ``file://`` URI without ``uriBaseId`` (SARIF
+    2.1.0 sections 3.4.3 and 3.10.2)."""
+    local = Path(path)
+    if local.is_absolute() or local.drive or ".." in local.parts:
+        return {"uri": local.resolve().as_uri()}
+    # `:` too (`c:x.py` is no scheme), `#`, `%`, `?`, spaces and non-ASCII
+    return {"uri": urllib.parse.quote(local.as_posix(), safe="/"), "uriBaseId": "%SRCROOT%"}
+
+
 def _sarif(findings: Sequence[Finding], version: str, summary: Summary, per_file: Sequence[FileResult]) -> str:
     codes = list(RULES)
     rules = [{"id": r.code, "name": r.name, "shortDescription": {"text": r.summary},
@@ -85,8 +99,7 @@ def _sarif(findings: Sequence[Finding], version: str, summary: Summary, per_file
         results.append({
             "ruleId": f.code, "ruleIndex": codes.index(f.code), "level": f.rule.level,
             "message": {"text": f"{f.message}. Fix: {f.fix}"},
-            "locations": [{"physicalLocation": {"artifactLocation": {"uri": f.path, "uriBaseId": "%SRCROOT%"},
-                                                "region": region}}],
+            "locations": [{"physicalLocation": {"artifactLocation": _artifact(f.path), "region": region}}],
             "partialFingerprints": {"pointerdomainAudit/v1": fp},
             "properties": {"fix": f.fix},
         })
@@ -94,7 +107,7 @@ def _sarif(findings: Sequence[Finding], version: str, summary: Summary, per_file
     notifications = [{
         "level": "error" if summary.skipped_fail else "warning",
         "message": {"text": f"{r.path} was not audited: {r.skipped}"},
-        "locations": [{"physicalLocation": {"artifactLocation": {"uri": r.path, "uriBaseId": "%SRCROOT%"}}}],
+        "locations": [{"physicalLocation": {"artifactLocation": _artifact(r.path)}}],
         "descriptor": {"id": "skipped-file"},
     } for r in per_file if r.skipped is not None]
     log = {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [{

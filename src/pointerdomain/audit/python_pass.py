@@ -27,7 +27,7 @@ from libcst.helpers import get_full_name_for_node
 from libcst.metadata import (Assignment, CodeRange, MetadataWrapper, PositionProvider, QualifiedNameSource, Scope,
                              ScopeProvider)
 
-from pointerdomain.audit.rules import RULES, Finding
+from pointerdomain.audit.rules import RULES, Finding, source_lines
 
 __all__ = ["PythonRules", "audit_python_source", "device_targets", "helper_sinks", "sink_at", "slice_source",
            "trigger_words"]
@@ -219,7 +219,7 @@ def slice_source(source: str, triggers: Sequence[str]) -> str:
     # names bound to a trigger expression are triggers too, for this file.
     attrs = {m.group(1) for m in _ATTR_BINDING.finditer(source) if _has_trigger(m.group(0), triggers)}
     triggers = tuple(triggers) + tuple(f".{a}" for a in sorted(attrs))
-    lines = source.splitlines(keepends=True)
+    lines = source_lines(source, keepends=True)
     drop: list[ast.stmt] = []
     dsl = _dsl_names(tree)
 
@@ -1124,9 +1124,20 @@ class _Auditor(cst.CSTVisitor):
             return True
         return any(q.startswith("logging.") for q in self._qualnames(node.func))
 
+    def _formatting_call(self, node: cst.Call) -> bool:
+        """``print(...)``, ``"...".format(...)``: the arguments are formatted as text."""
+        if isinstance(node.func, cst.Name) and node.func.value == "print":
+            return not self._qualnames(node.func) or "builtins.print" in self._qualnames(node.func)
+        return isinstance(node.func, cst.Attribute) and node.func.attr.value == "format" \
+            and isinstance(node.func.value, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString))
+
+    def visit_FormattedStringExpression(self, node: cst.FormattedStringExpression) -> None:
+        # f"{t.data_ptr() + off:#x}": the value is formatted as text, never used as an address
+        self._cover_subtree(node)
+
     def visit_Call(self, node: cst.Call) -> None:
         name = _call_name(node)
-        if self._logging_call(node, name):
+        if self._logging_call(node, name) or self._formatting_call(node):
             self._cover_subtree(node)  # no address use inside: PD002 and PD008 both skip it
             return
         if name is None and isinstance(node.func, cst.Subscript) and "PD008" in self.rules.enabled:
@@ -1609,6 +1620,10 @@ class _Auditor(cst.CSTVisitor):
         self._cover_subtree(node)
 
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> bool:
+        if isinstance(node.operator, cst.Modulo) and isinstance(
+                node.left, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString)):
+            self._cover_subtree(node)  # `"%#x" % (t.data_ptr() + off)`: formatted as text
+            return True
         if id(node) in self._covered or self._assert_depth or isinstance(
                 node.operator, (cst.Modulo, cst.BitAnd, cst.FloorDivide, cst.Divide)):
             return True  # `addr % align` is an alignment/offset check; `assert b - a == stride` a test's check
@@ -1813,7 +1828,7 @@ def audit_python_source(path: str, source: str, rules: PythonRules) -> list[Find
     not applied here (see :mod:`pointerdomain.audit.suppressions`). A file that does not
     parse gives one PD901 finding."""
     triggers = rules.triggers
-    lines = source.splitlines()
+    lines = source_lines(source)
     if not _has_trigger(source, triggers):
         # no rule can match, but a file that does not parse is still not audited: Python's
         # own parser says so for a fraction of libcst's cost

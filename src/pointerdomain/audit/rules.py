@@ -10,9 +10,21 @@ reason, a file that does not parse).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
-__all__ = ["OPT_IN", "RULES", "Finding", "Level", "Rule", "rule"]
+__all__ = ["OPT_IN", "RULES", "Finding", "Level", "Rule", "rule", "source_lines"]
+
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def source_lines(text: str, keepends: bool = False) -> list[str]:
+    """The lines of ``text`` as Python's tokenizer (and a C++ compiler) counts them: ended by
+    ``\\n``, ``\\r\\n`` or ``\\r`` only. :meth:`str.splitlines` also breaks at a form feed,
+    ``\\x0b``, ``\\x1c``-``\\x1e``, ``\\x85``, U+2028 and U+2029, which would shift every
+    later line number."""
+    lines = _LINE.findall(text)
+    return lines if keepends else [line.rstrip("\r\n") for line in lines]
 
 Level = Literal["error", "warning", "note"]
 

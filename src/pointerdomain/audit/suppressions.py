@@ -90,12 +90,24 @@ def python_statement_spans(source: str) -> list[tuple[int, int]]:
         return []
     spans: list[tuple[int, int]] = []
     for node in ast.walk(tree):
+        if isinstance(node, (ast.match_case, ast.ExceptHandler)):
+            # a clause of a compound statement: its header (`case ...:`, `except ...:`) alone
+            start = node.pattern.lineno if isinstance(node, ast.match_case) else node.lineno
+            last = max(start, node.body[0].lineno - 1)
+            if last > start:
+                spans.append((start, last))
+            continue
         if not isinstance(node, ast.stmt):
             continue
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        body: list[ast.stmt] = getattr(node, "body", None) or []
-        if body:
-            last = max(node.lineno, body[0].lineno - 1)  # the header: the body may share its line
+        # a compound statement's header ends where its first nested statement or clause
+        # starts (`match` has `cases`, not `body`); a simple statement is whole
+        inner: list[ast.stmt] = getattr(node, "body", None) or []
+        cases: list[ast.match_case] = getattr(node, "cases", None) or []
+        if cases:
+            last = max(node.lineno, cases[0].pattern.lineno - 1)
+        elif inner:
+            last = max(node.lineno, inner[0].lineno - 1)  # the header: the body may share its line
         else:
             last = node.end_lineno or node.lineno
         if last > first:
