@@ -81,7 +81,7 @@ def test_mooncake_refuses_a_range_whose_memory_was_replaced(replaced: Any) -> No
     new = swap()
     assert new.host_va.value == start
     calls = len(fake.calls)
-    with pytest.raises(errors.ClosedError, match="pins the old pages"):
+    with pytest.raises(errors.ClosedError, match="registration pins the pages it was given"):
         eng.transfer_sync_read("peer:1", block, pd.HostVA(0x10000))
     with pytest.raises(errors.ClosedError, match=r"local\[0\]"):
         eng.batch_transfer_sync_write("peer:1", [block], [pd.BufferInfo(address=pd.HostVA(0x10000), nbytes=256,
@@ -124,6 +124,42 @@ def test_nixl_refuses_a_range_whose_memory_was_replaced(replaced: Any) -> None:
     agent.transfer("READ", [local], [remote], "peer")
     swap()
     calls = len(fake.calls)
-    with pytest.raises(errors.ClosedError, match="pins the old pages"):
+    with pytest.raises(errors.ClosedError, match="registration pins the pages it was given"):
         agent.transfer("READ", [local], [remote], "peer")
     assert len(fake.calls) == calls
+
+
+def test_a_range_partly_replaced_or_held_by_two_registrations_is_refused_where_memory_went() -> None:
+    """The engine registered one range held by two registrations; both close and their
+    memory goes; new, smaller memory is registered at the start. Every byte of the old
+    range is refused: inside the new memory, across its end, and past it."""
+    whole = _map()
+    start = whole.data_ptr()
+    halves = [pd.register_host_tensor(whole[: N // 2], DEV), pd.register_host_tensor(whole[N // 2:], DEV)]
+    fake = FakeEngine()
+    eng = HostTransferEngine(fake, "127.0.0.1")
+    eng.register_memory(pd.HostVA(start), N)
+    agent = HostNixlAgent("fake", agent=FakeAgent())
+    agent.register([dram_desc(pd.HostVA(start), N)])
+    remote = pd.HostVA(0x10000)
+    for at in (0, N // 2 - 128, N - 256):  # each half, and across the two
+        eng.transfer_sync_read("peer:1", pd.HostVA(start + at), remote, 256)
+        agent.transfer("READ", [dram_desc(pd.HostVA(start + at), 256)], [dram_desc(remote, 256)], "peer")
+    while halves:  # no name left bound to a registration (it holds the storage)
+        halves.pop().close()
+    del whole
+    gc.collect()
+    assert _libc.munmap(start, N) == 0
+    new = _map(start)[: N // 2]  # a smaller buffer at the same start
+    later = pd.register_host_tensor(new, DEV)
+    calls = len(fake.calls)
+    try:
+        for at in (0, N // 2 - 128, N // 2 + 64):  # inside the new memory, across its end, past it
+            with pytest.raises(errors.ClosedError, match="registration pins the pages it was given"):
+                eng.transfer_sync_read("peer:1", pd.HostVA(start + at), remote, 128)
+            with pytest.raises(errors.ClosedError):
+                agent.transfer("READ", [dram_desc(pd.HostVA(start + at), 128)], [dram_desc(remote, 128)], "peer")
+        assert len(fake.calls) == calls
+    finally:
+        later.close()
+        _libc.munmap(start, N)

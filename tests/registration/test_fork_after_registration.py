@@ -242,7 +242,10 @@ def test_a_child_does_no_device_work_over_the_parents_registrations(kind: str) -
                         return 3
             if not bool((host == 1).all()):
                 return 4  # refused before anything was copied
-            for build in (lambda: pd.make_kernel_ptr_table([host], DEV), lambda: pd.resolve_alias(mem.host_va, DEV)):
+            from pointerdomain.transfer.kernel_args import kernel_table_tensor
+
+            for build in (lambda: pd.make_kernel_ptr_table([host], DEV), lambda: pd.resolve_alias(mem.host_va, DEV),
+                          lambda: kernel_table_tensor(h_table, DEV)):  # a custom kernel's boundary too
                 try:
                     build()
                     return 5

@@ -167,6 +167,28 @@ def test_memory_registered_after_stale_metadata_is_taken() -> None:
     assert engine.calls == [("register_memory", (old.address.value, 8192))]
 
 
+def test_stale_metadata_under_two_newer_registrations_is_superseded_where_they_cover_it() -> None:
+    """Old metadata over addresses now held by two registrations made since (one range of
+    an engine across both): live memory there; a part they do not cover stays refused."""
+    backing = torch.zeros(5 * 4096, dtype=torch.uint8)
+    start = (-backing.data_ptr()) % 4096  # page-aligned: each half registers on its own pages
+    buf = backing[start:start + 3 * 4096]
+    same = buf[:]  # keeps the old storage, as a new owner of those addresses would
+    old = pd.buffer_infos(pd.host_ptr_table([buf]), 64)[0]
+    buf.set_(torch.zeros(8192, dtype=torch.uint8))
+    engine = Recorder()
+    first, second = pd.register_host_tensor(same[:4096], DEV), pd.register_host_tensor(same[4096:8192], DEV)
+    try:
+        wrapper = HostTransferEngine(engine, "127.0.0.1")
+        wrapper.register_memory(old.address, 8192)  # across both registrations
+        with pytest.raises(errors.ClosedError, match="released"):
+            wrapper.register_memory(old.address + 8192, 4096)  # under no registration since: still stale
+    finally:
+        first.close()
+        second.close()
+    assert engine.calls == [("register_memory", (old.address.value, 8192))]
+
+
 def test_closed_registration_whose_tensor_let_go_is_not_reported_closed() -> None:
     """A closed owner kept alive, its storage released (``resize_(0)``): its old
     addresses may be anyone's now, so metadata over them is not refused as closed memory."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import pydantic
 import torch
@@ -31,15 +31,15 @@ from pointerdomain.errors import (
 )
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.memory import (
-    RegisteredHostMemory,
     find_closed_registration,
     find_registration,
     last_serial,
+    open_registrations,
 )
 from pointerdomain.registration.tables import PointerTable, require_domain
 from pointerdomain.validated import ValidatedModel
 
-__all__ = ["BufferInfo", "BufferInfoChanges", "EngineHold", "buffer_infos", "check_engine_hold", "check_metadata_live",
+__all__ = ["BufferInfo", "BufferInfoChanges", "EngineHold", "HeldMemory", "buffer_infos", "check_engine_hold", "check_metadata_live",
            "engine_hold", "metadata_table", "page_buffer_meta"]
 
 
@@ -236,6 +236,16 @@ def metadata_table(table: object) -> PointerTable[HostVA]:
     return host
 
 
+def _covered(lo: int, hi: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether the ``(start, end)`` spans cover every byte of ``[lo, hi)``."""
+    at = lo
+    for a, b in sorted(spans):
+        if a > at:
+            break
+        at = max(at, b)
+    return at >= hi
+
+
 def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> None:
     """Refuse ``[address, address + nbytes)`` when it is metadata of memory that has gone:
     inside a closed registration, or inside memory that metadata was handed out for
@@ -260,9 +270,11 @@ def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> N
         )
     with _watch_lock:
         near = [w for w in _watches if w.lo < hi and lo < w.hi]
-    owner = find_registration(address, nbytes) if near else None
-    if owner is not None:  # registered since that metadata was taken: the addresses were reused
-        near = [w for w in near if w.serial >= owner.serial]
+    if near:  # memory registered over a watch's bytes since its metadata was taken: the addresses were reused
+        newer = [(o.host_va.value, o.host_va.value + o.nbytes, o.serial) for o in open_registrations()
+                 if o.host_va.value < hi and lo < o.host_va.value + o.nbytes]
+        near = [w for w in near if not _covered(max(lo, w.lo), min(hi, w.hi),
+                                                 [(a, b) for a, b, serial in newer if serial > w.serial])]
     if near and not any(w.live() for w in near):
         raise ClosedError(
             f"{name}: [{describe(address)}, +{nbytes}) is metadata of memory that was released, reallocated or swapped "
@@ -271,52 +283,68 @@ def check_metadata_live(address: HostVA, nbytes: int, name: str = "region") -> N
         )
 
 
-#: What an adapter keeps of a range it registered with a transfer engine
-#: (:func:`engine_hold`): the registration of this process that held the range then and the
-#: storage behind it, both weakly (the adapter's record must not keep memory alive).
-EngineHold = tuple["weakref.ref[RegisteredHostMemory]", "weakref.ref[torch.UntypedStorage]"]
+class HeldMemory(NamedTuple):
+    """Bytes ``[lo, hi)`` of a range an engine registered, held then by a registration of
+    this process, and that registration's storage (weakly: the adapter's record must not
+    keep memory alive)."""
+
+    lo: int
+    hi: int
+    storage: weakref.ref[torch.UntypedStorage]
+
+
+#: What an adapter keeps of a range it registered with a transfer engine (:func:`engine_hold`).
+EngineHold = tuple[HeldMemory, ...]
 
 
 def engine_hold(address: HostVA, nbytes: int) -> EngineHold | None:
     """Taken when an adapter registers ``[address, address + nbytes)`` with a transfer
-    engine: the registration of this process holding the range and its storage, or None
-    where no registration of this process holds it whole (a foreign buffer: the other
-    checks own it). :func:`check_engine_hold` compares it at each transfer."""
-    owner = find_registration(address, nbytes)
-    if owner is None:
-        return None
-    return weakref.ref(owner), weakref.ref(owner.tensor.untyped_storage())
+    engine: for each registration of this process holding part of the range, those bytes
+    and the storage behind them; None where none does (a foreign buffer: the other checks
+    own it). :func:`check_engine_hold` compares it at each transfer."""
+    lo, hi = address.value, address.value + nbytes
+    held = []
+    for owner in open_registrations():
+        a, b = max(lo, owner.host_va.value), min(hi, owner.host_va.value + owner.nbytes)
+        if a < b:
+            held.append(HeldMemory(a, b, weakref.ref(owner.tensor.untyped_storage())))
+    return tuple(held) or None
 
 
 def check_engine_hold(hold: EngineHold | None, address: HostVA, nbytes: int, name: str = "local") -> None:
-    """Refuse a transfer through an engine registration whose memory was replaced: the
-    engine registered a range held by one registration of this process, and the range
-    (``[address, address + nbytes)``, inside it) is now held by another registration over
-    other memory (the first was closed, its memory freed, and new memory registered at the
-    same addresses). The engine's own registration (an RDMA memory region, NIXL's) still
-    pins the old pages: bytes it moves would land in freed memory, not in the new buffer.
-    The same memory registered again (its storage still alive and holding the range) is
-    the memory the engine registered, and passes.
+    """Refuse a transfer through an engine registration whose memory is gone: every byte of
+    ``[address, address + nbytes)`` that a registration of this process held when the
+    engine registered its range must still be held by the storage that held it then. A
+    storage that was released (its registration closed and the memory freed, whatever is
+    mapped or registered at those addresses now) fails: the engine's own registration (an
+    RDMA memory region, NIXL's) still pins the old pages, so bytes it moves would land in
+    freed memory, not in what is there now. The same storage registered again passes; the
+    same pages under a new tensor (a new storage over memory someone else kept mapped)
+    cannot be told from new memory and are refused: register the range with the engine
+    again.
 
     Raises:
-        ClosedError: the memory at the range is another registration's now."""
+        ClosedError: bytes of the range are no longer the memory the engine registered."""
     if hold is None:
         return
-    now = find_registration(address, nbytes)
-    if now is None or now is hold[0]():
-        return  # the same registration, or none of this process's (check_metadata_live names a closed one)
-    storage = hold[1]()
-    if storage is not None:
-        lo = storage.data_ptr()
-        if lo <= address.value and address.value + nbytes <= lo + storage.nbytes():
-            return  # the storage the engine registered is alive and still there: the same pages
-    raise ClosedError(
-        f"{name}: [{describe(address)}, +{nbytes}) lies in a range registered with the engine over memory that was "
-        f"closed and freed since; the addresses now belong to another registration ({now.host_va!r}, +{now.nbytes} "
-        "bytes), which the engine's registration does not reach (it pins the old pages). Fix: unregister the old "
-        "range from the engine before closing its memory (register_pool does it on close), then register the new "
-        "memory"
-    )
+    lo, hi = address.value, address.value + nbytes
+    for held in hold:
+        a, b = max(lo, held.lo), min(hi, held.hi)
+        if a >= b:
+            continue
+        storage = held.storage()
+        if storage is not None:
+            base = storage.data_ptr()
+            if base <= a and b <= base + storage.nbytes():
+                continue  # the storage the engine's pages belong to still holds these bytes
+        raise ClosedError(
+            f"{name}: [{describe(address)}, +{nbytes}) lies in a range registered with the engine over memory whose "
+            f"registration closed and whose storage was released since (bytes [{a:#x}, {b:#x})): the engine's "
+            "registration pins the pages it was given, which may be freed now, so the bytes it moves would not reach "
+            "what is at these addresses. Fix: unregister the old range from the engine before closing its memory "
+            "(register_pool does it on close), then register the memory that is there now (the same pages under a "
+            "new tensor too: they cannot be told from new memory)"
+        )
 
 
 def buffer_infos(table: PointerTable[HostVA], item_bytes: int) -> list[BufferInfo]:

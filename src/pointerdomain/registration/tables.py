@@ -307,12 +307,17 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
     def check_kernel_readable(self) -> None:
         """For a table handed to a kernel outside the library's launches (a custom op's
         pointer tensor, a Triton argument, a C++ extension's caster): every registration it
-        points into can be read by a kernel. A table over memory on the registration
-        ladder's ``unpinned`` rung holds host VAs that only the copy engine may read (the
-        library's own launches then take ``backend="copy_engine"``; docs/reliability.md).
+        points into can be read by a kernel of this process. A table over memory on the
+        registration ladder's ``unpinned`` rung holds host VAs that only the copy engine may
+        read (the library's own launches then take ``backend="copy_engine"``;
+        docs/reliability.md); a registration made before this process forked from its
+        parent is none of this process's runtime's (docs/design.md).
 
         Raises:
-            UnpinnedMemoryError: a registration on the ``unpinned`` rung."""
+            UnpinnedMemoryError: a registration on the ``unpinned`` rung.
+            ClosedError: a registration inherited through ``fork()``."""
+        for held in self._owners:
+            held.check_this_process()
         owner = self._unpinned
         if owner is not None:
             raise UnpinnedMemoryError(
