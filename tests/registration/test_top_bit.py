@@ -80,3 +80,45 @@ def test_top_bit_aliases_move_exact_bytes() -> None:
             assert torch.equal(pool_bytes(pool), expected_dev)
             # the table the kernel read was restored: still the top-bit aliases
             assert host.kernel_table.as_uint64_tensor().tolist() == aliases
+
+
+@pytest.mark.parametrize("backend", ["copy_engine", "staged"])
+def test_top_bit_aliases_move_exact_bytes_on_every_path(backend: str) -> None:
+    """The copy engine's runs and the staged path carry the aliases' bit 63 too (int64 sums
+    that wrap as uint64's), and move the reference bytes."""
+    dev_layout = model_layout("layer_first")
+    host_layout = model_layout("page_first", pages=16)
+    with install_backend(TopBitAliases(backend_for(pd.as_device(DEV))), "emulated"):
+        pool = pd.DeviceKVPool(dev_layout, DEV)
+        fill_pool(pool, 4)
+        with pd.HostKVPool(host_layout, DEV) as host:
+            fill_random(host.buffer, 6)
+            src, dst = torch.tensor([1, 8, 9, 30]), torch.tensor([3, 40, 41, 12])
+            before = host.buffer.view(torch.uint8).clone()
+            expected = reference_transfer(pool_bytes(pool), dev_layout, before, host_layout, src, dst)
+            host.backup(pool, src, dst, backend=backend)  # type: ignore[arg-type]
+            assert torch.equal(host.buffer.view(torch.uint8).reshape(-1), expected)
+            fill_pool(pool, 12)
+            expected_dev = reference_transfer(host.buffer, host_layout, pool_bytes(pool), dev_layout, dst, src)
+            host.load(pool, dst, src, backend=backend)  # type: ignore[arg-type]
+            assert torch.equal(pool_bytes(pool), expected_dev)
+
+
+def test_raw_tables_of_top_bit_aliases_resolve_and_copy() -> None:
+    """vLLM's swap_blocks_batch takes raw data_ptr() addresses: a host address resolves to
+    its top-bit alias (the offset added mod 2**64) and the bytes move."""
+    from pointerdomain.compat import vllm
+
+    with install_backend(TopBitAliases(backend_for(pd.as_device(DEV))), "emulated"):
+        with pd.alloc_registered(4 * 256, DEV) as mem:
+            host = mem.tensor.view(4, 256)
+            fill_random(host, 8)
+            device = pd.device_empty((4, 256), torch.uint8, DEV)
+            device.fill_(0xA5)
+            src = torch.tensor([host[2].data_ptr(), host[0].data_ptr()], dtype=torch.int64)
+            dst = torch.tensor([device[1].data_ptr(), device[3].data_ptr()], dtype=torch.int64)
+            vllm.swap_blocks_batch(src, dst, torch.tensor([256, 256], dtype=torch.int64))
+            assert torch.equal(device[1], host[2]) and torch.equal(device[3], host[0])
+            assert bool((device[0] == 0xA5).all()) and bool((device[2] == 0xA5).all())
+            vllm.swap_blocks(host, device, 256, torch.tensor([[3, 0]]))
+            assert torch.equal(device[0], host[3])

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from pointerdomain._platform.base import Backend, LaunchArgs
+from pointerdomain._platform.base import Backend, LaunchArgs, LayerWords, StagingArgs
 from pointerdomain._platform.delegating import DelegatingBackend
 from pointerdomain.errors import InvalidArgumentError
 
@@ -87,3 +87,37 @@ class TopBitAliases(DelegatingBackend):
     def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
         with self._untagged(plan.src_table, plan.dst_table):
             self.inner.launch(plan, args)
+
+    @contextmanager
+    def _untagged_runs(self, *arrays: int, count: int) -> Iterator[None]:
+        """The host ``int64`` address arrays of a copy-runs call with bit 63 cleared in each
+        entry for the duration of the block, then restored (as :meth:`_untagged`)."""
+        saved: list[tuple[ctypes.Array[ctypes.c_uint64], list[int]]] = []
+        with self._lock:
+            try:
+                for array in arrays:
+                    entries = (ctypes.c_uint64 * count).from_address(array)
+                    before = list(entries)
+                    saved.append((entries, before))
+                    for i, value in enumerate(before):
+                        if value & TOP_BIT:
+                            entries[i] = value & ~TOP_BIT
+                            self.translated += 1
+                yield
+            finally:
+                for entries, before in saved:
+                    for i, value in enumerate(before):
+                        entries[i] = value
+
+    def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
+        # the copy engine takes the same addresses the kernels do: translated back alike
+        with self._untagged_runs(dsts, srcs, count=count):
+            self.inner.copy_runs(dsts, srcs, sizes, count, device, stream)
+
+    def staged(self, plan: KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
+        with self._untagged(plan.src_table, plan.dst_table):
+            super().staged(plan, args, staging)
+
+    def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        with self._untagged(plan.src_table, plan.dst_table):
+            return super().launch_layers(plan, args, words, gen)

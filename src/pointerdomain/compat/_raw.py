@@ -874,7 +874,7 @@ def _resolve(name: str, a: torch.Tensor, want: torch.Tensor | None, device: Devi
                     f"the end of the {'registration chunk' if span.owner is not None else 'allocation'} it lies in "
                     f"[{span.start:#x}, {span.end:#x}). Fix: check the item size, layer count and slot count given"
                 ), at)
-        out[inside] = a[inside] + (_i64(span.alias_start) - _i64(span.start))
+        out[inside] = a[inside] + _i64(span.alias_start - span.start)  # mod 2**64: aliases may set the top bit
         have[inside] = room[inside]
         done |= inside
         if span.owner is not None:

@@ -234,7 +234,8 @@ class TransferPlan:
         layer = torch.arange(layer_begin, layer_begin + layer_count).view(1, 1, -1)
 
         def addresses(table: tuple[int, ...], g: Geometry, slots: torch.Tensor) -> torch.Tensor:
-            values = torch.tensor(table, dtype=torch.int64)
+            # the uint64 addresses' bit patterns (aliases may set the top bit); int64 sums wrap as uint64's
+            values = torch.tensor([v - (1 << 64) if v >> 63 else v for v in table], dtype=torch.int64)
             page, tok = (slots // ps).view(-1, 1, 1), (slots % ps).view(-1, 1, 1)
             entry = kv * g.e_kv + layer * g.e_layer + page * g.e_page
             return values[entry] + kv * g.s_kv + layer * g.s_layer + page * g.s_page + tok * g.s_tok
