@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 import pointerdomain as pd
+from pointerdomain import errors
 from pointerdomain.compat import _raw
 from pointerdomain.compat.vllm import swap_blocks_batch
 
@@ -44,3 +46,33 @@ def test_a_repeated_batch_over_new_memory_at_the_same_numbers_copies_into_the_ne
         dst.fill_(0xA5)
         swap_blocks_batch(*ptrs)  # same numbers as the cached batch: resolved again, not refused as closed
         assert torch.equal(dst[1], src[0]) and torch.equal(dst[0], src[1])
+
+
+def test_a_cached_batch_is_not_reused_once_its_device_memory_is_another_devices() -> None:
+    """A checked batch of device memory of emulated:0; that memory is freed and the same
+    address handed out by emulated:1: the repeat is refused as the first call would be
+    (DeviceMismatchError), nothing copied."""
+    import gc
+
+    from pointerdomain.compat import vllm as vl
+
+    d0, d1, block = pd.Device("emulated", 0), pd.Device("emulated", 1), 4096
+
+    def ints(*v: int) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int64)
+
+    src = pd.device_empty((block,), torch.uint8, d0)
+    src.fill_(3)
+    dst = pd.device_empty((block,), torch.uint8, d0)
+    at = src.data_ptr()
+    vl.swap_blocks_batch(ints(at), ints(dst.data_ptr()), ints(block))  # checked and cached
+    del src
+    gc.collect()
+    other = pd.device_empty((block,), torch.uint8, d1)
+    if other.data_ptr() != at:
+        pytest.skip("the emulated allocator did not hand the freed address to the other device")
+    other.fill_(7)
+    dst.fill_(0xA5)
+    with pytest.raises(errors.DeviceMismatchError):
+        vl.swap_blocks_batch(ints(at), ints(dst.data_ptr()), ints(block))
+    assert bool((dst == 0xA5).all())

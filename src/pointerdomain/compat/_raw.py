@@ -208,7 +208,7 @@ def _open(table: PointerTable[DeviceAlias]) -> bool:
 
 def resolution_holds(table: PointerTable[DeviceAlias]) -> bool:
     """True while what ``table`` was resolved against is unchanged: its registrations open
-    and each device-memory range still one allocation of its device. A cache keyed by
+    and each device-memory range still one allocation of its device (not of another). A cache keyed by
     address values re-resolves otherwise: the same numbers may name new memory, and the
     aliases of a new registration differ from the old one's."""
     if not _open(table):
@@ -216,8 +216,9 @@ def resolution_holds(table: PointerTable[DeviceAlias]) -> bool:
     for lo, hi, kind in table.resolved_regions():
         if kind == "device":
             info = pointer_info(table.device, lo)
-            if info is None or info.kind != "device" or not info.start <= lo < hi <= info.start + info.size:
-                return False
+            if (info is None or info.kind != "device" or not info.start <= lo < hi <= info.start + info.size
+                    or info.ordinal != table.device.ordinal):
+                return False  # freed, or the same numbers now another device's memory
     return True
 
 
