@@ -672,3 +672,19 @@ def test_gpu_swap_blocks_batch_pinned_and_registered_host() -> None:
     finally:
         for mem in owners:
             mem.close()
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_a_host_tensor_whose_storage_was_released_is_a_layout_error(side: str) -> None:
+    """A host cache whose storage was released (``untyped_storage().resize_(0)``, shape
+    kept): its blocks run past its storage, refused before anything is copied."""
+    block = 4096
+    device = pd.device_empty((8, block), torch.uint8, DEV)
+    device.fill_(0x5A)
+    before = device.clone()
+    host = torch.zeros(8, block, dtype=torch.uint8)
+    host.untyped_storage().resize_(0)
+    src, dst = (host, device) if side == "src" else (device, host)
+    with pytest.raises(errors.LayoutError, match="past the end of its storage"):
+        ops.swap_blocks(src, dst, block, torch.tensor([[1, 2]]))
+    assert torch.equal(device, before)

@@ -153,11 +153,11 @@ def _blocks_view(name: str, t: torch.Tensor, block_bytes: int) -> torch.Tensor:
             f"{name}[b]. Fix: pass {name}.element_size() * {name}.stride(0), the same for src and dst")
     count = int(t.shape[0])
     span = count * block_bytes
-    if t.is_contiguous() and t.numel() * t.element_size() == span:
-        return t
     storage = t.untyped_storage()
     offset = t.storage_offset() * t.element_size()
-    if offset + span > storage.nbytes():
+    if t.is_contiguous() and t.numel() * t.element_size() == span and offset + span <= storage.nbytes():
+        return t
+    if offset + span > storage.nbytes():  # a view past its storage, or a storage released (resize_(0))
         raise LayoutError(
             f"{name}: its {count} blocks of {block_bytes} bytes end {offset + span - storage.nbytes()} bytes past "
             f"the end of its storage ({storage.nbytes()} bytes, {name} starting at byte {offset}): the last block "
