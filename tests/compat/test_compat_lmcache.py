@@ -791,3 +791,27 @@ def test_block_size_not_dividing_refused_where_blocks_are_addressed(fmt: int) ->
                                                           r"blocks of 5"):
         ops.multi_layer_kv_transfer(mem, _ptrs(caches), _slots(T, NB * BS), DEV, NB * BS, H2D, fmt, 5, HS)
     assert _unchanged(caches, before)
+
+
+@pytest.mark.parametrize("trailing_rows", [0, 1, 9])
+def test_legacy_mla_layers_inside_one_allocation_hold_up_to_the_next_layer(trailing_rows: int) -> None:
+    """Upstream's MLA callers pass page_buffer_size 0; per-layer caches inside one
+    allocation (a caching allocator's segment, spare rows after the last layer): each layer
+    holds up to the next one, so the load is accepted and byte-exact, and a slot past a
+    layer's own rows is refused instead of reading the next layer's."""
+    layers_n, blocks, block, hs, tokens = 3, 4, 4, 16, 5
+    p = blocks * block
+    seg = pd.device_empty((layers_n * p + trailing_rows, hs), torch.bfloat16, DEV)
+    seg.view(torch.uint8).fill_(0xA5)
+    layers = [seg[i * p:(i + 1) * p].view(blocks, block, hs) for i in range(layers_n)]
+    ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    mem = pd.device_empty((1, layers_n, tokens, hs), torch.bfloat16, DEV)
+    mem.view(torch.uint8).copy_(torch.randint(0, 256, (1, layers_n, tokens, hs * 2), dtype=torch.uint8))
+    slots = torch.tensor([0, 3, 5, p - 1, 7])
+    ops.multi_layer_kv_transfer(mem, ptrs, slots, DEV, 0, False, True)  # H2D, the legacy use_mla shape
+    for i in range(layers_n):
+        assert torch.equal(layers[i].reshape(p, hs)[slots].view(torch.uint8), mem[0, i].view(torch.uint8))
+    before = seg.clone()
+    with pytest.raises(errors.IndexValidationError, match="outside"):
+        ops.multi_layer_kv_transfer(mem, ptrs, torch.tensor([0, 1, 2, 3, p]), DEV, 0, True, True)  # D2H past a layer
+    assert torch.equal(seg.view(torch.uint8), before.view(torch.uint8))

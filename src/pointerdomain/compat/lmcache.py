@@ -92,7 +92,9 @@ the bytes moved are exactly upstream's. Before anything is launched:
   cache is device memory). With ``page_buffer_size`` 0 (upstream's MLA callers pass 0; the
   kernels do not use it for formats 2, 3, 5, 7 and 10) the capacity is what the smallest
   allocation holds from its entry (a raw address cannot say more: for torch's caching
-  allocator that is the segment); formats 0, 1 and 6 need it (their K/V offset is ``P * E``);
+  allocator that is the segment), and no more than the least distance between two entries
+  (layers inside one segment end where the next begins); formats 0, 1 and 6 need it (their
+  K/V offset is ``P * E``);
 * buffer tensors must be contiguous, registered or runtime-pinned host memory or device
   memory of that device (:func:`pointerdomain.compat._raw.tensor_table`);
 * ``slot_mapping`` (int64, 1-D, CPU or that device) is read on the host (a device sync for a
@@ -454,7 +456,11 @@ def _raw_layers(name: str, ptrs: object, count: int, device: Device, per_entry: 
                 block: int) -> tuple[PointerTable[DeviceAlias], int]:
     """``ptrs`` resolved (``count`` entries, device memory of ``device``), and the capacity in slots:
     ``capacity`` when given (each entry must reach ``capacity * per_entry`` bytes), else what the
-    smallest allocation holds (whole blocks of ``block`` slots when ``block`` > 0)."""
+    smallest allocation holds from its entry, and no more than the least distance between two
+    entries (whole blocks of ``block`` slots when ``block`` > 0).
+
+    Raises:
+        OverlapError: two entries at one address."""
     t = _tensor(name, ptrs)
     if t.dim() != 1 or t.numel() != count:
         raise LayoutError(f"{name}: shape {tuple(t.shape)}, expected [{count}] (one address per buffer)")
@@ -463,7 +469,13 @@ def _raw_layers(name: str, ptrs: object, count: int, device: Device, per_entry: 
     table = _raw.resolved_table(name, t, device)
     i = min(range(count), key=lambda j: table.sizes[j])
     unit = per_entry * max(block, 1)
-    slots = table.sizes[i] // unit * max(block, 1)
+    held = table.sizes[i]
+    # layers inside one allocation (a caching allocator's segment): an entry holds up to the next
+    # entry, not the allocation's end, so a layer's slots never run into the next layer's bytes
+    gap = _raw.entry_gap(name, [table])
+    if gap is not None and gap < held:
+        held = gap
+    slots = held // unit * max(block, 1)
     if slots == 0:
         raise RegistrationSpanError(
             f"{name}[{i}]: its allocation holds {table.sizes[i]} bytes from the entry, less than one "
