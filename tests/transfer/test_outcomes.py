@@ -124,6 +124,7 @@ def test_a_slot_read_in_one_chunk_and_written_in_another_is_an_overlap_error() -
 
 @pytest.mark.parametrize(("total", "spans"), [
     (4, [(3, 1)]), (4, [(0, 5)]), (4, [(-1, 2)]), (4, [(0, 2), (1, 3)]), (-1, []), (4, [(0, 2.0)]), (True, []),
+    (10, [(0, 2)]), (10, []), (10, [(0, 4), (6, 10)]), (10, [(2, 10)]),  # blocks no span runs: never "done"
 ])
 def test_bad_spans_are_refused_before_any_work_runs(total: Any, spans: Any) -> None:
     ran: list[tuple[int, int]] = []
@@ -266,3 +267,61 @@ def test_a_dropped_registration_failure_is_a_failed_outcome_not_done() -> None:
         outcome = engine_outcomes.nixl_transfer(agent, "READ", blocks, blocks, "peer", stream=stream)
         assert outcome.status == "failed" and isinstance(outcome.error, errors.NotRegisteredError)
         assert fake.transfers == 0 and stream.latched is outcome
+
+
+def test_a_failure_the_drain_finds_is_a_failed_outcome_and_latches() -> None:
+    """An error word the drain reads (a destination slot given twice in a graph replay, the
+    device's deferred OverlapError) fails the request as an outcome, latches a stream, and
+    reset() raises it as documented, staying latched until a clean drain."""
+    from pointerdomain.testing import EmulatedGraph
+
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    with pd.HostKVPool(HOST, DEV) as host:
+        graph = EmulatedGraph()
+        with graph.capture(DEV):  # slot 5 twice: found on the device at replay
+            pd.transfer_kv_all_layer(pool.table, host.kernel_table, torch.tensor([0, 1]), torch.tensor([5, 5]),
+                                     src_layout=LAYOUT, dst_layout=HOST)
+        empty = torch.tensor([], dtype=torch.int64)
+        graph.replay()
+        out = transfer_outcome(pool.table, host.kernel_table, empty, empty, src_layout=LAYOUT, dst_layout=HOST)
+        assert out.status == "failed" and isinstance(out.error, errors.OverlapError)
+        graph.replay()
+        stream = TransferStream(DEV)
+        assert not stream.submit(pool.table, host.kernel_table, empty, empty, src_layout=LAYOUT,
+                                 dst_layout=HOST).done
+        assert stream.latched is not None
+        graph.replay()
+        with pytest.raises(errors.OverlapError):
+            stream.reset()
+        assert stream.latched is not None
+        assert stream.reset() is not None and stream.latched is None  # a clean drain clears it
+        graph.reset()
+
+
+def test_an_outcome_is_refused_while_the_stream_captures_a_graph() -> None:
+    """Nothing runs during capture, so no outcome can say what was copied: a failed outcome
+    with InvalidArgumentError, nothing captured or written."""
+    from pointerdomain.testing import EmulatedGraph
+
+    pool = pd.DeviceKVPool(LAYOUT, DEV)
+    fill_pool(pool, 5)
+    with pd.HostKVPool(HOST, DEV) as host:
+        before = _host_bytes(host)
+        graph = EmulatedGraph()
+        with graph.capture(DEV):
+            out = _backup(host, pool)
+        assert out.status == "failed" and isinstance(out.error, errors.InvalidArgumentError)
+        assert "capturing" in out.reason
+        graph.replay()
+        pd.check_errors(DEV)
+        assert torch.equal(_host_bytes(host), before)
+        graph.reset()
+
+
+def test_a_stream_takes_tables_of_its_own_device_only() -> None:
+    other = pd.DeviceKVPool(LAYOUT, "emulated:1")
+    with pd.HostKVPool(HOST, DEV) as host:
+        stream = TransferStream("emulated:1")
+        with pytest.raises(errors.DeviceMismatchError, match="one TransferStream per device"):
+            stream.submit(other.table, host.kernel_table, SRC, DST, src_layout=LAYOUT, dst_layout=HOST)
+        assert stream.latched is None

@@ -39,11 +39,10 @@ from pointerdomain.arguments import describe
 from pointerdomain.devices import Device, validate_device
 from pointerdomain.domains import DeviceAlias
 from pointerdomain.errors import (
-    IndexValidationError,
+    DeviceMismatchError,
     InvalidArgumentError,
     LatchedError,
     PointerDomainError,
-    RuntimeCallError,
 )
 from pointerdomain.layouts import KVLayout
 from pointerdomain.registration.tables import PointerTable
@@ -117,25 +116,33 @@ def _check_spans(total: object, spans: object) -> list[tuple[int, int]]:
         if not (isinstance(span, tuple | list) and len(span) == 2 and all(type(v) is int for v in span)):
             raise InvalidArgumentError(f"spans: found {describe(span)}, expected a (start, stop) pair of ints")
         start, stop = span
-        if not prev <= start <= stop <= total:
+        if not (start == prev and start <= stop <= total):
             raise InvalidArgumentError(
-                f"spans: found {(start, stop)}, expected ordered, non-overlapping [start, stop) ranges with "
-                f"{prev} <= start <= stop <= total ({total}); nothing was run"
+                f"spans: found {(start, stop)}, expected [start, stop) ranges in order that tile [0, total) with no "
+                f"gap or overlap: this one must start at {prev} and end by total ({total}); nothing was run"
             )
         out.append((start, stop))
         prev = stop
+    if prev != total:
+        # an outcome speaks for the whole request: blocks no span runs would be reported copied
+        raise InvalidArgumentError(
+            f"spans: end at {prev}, but the request has total {total} blocks: [{prev}, {total}) would be reported "
+            "copied without being run. Fix: give spans that tile [0, total); nothing was run"
+        )
     return out
 
 
 def run_spans(total: int, spans: Sequence[tuple[int, int]], run: Callable[[int, int], None]) -> TransferOutcome:
     """Run ``run(start, stop)`` for each span in order; the first that raises fails itself
     and every later span (they are not run). ``total``: the request's size; ``spans``:
-    ``[start, stop)`` ranges, ordered, not overlapping, inside ``[0, total]``.
+    ``[start, stop)`` ranges that tile ``[0, total)`` in order (each starts where the one
+    before it stopped, the first at 0, the last stops at ``total``; empty spans allowed),
+    so ``done`` means every block ran.
 
     Raises:
-        InvalidArgumentError: ``total`` is not an int >= 0, or a span is not a pair of
-            ints in order inside ``[0, total]`` (inverted, overlapping the one before it,
-            or past ``total``); nothing is run.
+        InvalidArgumentError: ``total`` is not an int >= 0, or the spans are not pairs of
+            ints tiling ``[0, total)`` (inverted, a gap, an overlap, past ``total``, or
+            ending before it); nothing is run.
     """
     spans = _check_spans(total, spans)
     for i, (start, stop) in enumerate(spans):
@@ -168,16 +175,21 @@ def _check_request(
     layer_begin, layer_count = layer_range(src_layout, None)
     plan, _options, args, _host, _path = bind_call(src, src_layout, dst, dst_layout, src_indices, dst_indices,
                                                    layer_begin, layer_count, stream, max_ctas, backend, True, False)
+    if plan.platform.is_capturing(plan.device):
+        # a graph being captured runs nothing now: no outcome can say what was copied
+        raise InvalidArgumentError(
+            f"transfer_outcome: {plan.device}'s current stream is capturing a graph; nothing runs during capture, so "
+            "no outcome can say what was copied. Fix: call transfer_kv_all_layer inside the capture and check the "
+            "replay (pointerdomain.check_errors / synchronize after it), or call transfer_outcome outside capture"
+        )
     if not args.n:
         return
     s_idx, d_idx = src_indices, dst_indices
     if s_idx.device != d_idx.device:  # the range check compares both on one device
         s_idx, d_idx = s_idx.cpu(), d_idx.cpu()
-    capturing = plan.platform.is_capturing(plan.device)
-    if not capturing:  # as the launch: no host read during capture (the kernel skips a bad slot)
-        plan.check_slot_range(s_idx, d_idx)  # range, and a destination slot named twice
+    plan.check_slot_range(s_idx, d_idx)  # range, and a destination slot named twice
     if plan.same_memory:
-        overlap.check_slots(s_idx, d_idx, capturing)
+        overlap.check_slots(s_idx, d_idx, False)
 
 
 def transfer_outcome(
@@ -201,7 +213,9 @@ def transfer_outcome(
     The whole request is checked on the host before the first chunk runs (CUDA indices:
     one device sync): a check that fails makes a ``failed`` outcome over the whole request
     with the error the direct launch raises (``IndexValidationError``, ``OverlapError``,
-    ``ClosedError``, ...), and nothing is written.
+    ``ClosedError``, ...), and nothing is written. Called while the device's stream
+    captures a graph (nothing would run now, so no outcome could say what was copied): a
+    ``failed`` outcome with ``InvalidArgumentError``, nothing captured.
 
     Returns:
         The outcome; ``failed_spans`` index the request's slot pairs ``[start, stop)``.
@@ -229,7 +243,7 @@ def transfer_outcome(
         return outcome
     try:
         launch_errors.synchronize(device)  # queued copies finished, and the error word read
-    except (IndexValidationError, RuntimeCallError) as exc:
+    except OUTCOME_ERRORS as exc:  # a skipped slot, a destination twice, a runtime failure
         return TransferOutcome.failure(n, exc)  # which launch skipped is not recorded: the whole request
     return outcome
 
@@ -268,8 +282,16 @@ class TransferStream:
         Raises:
             LatchedError: an earlier request failed and :meth:`reset` was not called;
                 nothing was launched.
+            DeviceMismatchError: ``src`` or ``dst`` is a table of another device than the
+                stream's (its :meth:`reset` would drain the wrong device); nothing was launched.
             InvalidArgumentError: as :func:`transfer_outcome`.
         """
+        for name, table in (("src", src), ("dst", dst)):
+            where = cast(object, getattr(table, "device", None))  # not a table: the outcome reports it
+            if isinstance(where, Device) and where != self.device:
+                raise DeviceMismatchError(
+                    f"{name}: a table of {where}, but this transfer stream is for {self.device} (its reset() drains "
+                    f"that device); nothing was launched. Fix: one TransferStream per device")
         with self._lock:
             self._check_unlatched()
             outcome = transfer_outcome(src, dst, src_indices, dst_indices, src_layout=src_layout,
@@ -309,8 +331,8 @@ class TransferStream:
         latched, or None.
 
         Raises:
-            IndexValidationError, RuntimeCallError: the drain found a new failure; the
-                stream stays latched.
+            IndexValidationError, OverlapError, RuntimeCallError: the drain found a new
+                failure; the stream stays latched.
         """
         with self._lock:
             launch_errors.synchronize(self.device)
