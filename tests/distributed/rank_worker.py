@@ -47,7 +47,25 @@ SCENARIOS: dict[str, tuple[dict[int, dict[str, Any]], dict[str, Any] | None, str
     "different_modes": ({0: {}}, None, "match"),  # rank 0 alone says "match", the others "refuse"
     "two_rungs_refuse": ({1: CAP, -1: REFUSE}, DEGRADE, "refuse"),
     "two_rungs_match": ({1: CAP, -1: REFUSE}, DEGRADE, "match"),
+    # rank 1 chunked, so the group is refused; rank 0's pool has an engine hook that fails at close
+    "quarantine_refuse": ({1: CAP}, DEGRADE, "refuse"),
 }
+
+
+def _failing_engine_hook() -> None:
+    raise RuntimeError("the engine kept the memory")
+
+
+def _pool(name: str, rank: int, device: pd.Device) -> Any:
+    """The rank's register function: a host pool (rank 0's with a failing close hook in
+    the quarantine scenario)."""
+    def register(policy: Any) -> pd.HostKVPool:
+        pool = pd.HostKVPool(LAYOUT, device, policy=policy)
+        if name == "quarantine_refuse" and rank == 0:
+            pool.add_close_hook(_failing_engine_hook)
+        return pool
+
+    return register
 
 
 def _roundtrip(host: pd.HostKVPool, device: pd.Device, seed: int) -> bool:
@@ -84,11 +102,11 @@ def _scenario(name: str, rank: int, world: int, device: pd.Device, group: Any) -
         try:
             if faults is not None:
                 with install_backend(faults, device.type):
-                    reg = register_group(lambda p: pd.HostKVPool(LAYOUT, device, policy=p), policy=policy,
-                                         on_mismatch=mode, group=group)  # type: ignore[arg-type]
+                    reg = register_group(_pool(name, rank, device), policy=policy, on_mismatch=mode,
+                                         group=group)  # type: ignore[arg-type]
             else:
-                reg = register_group(lambda p: pd.HostKVPool(LAYOUT, device, policy=p), policy=policy,
-                                     on_mismatch=mode, group=group)  # type: ignore[arg-type]
+                reg = register_group(_pool(name, rank, device), policy=policy, on_mismatch=mode,
+                                     group=group)  # type: ignore[arg-type]
         except errors.PointerDomainError as exc:
             seen.update(error=type(exc).__name__, message=str(exc), runtime_error=isinstance(exc, RuntimeError),
                         ranks=list(getattr(exc, "ranks", [])), causes={str(k): v for k, v in getattr(exc, "causes", {}).items()},

@@ -28,8 +28,8 @@ from tests.reference import DEV
 
 THREE = ["agree", "chunked_refuse", "chunked_match", "pinned_copy_match", "unpinned_match", "fail", "bad_argument",
          "different_modes"]
-PLAN = [(3, name) for name in THREE] + [(2, "chunked_match"), (4, "pinned_copy_match"), (4, "two_rungs_refuse"),
-                                        (4, "two_rungs_match"), (4, "fail")]
+PLAN = [(3, name) for name in THREE] + [(2, "chunked_match"), (2, "quarantine_refuse"), (4, "pinned_copy_match"),
+                                        (4, "two_rungs_refuse"), (4, "two_rungs_match"), (4, "fail")]
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,21 @@ def test_two_ranks_on_two_lower_rungs(ranks: list[dict[str, Any]]) -> None:
     _refused(_group(ranks, 4, "two_rungs_refuse"), "two_rungs_refuse", [1, 3], "rank 1 (", ": chunked because",
              "rank 3 (", ": pinned_copy because")
     _ok(_group(ranks, 4, "two_rungs_match"), "two_rungs_match", "pinned_copy", [0, 1, 2])
+
+
+def test_a_close_that_fails_is_named_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    """The group is refused; rank 0's close fails (an engine hook: its memory stays
+    registered, quarantined): every rank raises the same error naming rank 0's kept memory,
+    not "nothing stays registered"."""
+    results = _group(ranks, 2, "quarantine_refuse")
+    messages = {seen["quarantine_refuse"]["message"] for seen in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "Nothing stays registered" not in message
+    assert "rank 0: QuarantinedError" in message and "stays registered" in message
+    for seen in results:
+        r = seen["quarantine_refuse"]
+        assert r["error"] == "GroupRegistrationError" and 0 in r["ranks"] and "close failed" in r["causes"]["0"], r
 
 
 def test_a_rank_outside_the_group_is_refused_before_any_collective(ranks: list[dict[str, Any]]) -> None:

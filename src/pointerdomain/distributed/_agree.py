@@ -131,12 +131,25 @@ def _disagreement(records: tuple[RankRecord, ...]) -> tuple[str, tuple[int, ...]
 
 def _fail(dist: Any, records: tuple[RankRecord, ...], message: str, ranks: tuple[int, ...], causes: dict[int, str],
           on_mismatch: str, group: ProcessGroup | None, value: object) -> GroupRegistrationError:
-    """Close this rank's registration and build the error every rank raises."""
-    text = (f"register_group: the {len(records)} ranks reached no common registration outcome: {message}. Nothing "
-            "stays registered on any rank. Fix: see the ranks' causes above (pointerdomain doctor on those hosts), "
-            "or pass on_mismatch='match' to re-register every rank down to the lowest rung")
-    if value is not None:
-        _close(value)
+    """Close this rank's registration and build the error every rank raises (every rank
+    calls this at the same point, so the ranks exchange how their closes went)."""
+    why = _close(value) if value is not None else ""
+    closes: list[object] = [None] * len(records)
+    dist.all_gather_object(closes, (dist.get_rank(group), why), group=group)
+    kept = {rank: reason for rank, reason in (c for c in closes if isinstance(c, tuple)) if reason}
+    if kept:
+        # a close that failed (an engine kept the memory: quarantined) leaves that memory registered
+        held = "; ".join(f"rank {rank}: {reason}" for rank, reason in sorted(kept.items()))
+        stays = (f"Every rank closed its registration, except where the close failed and the memory stays "
+                 f"registered (quarantined, `pointerdomain doctor` lists it): {held}")
+        causes = {**causes, **{rank: f"{causes[rank]}; close failed: {reason}" if rank in causes
+                               else f"close failed: {reason}" for rank, reason in kept.items()}}
+        ranks = tuple(sorted({*ranks, *kept}))
+    else:
+        stays = "Nothing stays registered on any rank"
+    text = (f"register_group: the {len(records)} ranks reached no common registration outcome: {message}. {stays}. "
+            "Fix: see the ranks' causes above (pointerdomain doctor on those hosts), or pass on_mismatch='match' to "
+            "re-register every rank down to the lowest rung")
     _set_last(GroupOutcome(ok=False, rung="", on_mismatch=on_mismatch, records=records, error=text,
                            backend=str(dist.get_backend(group)), world_size=len(records)))
     return GroupRegistrationError(text, tuple(sorted(ranks)), causes)
