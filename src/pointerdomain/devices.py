@@ -129,11 +129,12 @@ def emulated_device_count() -> int:
     each call so a test may set it.
 
     Raises:
-        InvalidDeviceError: the variable is set but not a positive decimal int (``"0"``,
-            ``"two"``, ``"-1"``, ``" 2"``): a typo must not silently give another count.
+        InvalidDeviceError: the variable is set to something other than a positive decimal
+            int (``"0"``, ``"two"``, ``"-1"``, ``" 2"``): a typo must not silently give
+            another count. Empty is unset (the default), as for every variable.
     """
     text = env.text(env.EMULATED_DEVICES)
-    if text is None:
+    if not text:  # unset or empty: the default, as env.py reads every variable
         return 2
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise InvalidDeviceError(

@@ -85,12 +85,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(EMULATED_PROFILE, "`distinct`, `coherent`, `vmm-host`", "`distinct`",
              "the emulated platform: distinct aliases; a coherent part (pageable memory device-readable, "
              "registration refused); host allocations as VMM handles (read when the emulated backend is built)"),
-    Variable(STRICT_ALIAS, "`1`; anything else is off", "off",
+    Variable(STRICT_ALIAS, "`0`, `1`", "`0`",
              "strict alias mode at import (`pointerdomain.strict_alias` at run time)"),
     Variable(REGISTRATION_API, "`driver`, `runtime`", "`driver`",
              "CUDA registrations through the driver API (`runtime`: the runtime API; HIP: always the runtime)"),
     Variable(CGROUP_ROOT, "a directory", "`/sys/fs/cgroup`",
-             "where the memory budget reads the cgroup's `memory.max` / `memory.current` (v1: `memory/`)"),
+             "where the memory budget reads the cgroup's `memory.max` / `memory.current` (v1: `memory/`); one "
+             "that is not a directory warns (`EnvironmentValueWarning`) and no cgroup limit is read"),
     Variable(SEGMENT_DIR, "a directory", "`/dev/shm/pointerdomain-segments-<uid>`",
              "the host-wide ledger of registered shared segments (processes that share one must agree)"),
     Variable(SGLANG_BLOCK_QUOTA, "an int; anything else is the default", "`2` (HIP: `16`)",

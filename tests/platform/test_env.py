@@ -46,3 +46,41 @@ def test_an_unlisted_variable_cannot_be_read(monkeypatch: pytest.MonkeyPatch) ->
     assert env.text(env.STRICT_ALIAS) is None
     with pytest.raises(KeyError, match="VARIABLES"):
         env.text("POINTERDOMAIN_NOT_A_VARIABLE")
+
+
+def test_empty_is_unset_for_the_emulated_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pointerdomain import errors
+    from pointerdomain.devices import emulated_device_count
+
+    monkeypatch.setenv(env.EMULATED_DEVICES, "")
+    assert emulated_device_count() == 2
+    monkeypatch.setenv(env.EMULATED_DEVICES, "3")
+    assert emulated_device_count() == 3
+    monkeypatch.setenv(env.EMULATED_DEVICES, " 2")
+    with pytest.raises(errors.InvalidDeviceError):
+        emulated_device_count()
+
+
+@pytest.mark.parametrize(("value", "on", "warns"), [("1", True, False), ("0", False, False), ("", False, False),
+                                                    ("true", False, True), ("1 ", False, True)])
+def test_the_strict_alias_switch_warns_on_what_it_does_not_take(value: str, on: bool, warns: bool) -> None:
+    """Read at import: a child process with the variable set."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import warnings\nwarnings.simplefilter('always')\nwith warnings.catch_warnings(record=True) as w:\n"
+            "    import pointerdomain as pd\n    on = pd.strict_alias_enabled()\n"
+            "print(on, any('POINTERDOMAIN_STRICT_ALIAS' in str(x.message) for x in w))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, env.STRICT_ALIAS: value})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(on), str(warns)], out.stdout
+
+
+def test_a_cgroup_root_that_is_no_directory_warns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pointerdomain._platform.capacity import cgroup_limit
+
+    monkeypatch.setenv(env.CGROUP_ROOT, str(tmp_path / "no-such-dir"))
+    with pytest.warns(env.EnvironmentValueWarning, match="POINTERDOMAIN_CGROUP_ROOT"):
+        assert cgroup_limit() is None

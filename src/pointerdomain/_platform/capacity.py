@@ -14,6 +14,7 @@ import ctypes
 import functools
 import resource
 from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
 from pointerdomain import env
@@ -77,7 +78,14 @@ def cgroup_limit() -> CgroupLimit | None:
     read under ``POINTERDOMAIN_CGROUP_ROOT`` (default ``/sys/fs/cgroup``); None when no
     level sets one. Inside a container ``MemAvailable`` is the host's: this is the limit
     that ends the process."""
-    root = Path(env.text(env.CGROUP_ROOT) or "/sys/fs/cgroup")
+    given = env.text(env.CGROUP_ROOT)
+    root = Path(given or "/sys/fs/cgroup")
+    if given and not root.is_dir():
+        # a typo here would lift the cgroup's limit without a word
+        warnings.warn(f"{env.CGROUP_ROOT}={given!r}: not a directory, so no cgroup memory limit is read. Fix: set "
+                      f"it to the cgroup file system's directory or unset it (default /sys/fs/cgroup)",
+                      env.EnvironmentValueWarning, stacklevel=2)
+        return None
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:

@@ -46,7 +46,7 @@ __all__ = ["ENV_VAR", "StrictCapability", "strict_alias", "strict_alias_enabled"
 ENV_VAR = env.STRICT_ALIAS
 
 _lock = threading.Lock()
-_enabled = env.text(ENV_VAR) == "1"
+_enabled = env.flag(ENV_VAR)  # "1"; "", "0" or unset off; anything else warns (EnvironmentValueWarning), off
 
 
 def strict_alias_enabled() -> bool:
