@@ -815,3 +815,24 @@ def test_legacy_mla_layers_inside_one_allocation_hold_up_to_the_next_layer(trail
     with pytest.raises(errors.IndexValidationError, match="outside"):
         ops.multi_layer_kv_transfer(mem, ptrs, torch.tensor([0, 1, 2, 3, p]), DEV, 0, True, True)  # D2H past a layer
     assert torch.equal(seg.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("page_buffer_size", [0, 16])
+def test_layers_sharing_one_cache_read_back_but_are_not_written_twice(page_buffer_size: int) -> None:
+    """Cross-layer KV sharing (one cache named by two layers): a device-to-host read of it
+    is accepted and byte-exact whatever page_buffer_size says; a host-to-device write would
+    write that cache twice and is refused."""
+    layers_n, blocks, block, hs, tokens = 3, 4, 4, 16, 5
+    caches = [pd.device_empty((blocks, block, hs), torch.bfloat16, DEV) for _ in range(2)]
+    for k, c in enumerate(caches):
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, dtype=torch.uint8,
+                                                generator=torch.Generator().manual_seed(k)))
+    named = [caches[0], caches[1], caches[0]]
+    ptrs = torch.tensor([c.data_ptr() for c in named], dtype=torch.int64)
+    mem = pd.device_empty((1, layers_n, tokens, hs), torch.bfloat16, DEV)
+    slots = torch.tensor([0, 3, 5, 15, 7])
+    ops.multi_layer_kv_transfer(mem, ptrs, slots, DEV, page_buffer_size, True, True)  # D2H
+    for i, c in enumerate(named):
+        assert torch.equal(mem[0, i].view(torch.uint8), c.reshape(-1, hs)[slots].view(torch.uint8))
+    with pytest.raises(errors.OverlapError):
+        ops.multi_layer_kv_transfer(mem, ptrs, slots, DEV, page_buffer_size, False, True)  # H2D: c0 twice

@@ -122,3 +122,22 @@ def test_raw_tables_of_top_bit_aliases_resolve_and_copy() -> None:
             assert bool((device[0] == 0xA5).all()) and bool((device[2] == 0xA5).all())
             vllm.swap_blocks(host, device, 256, torch.tensor([[3, 0]]))
             assert torch.equal(device[0], host[3])
+
+
+def test_a_graph_capture_under_the_top_bit_profile_is_refused_not_replayed() -> None:
+    """A replay would run the recorded launch with the tables tagged again (bit 63 set),
+    which the CPU kernel cannot read: the profile refuses the capture with a typed error."""
+    from pointerdomain.testing import EmulatedGraph
+
+    layout = model_layout("layer_first")
+    with install_backend(TopBitAliases(backend_for(pd.as_device(DEV))), "emulated"):
+        pool = pd.DeviceKVPool(layout, DEV)
+        with pd.HostKVPool(model_layout("page_first", pages=16), DEV) as host:
+            before = host.buffer.view(torch.uint8).clone()
+            graph = EmulatedGraph()
+            with pytest.raises(errors.InvalidArgumentError, match="does not capture graphs"):
+                with graph.capture(DEV):
+                    host.backup(pool, torch.tensor([1, 2]), torch.tensor([4, 5]), backend="kernel")
+            graph.replay()  # nothing was recorded
+            assert torch.equal(host.buffer.view(torch.uint8), before)
+            graph.reset()

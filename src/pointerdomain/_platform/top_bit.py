@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from pointerdomain._platform.base import Backend, LaunchArgs, LayerWords, StagingArgs
 from pointerdomain._platform.delegating import DelegatingBackend
+from pointerdomain._platform.graph_holds import emulated_capture
 from pointerdomain.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -84,7 +85,16 @@ class TopBitAliases(DelegatingBackend):
                     for i, value in enumerate(before):
                         entries[i] = value
 
+    def _refuse_capture(self, args: LaunchArgs) -> None:
+        # a replay runs the recorded launch later, with the tables tagged again: the CPU
+        # kernel would read addresses with bit 63 set
+        if emulated_capture(args.device) is not None:
+            raise InvalidArgumentError(
+                f"the top-bit profile does not capture graphs on {args.device}: a replay would hand the CPU kernel "
+                "addresses with bit 63 set; nothing was recorded. Fix: capture without TopBitAliases installed")
+
     def launch(self, plan: KernelPlan, args: LaunchArgs) -> None:
+        self._refuse_capture(args)
         with self._untagged(plan.src_table, plan.dst_table):
             self.inner.launch(plan, args)
 
@@ -119,5 +129,6 @@ class TopBitAliases(DelegatingBackend):
             super().staged(plan, args, staging)
 
     def launch_layers(self, plan: KernelPlan, args: LaunchArgs, words: LayerWords, gen: int) -> int:
+        self._refuse_capture(args)
         with self._untagged(plan.src_table, plan.dst_table):
             return super().launch_layers(plan, args, words, gen)

@@ -687,14 +687,16 @@ def disjoint_buffers(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> N
                 "bytes twice (the order decides which wins). Fix: give every layer (and K and V) its own buffer"), b)
 
 
-def entry_gap(name: str, tables: Sequence[PointerTable[DeviceAlias]]) -> int | None:
+def entry_gap(name: str, tables: Sequence[PointerTable[DeviceAlias]], *, same_ok: bool = False) -> int | None:
     """The least distance in bytes between two entries of ``tables`` (one side's raw
     tables, K and V together), or None for a single entry: the most one entry's buffer can
     hold without running into another's. A raw address says where a buffer starts, not
     where it ends, so a side's slot count is held to this as well as to its allocation.
+    ``same_ok``: entries at one address are one buffer named twice (a source side that
+    only reads it: layers sharing a cache), measured to the next distinct entry.
 
     Raises:
-        OverlapError: two entries at the same address.
+        OverlapError: two entries at the same address (unless ``same_ok``).
     """
     # aliases of entries in different chunks are not comparable: such tables by host address
     across = bool(_chunked) and any(t in _chunked for t in tables)
@@ -702,6 +704,8 @@ def entry_gap(name: str, tables: Sequence[PointerTable[DeviceAlias]]) -> int | N
                     for i, v in enumerate(t.entry_addresses() if across else t.raw_values()))
     gap: int | None = None
     for (a, ka, ia), (b, kb, ib) in zip(values, values[1:]):
+        if a == b and same_ok:
+            continue
         if a == b:
             raise with_address(OverlapError(
                 f"{name}: entry {ia} of table {ka} and entry {ib} of table {kb} are the same address {a:#x}: a copy "

@@ -472,7 +472,9 @@ def _raw_layers(name: str, ptrs: object, count: int, device: Device, per_entry: 
     held = table.sizes[i]
     # layers inside one allocation (a caching allocator's segment): an entry holds up to the next
     # entry, not the allocation's end, so a layer's slots never run into the next layer's bytes
-    gap = _raw.entry_gap(name, [table])
+    # (entries at one address are one cache shared by layers: whether it may be written
+    # twice is the copy's own check, by direction)
+    gap = _raw.entry_gap(name, [table], same_ok=True)
     if gap is not None and gap < held:
         held = gap
     slots = held // unit * max(block, 1)
