@@ -152,3 +152,71 @@ def test_explain_names_a_quarantined_pool_by_its_host_va_and_its_alias() -> None
     assert (by_alias.domain, by_alias.state) == ("device_alias", "quarantined")
     assert by_alias.other_domain_address == pool.memory.host_va.value + 100
     assert any(n.startswith("QUARANTINED") for n in by_alias.notes)
+
+
+def test_a_hook_that_closes_the_pool_leaves_the_unregister_to_the_close_running_it() -> None:
+    """A hook calling pool.close() or pool.memory.close() returns at once: the hooks after
+    it still run while the memory is registered, and the runtime goes last."""
+    from pointerdomain.testing import backend_for
+
+    emulated = backend_for(pd.validate_device(DEV))
+    base = emulated.pinned_bytes()
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    seen: list[tuple[str, bool]] = []
+    pool.add_close_hook(lambda: seen.append(("engine", emulated.pinned_bytes() > base)))  # runs last
+    pool.add_close_hook(lambda: (pool.memory.close(), seen.append(("closer", emulated.pinned_bytes() > base))))
+    pool.add_close_hook(lambda: (pool.close(), seen.append(("closer2", emulated.pinned_bytes() > base))))
+    pool.close()
+    assert seen == [("closer2", True), ("closer", True), ("engine", True)]
+    assert pool.memory.closed and emulated.pinned_bytes() == base
+
+
+def test_an_interrupted_hook_quarantines_the_memory() -> None:
+    """A hook interrupted (KeyboardInterrupt): the hooks after it never ran, so an engine may
+    still reach the memory: quarantined, not unregistered, and the interrupt propagates."""
+    from pointerdomain.testing import backend_for
+
+    emulated = backend_for(pd.validate_device(DEV))
+    base = emulated.pinned_bytes()
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    ran: list[str] = []
+    pool.add_close_hook(lambda: ran.append("engine A"))  # added first: runs last, never here
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    pool.add_close_hook(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert ran == [] and pool.memory.closed
+    held = teardown.find_quarantine(pool.memory.host_va.value, pool.memory.nbytes)
+    assert held is not None and "interrupted" in held.reason
+    assert emulated.pinned_bytes() - base == pool.memory.nbytes  # still registered
+
+
+def test_a_mooncake_pool_collected_without_close_lets_the_engine_go_first() -> None:
+    """register_pool, then the pool object goes (its memory kept by the caller) and the
+    memory is closed: the engine's unregister ran when the pool went, before the runtime's."""
+    import gc
+
+    from pointerdomain.adapters.mooncake import HostTransferEngine
+
+    calls: list[str] = []
+
+    class Engine:
+        def register_memory(self, addr: int, length: int) -> int:
+            calls.append("engine.register")
+            return 0
+
+        def unregister_memory(self, addr: int) -> int:
+            calls.append("engine.unregister")
+            return 0
+
+    pool = pd.HostKVPool(model_layout("page_first"), DEV)
+    HostTransferEngine(Engine(), "127.0.0.1").register_pool(pool)  # type: ignore[arg-type]
+    memory = pool.memory
+    del pool
+    gc.collect()
+    assert calls == ["engine.register", "engine.unregister"]
+    memory.close()
+    assert memory.closed and calls == ["engine.register", "engine.unregister"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol, overload, runtime_checkable
@@ -539,14 +540,30 @@ class HostTransferEngine(ProcessLocal):
         infos = pool.get_contiguous_buf_infos()
         self.batch_register_memory(infos)
 
-        def deregister() -> None:
+        def deregister() -> None:  # holds this wrapper: it lets go of the pool's ranges, however referenced
             for info in infos:
                 with self._lock:  # this pool's own range only, not one registered there since
                     held = self._registered.get(info.address.value) == info.nbytes
                 if held:  # not already let go by close()
                     self.unregister_memory(info)
 
-        pool.add_close_hook(deregister)
+        def on_collect() -> None:  # the pool went without close(): nothing can raise here
+            try:
+                deregister()
+            except PointerDomainError as exc:  # the engine kept it: never unregistered or freed
+                for info in infos:
+                    quarantine_engine_range(info.address, info.nbytes, str(exc))
+
+        # a pool collected without close(): the engine lets go when the pool goes, before its
+        # memory is unregistered (the memory may outlive the pool object)
+        collected = weakref.finalize(pool, on_collect)
+        collected.atexit = False  # at exit the engine itself is going
+
+        def on_close() -> None:
+            collected.detach()
+            deregister()
+
+        pool.add_close_hook(on_close)
 
     def close(self) -> None:
         """Unregister everything registered through this wrapper (idempotent).

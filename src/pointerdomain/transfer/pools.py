@@ -168,6 +168,7 @@ class HostKVPool(ProcessLocal):
         # one close at a time: a second caller waits for the first's hooks and unregister
         # (the teardown order holds), then finds the pool closed
         self._close_lock = threading.RLock()
+        self._closing = False  # set while close() runs the hooks (a hook's own close() returns at once)
         self.memory.set_owner_close(self.close)  # pool.memory.close() runs the pool's hooks too
 
     def __repr__(self) -> str:
@@ -341,11 +342,21 @@ class HostKVPool(ProcessLocal):
             QuarantinedError: a close hook (an engine's deregistration) raised: after every
                 hook ran the pool is closed but its memory is quarantined, not unregistered
                 (the first exception is the cause, the others notes; registration.teardown).
+                A hook interrupted by a ``BaseException`` (``KeyboardInterrupt``) stops the
+                close there: the memory is quarantined and that exception propagates. A
+                hook that closes the pool itself returns at once: the close running the
+                hooks unregisters, after the last one.
             InvalidTypeError: ``timeout`` is not an int or float; InvalidArgumentError:
                 negative or NaN (both before anything is closed).
         """
         with self._close_lock:
-            self._close_locked(timeout)
+            if self._closing:
+                return  # a hook closing the pool (or its memory): the close running it unregisters, last
+            self._closing = True
+            try:
+                self._close_locked(timeout)
+            finally:
+                self._closing = False
 
     def _close_locked(self, timeout: float) -> None:
         if self.memory.closed:
@@ -354,15 +365,17 @@ class HostKVPool(ProcessLocal):
         with self._tables_lock:
             hooks, self._close_hooks = self._close_hooks, []
         failures: list[Exception] = []
-        try:
-            for hook in reversed(hooks):  # every hook runs once, whatever the others do
-                try:
-                    hook()
-                except Exception as exc:  # re-raised below, once the pool is closed
-                    failures.append(exc)
-        except BaseException:
-            self.memory._close_now(timeout)  # noqa: SLF001 (the pool owns its memory)
-            raise
+        for k, hook in enumerate(reversed(hooks)):  # every hook runs once, whatever the others do
+            try:
+                hook()
+            except Exception as exc:  # re-raised below, once the pool is closed
+                failures.append(exc)
+            except BaseException as exc:
+                # interrupted (KeyboardInterrupt, SystemExit): the hooks after this one did not
+                # run, so an engine may still reach the memory: quarantined, never unregistered
+                self.memory.quarantine("engine", f"close hook {k + 1} of {len(hooks)} was interrupted "
+                                       f"({type(exc).__name__}); {len(hooks) - k - 1} later hook(s) did not run")
+                raise
         if not failures:
             self.memory._close_now(timeout)  # noqa: SLF001 -- engines first, then the runtime (registration.teardown)
             return
