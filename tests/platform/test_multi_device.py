@@ -84,7 +84,7 @@ def _two_devices() -> None:
 # -- POINTERDOMAIN_EMULATED_DEVICES ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "two", " 2", "2.0", "", "\u0662"])
+@pytest.mark.parametrize("text", ["0", "-1", "two", " 2", "2.0", "\u0662"])  # "" is unset: the default (test_env)
 def test_emulated_device_count_is_parsed_strictly(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     monkeypatch.setenv("POINTERDOMAIN_EMULATED_DEVICES", text)
     with pytest.raises(errors.InvalidDeviceError, match="POINTERDOMAIN_EMULATED_DEVICES"):
