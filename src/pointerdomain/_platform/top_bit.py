@@ -64,15 +64,23 @@ class TopBitAliases(DelegatingBackend):
     def _untagged(self, *tables: int) -> Iterator[None]:
         """The tables at these addresses (emulated device memory) with bit 63 cleared in
         each entry for the duration of the block, then restored."""
+        arrays = []
+        for table in tables:
+            info = self.pointer_info(table)
+            if info is not None:
+                arrays.append((table, (info.start + info.size - table) // 8))
+        with self._cleared(arrays):
+            yield
+
+    @contextmanager
+    def _cleared(self, arrays: list[tuple[int, int]]) -> Iterator[None]:
+        """``(address, count)`` arrays of ``uint64`` addresses with bit 63 cleared in each
+        entry for the duration of the block, then restored."""
         saved: list[tuple[ctypes.Array[ctypes.c_uint64], list[int]]] = []
         with self._lock:
             try:
-                for table in tables:
-                    info = self.pointer_info(table)
-                    if info is None:
-                        continue
-                    count = (info.start + info.size - table) // 8
-                    entries = (ctypes.c_uint64 * count).from_address(table)
+                for address, count in arrays:
+                    entries = (ctypes.c_uint64 * count).from_address(address)
                     before = list(entries)
                     saved.append((entries, before))
                     for i, value in enumerate(before):
@@ -98,30 +106,9 @@ class TopBitAliases(DelegatingBackend):
         with self._untagged(plan.src_table, plan.dst_table):
             self.inner.launch(plan, args)
 
-    @contextmanager
-    def _untagged_runs(self, *arrays: int, count: int) -> Iterator[None]:
-        """The host ``int64`` address arrays of a copy-runs call with bit 63 cleared in each
-        entry for the duration of the block, then restored (as :meth:`_untagged`)."""
-        saved: list[tuple[ctypes.Array[ctypes.c_uint64], list[int]]] = []
-        with self._lock:
-            try:
-                for array in arrays:
-                    entries = (ctypes.c_uint64 * count).from_address(array)
-                    before = list(entries)
-                    saved.append((entries, before))
-                    for i, value in enumerate(before):
-                        if value & TOP_BIT:
-                            entries[i] = value & ~TOP_BIT
-                            self.translated += 1
-                yield
-            finally:
-                for entries, before in saved:
-                    for i, value in enumerate(before):
-                        entries[i] = value
-
     def copy_runs(self, dsts: int, srcs: int, sizes: int, count: int, device: Device, stream: int) -> None:
         # the copy engine takes the same addresses the kernels do: translated back alike
-        with self._untagged_runs(dsts, srcs, count=count):
+        with self._cleared([(dsts, count), (srcs, count)]):
             self.inner.copy_runs(dsts, srcs, sizes, count, device, stream)
 
     def staged(self, plan: KernelPlan, args: LaunchArgs, staging: StagingArgs) -> None:
