@@ -128,8 +128,7 @@ class BlockCopyBatch:
             before this process forked from its parent (none of this runtime's)."""
         for table in self._tables:
             table.check_live()
-            for owner in table.registrations():
-                owner.check_this_process()
+            table.check_this_process()
 
 
 def _per_entry(name: str, block_bytes: int | Sequence[int], n: int) -> list[int]:
@@ -312,8 +311,7 @@ def _kernel_table(name: str, table: object) -> PointerTable[DeviceAlias]:
                              "copy descriptors and kernels take device aliases, never host VAs; build it with "
                              "make_kernel_ptr_table")
     checked.check_live()
-    for owner in checked.registrations():
-        owner.check_this_process()  # a fork child's runtime holds none of the parent's registrations
+    checked.check_this_process()  # a fork child's runtime holds none of the parent's registrations
     return checked
 
 

@@ -304,6 +304,15 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         if not self.storages_intact():
             self._storage_error()
 
+    def check_this_process(self) -> None:
+        """Every registration this table points into was made in this process, not inherited
+        through ``fork()`` (:meth:`RegisteredHostMemory.check_this_process`).
+
+        Raises:
+            ClosedError: a registration made before this process forked from its parent."""
+        for owner in self._owners:
+            owner.check_this_process()
+
     def check_kernel_readable(self) -> None:
         """For a table handed to a kernel outside the library's launches (a custom op's
         pointer tensor, a Triton argument, a C++ extension's caster): every registration it
@@ -316,8 +325,7 @@ class PointerTable(ProcessLocal, Sequence[D], Generic[D]):  # Generic too: runti
         Raises:
             UnpinnedMemoryError: a registration on the ``unpinned`` rung.
             ClosedError: a registration inherited through ``fork()``."""
-        for held in self._owners:
-            held.check_this_process()
+        self.check_this_process()
         owner = self._unpinned
         if owner is not None:
             raise UnpinnedMemoryError(

@@ -426,8 +426,7 @@ def bind_call(
         for name, table in (("src", src), ("dst", dst)):
             try:
                 table.check_live()
-                for owner in table.registrations():
-                    owner.check_this_process()
+                table.check_this_process()
             except ClosedError as exc:
                 raise ClosedError(f"{name}: {exc}; rebuild the table over open registered memory") from None
     device = plan.device
