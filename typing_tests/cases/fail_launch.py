@@ -71,6 +71,8 @@ def pools(device_pool: DeviceKVPool, host_pool: HostKVPool, idx: torch.Tensor) -
     host_pool.backup(device_pool.table, idx, idx)  # type: ignore[arg-type]
     host_pool.load(device_pool, host_pool.host_table, idx)  # type: ignore[arg-type]
     host_pool.load_layer(device_pool, idx, idx, layer_id=HostVA.unsafe_from_int(0))  # type: ignore[arg-type]
+    # The boundary checks take no device: a table knows its own.
+    host_pool.kernel_table.check_kernel_readable(host_pool.device)  # type: ignore[call-arg]
 
 
 def device_parameters(memory: RegisteredHostMemory, va: HostVA) -> None:

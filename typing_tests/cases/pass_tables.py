@@ -84,6 +84,9 @@ with alloc_registered(1 << 16, DEVICE) as memory:
     assert_type(kernel.storages_intact(), bool)
     assert_type(kernel.storage_spans(), tuple[tuple[int, int], ...])
     assert kernel.storages_intact() and all(end > start for start, end in kernel.storage_spans())
+    # What a custom kernel's boundary asks: pinned, and registered in this process.
+    assert_type(kernel.check_kernel_readable(), None)
+    assert_type(kernel.check_this_process(), None)
 
 
 # A registered tensor that released its storage resolves nothing (ClosedError at run time).
